@@ -1,0 +1,3 @@
+from horizon_ray.cli import main
+
+raise SystemExit(main())
