@@ -1,0 +1,318 @@
+"""The streaming trainer: host RAM holds the model, the device runs one unit at a time.
+
+A step, in layer-major order (every micro-batch passes a layer while its weights are on the device):
+  forward   embedding, then each layer; the input of every K-th layer is kept as a checkpoint
+  loss      final norm + LM head + cross-entropy in chunks of tokens, fused with its own backward
+  backward  block by block from the top: recompute the block's inputs from its checkpoint, then each
+            layer's forward under autograd and torch.autograd.grad with the incoming dL/dy
+  optimizer the global norm is known once the sweep ends; AdamW runs on the host in the background and
+            the next step's forward streams each unit as soon as its update is written
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from horizon_ray.engine import io
+from horizon_ray.engine.config import EngineConfig, resolve_device
+from horizon_ray.engine.layers import (
+    MicroBatch,
+    attention_mask,
+    decoder_layer,
+    head_loss_chunk,
+    inv_frequencies,
+    rms_norm,
+    rope_tables,
+)
+from horizon_ray.engine.model import ModelConfig, unit_layouts
+from horizon_ray.engine.optimizer import HostAdamW
+from horizon_ray.engine.store import HostStore
+from horizon_ray.engine.streamer import Streamer
+
+
+class Engine:
+    def __init__(self, model: ModelConfig, cfg: EngineConfig):
+        cfg.validate()
+        self.cfg = cfg
+        self.model = model
+        self.device = resolve_device(cfg.device)
+        self.dtype = cfg.dtype
+        self.L = model.num_layers
+        self.K = min(cfg.checkpoint_every, max(self.L, 1))
+        self.lr = cfg.lr
+        self.last_grad_norm = math.nan
+        cuda = self.device.type == "cuda"
+        self.store = HostStore(unit_layouts(model), cfg.dtype, cfg.master_dtype, pin=cuda)
+        self.optimizer = HostAdamW(self.store, cfg.betas, cfg.eps, cfg.weight_decay,
+                                   on_updated=self._on_updated, threads=cfg.optimizer_threads)
+        self.streamer = Streamer(self.store, self.device, self.K, model.tie_word_embeddings,
+                                 wait_updated=self.optimizer.wait_unit)
+        self.inv_freq = inv_frequencies(model)
+
+    # ---- construction --------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, cfg: EngineConfig) -> Engine:
+        model_dir = Path(model_dir)
+        eng = cls(ModelConfig.load(model_dir), cfg)
+        io.load_into(eng.store, model_dir, eng.model.tie_word_embeddings)
+        return eng
+
+    @classmethod
+    def from_config(cls, config: dict | str | Path, cfg: EngineConfig) -> Engine:
+        """Random initialisation with HF's conventions: N(0, initializer_range) matrices, zero biases,
+        unit norms."""
+        eng = cls(ModelConfig.load(config), cfg)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        std = eng.model.initializer_range
+        for unit in eng.store.units:
+            views = unit.layout.views(unit.master)
+            for t in unit.layout.tensors:
+                v = views[t.key]
+                if len(t.shape) == 2:
+                    v.copy_(torch.randn(t.shape, generator=gen) * std)
+                elif t.key.startswith(("ln", "norm")):
+                    v.fill_(1.0)
+                else:
+                    v.zero_()
+            eng.store.refresh_wire(unit)
+        return eng
+
+    # ---- public API ----------------------------------------------------------------------------------
+
+    @property
+    def hf_config(self) -> dict:
+        return dict(self.model.hf)
+
+    @property
+    def num_params(self) -> int:
+        return self.store.num_params
+
+    @property
+    def step(self) -> int:
+        return int(self.store.units[0].step)
+
+    def set_lr(self, lr: float) -> None:
+        if not lr >= 0:
+            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        self.lr = float(lr)
+
+    def train_step(self, micro_batches) -> float:
+        mbs, n_targets = self._prepare(micro_batches)
+        if n_targets == 0:
+            raise ValueError("every label of this step is -100 (ignored): nothing to train on; check the "
+                             "loss mask and that sequences are longer than their prompt")
+        hs, checkpoints = self._forward(mbs, keep_checkpoints=True)
+        loss_sum, dhs, tied_acc = self._loss(hs, mbs, n_targets, backward=True)
+        del hs
+        dhs = self._backward(dhs, checkpoints, mbs)
+        self._embedding_backward(dhs, mbs, tied_acc)
+        norm = self.streamer.finish_backward()  # the step's one host sync
+        loss = float(loss_sum) / n_targets
+        self.last_grad_norm = norm
+        if not math.isfinite(norm):
+            raise FloatingPointError(f"gradient norm is {norm} at step {self.step + 1}: the update was skipped; "
+                                     "lower the learning rate or check the data")
+        coef = 1.0
+        if self.cfg.clipping:
+            coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6))
+        self.optimizer.launch(self.lr, coef)
+        return loss
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches) -> tuple[float, int]:
+        mbs, n_targets = self._prepare(micro_batches)
+        hs, _ = self._forward(mbs, keep_checkpoints=False)
+        loss_sum, _, _ = self._loss(hs, mbs, max(n_targets, 1), backward=False)
+        return float(loss_sum), n_targets
+
+    @torch.no_grad()
+    def forward_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        batch = (input_ids, torch.full_like(input_ids, -100))
+        if position_ids is not None:
+            batch = (*batch, position_ids)
+        mbs, _ = self._prepare([batch])
+        (h,), _ = self._forward(mbs, keep_checkpoints=False)
+        w = self.streamer.head_weights()
+        logits = F.linear(rms_norm(h, w["norm"], self.model.rms_norm_eps), w["lm_head"]).float().cpu()
+        self.streamer.release_head()
+        return logits
+
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        self.optimizer.wait_all()
+        return io.save_pretrained(self.store, self.model.hf, Path(out_dir), getattr(torch, self.cfg.save_dtype),
+                                  self.cfg.max_shard_bytes, self.model.tie_word_embeddings)
+
+    def save_state(self, out_dir: str | Path) -> None:
+        self.optimizer.wait_all()
+        io.save_state(self.store, Path(out_dir))
+
+    def load_state(self, state_dir: str | Path) -> None:
+        self.optimizer.wait_all()
+        io.load_state(self.store, Path(state_dir))
+        for u in range(len(self.store.units)):
+            self._on_updated(u)
+
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        return {"host": self.store.bytes_by_kind(), "device": self.streamer.device_bytes()}
+
+    def close(self) -> None:
+        self.optimizer.wait_all()
+
+    # ---- the step's parts ----------------------------------------------------------------------------
+
+    def _on_updated(self, u: int) -> None:
+        self.streamer.version[u] += 1
+
+    def _prepare(self, micro_batches) -> tuple[list[MicroBatch], int]:
+        if not micro_batches:
+            raise ValueError("train_step needs at least one micro-batch")
+        V = self.model.vocab_size
+        out, total = [], 0
+        for i, item in enumerate(micro_batches):
+            if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+                raise ValueError(f"micro-batch {i} must be (input_ids, labels) or (input_ids, labels, position_ids)")
+            ids, labels = item[0], item[1]
+            pos = item[2] if len(item) == 3 else None
+            for name, t in (("input_ids", ids), ("labels", labels), ("position_ids", pos)):
+                if t is None:
+                    continue
+                if not isinstance(t, torch.Tensor) or t.dtype != torch.long or t.dim() != 2:
+                    got = f"{t.dtype} with {t.dim()} dims" if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(f"micro-batch {i}: {name} must be a 2-D torch.long tensor [B, T], got {got}")
+                if t.shape != ids.shape:
+                    raise ValueError(f"micro-batch {i}: {name} has shape {tuple(t.shape)}, input_ids {tuple(ids.shape)}")
+            if ids.numel() == 0:
+                raise ValueError(f"micro-batch {i} is empty")
+            if int(ids.min()) < 0 or int(ids.max()) >= V:
+                raise ValueError(f"micro-batch {i}: token ids must lie in [0, {V}) (the model's vocab_size)")
+            bad = (labels != -100) & ((labels < 0) | (labels >= V))
+            if bool(bad.any()):
+                raise ValueError(f"micro-batch {i}: labels must be -100 or lie in [0, {V})")
+            B, T = ids.shape
+            targets = torch.cat([labels[:, 1:], torch.full((B, 1), -100, dtype=torch.long)], dim=1)
+            n = int((targets != -100).sum())
+            total += n
+            positions = pos if pos is not None else torch.arange(T).expand(B, T)
+            dev = self.device
+            cos, sin = rope_tables(self.inv_freq, positions, self.dtype)
+            out.append(MicroBatch(
+                input_ids_BT=ids.to(dev, non_blocking=True),
+                targets_BT=targets.to(dev, non_blocking=True),
+                cos_BTd=cos.to(dev, non_blocking=True),
+                sin_BTd=sin.to(dev, non_blocking=True),
+                mask_B1TT=_to(attention_mask(pos, T, self.model.sliding_window, "cpu"), dev),
+                n_targets=n,
+            ))
+        return out, total
+
+    def _forward(self, mbs: list[MicroBatch], keep_checkpoints: bool):
+        st = self.streamer
+        embed = st.weights(0)["embed"]
+        st.prefetch(1)  # the first layer's copy overlaps the embedding lookup
+        hs = [F.embedding(mb.input_ids_BT, embed) for mb in mbs]
+        st.release(0)
+        checkpoints = {}
+        for j in range(self.L):
+            w = st.weights(j + 1)
+            st.prefetch(j + 2)  # the next layer (or the head) streams in while this one computes
+            if keep_checkpoints and j % self.K == 0:
+                checkpoints[j] = hs
+            with torch.no_grad():
+                hs = [decoder_layer(h, w, mb, self.model) for h, mb in zip(hs, mbs)]
+            st.release(j + 1)
+        return hs, checkpoints
+
+    def _loss(self, hs, mbs, n_targets: int, backward: bool):
+        """Summed CE over the step (a device scalar) and, with backward, dL/dh of the last layer's output."""
+        st = self.streamer
+        head_u = self.L + 1
+        w = st.head_weights()
+        chunk = self.cfg.loss_chunk_tokens
+        eps = self.model.rms_norm_eps
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        dhs, tied_acc = [], None
+        if backward:
+            acc = st.accumulator(head_u)
+            g = self.store.units[head_u].layout.views(acc)
+            if self.model.tie_word_embeddings:
+                tied_acc = st.accumulator(0)
+                g["lm_head"] = self.store.units[0].layout.views(tied_acc)["embed"]
+            # d(sum CE / n)/d(sum CE): the step's token-weighted mean, across micro-batches
+            scale = torch.tensor(1.0 / n_targets, dtype=torch.float32, device=self.device)
+            leaves = {k: w[k].detach().requires_grad_() for k in ("norm", "lm_head")}
+        for h, mb in zip(hs, mbs):
+            h_ND = h.reshape(-1, h.shape[-1])
+            t_N = mb.targets_BT.reshape(-1)
+            dh_ND = torch.empty_like(h_ND) if backward else None
+            for lo in range(0, h_ND.shape[0], chunk):
+                hi = min(lo + chunk, h_ND.shape[0])
+                if not backward:
+                    loss_sum += head_loss_chunk(h_ND[lo:hi], w["norm"], w["lm_head"], t_N[lo:hi], eps)
+                    continue
+                hc = h_ND[lo:hi].detach().requires_grad_()
+                with torch.enable_grad():
+                    loss = head_loss_chunk(hc, leaves["norm"], leaves["lm_head"], t_N[lo:hi], eps)
+                d_h, d_norm, d_lm = torch.autograd.grad(loss, [hc, leaves["norm"], leaves["lm_head"]], scale)
+                loss_sum += loss.detach()
+                dh_ND[lo:hi] = d_h
+                g["norm"].add_(d_norm)
+                g["lm_head"].add_(d_lm)
+            if backward:
+                dhs.append(dh_ND.view_as(h))
+        st.release_head()
+        if backward:
+            st.flush(head_u, acc)
+        return loss_sum, dhs, tied_acc
+
+    def _backward(self, dhs, checkpoints, mbs):
+        st = self.streamer
+        blocks = [(s, min(s + self.K, self.L)) for s in range(0, self.L, self.K)]
+        for b in reversed(range(len(blocks))):
+            s, e = blocks[b]
+            ws = {j: st.weights(j + 1) for j in range(s, e)}
+            if b > 0:  # the block below streams into the other slot group during this block's work
+                for j in range(*blocks[b - 1]):
+                    st.prefetch(j + 1)
+            inputs = {s: checkpoints.pop(s)}
+            with torch.no_grad():  # recompute the inputs of the block's other layers
+                for j in range(s, e - 1):
+                    inputs[j + 1] = [decoder_layer(x, ws[j], mb, self.model) for x, mb in zip(inputs[j], mbs)]
+            for j in reversed(range(s, e)):
+                dhs = self._layer_backward(j, ws[j], inputs.pop(j), dhs, mbs)
+                st.release(j + 1)
+        return dhs
+
+    def _layer_backward(self, j, w, xs, dys, mbs):
+        st = self.streamer
+        acc = st.accumulator(j + 1)
+        g = self.store.units[j + 1].layout.views(acc)
+        leaves = {k: v.detach().requires_grad_() for k, v in w.items()}
+        keys = list(leaves)
+        dxs = []
+        for x, dy, mb in zip(xs, dys, mbs):
+            x = x.detach().requires_grad_()
+            with torch.enable_grad():
+                y = decoder_layer(x, leaves, mb, self.model)
+            grads = torch.autograd.grad(y, [x, *leaves.values()], dy)
+            dxs.append(grads[0])
+            for k, gk in zip(keys, grads[1:]):
+                g[k].add_(gk)
+        st.flush(j + 1, acc)
+        return dxs
+
+    def _embedding_backward(self, dhs, mbs, tied_acc):
+        st = self.streamer
+        acc = tied_acc if tied_acc is not None else st.accumulator(0)
+        g = self.store.units[0].layout.views(acc)["embed"]
+        for dh, mb in zip(dhs, mbs):
+            g.index_add_(0, mb.input_ids_BT.reshape(-1), dh.reshape(-1, dh.shape[-1]).to(g.dtype))
+        st.flush(0, acc)
+
+
+def _to(t, device):
+    return None if t is None else t.to(device, non_blocking=True)

@@ -1,0 +1,179 @@
+"""Safetensors in and out of the host store, with no torch model built on the way.
+
+Loading reads each HF tensor straight into its unit's master buffer. Saving writes HF-compatible shards
+(+ index) and config.json into a temporary directory that is renamed into place only when complete, so a
+failure never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from horizon_ray.engine.store import HostStore
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """HF tensor name -> file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    single = model_dir / "model.safetensors"
+    if index.is_file():
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        missing = sorted({v for v in weight_map.values() if not (model_dir / v).is_file()})
+        if missing:
+            raise ValueError(f"{index} names shard(s) that do not exist: {missing}; copy the complete model")
+        return {k: model_dir / v for k, v in weight_map.items()}
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return {k: single for k in f.keys()}
+    raise ValueError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+def load_into(store: HostStore, model_dir: Path, tied: bool) -> None:
+    files = _weight_files(model_dir)
+    expected = {t.name for u in store.layouts for t in u.tensors}
+    unexpected = sorted(k for k in files if k not in expected and not k.endswith(_IGNORED_SUFFIXES)
+                        and not (tied and k == "lm_head.weight"))
+    if unexpected:
+        raise ValueError(f"{model_dir} holds tensors the config does not describe, e.g. {unexpected[:3]}: "
+                         "the config.json does not match the weights")
+    missing = sorted(expected - files.keys())
+    if missing:
+        raise ValueError(f"{model_dir} lacks tensors the config needs, e.g. {missing[:3]} "
+                         f"({len(missing)} missing): the config.json does not match the weights")
+    handles: dict[Path, object] = {}
+    try:
+        for unit in store.units:
+            views = unit.layout.views(unit.master)
+            for t in unit.layout.tensors:
+                path = files[t.name]
+                if path not in handles:
+                    handles[path] = safe_open(path, framework="pt").__enter__()
+                src = handles[path].get_tensor(t.name)
+                if tuple(src.shape) != t.shape:
+                    raise ValueError(f"tensor {t.name} has shape {tuple(src.shape)} in {path.name} but the "
+                                     f"config implies {t.shape}: the config.json does not match the weights")
+                if not src.is_floating_point():
+                    raise ValueError(f"tensor {t.name} has dtype {src.dtype}; expected a floating-point tensor")
+                views[t.key].copy_(src)
+            store.refresh_wire(unit)
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+
+
+def _atomic_dir(out_dir: Path):
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return out_dir, tmp
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _commit(tmp: Path, out_dir: Path) -> None:
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    old = None
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    _fsync_dir(out_dir.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_pretrained(store: HostStore, hf_config: dict, out_dir: Path, dtype: torch.dtype, max_shard_bytes: int,
+                    tied: bool) -> Path:
+    out_dir, tmp = _atomic_dir(out_dir)
+    try:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for unit in store.units:
+            views = unit.layout.views(unit.master)
+            for t in unit.layout.tensors:
+                nbytes = t.numel * dtype.itemsize
+                if shards[-1] and size + nbytes > max_shard_bytes:
+                    shards.append({})
+                    size = 0
+                shards[-1][t.name] = views[t.key].to(dtype).contiguous()
+                size += nbytes
+        total = sum(v.nbytes for s in shards for v in s.values())
+        if len(shards) == 1:
+            save_file(shards[0], tmp / "model.safetensors", metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, tmp / name, metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, name))
+            with open(tmp / "model.safetensors.index.json", "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        config = dict(hf_config)
+        dtype_name = str(dtype).removeprefix("torch.")
+        config["torch_dtype"] = dtype_name
+        config["dtype"] = dtype_name
+        config["tie_word_embeddings"] = tied
+        with open(tmp / "config.json", "w") as f:
+            json.dump(config, f, indent=2)
+        _commit(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def save_state(store: HostStore, out_dir: Path) -> None:
+    """Exact training state (master, moments, step counts) as safetensors, written into out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for u in store.units:
+        name = u.layout.name
+        tensors[f"{name}.master"] = u.master
+        tensors[f"{name}.exp_avg"] = u.exp_avg
+        tensors[f"{name}.exp_avg_sq"] = u.exp_avg_sq
+        tensors[f"{name}.step"] = u.step.reshape(1)
+    save_file(tensors, out_dir / "engine_state.safetensors")
+
+
+def load_state(store: HostStore, state_dir: Path) -> None:
+    path = Path(state_dir) / "engine_state.safetensors"
+    if not path.is_file():
+        raise ValueError(f"no engine_state.safetensors in {state_dir}: not an engine checkpoint")
+    with safe_open(path, framework="pt") as f:
+        keys = set(f.keys())
+        for u in store.units:
+            name = u.layout.name
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                key = f"{name}.{kind}"
+                if key not in keys:
+                    raise ValueError(f"{path} lacks {key}: it was written for another model")
+                src = f.get_tensor(key)
+                dst = getattr(u, kind)
+                if src.shape != dst.shape or src.dtype != dst.dtype:
+                    raise ValueError(f"{path}: {key} is {tuple(src.shape)} {src.dtype}, the engine expects "
+                                     f"{tuple(dst.shape)} {dst.dtype} (another model or precision mode)")
+                dst.copy_(src)
+            u.step.copy_(f.get_tensor(f"{name}.step")[0])
+            store.refresh_wire(u)

@@ -1,0 +1,201 @@
+"""The model family the engine trains, described by an HF config.json, and its parameter layout.
+
+Parameters are grouped into *units*, the pieces that stream through the device one at a time:
+``embed`` (the token embedding), one unit per decoder layer, and ``head`` (final norm, plus the LM head
+unless it is tied to the embedding). Each unit is one flat buffer; ``UnitLayout`` says where each HF
+tensor lives in it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+# Config keys that change the math in a way this engine does not implement, with the value it needs.
+_REFUSED_IF = {
+    "mlp_bias": (False, "MLP biases are not supported"),
+    "use_sliding_window": (False, "Qwen2 sliding-window attention is not supported"),
+    "hidden_act": ("silu", "only the SwiGLU MLP (hidden_act='silu') is supported"),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str  # "llama" | "qwen2" | "mistral"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # llama3 rope scaling parameters, or None for plain RoPE.
+    rope_llama3: dict | None
+    tie_word_embeddings: bool
+    qkv_bias: bool  # q/k/v projections carry biases (Qwen2, or Llama with attention_bias)
+    o_bias: bool  # the output projection carries a bias (Llama with attention_bias)
+    sliding_window: int | None  # Mistral: attend to at most this many previous tokens
+    initializer_range: float
+    hf: dict = field(repr=False, compare=False, hash=False)  # the config.json it came from
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @staticmethod
+    def load(source: str | Path | dict) -> ModelConfig:
+        """From a config dict, a config.json path or a model directory holding config.json."""
+        if isinstance(source, dict):
+            return ModelConfig.from_hf(source)
+        path = Path(source)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"no config.json at {path}: point at an HF model directory or its config.json")
+        with open(path) as f:
+            return ModelConfig.from_hf(json.load(f))
+
+    @staticmethod
+    def from_hf(hf: dict) -> ModelConfig:
+        model_type = hf.get("model_type")
+        if model_type not in ARCHITECTURES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; supported: {sorted(ARCHITECTURES)} "
+                "(decoder-only Llama / Qwen2 / Mistral family)"
+            )
+        archs = hf.get("architectures") or [ARCHITECTURES[model_type]]
+        if archs != [ARCHITECTURES[model_type]]:
+            raise ValueError(f"architectures {archs} are not supported; expected [{ARCHITECTURES[model_type]!r}]")
+        for key, (ok, why) in _REFUSED_IF.items():
+            if key in hf and hf[key] not in (ok, None):
+                raise ValueError(f"config field {key}={hf[key]!r}: {why}")
+        if hf.get("pretraining_tp", 1) not in (1, None):
+            raise ValueError(f"config field pretraining_tp={hf['pretraining_tp']}: only 1 is supported")
+        layer_types = hf.get("layer_types")
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"config field layer_types={sorted(set(layer_types))}: only full_attention is supported")
+        rope = dict(hf.get("rope_parameters") or {})
+        legacy = hf.get("rope_scaling")
+        if legacy:
+            rope.update(legacy)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        llama3 = None
+        if rope_type == "llama3":
+            llama3 = {k: float(rope[k]) for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                  "original_max_position_embeddings")}
+        elif rope_type != "default":
+            raise ValueError(f"rope type {rope_type!r} is not supported; supported: 'default', 'llama3'")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported")
+
+        hidden = int(hf["hidden_size"])
+        heads = int(hf["num_attention_heads"])
+        kv_heads = int(hf.get("num_key_value_heads") or heads)
+        head_dim = int(hf.get("head_dim") or hidden // heads)
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        attention_bias = bool(hf.get("attention_bias", False))
+        sliding = hf.get("sliding_window") if model_type == "mistral" else None
+        return ModelConfig(
+            arch=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_llama3=llama3,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            sliding_window=int(sliding) if sliding else None,
+            initializer_range=float(hf.get("initializer_range", 0.02)),
+            hf=dict(hf),
+        )
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    name: str  # HF tensor name, e.g. "model.layers.3.mlp.up_proj.weight"
+    key: str  # name inside the unit, e.g. "up" (what the layer template reads)
+    shape: tuple[int, ...]
+    offset: int  # first element inside the unit's flat buffer
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    name: str  # "embed", "layer.{i}", "head"
+    tensors: tuple[TensorSlot, ...]
+
+    @property
+    def numel(self) -> int:
+        last = self.tensors[-1]
+        return last.offset + last.numel
+
+    def views(self, flat):
+        """Tensor views into a flat buffer of this unit, by key."""
+        return {t.key: flat[t.offset:t.offset + t.numel].view(t.shape) for t in self.tensors}
+
+
+def _unit(name: str, entries: list[tuple[str, str, tuple[int, ...]]]) -> UnitLayout:
+    slots, offset = [], 0
+    for hf_name, key, shape in entries:
+        slots.append(TensorSlot(hf_name, key, shape, offset))
+        offset += math.prod(shape)
+    return UnitLayout(name, tuple(slots))
+
+
+def unit_layouts(cfg: ModelConfig) -> list[UnitLayout]:
+    """embed, layer.0 .. layer.{L-1}, head: the streaming order of the forward pass."""
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    units = [_unit("embed", [("model.embed_tokens.weight", "embed", (V, H))])]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        entries = [
+            (p + "input_layernorm.weight", "ln1", (H,)),
+            (p + "self_attn.q_proj.weight", "q", (cfg.q_dim, H)),
+            (p + "self_attn.k_proj.weight", "k", (cfg.kv_dim, H)),
+            (p + "self_attn.v_proj.weight", "v", (cfg.kv_dim, H)),
+        ]
+        if cfg.qkv_bias:
+            entries += [
+                (p + "self_attn.q_proj.bias", "q_b", (cfg.q_dim,)),
+                (p + "self_attn.k_proj.bias", "k_b", (cfg.kv_dim,)),
+                (p + "self_attn.v_proj.bias", "v_b", (cfg.kv_dim,)),
+            ]
+        entries.append((p + "self_attn.o_proj.weight", "o", (H, cfg.q_dim)))
+        if cfg.o_bias:
+            entries.append((p + "self_attn.o_proj.bias", "o_b", (H,)))
+        entries += [
+            (p + "post_attention_layernorm.weight", "ln2", (H,)),
+            (p + "mlp.gate_proj.weight", "gate", (I, H)),
+            (p + "mlp.up_proj.weight", "up", (I, H)),
+            (p + "mlp.down_proj.weight", "down", (H, I)),
+        ]
+        units.append(_unit(f"layer.{i}", entries))
+    head = [("model.norm.weight", "norm", (H,))]
+    if not cfg.tie_word_embeddings:
+        head.append(("lm_head.weight", "lm_head", (V, H)))
+    units.append(_unit("head", head))
+    return units

@@ -1,0 +1,97 @@
+"""CPU AdamW on the host store, unit by unit, in a background thread.
+
+Clipping is exact by deferral: the step's global gradient norm is known when the backward sweep ends, so
+the update of step n runs after it, in forward order (embedding, layers, head), while the forward of step
+n+1 streams each unit as soon as its update is written. The update is torch's fused CPU AdamW kernel
+(torch.optim.AdamW(fused=True) semantics) with the clip coefficient folded into its grad_scale.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from horizon_ray.engine.store import HostStore
+
+# Gradients in another dtype than the master are widened chunk by chunk into a scratch buffer.
+_CHUNK = 1 << 24
+
+
+class HostAdamW:
+    def __init__(self, store: HostStore, betas: tuple[float, float], eps: float, weight_decay: float,
+                 on_updated: Callable[[int], None], threads: int = 0):
+        self.store = store
+        self.betas = betas
+        self.eps = eps
+        self.weight_decay = weight_decay
+        self.on_updated = on_updated  # called with the unit index once its new weights are on the wire
+        self.threads = threads
+        self._cv = threading.Condition()
+        self._done = len(store.units)  # units of the current update already written
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._scratch: torch.Tensor | None = None
+
+    def launch(self, lr: float, clip_coef: float) -> None:
+        """Start the update of every unit with this step's gradients; returns at once."""
+        self.wait_all()
+        with self._cv:
+            self._done = 0
+        self._thread = threading.Thread(target=self._run, args=(lr, clip_coef), name="horizon-adamw",
+                                        daemon=True)
+        self._thread.start()
+
+    def wait_unit(self, u: int) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: self._done > u or self._error is not None)
+        self._raise()
+
+    def wait_all(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("the host optimizer failed") from err
+
+    def _run(self, lr: float, clip_coef: float) -> None:
+        try:
+            if self.threads:
+                torch.set_num_threads(self.threads)
+            for u, unit in enumerate(self.store.units):
+                self.update(unit, lr, clip_coef)
+                self.store.refresh_wire(unit)
+                self.on_updated(u)
+                with self._cv:
+                    self._done = u + 1
+                    self._cv.notify_all()
+        except BaseException as exc:  # surfaced to the training thread at its next wait
+            with self._cv:
+                self._error = exc
+                self._done = len(self.store.units)
+                self._cv.notify_all()
+
+    def update(self, unit, lr: float, clip_coef: float) -> None:
+        unit.step += 1
+        # clip_grad_norm_ multiplies the gradients by min(1, max_norm / (norm + 1e-6)); fused AdamW
+        # divides them by grad_scale, which does the same in the same pass over memory.
+        scale = None if clip_coef >= 1.0 else torch.tensor(1.0 / clip_coef)
+        n = unit.master.numel()
+        for lo in range(0, n, _CHUNK if unit.grad.dtype != unit.master.dtype else n):
+            hi = min(n, lo + _CHUNK) if unit.grad.dtype != unit.master.dtype else n
+            grad = unit.grad[lo:hi]
+            if grad.dtype != unit.master.dtype:
+                if self._scratch is None or self._scratch.dtype != unit.master.dtype:
+                    self._scratch = torch.empty(_CHUNK, dtype=unit.master.dtype)
+                grad = self._scratch[: hi - lo].copy_(grad)
+            torch._fused_adamw_(
+                [unit.master[lo:hi]], [grad], [unit.exp_avg[lo:hi]], [unit.exp_avg_sq[lo:hi]], [],
+                [unit.step], lr=lr, beta1=self.betas[0], beta2=self.betas[1],
+                weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False,
+                grad_scale=scale, found_inf=None,
+            )

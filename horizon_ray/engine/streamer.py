@@ -1,0 +1,203 @@
+"""Moves units between the host store and the device: the only module that creates streams and events.
+
+Weights: layer units live in a pool of 2 groups x K slots (K = checkpoint interval). Layer j sits in group
+(j // K) % 2 at index j % K, so a whole block of K layers stays resident for its recompute and backward
+while the next block streams into the other group: each layer crosses PCIe twice per step (forward,
+backward), and the top two blocks are still resident when the backward starts, so they cross once.
+Embedding and head have a slot each. A slot remembers which unit and which version of its weights it
+holds, so a copy that would bring the same bytes again is skipped.
+
+Gradients: each unit's gradient is summed over the micro-batches into an fp32 accumulator on the device,
+then leaves once per step (cast to the compute dtype) on its own stream into the pinned host buffer.
+
+On the CPU there are no streams: a slot is a view of the host wire buffer and copies are free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from horizon_ray.engine.store import HostStore
+
+
+class Streamer:
+    def __init__(self, store: HostStore, device: torch.device, checkpoint_every: int, tied: bool,
+                 wait_updated: Callable[[int], None]):
+        self.store = store
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.K = checkpoint_every
+        self.tied = tied
+        self.wait_updated = wait_updated  # blocks until the optimizer has written unit u's new weights
+        units = store.units
+        self.L = len(units) - 2
+        self.version = [0] * len(units)  # bumped by the optimizer each time a unit's weights change
+        dtype = store.compute_dtype
+        self.norm_sq = torch.zeros((), dtype=torch.float32, device=device)  # sum of squared grads of the step
+
+        if not self.cuda:
+            self._slot_unit: dict[int, tuple[int, int]] = {}
+            return
+
+        self.compute = torch.cuda.current_stream(device)
+        self.h2d = torch.cuda.Stream(device)
+        self.d2h = torch.cuda.Stream(device)
+        max_layer = max((u.layout.numel for u in units[1:-1]), default=1)
+        n_slots = 2 * min(self.K, max(self.L, 1))
+        # slot key -> flat device buffer. Layer slots are ints, the embedding and head slots are named.
+        self._slots = {s: torch.empty(max_layer, dtype=dtype, device=device) for s in range(n_slots)}
+        self._slots["embed"] = torch.empty(units[0].layout.numel, dtype=dtype, device=device)
+        self._slots["head"] = torch.empty(units[-1].layout.numel, dtype=dtype, device=device)
+        self._slot_unit = {}  # slot -> (unit index, version) it holds or is receiving
+        self._copied = {s: None for s in self._slots}  # slot -> event: its H2D copy finished
+        self._read = {s: None for s in self._slots}  # slot -> event: its last reader finished
+
+        # fp32 gradient accumulators: two for layers (one filling while the other drains), and one per
+        # end unit; untied embedding and head share one, as their gradients are never live together.
+        big = max(units[0].layout.numel, units[-1].layout.numel)
+        self._acc = {0: torch.empty(max_layer, device=device), 1: torch.empty(max_layer, device=device)}
+        if tied:
+            self._acc["embed"] = torch.empty(units[0].layout.numel, device=device)
+            self._acc["head"] = torch.empty(units[-1].layout.numel, device=device)
+        else:
+            self._acc["embed"] = self._acc["head"] = torch.empty(big, device=device)
+        self._acc_free = {id(b): None for b in self._acc.values()}  # buffer -> event: its D2H finished
+        self._stage = None
+        if dtype != torch.float32:  # the cast of an accumulator before it leaves, two in flight
+            self._stage = [torch.empty(max(big, max_layer), dtype=dtype, device=device) for _ in range(2)]
+            self._stage_free = [None, None]
+            self._stage_next = 0
+
+    # ---- weights -------------------------------------------------------------------------------------
+
+    def _slot_of(self, u: int):
+        if u == 0:
+            return "embed"
+        if u == self.L + 1:
+            return "head"
+        j = u - 1
+        return ((j // self.K) % 2) * self.K + j % self.K
+
+    def prefetch(self, u: int) -> None:
+        """Start bringing unit u's current weights to its slot (no-op if they are there already)."""
+        slot = self._slot_of(u)
+        self.wait_updated(u)
+        want = (u, self.version[u])
+        if self._slot_unit.get(slot) == want:
+            return
+        self._slot_unit[slot] = want
+        if not self.cuda:
+            return
+        unit = self.store.units[u]
+        with torch.cuda.stream(self.h2d):
+            if self._read[slot] is not None:
+                # write-after-read: the slot's previous layer may still be in use by queued compute
+                self.h2d.wait_event(self._read[slot])
+            n = unit.layout.numel
+            # non_blocking from pinned memory: the copy engine runs while the compute stream works
+            self._slots[slot][:n].copy_(unit.wire, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.h2d)
+            self._copied[slot] = ev
+
+    def weights(self, u: int) -> dict[str, torch.Tensor]:
+        """Views of unit u's weights on the device, usable by work queued on the compute stream."""
+        self.prefetch(u)
+        unit = self.store.units[u]
+        if not self.cuda:
+            return unit.layout.views(unit.wire)
+        slot = self._slot_of(u)
+        # read-after-write: compute must not read the slot before its copy has landed
+        self.compute.wait_event(self._copied[slot])
+        return unit.layout.views(self._slots[slot])
+
+    def release(self, u: int) -> None:
+        """Compute work queued so far is the last reader of unit u's slot until it is fetched again."""
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(self.compute)
+            self._read[self._slot_of(u)] = ev
+
+    def head_weights(self) -> dict[str, torch.Tensor]:
+        w = self.weights(self.L + 1)
+        if self.tied:
+            w["lm_head"] = self.weights(0)["embed"]
+        return w
+
+    def release_head(self) -> None:
+        self.release(self.L + 1)
+        if self.tied:
+            self.release(0)
+
+    # ---- gradients -----------------------------------------------------------------------------------
+
+    def accumulator(self, u: int) -> torch.Tensor:
+        """A zeroed fp32 flat buffer for unit u's gradient, on the device."""
+        unit = self.store.units[u]
+        n = unit.layout.numel
+        if not self.cuda:
+            if unit.grad.dtype == torch.float32:
+                return unit.grad.zero_()  # on the CPU the host buffer is the accumulator
+            return torch.zeros(n)
+        key = "embed" if u == 0 else "head" if u == self.L + 1 else (u - 1) % 2
+        buf = self._acc[key]
+        free = self._acc_free[id(buf)]
+        if free is not None:
+            # the buffer's previous gradient must have left for the host before it is overwritten
+            self.compute.wait_event(free)
+        return buf[:n].zero_()
+
+    def flush(self, u: int, acc: torch.Tensor) -> None:
+        """Unit u's gradient is complete in acc: count it in the norm and send it to the host."""
+        unit = self.store.units[u]
+        self.norm_sq += torch.linalg.vector_norm(acc).square()
+        if not self.cuda:
+            if acc.data_ptr() != unit.grad.data_ptr():
+                unit.grad.copy_(acc)
+            return
+        src = acc
+        if self._stage is not None:
+            i = self._stage_next
+            self._stage_next ^= 1
+            if self._stage_free[i] is not None:
+                self.compute.wait_event(self._stage_free[i])  # staging buffer drained by its last D2H
+            src = self._stage[i][:acc.numel()]
+            src.copy_(acc)
+        done_on_compute = torch.cuda.Event()
+        done_on_compute.record(self.compute)
+        with torch.cuda.stream(self.d2h):
+            # the gradient is final only once the compute stream has finished writing it
+            self.d2h.wait_event(done_on_compute)
+            unit.grad.copy_(src, non_blocking=True)
+            drained = torch.cuda.Event()
+            drained.record(self.d2h)
+        self._acc_free[id(self._acc_buffer_of(acc))] = drained
+        if self._stage is not None:
+            self._stage_free[i] = drained
+
+    def _acc_buffer_of(self, acc: torch.Tensor) -> torch.Tensor:
+        for buf in self._acc.values():
+            if buf.data_ptr() == acc.data_ptr():
+                return buf
+        raise AssertionError("flush of a tensor that is not an accumulator")
+
+    def finish_backward(self) -> float:
+        """Wait for every gradient to reach the host; return the global gradient norm (one sync a step)."""
+        norm = float(self.norm_sq.sqrt())
+        if self.cuda:
+            self.d2h.synchronize()
+        self.norm_sq.zero_()
+        return norm
+
+    def device_bytes(self) -> dict[str, int]:
+        if not self.cuda:
+            return {}
+        out = {
+            "weight_slots": sum(b.nbytes for b in self._slots.values()),
+            "grad_accumulators": sum({id(b): b.nbytes for b in self._acc.values()}.values()),
+        }
+        if self._stage is not None:
+            out["grad_staging"] = sum(b.nbytes for b in self._stage)
+        return out
