@@ -1,0 +1,126 @@
+"""Streaming-engine benchmark on a random-init model of a named shape (no downloads).
+
+    python -m horizon_ray.bench --shape qwen2.5-7b --seq 1024 --micro 16 --accum 4 --checkpoint-every 4
+
+Prints one RESULT line of JSON per run: tokens/s (non-padding tokens), model TFLOP/s and MFU in the house
+convention (6 N tokens + 6 L heads head_dim seq tokens, recompute not counted; MFU against the measured
+786.5 TFLOP/s bf16 rate and the 989.5 datasheet), peak GPU memory, host RSS, step-time split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from horizon_ray.engine import Engine, EngineConfig
+
+MEASURED_BF16_FLOPS = 786.5e12
+DATASHEET_BF16_FLOPS = 989.5e12
+
+SHAPES = {
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False, model_type="qwen2"),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, model_type="qwen2"),
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, model_type="qwen2"),
+}
+
+
+def shape_config(name: str, layers: int | None = None) -> dict:
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
+    cfg = dict(SHAPES[name], architectures=[{"qwen2": "Qwen2ForCausalLM"}[SHAPES[name]["model_type"]]],
+               rms_norm_eps=1e-6, rope_theta=1e6)
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    return cfg
+
+
+def model_flops_per_token(cfg: dict, seq: int) -> float:
+    H, I, V, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = H // heads
+    layer = H * heads * hd * 2 + H * kv * hd * 2 + 3 * H * I
+    n = L * layer + V * H  # parameters that multiply: layers and the LM head (the embedding is a lookup)
+    return 6 * n + 6 * L * heads * hd * seq
+
+
+def host_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run(args) -> dict:
+    cfg = shape_config(args.shape, args.layers)
+    t0 = time.perf_counter()
+    rss0 = host_rss()
+    eng = Engine.from_config(cfg, EngineConfig(lr=1e-5, weight_decay=0.01, max_grad_norm=1.0,
+                                               checkpoint_every=args.checkpoint_every, device=args.device,
+                                               compute_dtype=args.dtype, loss_chunk_tokens=args.loss_chunk))
+    init_s = time.perf_counter() - t0
+    V = cfg["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    batches = [[(ids, ids) for ids in (torch.randint(0, V, (args.micro, args.seq), generator=g)
+                                      for _ in range(args.accum))] for _ in range(2)]
+    cuda = eng.device.type == "cuda"
+    times = []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(args.warmup + args.steps):
+        if cuda:
+            torch.cuda.synchronize()
+        s = time.perf_counter()
+        eng.train_step(batches[step % 2])
+        times.append(time.perf_counter() - s)
+    eng.close()  # the last update is part of the work
+    times[-1] += 0.0
+    timed = times[args.warmup:]
+    step_s = statistics.median(timed)
+    tokens = args.micro * args.accum * args.seq
+    flops = model_flops_per_token(cfg, args.seq) * tokens / step_s
+    mem = eng.memory_report()
+    return dict(
+        system="horizon-ray", shape=args.shape, layers=cfg["num_hidden_layers"], params=eng.num_params,
+        mode="exact", dtype=args.dtype, seq_len=args.seq, micro=args.micro, accum=args.accum,
+        checkpoint_every=args.checkpoint_every, tokens_per_step=tokens, step_s=round(step_s, 4),
+        step_times=[round(t, 4) for t in timed], tokens_per_s=round(tokens / step_s, 1),
+        model_tflops=round(flops / 1e12, 1), mfu_measured=round(flops / MEASURED_BF16_FLOPS, 4),
+        mfu_datasheet=round(flops / DATASHEET_BF16_FLOPS, 4),
+        peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else 0,
+        host_rss_bytes=host_rss(), host_rss_growth_bytes=host_rss() - rss0, store_bytes=mem["host"],
+        device_bytes=mem["device"], init_s=round(init_s, 1),
+    )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen2.5-7b", choices=sorted(SHAPES))
+    p.add_argument("--layers", type=int, default=None, help="override the layer count of the shape")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--micro", type=int, default=16)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--checkpoint-every", type=int, default=4)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--loss-chunk", type=int, default=8192)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", default=None, help="append the result as a JSON line to this file")
+    args = p.parse_args(argv)
+    result = run(args)
+    line = json.dumps(result)
+    print("RESULT", line, flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""Bad input fails with an error that names the problem, and leaves nothing half-written."""
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from horizon_ray.engine import Engine, EngineConfig, ModelConfig
+from horizon_ray.engine import io as engine_io
+
+V = 50
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=V)
+    torch.manual_seed(0)
+    path = tmp_path / "model"
+    LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="20KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    return path
+
+
+def test_missing_shard_is_named(model_dir):
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    victim = sorted(set(index["weight_map"].values()))[-1]
+    (model_dir / victim).unlink()
+    with pytest.raises(ValueError, match=victim):
+        Engine.from_pretrained(model_dir, EngineConfig())
+
+
+def test_config_weights_shape_mismatch(model_dir):
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["intermediate_size"] = 64
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"mlp\..*shape .*does not match"):
+        Engine.from_pretrained(model_dir, EngineConfig())
+
+
+def test_config_with_more_layers_than_weights(model_dir):
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="lacks tensors"):
+        Engine.from_pretrained(model_dir, EngineConfig())
+
+
+@pytest.mark.parametrize(("field", "value", "needle"), [
+    ("model_type", "gpt2", "model_type 'gpt2' is not supported"),
+    ("hidden_act", "gelu", "hidden_act"),
+    ("mlp_bias", True, "mlp_bias"),
+    ("rope_parameters", {"rope_type": "yarn", "factor": 2.0}, "rope type 'yarn'"),
+])
+def test_unsupported_config_is_refused(model_dir, field, value, needle):
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg[field] = value
+    with pytest.raises(ValueError, match=needle):
+        ModelConfig.from_hf(cfg)
+
+
+def test_bad_batches(model_dir):
+    eng = Engine.from_pretrained(model_dir, EngineConfig())
+    ids = torch.randint(0, V, (2, 8))
+    with pytest.raises(ValueError, match="nothing to train on"):
+        eng.train_step([(ids, torch.full_like(ids, -100))])
+    with pytest.raises(ValueError, match="torch.long"):
+        eng.train_step([(ids.int(), ids)])
+    with pytest.raises(ValueError, match="vocab_size"):
+        eng.train_step([(ids + V, ids)])
+    with pytest.raises(ValueError, match="shape"):
+        eng.train_step([(ids, ids[:, :4])])
+    with pytest.raises(ValueError, match="at least one micro-batch"):
+        eng.train_step([])
+    assert eng.step == 0  # none of them reached the optimizer
+
+
+def test_bad_engine_config():
+    with pytest.raises(ValueError, match="compute_dtype"):
+        EngineConfig(compute_dtype="float16").validate()
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        EngineConfig(checkpoint_every=0).validate()
+
+
+def test_failed_save_leaves_no_output(model_dir, tmp_path, monkeypatch):
+    eng = Engine.from_pretrained(model_dir, EngineConfig(max_shard_bytes=20_000))
+    calls = {"n": 0}
+    real = engine_io.save_file
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("disk full")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_io, "save_file", failing)
+    with pytest.raises(OSError, match="disk full"):
+        eng.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary directory left either
