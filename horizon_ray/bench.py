@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint-every", type=int, default=4)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="auto")
-    p.add_argument("--loss-chunk", type=int, default=8192)
+    p.add_argument("--loss-chunk", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", default=None, help="append the result as a JSON line to this file")

@@ -29,7 +29,7 @@ class EngineConfig:
     # "bf16-state": bf16 master and moments, half the host RAM, updates below bf16 resolution are lost.
     precision: str = "exact"
     # Tokens per chunk of the LM-head + cross-entropy, so full logits [tokens x vocab] never exist.
-    loss_chunk_tokens: int = 4096
+    loss_chunk_tokens: int = 2048
     # Dtype of the tensors written by save_pretrained.
     save_dtype: str = "float32"
     # save_pretrained writes shards of at most this many bytes (plus an index) above it.

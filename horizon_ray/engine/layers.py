@@ -96,14 +96,12 @@ def decoder_layer(x_BTD: torch.Tensor, w: dict, mb: MicroBatch, cfg: ModelConfig
     cos, sin = mb.cos_BTd[:, None], mb.sin_BTd[:, None]
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
-    if cfg.num_kv_heads != cfg.num_heads:
-        rep = cfg.num_heads // cfg.num_kv_heads
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
+    # grouped-query attention without materialising repeated k/v heads
+    gqa = cfg.num_kv_heads != cfg.num_heads
     if mb.mask_B1TT is None:
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5, enable_gqa=gqa)
     else:
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mb.mask_B1TT, scale=hd**-0.5)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mb.mask_B1TT, scale=hd**-0.5, enable_gqa=gqa)
     attn = attn.transpose(1, 2).reshape(B, T, cfg.q_dim)
     x_BTD = x_BTD + _linear(attn, w["o"], w.get("o_b"))
     h = rms_norm(x_BTD, w["ln2"], cfg.rms_norm_eps)

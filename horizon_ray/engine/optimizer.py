@@ -15,8 +15,9 @@ import torch
 
 from horizon_ray.engine.store import HostStore
 
-# Gradients in another dtype than the master are widened chunk by chunk into a scratch buffer.
-_CHUNK = 1 << 24
+# Units are updated in chunks small enough (8 MB of fp32) to stay in the last-level cache between the
+# widening of the gradient, the update and the narrowing of the weights for the wire.
+_CHUNK = 1 << 21
 
 
 class HostAdamW:
@@ -65,7 +66,6 @@ class HostAdamW:
                 torch.set_num_threads(self.threads)
             for u, unit in enumerate(self.store.units):
                 self.update(unit, lr, clip_coef)
-                self.store.refresh_wire(unit)
                 self.on_updated(u)
                 with self._cv:
                     self._done = u + 1
@@ -77,15 +77,20 @@ class HostAdamW:
                 self._cv.notify_all()
 
     def update(self, unit, lr: float, clip_coef: float) -> None:
+        """One AdamW step of a unit, then its wire copy, chunk by chunk so that each chunk's master is
+        still in cache when the narrow copy for the device is cut from it."""
         unit.step += 1
         # clip_grad_norm_ multiplies the gradients by min(1, max_norm / (norm + 1e-6)); fused AdamW
-        # divides them by grad_scale, which does the same in the same pass over memory.
+        # divides them by grad_scale (in place, so the host keeps the clipped gradient, as torch does).
         scale = None if clip_coef >= 1.0 else torch.tensor(1.0 / clip_coef)
+        widen = unit.grad.dtype != unit.master.dtype
+        narrow = unit.wire is not unit.master
         n = unit.master.numel()
-        for lo in range(0, n, _CHUNK if unit.grad.dtype != unit.master.dtype else n):
-            hi = min(n, lo + _CHUNK) if unit.grad.dtype != unit.master.dtype else n
+        step = _CHUNK if widen or narrow else n
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
             grad = unit.grad[lo:hi]
-            if grad.dtype != unit.master.dtype:
+            if widen:
                 if self._scratch is None or self._scratch.dtype != unit.master.dtype:
                     self._scratch = torch.empty(_CHUNK, dtype=unit.master.dtype)
                 grad = self._scratch[: hi - lo].copy_(grad)
@@ -95,3 +100,5 @@ class HostAdamW:
                 weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False,
                 grad_scale=scale, found_inf=None,
             )
+            if narrow:
+                unit.wire[lo:hi].copy_(unit.master[lo:hi])
