@@ -28,6 +28,11 @@ class EngineConfig:
     # "exact": fp32 master weights and fp32 AdamW moments (torch.optim.AdamW semantics).
     # "bf16-state": bf16 master and moments, half the host RAM, updates below bf16 resolution are lost.
     precision: str = "exact"
+    # Keep activation checkpoints in pinned host memory instead of device memory ("auto": on CUDA).
+    offload_checkpoints: bool | str = "auto"
+    # Micro-batches are split into row groups of at most this many tokens for the layer template, which
+    # bounds the device workspace (MLP intermediates) without changing the step's math.
+    layer_chunk_tokens: int = 8192
     # Tokens per chunk of the LM-head + cross-entropy, so full logits [tokens x vocab] never exist.
     loss_chunk_tokens: int = 2048
     # Dtype of the tensors written by save_pretrained.
@@ -50,7 +55,8 @@ class EngineConfig:
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1 (1 keeps every layer's input), got {self.checkpoint_every}")
+            raise ValueError(
+                f"checkpoint_every must be >= 1 (1 keeps every layer's input), got {self.checkpoint_every}")
         if self.compute_dtype not in DTYPES:
             raise ValueError(f"compute_dtype must be one of {sorted(DTYPES)}, got {self.compute_dtype!r}")
         if self.save_dtype not in DTYPES:
@@ -59,6 +65,10 @@ class EngineConfig:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.precision == "bf16-state" and self.compute_dtype != "bfloat16":
             raise ValueError("precision 'bf16-state' needs compute_dtype='bfloat16'")
+        if self.offload_checkpoints not in (True, False, "auto"):
+            raise ValueError(f"offload_checkpoints must be true, false or 'auto', got {self.offload_checkpoints!r}")
+        if self.layer_chunk_tokens < 1:
+            raise ValueError(f"layer_chunk_tokens must be >= 1, got {self.layer_chunk_tokens}")
         if self.loss_chunk_tokens < 1:
             raise ValueError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}")
         if self.max_shard_bytes < 1:

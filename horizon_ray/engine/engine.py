@@ -49,8 +49,9 @@ class Engine:
         self.store = HostStore(unit_layouts(model), cfg.dtype, cfg.master_dtype, pin=cuda)
         self.optimizer = HostAdamW(self.store, cfg.betas, cfg.eps, cfg.weight_decay,
                                    on_updated=self._on_updated, threads=cfg.optimizer_threads)
+        offload = cfg.offload_checkpoints if cfg.offload_checkpoints != "auto" else cuda
         self.streamer = Streamer(self.store, self.device, self.K, model.tie_word_embeddings,
-                                 wait_updated=self.optimizer.wait_unit)
+                                 wait_updated=self.optimizer.wait_unit, offload_checkpoints=offload)
         self.inv_freq = inv_frequencies(model)
 
     # ---- construction --------------------------------------------------------------------------------
@@ -106,10 +107,11 @@ class Engine:
         if n_targets == 0:
             raise ValueError("every label of this step is -100 (ignored): nothing to train on; check the "
                              "loss mask and that sequences are longer than their prompt")
-        hs, checkpoints = self._forward(mbs, keep_checkpoints=True)
+        hs = self._forward(mbs, keep_checkpoints=True)
+        self.streamer.prefetch_stash(self.K * ((self.L - 1) // self.K))  # the top block's checkpoint
         loss_sum, dhs, tied_acc = self._loss(hs, mbs, n_targets, backward=True)
         del hs
-        dhs = self._backward(dhs, checkpoints, mbs)
+        dhs = self._backward(dhs, mbs)
         self._embedding_backward(dhs, mbs, tied_acc)
         norm = self.streamer.finish_backward()  # the step's one host sync
         loss = float(loss_sum) / n_targets
@@ -126,7 +128,7 @@ class Engine:
     @torch.no_grad()
     def eval_loss(self, micro_batches) -> tuple[float, int]:
         mbs, n_targets = self._prepare(micro_batches)
-        hs, _ = self._forward(mbs, keep_checkpoints=False)
+        hs = self._forward(mbs, keep_checkpoints=False)
         loss_sum, _, _ = self._loss(hs, mbs, max(n_targets, 1), backward=False)
         return float(loss_sum), n_targets
 
@@ -136,7 +138,7 @@ class Engine:
         if position_ids is not None:
             batch = (*batch, position_ids)
         mbs, _ = self._prepare([batch])
-        (h,), _ = self._forward(mbs, keep_checkpoints=False)
+        h = torch.cat(self._forward(mbs, keep_checkpoints=False))
         w = self.streamer.head_weights()
         logits = F.linear(rms_norm(h, w["norm"], self.model.rms_norm_eps), w["lm_head"]).float().cpu()
         self.streamer.release_head()
@@ -185,7 +187,8 @@ class Engine:
                     got = f"{t.dtype} with {t.dim()} dims" if isinstance(t, torch.Tensor) else type(t).__name__
                     raise ValueError(f"micro-batch {i}: {name} must be a 2-D torch.long tensor [B, T], got {got}")
                 if t.shape != ids.shape:
-                    raise ValueError(f"micro-batch {i}: {name} has shape {tuple(t.shape)}, input_ids {tuple(ids.shape)}")
+                    raise ValueError(
+                        f"micro-batch {i}: {name} has shape {tuple(t.shape)}, input_ids {tuple(ids.shape)}")
             if ids.numel() == 0:
                 raise ValueError(f"micro-batch {i} is empty")
             if int(ids.min()) < 0 or int(ids.max()) >= V:
@@ -195,20 +198,28 @@ class Engine:
                 raise ValueError(f"micro-batch {i}: labels must be -100 or lie in [0, {V})")
             B, T = ids.shape
             targets = torch.cat([labels[:, 1:], torch.full((B, 1), -100, dtype=torch.long)], dim=1)
-            n = int((targets != -100).sum())
-            total += n
             positions = pos if pos is not None else torch.arange(T).expand(B, T)
-            dev = self.device
-            cos, sin = rope_tables(self.inv_freq, positions, self.dtype)
-            out.append(MicroBatch(
-                input_ids_BT=ids.to(dev, non_blocking=True),
-                targets_BT=targets.to(dev, non_blocking=True),
-                cos_BTd=cos.to(dev, non_blocking=True),
-                sin_BTd=sin.to(dev, non_blocking=True),
-                mask_B1TT=_to(attention_mask(pos, T, self.model.sliding_window, "cpu"), dev),
-                n_targets=n,
-            ))
+            # the loss is token-weighted over the whole step, so splitting rows changes nothing but the
+            # size of the layer template's workspace
+            rows = max(1, self.cfg.layer_chunk_tokens // T)
+            for lo in range(0, B, rows):
+                part = slice(lo, lo + rows)
+                mb = self._micro_batch(ids[part], targets[part], positions[part], None if pos is None else pos[part])
+                total += mb.n_targets
+                out.append(mb)
         return out, total
+
+    def _micro_batch(self, ids, targets, positions, pos) -> MicroBatch:
+        dev = self.device
+        cos, sin = rope_tables(self.inv_freq, positions, self.dtype)
+        return MicroBatch(
+            input_ids_BT=ids.to(dev, non_blocking=True),
+            targets_BT=targets.to(dev, non_blocking=True),
+            cos_BTd=cos.to(dev, non_blocking=True),
+            sin_BTd=sin.to(dev, non_blocking=True),
+            mask_B1TT=_to(attention_mask(pos, ids.shape[1], self.model.sliding_window, "cpu"), dev),
+            n_targets=int((targets != -100).sum()),
+        )
 
     def _forward(self, mbs: list[MicroBatch], keep_checkpoints: bool):
         st = self.streamer
@@ -216,16 +227,15 @@ class Engine:
         st.prefetch(1)  # the first layer's copy overlaps the embedding lookup
         hs = [F.embedding(mb.input_ids_BT, embed) for mb in mbs]
         st.release(0)
-        checkpoints = {}
         for j in range(self.L):
             w = st.weights(j + 1)
             st.prefetch(j + 2)  # the next layer (or the head) streams in while this one computes
             if keep_checkpoints and j % self.K == 0:
-                checkpoints[j] = hs
+                st.stash(j, hs)
             with torch.no_grad():
                 hs = [decoder_layer(h, w, mb, self.model) for h, mb in zip(hs, mbs)]
             st.release(j + 1)
-        return hs, checkpoints
+        return hs
 
     def _loss(self, hs, mbs, n_targets: int, backward: bool):
         """Summed CE over the step (a device scalar) and, with backward, dL/dh of the last layer's output."""
@@ -269,16 +279,17 @@ class Engine:
             st.flush(head_u, acc)
         return loss_sum, dhs, tied_acc
 
-    def _backward(self, dhs, checkpoints, mbs):
+    def _backward(self, dhs, mbs):
         st = self.streamer
         blocks = [(s, min(s + self.K, self.L)) for s in range(0, self.L, self.K)]
         for b in reversed(range(len(blocks))):
             s, e = blocks[b]
             ws = {j: st.weights(j + 1) for j in range(s, e)}
+            inputs = {s: st.unstash(s)}
             if b > 0:  # the block below streams into the other slot group during this block's work
                 for j in range(*blocks[b - 1]):
                     st.prefetch(j + 1)
-            inputs = {s: checkpoints.pop(s)}
+                st.prefetch_stash(blocks[b - 1][0])
             with torch.no_grad():  # recompute the inputs of the block's other layers
                 for j in range(s, e - 1):
                     inputs[j + 1] = [decoder_layer(x, ws[j], mb, self.model) for x, mb in zip(inputs[j], mbs)]

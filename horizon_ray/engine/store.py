@@ -3,7 +3,10 @@ unit and kind. The device never owns a parameter; it borrows the ``wire`` copy o
 
 Per parameter, mode "exact": master fp32 (4 B) + m, v fp32 (8 B) + gradient in the compute dtype
 (4 or 2 B) + a wire copy in the compute dtype when it differs from the master's (2 B for bf16): 16 B in
-both compute dtypes. Mode "bf16-state": master, m, v and gradient in bf16, the master is the wire: 8 B.
+both compute dtypes. The embedding and head units keep fp32 gradients in every mode (2 B more for their
+parameters with bf16 compute): they leave the device straight from the fp32 accumulator, which spares the
+device a cast buffer of [vocab x hidden]. Mode "bf16-state": master, m, v and gradient in bf16, the master
+is the wire: 8 B.
 On CUDA the wire and gradient buffers are pinned (pageable copies run at a seventh of the speed), once,
 unit by unit, at start.
 """
@@ -36,8 +39,10 @@ class HostStore:
         self.master_dtype = master_dtype
         self.pinned = pin
         self.units: list[UnitState] = []
-        for layout in layouts:
+        for i, layout in enumerate(layouts):
             n = layout.numel
+            end_unit = i in (0, len(layouts) - 1)
+            grad_dtype = torch.float32 if end_unit else compute_dtype
             master = torch.empty(n, dtype=master_dtype, pin_memory=pin and master_dtype == compute_dtype)
             wire = master if master_dtype == compute_dtype else torch.empty(n, dtype=compute_dtype, pin_memory=pin)
             self.units.append(UnitState(
@@ -45,7 +50,7 @@ class HostStore:
                 master=master,
                 exp_avg=torch.zeros(n, dtype=master_dtype),
                 exp_avg_sq=torch.zeros(n, dtype=master_dtype),
-                grad=torch.zeros(n, dtype=compute_dtype, pin_memory=pin),
+                grad=torch.zeros(n, dtype=grad_dtype, pin_memory=pin),
                 wire=wire,
                 step=torch.tensor(0.0),
             ))

@@ -8,7 +8,11 @@ Embedding and head have a slot each. A slot remembers which unit and which versi
 holds, so a copy that would bring the same bytes again is skipped.
 
 Gradients: each unit's gradient is summed over the micro-batches into an fp32 accumulator on the device,
-then leaves once per step (cast to the compute dtype) on its own stream into the pinned host buffer.
+then leaves once per step (layers cast to the compute dtype) on its own stream into the pinned host buffer.
+
+Activation checkpoints: with offloading (the default on CUDA) each kept layer input goes to a pinned host
+buffer during the forward and comes back one block ahead of the backward, so device memory does not grow
+with the layer count or the checkpoint density.
 
 On the CPU there are no streams: a slot is a view of the host wire buffer and copies are free.
 """
@@ -24,7 +28,7 @@ from horizon_ray.engine.store import HostStore
 
 class Streamer:
     def __init__(self, store: HostStore, device: torch.device, checkpoint_every: int, tied: bool,
-                 wait_updated: Callable[[int], None]):
+                 wait_updated: Callable[[int], None], offload_checkpoints: bool = False):
         self.store = store
         self.device = device
         self.cuda = device.type == "cuda"
@@ -36,6 +40,10 @@ class Streamer:
         self.version = [0] * len(units)  # bumped by the optimizer each time a unit's weights change
         dtype = store.compute_dtype
         self.norm_sq = torch.zeros((), dtype=torch.float32, device=device)  # sum of squared grads of the step
+        self.offload = offload_checkpoints
+        self._stashed: dict = {}  # checkpoint key -> tensors (device, or pinned host when offloading)
+        self._returning: dict = {}  # checkpoint key -> (device tensors, event: their H2D copy landed)
+        self._host_pool: dict = {}  # (checkpoint key, micro-batch) -> pinned host buffer, reused each step
 
         if not self.cuda:
             self._slot_unit: dict[int, tuple[int, int]] = {}
@@ -65,8 +73,8 @@ class Streamer:
             self._acc["embed"] = self._acc["head"] = torch.empty(big, device=device)
         self._acc_free = {id(b): None for b in self._acc.values()}  # buffer -> event: its D2H finished
         self._stage = None
-        if dtype != torch.float32:  # the cast of an accumulator before it leaves, two in flight
-            self._stage = [torch.empty(max(big, max_layer), dtype=dtype, device=device) for _ in range(2)]
+        if dtype != torch.float32:  # a layer's gradient is cast before it leaves; two casts in flight
+            self._stage = [torch.empty(max_layer, dtype=dtype, device=device) for _ in range(2)]
             self._stage_free = [None, None]
             self._stage_next = 0
 
@@ -131,6 +139,62 @@ class Streamer:
         if self.tied:
             self.release(0)
 
+    # ---- activation checkpoints ----------------------------------------------------------------------
+
+    def stash(self, key, tensors: list[torch.Tensor]) -> None:
+        """Keep a checkpoint until the backward asks for it: in pinned host memory when offloading, so
+        that device memory does not grow with the layer count."""
+        if not (self.cuda and self.offload):
+            self._stashed[key] = tensors
+            return
+        ready = torch.cuda.Event()
+        ready.record(self.compute)
+        host = []
+        with torch.cuda.stream(self.d2h):
+            # the activations are final once the compute stream has produced them
+            self.d2h.wait_event(ready)
+            for i, t in enumerate(tensors):
+                buf = self._host_buffer((key, i), t)
+                buf.copy_(t, non_blocking=True)
+                # the allocator must not hand t's memory to new work before this copy has read it
+                t.record_stream(self.d2h)
+                host.append(buf)
+        self._stashed[key] = host
+
+    def prefetch_stash(self, key) -> None:
+        """Start bringing an offloaded checkpoint back to the device."""
+        if not (self.cuda and self.offload) or key in self._returning:
+            return
+        host = self._stashed[key]
+        with torch.cuda.stream(self.h2d):
+            # allocated on the copy stream, released to the allocator only after compute has used it
+            dev = [torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in host]
+            for d, h in zip(dev, host):
+                d.copy_(h, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.h2d)
+        self._returning[key] = (dev, ev)
+
+    def unstash(self, key) -> list[torch.Tensor]:
+        if not (self.cuda and self.offload):
+            return self._stashed.pop(key)
+        self.prefetch_stash(key)
+        dev, ev = self._returning.pop(key)
+        del self._stashed[key]
+        # read-after-write: the checkpoint must have landed before the recompute reads it
+        self.compute.wait_event(ev)
+        for d in dev:
+            d.record_stream(self.compute)
+        return dev
+
+    def _host_buffer(self, key, like: torch.Tensor) -> torch.Tensor:
+        buf = self._host_pool.get(key)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            # pinned once and reused every step: pinning costs far more than the copy
+            buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+            self._host_pool[key] = buf
+        return buf
+
     # ---- gradients -----------------------------------------------------------------------------------
 
     def accumulator(self, u: int) -> torch.Tensor:
@@ -158,7 +222,8 @@ class Streamer:
                 unit.grad.copy_(acc)
             return
         src = acc
-        if self._stage is not None:
+        staged = unit.grad.dtype != acc.dtype
+        if staged:
             i = self._stage_next
             self._stage_next ^= 1
             if self._stage_free[i] is not None:
@@ -174,7 +239,7 @@ class Streamer:
             drained = torch.cuda.Event()
             drained.record(self.d2h)
         self._acc_free[id(self._acc_buffer_of(acc))] = drained
-        if self._stage is not None:
+        if staged:
             self._stage_free[i] = drained
 
     def _acc_buffer_of(self, acc: torch.Tensor) -> torch.Tensor:
@@ -201,3 +266,6 @@ class Streamer:
         if self._stage is not None:
             out["grad_staging"] = sum(b.nbytes for b in self._stage)
         return out
+
+    def host_checkpoint_bytes(self) -> int:
+        return sum(b.nbytes for b in self._host_pool.values())

@@ -29,12 +29,14 @@ HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def _llama(tmp_path, **kw):
+    torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=V, tie_word_embeddings=False, **kw)
     return _save(LlamaForCausalLM(cfg), tmp_path)
 
 
 def _qwen2(tmp_path):
+    torch.manual_seed(0)
     cfg = Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                       num_key_value_heads=1, vocab_size=V, tie_word_embeddings=True)
     model = Qwen2ForCausalLM(cfg)
@@ -46,7 +48,6 @@ def _qwen2(tmp_path):
 
 
 def _save(model, tmp_path):
-    torch.manual_seed(0)
     model = model.float()
     path = tmp_path / "model"
     model.save_pretrained(path)
@@ -170,6 +171,7 @@ def test_llama3_rope_scaling_matches_hf(tmp_path):
 
 
 def test_mistral_sliding_window_matches_hf(tmp_path):
+    torch.manual_seed(0)
     cfg = MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=V, sliding_window=5, attn_implementation="sdpa")
     path, cls = _save(MistralForCausalLM(cfg), tmp_path)
@@ -233,3 +235,18 @@ def test_state_round_trip_continues_exactly(tmp_path):
     c.close()
     for x, y in zip(_engine_tensors(a, "master").values(), _engine_tensors(c, "master").values()):
         assert torch.equal(x, y)
+
+
+def test_row_and_loss_chunks_do_not_change_the_step(tmp_path):
+    path, _ = _llama(tmp_path)
+    batches = _batches(2, micro=2, B=4)
+    results = []
+    for layer_chunk, loss_chunk in [(1 << 20, 1 << 20), (12, 5)]:  # 12 tokens = one row per chunk
+        eng = Engine.from_pretrained(path, EngineConfig(**HP, device="cpu", layer_chunk_tokens=layer_chunk,
+                                                        loss_chunk_tokens=loss_chunk))
+        losses = [eng.train_step(mbs) for mbs in batches]
+        eng.close()
+        results.append((losses, _engine_tensors(eng, "master")))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-6)
+    for name, w in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], w, rtol=1e-4, atol=1e-5)  # summation order only
