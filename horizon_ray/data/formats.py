@@ -1,0 +1,178 @@
+"""JSONL datasets in three formats, loaded into one in-memory form.
+
+- ``alpaca``: ``{"instruction": str, "input": str (optional), "output": str}``; becomes a user turn
+  (instruction, then a blank line and input when input is non-empty) and an assistant turn (output).
+- ``messages``: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` with at
+  least one assistant turn (the only tokens that are trained).
+- ``text``: ``{"text": str}``; every token is trained.
+
+``auto`` decides per file from its first non-blank line; every other line of that file must then have the
+same format. Other keys on a line (ids, metadata) are ignored. Every malformed line raises ValueError with
+``file:line`` and what is wrong, so a bad dataset fails before any compute is spent on it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FORMATS = ("auto", "alpaca", "messages", "text")
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Example:
+    """One training example, before tokenization; exactly one of ``messages`` and ``text`` is set."""
+
+    messages: list[dict[str, str]] | None  # chat turns, {"role", "content"}; alpaca lands here too
+    text: str | None  # plain text, trained on every token
+    source: str  # "file:line", for error messages and the eval/train split report
+
+
+def _expand_paths(path: str | Path | Sequence[str | Path]) -> list[Path]:
+    """A file, a folder (its *.jsonl, sorted) or a list of either, in a deterministic order."""
+    items = [path] if isinstance(path, str | Path) else list(path)
+    if not items:
+        raise ValueError("no dataset path given; pass a .jsonl file, a folder of .jsonl files or a list")
+    files: list[Path] = []
+    for item in items:
+        p = Path(item)
+        if p.is_dir():
+            found = sorted(p.glob("*.jsonl"))
+            if not found:
+                raise ValueError(
+                    f"{p}: folder holds no *.jsonl file; point the dataset path at a .jsonl file"
+                )
+            files.extend(found)
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise ValueError(f"{p}: no such dataset file or folder; check the dataset path")
+    return files
+
+
+def _detect(record: dict[str, Any], where: str) -> str:
+    if "messages" in record:
+        return "messages"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    if "text" in record:
+        return "text"
+    raise ValueError(
+        f"{where}: cannot tell the format from keys {sorted(record)}; expected 'messages' (chat), "
+        "'instruction' + 'output' (alpaca) or 'text', or set the format explicitly"
+    )
+
+
+def _read_lines(path: Path):
+    """Yield (line number, parsed JSON object) for every non-blank line."""
+    with path.open(encoding="utf-8") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); fix the line"
+                ) from None
+            if not isinstance(record, dict):
+                raise ValueError(
+                    f"{where}: expected a JSON object per line, got {type(record).__name__}; fix the line"
+                )
+            yield lineno, record
+
+
+def detect_format(path: str | Path) -> str:
+    """The format of one JSONL file, from its first non-blank line: "alpaca", "messages" or "text"."""
+    p = Path(path)
+    for lineno, record in _read_lines(p):
+        return _detect(record, f"{p}:{lineno}")
+    raise ValueError(f"{p}: file holds no example (empty or only blank lines); add examples or drop the file")
+
+
+def _string(
+    record: dict[str, Any], key: str, where: str, required: bool = True, nonempty: bool = True
+) -> str:
+    value = record.get(key)
+    if value is None and not required:
+        return ""
+    if value is None:
+        raise ValueError(f"{where}: missing '{key}'; every line of this file needs it")
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: '{key}' must be a string, got {type(value).__name__}")
+    if nonempty and not value.strip():
+        raise ValueError(f"{where}: '{key}' is empty; give it text or remove the line")
+    return value
+
+
+def _parse_alpaca(record: dict[str, Any], where: str) -> Example:
+    instruction = _string(record, "instruction", where)
+    extra = _string(record, "input", where, required=False, nonempty=False)
+    output = _string(record, "output", where)
+    user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+    return Example([{"role": "user", "content": user}, {"role": "assistant", "content": output}], None, where)
+
+
+def _parse_messages(record: dict[str, Any], where: str) -> Example:
+    turns = record.get("messages")
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    messages: list[dict[str, str]] = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise ValueError(f"{where}: messages[{i}] must be an object with 'role' and 'content'")
+        role = turn.get("role")
+        if role not in ROLES:
+            raise ValueError(f"{where}: messages[{i}] has role {role!r}; use one of {', '.join(ROLES)}")
+        content = turn.get("content")
+        if not isinstance(content, str):
+            raise ValueError(f"{where}: messages[{i}] content must be a string, got {type(content).__name__}")
+        messages.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"{where}: no assistant message, so nothing to train on; add the assistant's answer")
+    return Example(messages, None, where)
+
+
+def _parse_text(record: dict[str, Any], where: str) -> Example:
+    return Example(None, _string(record, "text", where), where)
+
+
+_PARSERS = {"alpaca": _parse_alpaca, "messages": _parse_messages, "text": _parse_text}
+
+
+def load_file(path: str | Path, fmt: str = "auto") -> list[Example]:
+    """Every example of one JSONL file; ``fmt="auto"`` detects it from the first non-blank line."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown dataset format {fmt!r}; use one of {', '.join(FORMATS)}")
+    p = Path(path)
+    file_fmt = detect_format(p) if fmt == "auto" else fmt
+    parse = _PARSERS[file_fmt]
+    examples = []
+    for lineno, record in _read_lines(p):
+        where = f"{p}:{lineno}"
+        if fmt == "auto" and _detect(record, where) != file_fmt:
+            raise ValueError(
+                f"{where}: line is {_detect(record, where)} but the file was detected as {file_fmt} from its "
+                "first line; keep one format per file"
+            )
+        examples.append(parse(record, where))
+    return examples
+
+
+def load_examples(path: str | Path | Sequence[str | Path], fmt: str = "auto") -> list[Example]:
+    """Every example of a JSONL file, a folder of them, or a list; refuses a dataset with no example."""
+    files = _expand_paths(path)
+    examples: list[Example] = []
+    for f in files:
+        examples.extend(load_file(f, fmt))
+    if not examples:
+        names = ", ".join(str(f) for f in files)
+        raise ValueError(
+            f"dataset {names} holds no example; add JSONL lines in alpaca, messages or text format"
+        )
+    return examples

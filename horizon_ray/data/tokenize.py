@@ -1,0 +1,223 @@
+"""Tokenization with the model's own tokenizer and chat template, and the loss mask.
+
+Labels follow HF's convention (the engine shifts: token t is trained to predict labels[t + 1]):
+``labels[t] = input_ids[t]`` where token t is trained as a target, ``IGNORE_INDEX`` elsewhere.
+
+- chat (messages, alpaca): only assistant turns are targets, each with its end-of-turn token, so the model
+  learns to answer and to stop. When the chat template marks assistant turns with ``{% generation %}``,
+  transformers returns the mask itself (``return_assistant_tokens_mask``). Otherwise the conversation
+  is rendered up to each assistant turn (with and without the turn) and the characters in between are
+  mapped to tokens through the fast tokenizer's offsets, which is robust to merges at the boundary.
+- text: every token is a target; eos is appended so packed documents end like they do in pretraining.
+
+``labels[0]`` is always ``IGNORE_INDEX``: nothing in the example precedes its first token, and in a packed
+row the token before it belongs to another example, which must not be trained to predict it.
+
+Examples longer than ``seq_len`` are cut to their first ``seq_len`` tokens and counted in
+``TokenizedDataset.num_truncated``; an example left with no target (a prompt that fills seq_len) is dropped
+and counted in ``num_dropped``. Both are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from horizon_ray.data.formats import Example
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@dataclass
+class TokenizedExample:
+    """One example as token ids; ``labels`` has the same length as ``input_ids``.
+
+    Both are stored as ``array("i")`` (4 bytes a token instead of ~36 for a list of Python ints): the
+    dataset lives in the same host RAM the planner budgets for the model. Lists are converted on
+    construction; compare with ``list(example.input_ids)``.
+    """
+
+    input_ids: array  # token ids, int32
+    labels: array  # input_ids where trained, IGNORE_INDEX elsewhere; labels[0] is always ignored
+    source: str = ""  # "file:line" of the example
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.input_ids, array):
+            self.input_ids = array("i", self.input_ids)
+        if not isinstance(self.labels, array):
+            self.labels = array("i", self.labels)
+        assert len(self.input_ids) == len(self.labels), "labels must align with input_ids"
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class TokenizedDataset:
+    """A tokenized split, every example at most ``seq_len`` tokens with at least one target."""
+
+    examples: list[TokenizedExample]
+    seq_len: int  # the length examples were truncated to
+    pad_id: (
+        int  # id written into padding (always with label IGNORE_INDEX, so its value is irrelevant to loss)
+    )
+    num_truncated: int = 0  # examples longer than seq_len, cut to seq_len (dropped ones included)
+    num_dropped: int = 0  # examples left with no target after truncation, not in ``examples``
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    @property
+    def num_tokens(self) -> int:
+        """Non-padding tokens of the split."""
+        return sum(len(e) for e in self.examples)
+
+    @property
+    def num_label_tokens(self) -> int:
+        """Tokens that are targets of the loss."""
+        return sum(
+            int((np.frombuffer(e.labels, dtype=np.int32) != IGNORE_INDEX).sum()) for e in self.examples
+        )
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer saved in a local folder (a model dir or a tokenizer dir); never downloads."""
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(
+            f"tokenizer path {p} is not a folder; point it at the model's (or tokenizer's) folder"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"cannot load a tokenizer from {p} ({exc}); the folder needs tokenizer.json or the tokenizer's "
+            "files as written by save_pretrained"
+        ) from exc
+
+
+def _ids(encoded: Any) -> list[int]:
+    """input_ids from apply_chat_template / __call__ output (a list in transformers 4, a dict in 5)."""
+    if isinstance(encoded, list):
+        return list(encoded)
+    return list(encoded["input_ids"])
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def _chat_mask_from_generation_tags(
+    tokenizer: Any, messages: list[dict[str, str]]
+) -> tuple[list[int], list[bool]]:
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    ids = list(out["input_ids"])
+    mask = [bool(m) for m in out["assistant_masks"]]
+    return ids, mask
+
+
+def _chat_mask_from_prefixes(
+    tokenizer: Any, messages: list[dict[str, str]], source: str
+) -> tuple[list[int], list[bool]]:
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            f"{source}: the tokenizer is not a fast tokenizer and its chat template has no "
+            "{% generation %} markers, so the assistant tokens cannot be located; use the model's "
+            "tokenizer.json (fast tokenizer) or add {% generation %} around assistant content in the template"
+        )
+    text = _render(tokenizer, messages)
+    spans: list[tuple[int, int]] = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        through = _render(tokenizer, messages[: i + 1])
+        if not (through.startswith(before) and text.startswith(through)):
+            raise ValueError(
+                f"{source}: the chat template renders earlier turns differently once later turns are added "
+                f"(assistant turn {i}), so the assistant tokens cannot be located by prefix; add "
+                "{% generation %} markers to the template or use a template whose rendering is prefix-stable"
+            )
+        # The template's own whitespace after the end-of-turn token (e.g. "<|im_end|>\n") is not a target.
+        spans.append((len(before), len(through.rstrip())))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    # A token is a target when it starts inside an assistant span.
+    mask = [any(s <= start < e for s, e in spans) for start, _ in enc["offset_mapping"]]
+    return ids, mask
+
+
+def tokenize_example(example: Example, tokenizer: Any) -> TokenizedExample:
+    """Token ids and labels of one example, not truncated."""
+    if example.text is not None:
+        ids = _ids(tokenizer(example.text, add_special_tokens=True))
+        eos = tokenizer.eos_token_id
+        if eos is not None and (not ids or ids[-1] != eos):
+            ids.append(eos)
+        labels = list(ids)
+    else:
+        assert example.messages is not None
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError(
+                f"{example.source}: the tokenizer has no chat_template, which chat and alpaca data need; use "
+                "the model's instruct tokenizer, set tokenizer.chat_template, or use the text format"
+            )
+        if isinstance(template, str) and _GENERATION_TAG.search(template):
+            ids, mask = _chat_mask_from_generation_tags(tokenizer, example.messages)
+        else:
+            ids, mask = _chat_mask_from_prefixes(tokenizer, example.messages, example.source)
+        labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)]
+    if labels:
+        labels[0] = IGNORE_INDEX
+    return TokenizedExample(ids, labels, example.source)
+
+
+def tokenize_examples(examples: list[Example], tokenizer: Any, seq_len: int) -> TokenizedDataset:
+    """Tokenize, truncate to ``seq_len`` and count; refuses a result with no usable example."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len={seq_len} is too short to train anything; use at least 2 (typically 512+)")
+    out: list[TokenizedExample] = []
+    truncated = dropped = 0
+    for example in examples:
+        te = tokenize_example(example, tokenizer)
+        if len(te.input_ids) > seq_len:
+            truncated += 1
+            te = TokenizedExample(te.input_ids[:seq_len], te.labels[:seq_len], te.source)
+        if all(t == IGNORE_INDEX for t in te.labels):
+            dropped += 1
+            continue
+        out.append(te)
+    if truncated or dropped:
+        log.warning(
+            "%d of %d examples longer than seq_len=%d were truncated; %d dropped (no target token left)",
+            truncated,
+            len(examples),
+            seq_len,
+            dropped,
+        )
+    if not out:
+        raise ValueError(
+            f"none of the {len(examples)} examples has a target token within seq_len={seq_len} "
+            f"({dropped} dropped after truncation); raise seq_len or check the data"
+        )
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    return TokenizedDataset(out, seq_len, int(pad), truncated, dropped)
