@@ -62,24 +62,32 @@ def run(args) -> dict:
     rss0 = host_rss()
     eng = Engine.from_config(cfg, EngineConfig(lr=1e-5, weight_decay=0.01, max_grad_norm=1.0,
                                                checkpoint_every=args.checkpoint_every, device=args.device,
-                                               compute_dtype=args.dtype, loss_chunk_tokens=args.loss_chunk))
+                                               compute_dtype=args.dtype, loss_chunk_tokens=args.loss_chunk,
+                                               offload_checkpoints={"auto": "auto", "true": True,
+                                                                    "false": False}[args.offload]))
     init_s = time.perf_counter() - t0
     V = cfg["vocab_size"]
     g = torch.Generator().manual_seed(0)
     batches = [[(ids, ids) for ids in (torch.randint(0, V, (args.micro, args.seq), generator=g)
                                       for _ in range(args.accum))] for _ in range(2)]
     cuda = eng.device.type == "cuda"
-    times = []
+    times, waits, updates = [], [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+        if args.gpu_budget_gib:
+            # enforce the budget: an allocation past it fails as it would on a smaller GPU
+            total = torch.cuda.get_device_properties(eng.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(args.gpu_budget_gib * 2**30 / total, eng.device)
     for step in range(args.warmup + args.steps):
         if cuda:
             torch.cuda.synchronize()
+        eng.optimizer.waited_s = 0.0
         s = time.perf_counter()
         eng.train_step(batches[step % 2])
         times.append(time.perf_counter() - s)
-    eng.close()  # the last update is part of the work
-    times[-1] += 0.0
+        waits.append(eng.optimizer.waited_s)
+        updates.append(eng.optimizer.update_s)
+    eng.close()
     timed = times[args.warmup:]
     step_s = statistics.median(timed)
     tokens = args.micro * args.accum * args.seq
@@ -95,6 +103,10 @@ def run(args) -> dict:
         peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else 0,
         host_rss_bytes=host_rss(), host_rss_growth_bytes=host_rss() - rss0, store_bytes=mem["host"],
         device_bytes=mem["device"], init_s=round(init_s, 1),
+        exposed_optimizer_s=round(statistics.median(waits[args.warmup:]), 4),
+        optimizer_update_s=round(statistics.median(updates[args.warmup:]), 4),
+        gpu_budget_bytes=int(args.gpu_budget_gib * 2**30) if args.gpu_budget_gib else None,
+        host_checkpoint_bytes=eng.streamer.host_checkpoint_bytes(),
     )
 
 
@@ -105,12 +117,14 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--micro", type=int, default=16)
     p.add_argument("--accum", type=int, default=1)
-    p.add_argument("--checkpoint-every", type=int, default=4)
+    p.add_argument("--checkpoint-every", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="auto")
     p.add_argument("--loss-chunk", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--gpu-budget-gib", type=float, default=None, help="cap the process's GPU memory")
+    p.add_argument("--offload", default="auto", choices=["auto", "true", "false"])
     p.add_argument("--out", default=None, help="append the result as a JSON line to this file")
     args = p.parse_args(argv)
     result = run(args)

@@ -41,7 +41,8 @@ class EngineConfig:
     max_shard_bytes: int = 5 * 2**30
     # Seed of random initialisation (Engine.from_config).
     seed: int = 0
-    # CPU threads for the optimizer on a CUDA run (0: torch's default).
+    # CPU threads of the optimizer (0: all cores but two on CUDA, which keep the training thread's kernel
+    # launches prompt; torch's default on the CPU).
     optimizer_threads: int = 0
 
     def validate(self) -> None:

@@ -12,6 +12,7 @@ A step, in layer-major order (every micro-batch passes a layer while its weights
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -47,8 +48,9 @@ class Engine:
         self.last_grad_norm = math.nan
         cuda = self.device.type == "cuda"
         self.store = HostStore(unit_layouts(model), cfg.dtype, cfg.master_dtype, pin=cuda)
+        threads = cfg.optimizer_threads or (max(1, (os.cpu_count() or 4) - 2) if cuda else 0)
         self.optimizer = HostAdamW(self.store, cfg.betas, cfg.eps, cfg.weight_decay,
-                                   on_updated=self._on_updated, threads=cfg.optimizer_threads)
+                                   on_updated=self._on_updated, threads=threads)
         offload = cfg.offload_checkpoints if cfg.offload_checkpoints != "auto" else cuda
         self.streamer = Streamer(self.store, self.device, self.K, model.tie_word_embeddings,
                                  wait_updated=self.optimizer.wait_unit, offload_checkpoints=offload)
@@ -107,18 +109,22 @@ class Engine:
         if n_targets == 0:
             raise ValueError("every label of this step is -100 (ignored): nothing to train on; check the "
                              "loss mask and that sequences are longer than their prompt")
-        hs = self._forward(mbs, keep_checkpoints=True)
-        self.streamer.prefetch_stash(self.K * ((self.L - 1) // self.K))  # the top block's checkpoint
-        loss_sum, dhs, tied_acc = self._loss(hs, mbs, n_targets, backward=True)
-        del hs
-        dhs = self._backward(dhs, mbs)
-        self._embedding_backward(dhs, mbs, tied_acc)
-        norm = self.streamer.finish_backward()  # the step's one host sync
-        loss = float(loss_sum) / n_targets
-        self.last_grad_norm = norm
-        if not math.isfinite(norm):
-            raise FloatingPointError(f"gradient norm is {norm} at step {self.step + 1}: the update was skipped; "
-                                     "lower the learning rate or check the data")
+        try:
+            hs = self._forward(mbs, keep_checkpoints=True)
+            self.streamer.prefetch_stash(self.K * ((self.L - 1) // self.K))  # the top block's checkpoint
+            loss_sum, dhs, tied_acc = self._loss(hs, mbs, n_targets, backward=True)
+            del hs
+            dhs = self._backward(dhs, mbs)
+            self._embedding_backward(dhs, mbs, tied_acc)
+            norm = self.streamer.finish_backward()  # the step's one host sync
+            loss = float(loss_sum) / n_targets
+            self.last_grad_norm = norm
+            if not math.isfinite(norm):
+                raise FloatingPointError(f"gradient norm is {norm} at step {self.step + 1}: the update was "
+                                         "skipped; lower the learning rate or check the data")
+        except BaseException:
+            self._abandon_step()
+            raise
         coef = 1.0
         if self.cfg.clipping:
             coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6))
@@ -169,6 +175,14 @@ class Engine:
 
     def _on_updated(self, u: int) -> None:
         self.streamer.version[u] += 1
+
+    def _abandon_step(self) -> None:
+        """A step that failed after its backward began may have left gradients in wire buffers."""
+        self.streamer.reset()
+        if self.store.grad_is_wire:
+            self.store.refresh_all_wires()
+            for u in range(len(self.store.units)):
+                self._on_updated(u)
 
     def _prepare(self, micro_batches) -> tuple[list[MicroBatch], int]:
         if not micro_batches:

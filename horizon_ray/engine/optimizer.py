@@ -9,6 +9,7 @@ n+1 streams each unit as soon as its update is written. The update is torch's fu
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -34,6 +35,8 @@ class HostAdamW:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._scratch: torch.Tensor | None = None
+        self.waited_s = 0.0  # time the training thread spent blocked on updates (exposed optimizer time)
+        self.update_s = 0.0  # wall time of the last full update
 
     def launch(self, lr: float, clip_coef: float) -> None:
         """Start the update of every unit with this step's gradients; returns at once."""
@@ -46,12 +49,17 @@ class HostAdamW:
 
     def wait_unit(self, u: int) -> None:
         with self._cv:
-            self._cv.wait_for(lambda: self._done > u or self._error is not None)
+            if self._done <= u and self._error is None:
+                t0 = time.perf_counter()
+                self._cv.wait_for(lambda: self._done > u or self._error is not None)
+                self.waited_s += time.perf_counter() - t0
         self._raise()
 
     def wait_all(self) -> None:
         if self._thread is not None:
+            t0 = time.perf_counter()
             self._thread.join()
+            self.waited_s += time.perf_counter() - t0
             self._thread = None
         self._raise()
 
@@ -62,6 +70,7 @@ class HostAdamW:
 
     def _run(self, lr: float, clip_coef: float) -> None:
         try:
+            t0 = time.perf_counter()
             if self.threads:
                 torch.set_num_threads(self.threads)
             for u, unit in enumerate(self.store.units):
@@ -70,6 +79,7 @@ class HostAdamW:
                 with self._cv:
                     self._done = u + 1
                     self._cv.notify_all()
+            self.update_s = time.perf_counter() - t0
         except BaseException as exc:  # surfaced to the training thread at its next wait
             with self._cv:
                 self._error = exc

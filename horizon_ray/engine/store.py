@@ -1,12 +1,13 @@
 """Host store: every parameter, gradient and AdamW moment of the model, in host RAM, one flat buffer per
 unit and kind. The device never owns a parameter; it borrows the ``wire`` copy of a unit for a while.
 
-Per parameter, mode "exact": master fp32 (4 B) + m, v fp32 (8 B) + gradient in the compute dtype
-(4 or 2 B) + a wire copy in the compute dtype when it differs from the master's (2 B for bf16): 16 B in
-both compute dtypes. The embedding and head units keep fp32 gradients in every mode (2 B more for their
-parameters with bf16 compute): they leave the device straight from the fp32 accumulator, which spares the
-device a cast buffer of [vocab x hidden]. Mode "bf16-state": master, m, v and gradient in bf16, the master
-is the wire: 8 B.
+Bytes per parameter, by mode:
+- "exact", float32 compute: master fp32 (4) + m, v fp32 (8) + gradient fp32 (4); the master is the wire: 16.
+- "exact", bfloat16 compute: master fp32 (4) + m, v fp32 (8) + one bf16 buffer (2) that is the wire copy of
+  the weights and, between a unit's backward and its update, its gradient: 14. The wire's last reader in
+  a step is the unit's backward, the gradient's first writer comes after it, and the update reads the
+  gradient chunk by chunk before it writes the new wire chunk over it.
+- "bf16-state": master, m, v, gradient in bf16; the master is the wire: 8.
 On CUDA the wire and gradient buffers are pinned (pageable copies run at a seventh of the speed), once,
 unit by unit, at start.
 """
@@ -26,8 +27,8 @@ class UnitState:
     master: torch.Tensor  # flat, master dtype: the authoritative weights
     exp_avg: torch.Tensor  # AdamW first moment
     exp_avg_sq: torch.Tensor  # AdamW second moment
-    grad: torch.Tensor  # flat, gradient of the last step (already summed over micro-batches)
-    wire: torch.Tensor  # flat, compute dtype: what crosses to the device (may alias master)
+    grad: torch.Tensor  # flat, gradient of the step (summed over micro-batches); may alias wire
+    wire: torch.Tensor  # flat, compute dtype: what crosses to the device; may alias master or grad
     step: torch.Tensor  # float32 scalar, AdamW step count (torch.optim.AdamW keeps it as a tensor)
 
 
@@ -39,18 +40,21 @@ class HostStore:
         self.master_dtype = master_dtype
         self.pinned = pin
         self.units: list[UnitState] = []
-        for i, layout in enumerate(layouts):
+        # the gradient shares the wire's buffer when the wire is a narrowed copy of the master
+        self.grad_is_wire = master_dtype != compute_dtype
+        for layout in layouts:
             n = layout.numel
-            end_unit = i in (0, len(layouts) - 1)
-            grad_dtype = torch.float32 if end_unit else compute_dtype
-            master = torch.empty(n, dtype=master_dtype, pin_memory=pin and master_dtype == compute_dtype)
-            wire = master if master_dtype == compute_dtype else torch.empty(n, dtype=compute_dtype, pin_memory=pin)
+            master = torch.empty(n, dtype=master_dtype, pin_memory=pin and not self.grad_is_wire)
+            if self.grad_is_wire:
+                wire = grad = torch.zeros(n, dtype=compute_dtype, pin_memory=pin)
+            else:
+                wire, grad = master, torch.zeros(n, dtype=compute_dtype, pin_memory=pin)
             self.units.append(UnitState(
                 layout=layout,
                 master=master,
                 exp_avg=torch.zeros(n, dtype=master_dtype),
                 exp_avg_sq=torch.zeros(n, dtype=master_dtype),
-                grad=torch.zeros(n, dtype=grad_dtype, pin_memory=pin),
+                grad=grad,
                 wire=wire,
                 step=torch.tensor(0.0),
             ))
@@ -64,6 +68,11 @@ class HostStore:
         if unit.wire is not unit.master:
             unit.wire.copy_(unit.master)
 
+    def refresh_all_wires(self) -> None:
+        """Rebuild every wire from the master, e.g. after a step failed with gradients in the wire."""
+        for u in self.units:
+            self.refresh_wire(u)
+
     def bytes_by_kind(self) -> dict[str, int]:
         """Host bytes the store holds, by kind (what the planner predicts)."""
         out = {"master": 0, "moments": 0, "grads": 0, "wire": 0}
@@ -71,6 +80,6 @@ class HostStore:
             out["master"] += u.master.nbytes
             out["moments"] += u.exp_avg.nbytes + u.exp_avg_sq.nbytes
             out["grads"] += u.grad.nbytes
-            if u.wire is not u.master:
+            if u.wire is not u.master and u.wire is not u.grad:
                 out["wire"] += u.wire.nbytes
         return out

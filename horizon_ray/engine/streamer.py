@@ -221,26 +221,34 @@ class Streamer:
             if acc.data_ptr() != unit.grad.data_ptr():
                 unit.grad.copy_(acc)
             return
-        src = acc
-        staged = unit.grad.dtype != acc.dtype
-        if staged:
+        if self._stage is None:
+            self._d2h(unit.grad, acc)
+            self._acc_free[id(self._acc_buffer_of(acc))] = self._last_d2h
+            return
+        # narrowed piece by piece through the two layer-sized staging buffers, so that the vocab-sized
+        # units need no cast buffer of their own
+        size = self._stage[0].numel()
+        for lo in range(0, acc.numel(), size):
+            hi = min(lo + size, acc.numel())
             i = self._stage_next
             self._stage_next ^= 1
             if self._stage_free[i] is not None:
                 self.compute.wait_event(self._stage_free[i])  # staging buffer drained by its last D2H
-            src = self._stage[i][:acc.numel()]
-            src.copy_(acc)
-        done_on_compute = torch.cuda.Event()
-        done_on_compute.record(self.compute)
+            piece = self._stage[i][: hi - lo]
+            piece.copy_(acc[lo:hi])
+            self._d2h(unit.grad[lo:hi], piece)
+            self._stage_free[i] = self._last_d2h
+        self._acc_free[id(self._acc_buffer_of(acc))] = self._last_d2h
+
+    def _d2h(self, host: torch.Tensor, dev: torch.Tensor) -> None:
+        produced = torch.cuda.Event()
+        produced.record(self.compute)
         with torch.cuda.stream(self.d2h):
             # the gradient is final only once the compute stream has finished writing it
-            self.d2h.wait_event(done_on_compute)
-            unit.grad.copy_(src, non_blocking=True)
-            drained = torch.cuda.Event()
-            drained.record(self.d2h)
-        self._acc_free[id(self._acc_buffer_of(acc))] = drained
-        if staged:
-            self._stage_free[i] = drained
+            self.d2h.wait_event(produced)
+            host.copy_(dev, non_blocking=True)
+            self._last_d2h = torch.cuda.Event()
+            self._last_d2h.record(self.d2h)
 
     def _acc_buffer_of(self, acc: torch.Tensor) -> torch.Tensor:
         for buf in self._acc.values():
@@ -266,6 +274,14 @@ class Streamer:
         if self._stage is not None:
             out["grad_staging"] = sum(b.nbytes for b in self._stage)
         return out
+
+    def reset(self) -> None:
+        """Forget a step's in-flight state after it failed: wait for the device, drop stashed tensors."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self._stashed.clear()
+        self._returning.clear()
+        self.norm_sq.zero_()
 
     def host_checkpoint_bytes(self) -> int:
         return sum(b.nbytes for b in self._host_pool.values())

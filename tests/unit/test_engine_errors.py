@@ -99,3 +99,23 @@ def test_failed_save_leaves_no_output(model_dir, tmp_path, monkeypatch):
         eng.save_pretrained(tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary directory left either
+
+
+def test_non_finite_gradient_skips_the_update_and_restores_the_wire(model_dir, monkeypatch):
+    """With bf16 compute the gradient shares the wire's buffer; a step abandoned after its backward must
+    give the wire back the weights, and leave the master untouched."""
+    eng = Engine.from_pretrained(model_dir, EngineConfig(compute_dtype="bfloat16"))
+    assert eng.store.grad_is_wire
+    before = [u.master.clone() for u in eng.store.units]
+    real = eng.streamer.finish_backward
+    monkeypatch.setattr(eng.streamer, "finish_backward", lambda: real() * float("inf"))
+    ids = torch.randint(0, V, (2, 8))
+    with pytest.raises(FloatingPointError, match="update was skipped"):
+        eng.train_step([(ids, ids)])
+    assert eng.step == 0
+    for u, m in zip(eng.store.units, before):
+        assert torch.equal(u.master, m)
+        assert torch.equal(u.wire, m.to(torch.bfloat16))
+    monkeypatch.setattr(eng.streamer, "finish_backward", real)
+    fresh = Engine.from_pretrained(model_dir, EngineConfig(compute_dtype="bfloat16"))
+    assert eng.train_step([(ids, ids)]) == fresh.train_step([(ids, ids)])
