@@ -56,7 +56,7 @@ def host_rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run(args) -> dict:
+def run(args) -> list[dict]:
     cfg = shape_config(args.shape, args.layers)
     t0 = time.perf_counter()
     rss0 = host_rss()
@@ -66,18 +66,27 @@ def run(args) -> dict:
                                                offload_checkpoints={"auto": "auto", "true": True,
                                                                     "false": False}[args.offload]))
     init_s = time.perf_counter() - t0
+    cuda = eng.device.type == "cuda"
+    if cuda and args.gpu_budget_gib:
+        # enforce the budget: an allocation past it fails as it would on a smaller GPU
+        total = torch.cuda.get_device_properties(eng.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.gpu_budget_gib * 2**30 / total, eng.device)
+    results = []
+    for accum in [int(a) for a in str(args.accum).split(",")]:
+        results.append(_measure(eng, cfg, args, accum, rss0, init_s))
+    eng.close()
+    return results
+
+
+def _measure(eng, cfg, args, accum, rss0, init_s) -> dict:
     V = cfg["vocab_size"]
     g = torch.Generator().manual_seed(0)
     batches = [[(ids, ids) for ids in (torch.randint(0, V, (args.micro, args.seq), generator=g)
-                                      for _ in range(args.accum))] for _ in range(2)]
+                                      for _ in range(accum))] for _ in range(2)]
     cuda = eng.device.type == "cuda"
     times, waits, updates = [], [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-        if args.gpu_budget_gib:
-            # enforce the budget: an allocation past it fails as it would on a smaller GPU
-            total = torch.cuda.get_device_properties(eng.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(args.gpu_budget_gib * 2**30 / total, eng.device)
     for step in range(args.warmup + args.steps):
         if cuda:
             torch.cuda.synchronize()
@@ -87,15 +96,15 @@ def run(args) -> dict:
         times.append(time.perf_counter() - s)
         waits.append(eng.optimizer.waited_s)
         updates.append(eng.optimizer.update_s)
-    eng.close()
+    eng.optimizer.wait_all()
     timed = times[args.warmup:]
     step_s = statistics.median(timed)
-    tokens = args.micro * args.accum * args.seq
+    tokens = args.micro * accum * args.seq
     flops = model_flops_per_token(cfg, args.seq) * tokens / step_s
     mem = eng.memory_report()
     return dict(
         system="horizon-ray", shape=args.shape, layers=cfg["num_hidden_layers"], params=eng.num_params,
-        mode="exact", dtype=args.dtype, seq_len=args.seq, micro=args.micro, accum=args.accum,
+        mode="exact", dtype=args.dtype, seq_len=args.seq, micro=args.micro, accum=accum,
         checkpoint_every=args.checkpoint_every, tokens_per_step=tokens, step_s=round(step_s, 4),
         step_times=[round(t, 4) for t in timed], tokens_per_s=round(tokens / step_s, 1),
         model_tflops=round(flops / 1e12, 1), mfu_measured=round(flops / MEASURED_BF16_FLOPS, 4),
@@ -116,7 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None, help="override the layer count of the shape")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--micro", type=int, default=16)
-    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--accum", default="1", help="gradient accumulation; a comma list runs each on one engine")
     p.add_argument("--checkpoint-every", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="auto")
@@ -127,12 +136,12 @@ def main(argv=None) -> int:
     p.add_argument("--offload", default="auto", choices=["auto", "true", "false"])
     p.add_argument("--out", default=None, help="append the result as a JSON line to this file")
     args = p.parse_args(argv)
-    result = run(args)
-    line = json.dumps(result)
-    print("RESULT", line, flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(line + "\n")
+    for result in run(args):
+        line = json.dumps(result)
+        print("RESULT", line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
     return 0
 
 
