@@ -91,7 +91,7 @@ class EngineConfig:
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(name)
     except RuntimeError as exc:

@@ -44,6 +44,7 @@ class Streamer:
         self._stashed: dict = {}  # checkpoint key -> tensors (device, or pinned host when offloading)
         self._returning: dict = {}  # checkpoint key -> (device tensors, event: their H2D copy landed)
         self._host_pool: dict = {}  # (checkpoint key, micro-batch) -> pinned host buffer, reused each step
+        self._stash_events: list = []  # events: a checkpoint's copy to the host finished, oldest first
 
         if not self.cuda:
             self._slot_unit: dict[int, tuple[int, int]] = {}
@@ -147,6 +148,10 @@ class Streamer:
         if not (self.cuda and self.offload):
             self._stashed[key] = tensors
             return
+        if len(self._stash_events) >= 2:
+            # at most two checkpoints in flight to the host: the activations they hold are freed only
+            # once their copy has read them, so an unbounded lead would grow device memory with L
+            self.compute.wait_event(self._stash_events.pop(0))
         ready = torch.cuda.Event()
         ready.record(self.compute)
         host = []
@@ -159,6 +164,9 @@ class Streamer:
                 # the allocator must not hand t's memory to new work before this copy has read it
                 t.record_stream(self.d2h)
                 host.append(buf)
+            sent = torch.cuda.Event()
+            sent.record(self.d2h)
+        self._stash_events.append(sent)
         self._stashed[key] = host
 
     def prefetch_stash(self, key) -> None:
@@ -281,6 +289,7 @@ class Streamer:
             torch.cuda.synchronize(self.device)
         self._stashed.clear()
         self._returning.clear()
+        self._stash_events.clear()
         self.norm_sq.zero_()
 
     def host_checkpoint_bytes(self) -> int:
