@@ -119,6 +119,50 @@ def _measure(eng, cfg, args, accum, rss0, init_s) -> dict:
     )
 
 
+def optimizer_probe(params: int = 1 << 30, units: int = 4) -> list[dict]:
+    """Host AdamW throughput in the store's real layout (bf16 wire/gradient, fp32 master and moments),
+    by thread placement, thread count, chunk size and clipping."""
+    import threading
+
+    from horizon_ray.engine.model import _unit
+    from horizon_ray.engine.optimizer import HostAdamW
+    from horizon_ray.engine.store import HostStore
+
+    n = params // units
+    store = HostStore([_unit(f"u{i}", [(f"w{i}", "w", (n,))]) for i in range(units)], torch.bfloat16,
+                      torch.float32, pin=torch.cuda.is_available())
+    for u in store.units:
+        u.master.normal_()
+        u.wire.normal_()
+    opt = HostAdamW(store, (0.9, 0.95), 1e-8, 0.01, on_updated=lambda u: None)
+    out = []
+    for where in ("main", "thread"):
+        for threads in (0, max(1, (os.cpu_count() or 4) - 2)):
+            for chunk in (1 << 19, 1 << 21, 1 << 23):
+                for clip in (1.0, 0.5):
+                    opt.chunk = chunk
+
+                    def work(threads=threads, clip=clip):
+                        if threads:
+                            torch.set_num_threads(threads)
+                        for u in store.units:
+                            opt.update(u, 1e-5, clip)
+
+                    t = time.perf_counter()
+                    if where == "main":
+                        work()
+                    else:
+                        th = threading.Thread(target=work)
+                        th.start()
+                        th.join()
+                    dt = time.perf_counter() - t
+                    torch.set_num_threads(os.cpu_count() or 1)
+                    out.append(dict(where=where, threads=threads or torch.get_num_threads(), chunk=chunk, clip=clip,
+                                    g_params_per_s=round(params / dt / 1e9, 3)))
+                    print("OPT", json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen2.5-7b", choices=sorted(SHAPES))
@@ -135,7 +179,11 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-budget-gib", type=float, default=None, help="cap the process's GPU memory")
     p.add_argument("--offload", default="auto", choices=["auto", "true", "false"])
     p.add_argument("--out", default=None, help="append the result as a JSON line to this file")
+    p.add_argument("--optimizer-probe", action="store_true", help="only measure the host AdamW variants")
     args = p.parse_args(argv)
+    if args.optimizer_probe:
+        optimizer_probe()
+        return 0
     for result in run(args):
         line = json.dumps(result)
         print("RESULT", line, flush=True)

@@ -3,7 +3,7 @@
 Clipping is exact by deferral: the step's global gradient norm is known when the backward sweep ends, so
 the update of step n runs after it, in forward order (embedding, layers, head), while the forward of step
 n+1 streams each unit as soon as its update is written. The update is torch's fused CPU AdamW kernel
-(torch.optim.AdamW(fused=True) semantics) with the clip coefficient folded into its grad_scale.
+(torch.optim.AdamW(fused=True) semantics), after the gradient chunk is multiplied by the clip coefficient.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class HostAdamW:
         self.weight_decay = weight_decay
         self.on_updated = on_updated  # called with the unit index once its new weights are on the wire
         self.threads = threads
+        self.chunk = _CHUNK
         self._cv = threading.Condition()
         self._done = len(store.units)  # units of the current update already written
         self._thread: threading.Thread | None = None
@@ -87,28 +88,37 @@ class HostAdamW:
                 self._cv.notify_all()
 
     def update(self, unit, lr: float, clip_coef: float) -> None:
-        """One AdamW step of a unit, then its wire copy, chunk by chunk so that each chunk's master is
-        still in cache when the narrow copy for the device is cut from it."""
+        """One AdamW step of a unit, then its wire copy, chunk by chunk so that each chunk is still in
+        cache between the widening (and clipping) of its gradient, the update and the narrowing of its
+        weights for the wire."""
         unit.step += 1
-        # clip_grad_norm_ multiplies the gradients by min(1, max_norm / (norm + 1e-6)); fused AdamW
-        # divides them by grad_scale (in place, so the host keeps the clipped gradient, as torch does).
-        scale = None if clip_coef >= 1.0 else torch.tensor(1.0 / clip_coef)
         widen = unit.grad.dtype != unit.master.dtype
         narrow = unit.wire is not unit.master
+        clip = clip_coef < 1.0
         n = unit.master.numel()
-        step = _CHUNK if widen or narrow else n
+        step = self.chunk if widen or narrow or clip else n
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             grad = unit.grad[lo:hi]
+            # clip_grad_norm_ multiplies every gradient by min(1, max_norm / (norm + 1e-6)); so does this,
+            # in place, so the host keeps the clipped gradient as torch does. (The fused kernel's own
+            # grad_scale divides in a separate, slower pass.)
             if widen:
-                if self._scratch is None or self._scratch.dtype != unit.master.dtype:
-                    self._scratch = torch.empty(_CHUNK, dtype=unit.master.dtype)
-                grad = self._scratch[: hi - lo].copy_(grad)
+                if self._scratch is None or self._scratch.numel() < hi - lo:
+                    self._scratch = torch.empty(self.chunk, dtype=unit.master.dtype)
+                wide = self._scratch[: hi - lo]
+                if clip:
+                    torch.mul(grad, clip_coef, out=wide)
+                else:
+                    wide.copy_(grad)
+                grad = wide
+            elif clip:
+                grad.mul_(clip_coef)
             torch._fused_adamw_(
                 [unit.master[lo:hi]], [grad], [unit.exp_avg[lo:hi]], [unit.exp_avg_sq[lo:hi]], [],
                 [unit.step], lr=lr, beta1=self.betas[0], beta2=self.betas[1],
                 weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False,
-                grad_scale=scale, found_inf=None,
+                grad_scale=None, found_inf=None,
             )
             if narrow:
                 unit.wire[lo:hi].copy_(unit.master[lo:hi])
