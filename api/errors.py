@@ -1,0 +1,183 @@
+"""The one place that turns errors into HTTP responses.
+
+Every error body is ``{"error": {"code": str, "message": str, ...}}``; validation errors add ``field`` (the
+dotted name of the first bad field) and ``details``. Domain errors of the coordinator map to a status by
+their type; anything unexpected becomes a 500 with a fixed message. A traceback never leaves the process.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from horizon_ray.cluster.errors import (
+    CoordinatorUnavailable,
+    EngineCrashed,
+    HorizonError,
+    IdempotencyConflict,
+    InvalidRequest,
+    InvalidSpec,
+    InvalidTransition,
+    JobNotFound,
+    JobRejected,
+    QuotaExceeded,
+)
+
+log = logging.getLogger("api")
+
+# Domain error type -> HTTP status. Subclasses resolve through the MRO, HorizonError itself last.
+DOMAIN_STATUS: dict[type[HorizonError], int] = {
+    InvalidSpec: 422,
+    InvalidRequest: 422,
+    JobRejected: 422,
+    QuotaExceeded: 429,
+    JobNotFound: 404,
+    InvalidTransition: 409,
+    IdempotencyConflict: 409,
+    EngineCrashed: 500,
+    CoordinatorUnavailable: 503,
+    HorizonError: 400,
+}
+
+# Default codes for bare HTTP errors raised by the framework (unknown route, wrong method, ...).
+HTTP_CODES: dict[int, str] = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    406: "not_acceptable",
+    409: "conflict",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "validation_error",
+    429: "rate_limited",
+    500: "internal_error",
+    503: "unavailable",
+}
+
+
+class ApiError(Exception):
+    """An HTTP-level error raised by the API's own code (bad path in a spec, missing file, ...)."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        field: str | None = None,
+        headers: dict[str, str] | None = None,
+        **details: Any,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+        self.headers = headers
+        self.details = details
+
+
+def error_body(code: str, message: str, *, field: str | None = None, details: Any = None) -> dict[str, Any]:
+    err: dict[str, Any] = {"code": code, "message": message}
+    if field is not None:
+        err["field"] = field
+    if details:
+        err["details"] = jsonable_encoder(details)
+    return {"error": err}
+
+
+def error_response(
+    status: int,
+    code: str,
+    message: str,
+    *,
+    field: str | None = None,
+    details: Any = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(code, message, field=field, details=details), status_code=status,
+                        headers=headers)
+
+
+def domain_status(exc: HorizonError) -> int:
+    for cls in type(exc).__mro__:
+        if cls in DOMAIN_STATUS:
+            return DOMAIN_STATUS[cls]
+    return 400
+
+
+def spec_error_field(message: str) -> str | None:
+    """Best-effort field name out of a JobSpec ValueError ("training.lr is ...", "unknown key 'x.y'")."""
+    if message.startswith("unknown key '"):
+        return message[len("unknown key '"):].split("'", 1)[0]
+    head = message.split(" ", 1)[0].rstrip(":,;")
+    if head and all(part.replace("_", "").replace("[", "").replace("]", "").isalnum()
+                    for part in head.split(".")) and ("." in head or "_" in head):
+        return head
+    return None
+
+
+def _loc_to_field(loc: tuple | list, kind: str) -> str:
+    if kind == "json_invalid":  # loc holds a character offset, not a field
+        return "body"
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or ".".join(str(p) for p in loc)
+
+
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc.status, exc.code, exc.message, field=exc.field, details=exc.details,
+                          headers=exc.headers)
+
+
+async def _domain_error(request: Request, exc: HorizonError) -> JSONResponse:
+    status = domain_status(exc)
+    field = exc.details.get("field") if isinstance(exc.details.get("field"), str) else None
+    if isinstance(exc, InvalidRequest) and field is None:
+        field = spec_error_field(exc.message)
+    if status >= 500:
+        log.warning("domain error %s on %s %s: %s", exc.code, request.method, request.url.path, exc.message)
+    return error_response(status, exc.code, exc.message, field=field,
+                          details={k: v for k, v in exc.details.items() if k != "field"})
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    details = [
+        {"field": _loc_to_field(e.get("loc", ()), e.get("type", "")), "message": e.get("msg", ""),
+         "type": e.get("type", "")}
+        for e in errors
+    ]
+    first = details[0] if details else {"field": "", "message": "invalid request"}
+    message = f"{first['field']}: {first['message']}" if first["field"] else first["message"]
+    return error_response(422, "validation_error", message, field=first["field"] or None, details=details)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = HTTP_CODES.get(exc.status_code, "http_error")
+    message = exc.detail if isinstance(exc.detail, str) else code.replace("_", " ")
+    if exc.status_code == 404 and message == "Not Found":
+        message = f"no route {request.method} {request.url.path}"
+    elif exc.status_code == 405 and message == "Method Not Allowed":
+        message = f"{request.method} is not allowed on {request.url.path}"
+    return error_response(exc.status_code, code, message, headers=getattr(exc, "headers", None))
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(500, "internal_error", "internal server error; the server log has the details")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(HorizonError, _domain_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

@@ -1,0 +1,199 @@
+"""Tenant datasets: uploaded through the API, stored in the tenant's own namespace, listed and deleted by it.
+
+``POST /files`` takes the JSONL file as the raw request body (``?filename=train.jsonl&format=auto``),
+streams it to disk under the upload limit (413 beyond), checks every line with the data loaders of
+``horizon_ray.data`` and keeps it as ``<tenant>/files/file-<id>.jsonl`` next to a small metadata file.
+A job spec then names it by id (``data.path: file-...``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import FileResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.auth import Tenant, current_tenant
+from api.errors import ApiError
+from api.paths import FILE_ID_RE
+from api.schemas import ERROR_RESPONSES, ErrorBody, FileList, FileObject
+
+router = APIRouter(tags=["files"])
+
+NDJSON = "application/x-ndjson"
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._ -]")
+_REFUSED_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+
+
+def _clean_filename(name: str) -> str:
+    base = name.replace("\\", "/").rsplit("/", 1)[-1]
+    base = _SAFE_NAME.sub("_", base).strip(" .") or "upload.jsonl"
+    return base[:128]
+
+
+def _meta_path(files_dir: Path, file_id: str) -> Path:
+    return files_dir / f"{file_id}.json"
+
+
+def _data_path(files_dir: Path, file_id: str) -> Path:
+    return files_dir / f"{file_id}.jsonl"
+
+
+def _check_dataset(path: Path, fmt: str, filename: str) -> tuple[str, int]:
+    """(detected format, number of examples); ValueError naming the bad line otherwise."""
+    from horizon_ray.data.formats import detect_format, load_file
+
+    try:
+        examples = load_file(path, fmt)
+        detected = detect_format(path) if fmt == "auto" else fmt
+    except UnicodeDecodeError:
+        raise ValueError(f"{filename}: not UTF-8 text; upload a UTF-8 JSONL file") from None
+    except ValueError as exc:
+        # The loaders name the file on disk; the tenant knows it by its upload name.
+        raise ValueError(str(exc).replace(str(path), filename)) from None
+    if not examples:
+        raise ValueError(f"{filename}: holds no example; add JSONL lines in alpaca, messages or text format")
+    return detected, len(examples)
+
+
+def _read_meta(files_dir: Path, file_id: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(_meta_path(files_dir, file_id).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _file_id_or_404(file_id: str) -> str:
+    if not FILE_ID_RE.fullmatch(file_id):
+        raise ApiError(404, "not_found", f"no file {file_id!r}")
+    return file_id
+
+
+@router.post(
+    "/files",
+    status_code=201,
+    response_model=FileObject,
+    summary="Upload a JSONL dataset (raw request body)",
+    responses={**ERROR_RESPONSES, 415: {"model": ErrorBody, "description": "sent as a form, not a raw body"}},
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                NDJSON: {"schema": {"type": "string", "format": "binary"}},
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            },
+        }
+    },
+)
+async def upload_file(
+    request: Request,
+    response: Response,
+    tenant: Annotated[Tenant, Depends(current_tenant)],
+    filename: Annotated[str, Query(min_length=1, max_length=255, description="name to show")] = "data.jsonl",
+    format: Annotated[str, Query(pattern="^(auto|alpaca|messages|text)$")] = "auto",
+) -> FileObject:
+    content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if content_type in _REFUSED_TYPES:
+        raise ApiError(415, "unsupported_media_type",
+                       "send the JSONL file as the raw request body (Content-Type: application/x-ndjson), "
+                       "not as a form")
+    files_dir = tenant.files_dir
+    await run_in_threadpool(files_dir.mkdir, parents=True, exist_ok=True)
+    file_id = f"file-{secrets.token_hex(12)}"
+    name = _clean_filename(filename)
+    part = files_dir / f".{file_id}.part"
+    sha = hashlib.sha256()
+    size = 0
+    ok = False
+    try:
+        with open(part, "wb") as out:
+            # The body limit middleware raises once the stream passes max_upload_bytes.
+            async for chunk in request.stream():
+                if chunk:
+                    size += len(chunk)
+                    sha.update(chunk)
+                    await run_in_threadpool(out.write, chunk)
+        if size == 0:
+            raise ApiError(422, "invalid_file", "the upload is empty; send a JSONL file as the body",
+                           field="body")
+        try:
+            detected, count = await run_in_threadpool(_check_dataset, part, format, name)
+        except ValueError as exc:
+            raise ApiError(422, "invalid_file", str(exc), field="body") from None
+        meta = {
+            "id": file_id,
+            "object": "file",
+            "filename": name,
+            "bytes": size,
+            "created_at": time.time(),
+            "format": detected,
+            "num_examples": count,
+            "sha256": sha.hexdigest(),
+        }
+        os.replace(part, _data_path(files_dir, file_id))
+        _meta_path(files_dir, file_id).write_text(json.dumps(meta))
+        ok = True
+    finally:
+        if not ok:
+            part.unlink(missing_ok=True)
+    response.headers["Location"] = f"/files/{file_id}"
+    return FileObject(**meta)
+
+
+@router.get("/files", response_model=FileList, summary="List your uploaded datasets",
+            responses=ERROR_RESPONSES)
+async def list_files(tenant: Annotated[Tenant, Depends(current_tenant)]) -> FileList:
+    files_dir = tenant.files_dir
+
+    def scan() -> list[dict[str, Any]]:
+        if not files_dir.is_dir():
+            return []
+        metas = []
+        for p in files_dir.glob("file-*.json"):
+            meta = _read_meta(files_dir, p.stem)
+            if meta is not None and _data_path(files_dir, p.stem).is_file():
+                metas.append(meta)
+        return sorted(metas, key=lambda m: (-m["created_at"], m["id"]))
+
+    return FileList(data=[FileObject(**m) for m in await run_in_threadpool(scan)])
+
+
+@router.get("/files/{file_id}", response_model=FileObject, summary="One uploaded dataset",
+            responses=ERROR_RESPONSES)
+async def get_file(file_id: str, tenant: Annotated[Tenant, Depends(current_tenant)]) -> FileObject:
+    meta = _read_meta(tenant.files_dir, _file_id_or_404(file_id))
+    if meta is None:
+        raise ApiError(404, "not_found", f"no file {file_id!r}")
+    return FileObject(**meta)
+
+
+@router.get("/files/{file_id}/content", summary="Download an uploaded dataset", response_class=FileResponse,
+            responses={**ERROR_RESPONSES, 200: {"content": {NDJSON: {"schema": {"type": "string"}}},
+                                                "description": "the JSONL file as uploaded"}})
+async def get_file_content(file_id: str, tenant: Annotated[Tenant, Depends(current_tenant)]) -> FileResponse:
+    files_dir = tenant.files_dir
+    meta = _read_meta(files_dir, _file_id_or_404(file_id))
+    path = _data_path(files_dir, file_id)
+    if meta is None or not path.is_file():
+        raise ApiError(404, "not_found", f"no file {file_id!r}")
+    return FileResponse(path, media_type=NDJSON, filename=meta["filename"])
+
+
+@router.delete("/files/{file_id}", response_model=FileObject, summary="Delete an uploaded dataset",
+               responses=ERROR_RESPONSES)
+async def delete_file(file_id: str, tenant: Annotated[Tenant, Depends(current_tenant)]) -> FileObject:
+    files_dir = tenant.files_dir
+    meta = _read_meta(files_dir, _file_id_or_404(file_id))
+    if meta is None:
+        raise ApiError(404, "not_found", f"no file {file_id!r}")
+    _data_path(files_dir, file_id).unlink(missing_ok=True)
+    _meta_path(files_dir, file_id).unlink(missing_ok=True)
+    return FileObject(**{**meta, "deleted": True})

@@ -1,0 +1,236 @@
+"""Job routes: create, read, list, cancel, events (JSON and server-sent events), checkpoints, outputs.
+
+The same routes are mounted under ``/finetune`` and, as a mirror, ``/v1/fine_tuning/jobs``. Every route
+takes its ``Tenant`` from the one auth dependency, so another tenant's job is a 404 from the coordinator.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import anyio
+from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
+from fastapi import Path as PathParam
+from fastapi.responses import FileResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.auth import Tenant, current_tenant
+from api.errors import ApiError
+from api.paths import PathPolicy, confine, confine_spec, safe_relative
+from api.schemas import (
+    CANCEL_RESPONSES,
+    ERROR_RESPONSES,
+    JOB_CREATE_RESPONSES,
+    CheckpointList,
+    EventList,
+    JobList,
+    JobObject,
+    OutputFile,
+    OutputList,
+    checkpoint_object,
+    event_object,
+    job_object,
+)
+from horizon_ray.cluster.errors import HorizonError
+from horizon_ray.cluster.messages import JobEvent, JobStatus
+
+JOB_ID = Annotated[str, PathParam(min_length=1, max_length=64, description="job id, job-<hex>")]
+SPEC_BODY = Annotated[
+    dict[str, Any],
+    Body(description="a job spec: the same schema as the YAML file `horizon-ray finetune` reads",
+         openapi_examples={"tiny": {"summary": "a small run", "value": {
+             "model": {"path": "tiny-llama"}, "data": {"path": "file-0123456789abcdef01234567"},
+             "training": {"max_steps": 20, "lr": 1e-4, "seq_len": 128}}}}),
+]
+SSE_MEDIA = "text/event-stream"
+OCTETS = "application/octet-stream"
+MAX_SEQ = 2**62  # event sequence numbers fit the job store's 64-bit integers
+
+log = logging.getLogger("api")
+
+
+def checked_spec(tenant: Tenant, spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec with its paths confined to what the tenant may read (422 naming the field otherwise).
+
+    The coordinator validates the rest strictly (InvalidSpec -> 422 naming the field)."""
+    return confine_spec(spec, PathPolicy(tenant.settings, tenant.name))
+
+
+def job_routes(base: str) -> APIRouter:
+    """The job routes under `base` (e.g. "/finetune")."""
+    router = APIRouter(prefix=base, tags=["jobs"])
+
+    @router.post("", status_code=201, response_model=JobObject, responses=JOB_CREATE_RESPONSES,
+                 summary="Create a fine-tuning job")
+    async def create_job(
+        spec: SPEC_BODY,
+        response: Response,
+        tenant: Annotated[Tenant, Depends(current_tenant)],
+        idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255,
+                                                      description="a retried create with the same key "
+                                                                  "returns the same job")] = None,
+        priority: Annotated[int, Query(ge=-1000, le=1000, description="higher runs first among your "
+                                                                      "queued jobs")] = 0,
+    ) -> JobObject:
+        record = await tenant.call("submit", checked_spec(tenant, spec), idempotency_key=idempotency_key,
+                                   priority=priority)
+        response.headers["Location"] = f"{base}/{record.id}"
+        return job_object(record, base)
+
+    @router.get("", response_model=JobList, responses=ERROR_RESPONSES, summary="List your jobs, newest first")
+    async def list_jobs(
+        tenant: Annotated[Tenant, Depends(current_tenant)],
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        after: Annotated[str | None, Query(min_length=1, max_length=64,
+                                           description="id of the last job of the previous page")] = None,
+        status: Annotated[JobStatus | None, Query(description="only jobs in this state")] = None,
+    ) -> JobList:
+        records, has_more = await tenant.call("list", limit=limit, after=after, status=status)
+        data = [job_object(r, base) for r in records]
+        return JobList(data=data, has_more=has_more, first_id=data[0].id if data else None,
+                       last_id=data[-1].id if data else None)
+
+    @router.get("/{job_id}", response_model=JobObject, responses=ERROR_RESPONSES, summary="One job")
+    async def get_job(job_id: JOB_ID, tenant: Annotated[Tenant, Depends(current_tenant)]) -> JobObject:
+        return job_object(await tenant.call("get", job_id), base)
+
+    @router.post("/{job_id}/cancel", response_model=JobObject, responses=CANCEL_RESPONSES,
+                 summary="Cancel a job (queued: at once; running: once its engine stopped)")
+    async def cancel_job(job_id: JOB_ID, tenant: Annotated[Tenant, Depends(current_tenant)]) -> JobObject:
+        return job_object(await tenant.call("cancel", job_id), base)
+
+    @router.get(
+        "/{job_id}/events",
+        response_model=EventList,
+        responses={**ERROR_RESPONSES, 200: {"content": {SSE_MEDIA: {"schema": {"type": "string"}}},
+                                             "description": "JSON list, or with `Accept: text/event-stream` "
+                                                            "a stream of typed events (status, metrics, "
+                                                            "checkpoint, memory, error, then end)"}},
+        summary="A job's events, as a JSON page or a server-sent-events stream",
+    )
+    async def job_events(
+        request: Request,
+        job_id: JOB_ID,
+        tenant: Annotated[Tenant, Depends(current_tenant)],
+        after: Annotated[int, Query(ge=0, le=MAX_SEQ, description="only events with seq > after")] = 0,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=32,
+                                                    include_in_schema=False)] = None,
+    ):
+        if SSE_MEDIA in request.headers.get("accept", ""):
+            start = after
+            if last_event_id and last_event_id.strip().isdigit():
+                start = max(start, min(int(last_event_id.strip()), MAX_SEQ))
+            await tenant.call("get", job_id)  # 404 as JSON before the stream starts
+            return StreamingResponse(
+                sse_stream(request, tenant, job_id, start),
+                media_type=SSE_MEDIA,
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        events: list[JobEvent] = await tenant.call("events", job_id, after)
+        page = events[:limit]
+        return EventList(data=[event_object(e) for e in page], has_more=len(events) > limit,
+                         last_seq=page[-1].seq if page else after)
+
+    @router.get("/{job_id}/checkpoints", response_model=CheckpointList, responses=ERROR_RESPONSES,
+                summary="A job's complete checkpoints, oldest first")
+    async def job_checkpoints(job_id: JOB_ID, tenant: Annotated[Tenant, Depends(current_tenant)]) -> CheckpointList:
+        return CheckpointList(data=[checkpoint_object(c) for c in await tenant.call("checkpoints", job_id)])
+
+    @router.get("/{job_id}/outputs", response_model=OutputList, responses=ERROR_RESPONSES,
+                summary="Files under a job's output directory (checkpoints, final model, metrics)")
+    async def job_outputs(job_id: JOB_ID, tenant: Annotated[Tenant, Depends(current_tenant)]) -> OutputList:
+        root = await _output_root(tenant, job_id)
+        files = await run_in_threadpool(_walk_outputs, root) if root is not None else []
+        return OutputList(job_id=job_id, data=files)
+
+    @router.get("/{job_id}/outputs/{path:path}", response_class=FileResponse,
+                responses={**ERROR_RESPONSES, 200: {"content": {OCTETS: {"schema": {"type": "string",
+                                                                                    "format": "binary"}}},
+                                                    "description": "the file's bytes"}},
+                summary="Download one file of a job's outputs")
+    async def job_output_file(
+        job_id: JOB_ID, path: str, tenant: Annotated[Tenant, Depends(current_tenant)]
+    ) -> FileResponse:
+        root = await _output_root(tenant, job_id)
+        try:
+            rel = safe_relative("path", path)
+        except ApiError:
+            raise ApiError(404, "not_found", "no such output file") from None
+        target = confine(root / rel, root) if root is not None else None
+        if target is None or not target.is_file():
+            raise ApiError(404, "not_found", "no such output file")
+        return FileResponse(target, media_type=OCTETS, filename=target.name)
+
+    return router
+
+
+async def _output_root(tenant: Tenant, job_id: str) -> Path | None:
+    """The job's output directory, resolved, when it exists inside the tenant's namespace."""
+    record = await tenant.call("get", job_id)
+    root = PathPolicy(tenant.settings, tenant.name).owns_output(record.output_dir or record.spec.get("output_dir"))
+    return root if root is not None and root.is_dir() else None
+
+
+def _walk_outputs(root: Path) -> list[OutputFile]:
+    files: list[OutputFile] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            p = Path(dirpath) / name
+            if confine(p, root) is None:  # a symlink out of the namespace is not an output
+                continue
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            files.append(OutputFile(path=p.relative_to(root).as_posix(), bytes=st.st_size,
+                                    modified_at=st.st_mtime))
+    return files
+
+
+def sse_message(event: JobEvent) -> str:
+    data = json.dumps(event_object(event).model_dump(), separators=(",", ":"))
+    return f"id: {event.seq}\nevent: {event.type.value}\ndata: {data}\n\n"
+
+
+async def sse_stream(request: Request, tenant: Tenant, job_id: str, after: int) -> AsyncIterator[str]:
+    """Events with seq > after, in order, as they happen; ends with an `end` event once the job is terminal
+    and every event was sent. A client that reconnects sends Last-Event-ID and misses nothing."""
+    settings = tenant.settings
+    last = after
+    idle_since = time.monotonic()
+    yield "retry: 2000\n\n"
+    try:
+        # Under ASGI 2.4 servers Starlette stops watching for the client leaving, and a quiet stream writes
+        # nothing that could fail: ask, or a stream of a held job would poll forever.
+        while not await request.is_disconnected():
+            events = await tenant.call("events", job_id, last)
+            for event in events:
+                yield sse_message(event)
+                last = event.seq
+            if events:
+                idle_since = time.monotonic()
+                continue
+            record = await tenant.call("get", job_id)
+            if record.status.is_terminal():
+                for event in await tenant.call("events", job_id, last):
+                    yield sse_message(event)
+                    last = event.seq
+                end = {"job_id": job_id, "status": record.status.value, "last_seq": last}
+                yield f"event: end\ndata: {json.dumps(end)}\n\n"
+                return
+            if time.monotonic() - idle_since >= settings.sse_heartbeat_s:
+                idle_since = time.monotonic()
+                yield ": keep-alive\n\n"
+            await anyio.sleep(settings.sse_poll_s)
+    except HorizonError as exc:
+        # The response has started: no status code can change now. The client reconnects with
+        # Last-Event-ID and gets the JSON error then.
+        log.warning("event stream of %s ended early: %s", job_id, exc.message)

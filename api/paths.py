@@ -1,0 +1,182 @@
+"""Path confinement: what a tenant's job spec may read and where its outputs go.
+
+A tenant names
+- datasets as an uploaded file id (``file-...``, its own only), as a path relative to a configured
+  read-only data root, or as an absolute path inside one;
+- base models (and tokenizers) as a catalogue name, a path relative to a model root, or an absolute path
+  inside one;
+- its output directory as nothing (the coordinator makes one per job) or a path relative to its own
+  output namespace.
+Anything else is refused with a 422 that names the field: absolute paths elsewhere, ``..`` components,
+``~``, symlinks that resolve outside their root, and any path into another tenant's namespace.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from api.errors import ApiError
+from api.settings import ApiSettings
+
+FILE_ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
+
+
+def refuse(field: str, message: str) -> ApiError:
+    return ApiError(422, "path_not_allowed", f"{field}: {message}", field=field)
+
+
+def is_within(path: Path, root: Path) -> bool:
+    """True when the (already resolved) `path` is `root` or lies under it."""
+    return path == root or path.is_relative_to(root)
+
+
+def safe_relative(field: str, value: str) -> PurePosixPath:
+    """A relative path with no `..`, no `~`, no empty or NUL parts; raises the 422 otherwise."""
+    if "\x00" in value:
+        raise refuse(field, "contains a NUL byte")
+    if value.startswith("~"):
+        raise refuse(field, "'~' paths are not allowed; name a file under the configured roots")
+    rel = PurePosixPath(value.replace("\\", "/"))
+    if rel.is_absolute():
+        raise refuse(field, "must be a relative path")
+    if any(part == ".." for part in rel.parts):
+        raise refuse(field, "'..' is not allowed in paths")
+    if not rel.parts or rel == PurePosixPath("."):
+        raise refuse(field, "is empty")
+    return rel
+
+
+def confine(path: Path, root: Path) -> Path | None:
+    """`path` fully resolved (symlinks followed), or None when that falls outside `root`."""
+    resolved = Path(os.path.realpath(path))
+    return resolved if is_within(resolved, Path(os.path.realpath(root))) else None
+
+
+class PathPolicy:
+    """Resolves the paths of one tenant's spec against the configured roots."""
+
+    def __init__(self, settings: ApiSettings, tenant: str):
+        self.settings = settings
+        self.tenant = tenant
+        self.files_dir = settings.files_dir(tenant)
+        self.outputs_dir = settings.outputs_dir(tenant)
+
+    # ---- inputs --------------------------------------------------------------------------------------
+
+    def dataset(self, field: str, value: str) -> str:
+        """Absolute path of a readable dataset file named by `value`."""
+        if FILE_ID_RE.fullmatch(value):
+            path = self.files_dir / f"{value}.jsonl"
+            if not path.is_file():
+                raise ApiError(422, "file_not_found", f"{field}: no uploaded file {value!r}", field=field)
+            return str(path)
+        return str(self._under_roots(field, value, self.settings.data_roots, "data", want_dir=False))
+
+    def model(self, field: str, value: str) -> str:
+        """Absolute path of a base-model (or tokenizer) directory named by `value`."""
+        if value in self.settings.model_catalogue:
+            target = self.settings.model_catalogue[value]
+            for root in self.settings.model_roots:
+                found = confine(target, root)
+                if found is not None and found.is_dir():
+                    return str(found)
+            raise refuse(field, f"catalogue entry {value!r} is not a directory under a model root")
+        return str(self._under_roots(field, value, self.settings.model_roots, "model", want_dir=True))
+
+    def _under_roots(self, field: str, value: str, roots: list[Path], kind: str, *, want_dir: bool) -> Path:
+        if not roots:
+            raise refuse(field, f"this server has no {kind} roots configured; "
+                                + ("upload the dataset with POST /files and use its file id"
+                                   if kind == "data" else "ask the operator for a model catalogue"))
+        if os.path.isabs(value):
+            if "\x00" in value or any(part == ".." for part in PurePosixPath(value).parts):
+                raise refuse(field, "'..' is not allowed in paths")
+            candidates = [(Path(value), root) for root in roots if is_within(Path(value), root)]
+            if not candidates:
+                raise refuse(field, f"absolute path outside the configured {kind} roots")
+        else:
+            rel = safe_relative(field, value)
+            candidates = [(root / rel, root) for root in roots]
+        for candidate, root in candidates:
+            if not os.path.lexists(candidate):
+                continue
+            found = confine(candidate, root)
+            if found is None:
+                raise refuse(field, f"resolves outside the configured {kind} roots (symlink)")
+            self._not_other_tenant(field, found)
+            if want_dir and found.is_dir() or not want_dir and found.is_file():
+                return found
+            raise refuse(field, f"is not a {'directory' if want_dir else 'file'}")
+        raise ApiError(422, "path_not_found", f"{field}: {value!r} was not found under the {kind} roots",
+                       field=field)
+
+    def _not_other_tenant(self, field: str, path: Path) -> None:
+        # A root that (mis)contains the tenants' namespaces must not open another tenant's files.
+        for base in self.settings.namespace_roots:
+            everyone = Path(os.path.realpath(base))
+            own = Path(os.path.realpath(base / self.tenant))
+            if is_within(path, everyone) and not is_within(path, own):
+                raise refuse(field, "points into another tenant's namespace")
+
+    # ---- outputs -------------------------------------------------------------------------------------
+
+    def output_dir(self, value: str) -> str:
+        """A tenant-named output directory, inside the tenant's output namespace."""
+        rel = safe_relative("output_dir", value)
+        path = self.outputs_dir / rel
+        if confine(path, self.outputs_dir) is None:
+            raise refuse("output_dir", "resolves outside your output namespace (symlink)")
+        return str(path)
+
+    def owns_output(self, output_dir: str | None) -> Path | None:
+        """The resolved output directory of a job when it lies in this tenant's namespace."""
+        if not output_dir:
+            return None
+        return confine(Path(output_dir), self.outputs_dir)
+
+
+def confine_spec(spec: dict[str, Any], policy: PathPolicy) -> dict[str, Any]:
+    """A copy of `spec` whose paths are resolved and confined; raises ApiError (422) naming the field.
+
+    Without an output_dir the coordinator gives the job `<jobs_root>/<tenant>/<job id>`."""
+    if not isinstance(spec, dict):
+        raise ApiError(422, "validation_error", "the job spec must be a JSON object", field="body")
+    out = dict(spec)
+    model = _section(out, "model")
+    data = _section(out, "data")
+    for section, key, resolve, required in (
+        (model, "path", policy.model, True),
+        (model, "tokenizer_path", policy.model, False),
+        (data, "path", policy.dataset, True),
+        (data, "eval_path", policy.dataset, False),
+    ):
+        name = f"{'model' if section is model else 'data'}.{key}"
+        value = section.get(key)
+        if value is None or value == "":
+            if required:
+                raise ApiError(422, "validation_error", f"{name} is required", field=name)
+            continue
+        if not isinstance(value, str):
+            raise ApiError(422, "validation_error", f"{name} must be a string", field=name)
+        section[key] = resolve(name, value)
+    output = out.get("output_dir")
+    if output is not None and not isinstance(output, str):
+        raise ApiError(422, "validation_error", "output_dir must be a string", field="output_dir")
+    if output:
+        out["output_dir"] = policy.output_dir(output)
+    else:
+        out.pop("output_dir", None)
+    return out
+
+
+def _section(spec: dict[str, Any], key: str) -> dict[str, Any]:
+    value = spec.get(key)
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise ApiError(422, "validation_error", f"{key} must be an object", field=key)
+    spec[key] = dict(value)
+    return spec[key]

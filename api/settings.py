@@ -1,0 +1,143 @@
+"""Settings of the HTTP front end: API keys, the roots tenants may read, where their files live, limits.
+
+Built once, at the edge, by ``ApiSettings.from_env()`` (or by hand in tests) and handed to
+``create_app``; nothing below reads the environment again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+# A tenant name becomes a directory name: keep it to a safe alphabet.
+TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+ENV_KEYS = "HORIZON_API_KEYS"  # "key1=tenant-a,key2=tenant-b"
+ENV_KEYS_FILE = "HORIZON_API_KEYS_FILE"  # YAML/JSON mapping key -> tenant, or {"keys": {...}}
+ENV_UPLOADS_DIR = "HORIZON_UPLOADS_DIR"  # tenants' uploaded datasets: <dir>/<tenant>/
+ENV_JOBS_ROOT = "HORIZON_JOBS_ROOT"  # the coordinator's jobs_root: outputs live in <root>/<tenant>/
+ENV_DATA_ROOTS = "HORIZON_DATA_ROOTS"  # os.pathsep-separated read-only dataset roots
+ENV_MODEL_ROOTS = "HORIZON_MODEL_ROOTS"  # os.pathsep-separated read-only base-model roots
+ENV_MODEL_CATALOGUE = "HORIZON_MODEL_CATALOGUE"  # "name=/models/dir,name2=/models/dir2"
+ENV_MAX_BODY = "HORIZON_API_MAX_BODY_BYTES"
+ENV_MAX_UPLOAD = "HORIZON_API_MAX_UPLOAD_BYTES"
+
+
+@dataclass
+class ApiSettings:
+    """Everything the app needs besides its coordinator client. Paths are resolved once in __post_init__."""
+
+    # bearer API key -> tenant name
+    api_keys: dict[str, str] = field(default_factory=dict)
+    # uploaded datasets: <uploads_dir>/<tenant>/file-<id>.jsonl (on storage every node sees)
+    uploads_dir: Path = Path(".horizon/uploads")
+    # the coordinator's jobs_root: a job's outputs go to <jobs_root>/<tenant>/<job id or given name>/
+    jobs_root: Path = Path(".horizon/jobs")
+    # read-only dataset roots every tenant may name (e.g. shared public datasets)
+    data_roots: list[Path] = field(default_factory=list)
+    # read-only base-model roots; a spec names a model by a path relative to one of them
+    model_roots: list[Path] = field(default_factory=list)
+    # catalogue name -> model directory (must itself lie under a model root)
+    model_catalogue: dict[str, Path] = field(default_factory=dict)
+    # largest JSON request body; larger ones get 413
+    max_body_bytes: int = 1 << 20
+    # largest dataset upload through POST /files; larger ones get 413
+    max_upload_bytes: int = 1 << 30
+    # how often an SSE stream polls the coordinator for new events, seconds
+    sse_poll_s: float = 0.25
+    # SSE comment line sent when nothing happened for this long, seconds (keeps proxies from closing)
+    sse_heartbeat_s: float = 15.0
+    # mirror the job routes under /v1/fine_tuning/jobs
+    openai_mirror: bool = True
+
+    def __post_init__(self) -> None:
+        for key, tenant in self.api_keys.items():
+            if not key or not key.strip():
+                raise ValueError("an API key is empty; give every tenant a non-empty key")
+            if not TENANT_RE.fullmatch(tenant):
+                raise ValueError(
+                    f"tenant name {tenant!r} is not allowed; use letters, digits, '_', '.', '-' (max 64)"
+                )
+        self.uploads_dir = Path(self.uploads_dir).resolve()
+        self.jobs_root = Path(self.jobs_root).resolve()
+        self.data_roots = [Path(p).resolve() for p in self.data_roots]
+        self.model_roots = [Path(p).resolve() for p in self.model_roots]
+        self.model_catalogue = {name: Path(p).resolve() for name, p in self.model_catalogue.items()}
+        if self.max_body_bytes <= 0 or self.max_upload_bytes <= 0:
+            raise ValueError("max_body_bytes and max_upload_bytes must be positive")
+
+    def files_dir(self, tenant: str) -> Path:
+        """Where a tenant's uploaded datasets live."""
+        return self.uploads_dir / tenant
+
+    def outputs_dir(self, tenant: str) -> Path:
+        """Where a tenant's job outputs (checkpoints, final model, adapter) live."""
+        return self.jobs_root / tenant
+
+    @property
+    def namespace_roots(self) -> tuple[Path, Path]:
+        """The directories holding every tenant's namespace."""
+        return (self.uploads_dir, self.jobs_root)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> ApiSettings:
+        """Settings from HORIZON_* variables; keyword overrides win."""
+        env = os.environ if environ is None else environ
+        keys: dict[str, str] = {}
+        if env.get(ENV_KEYS_FILE):
+            keys.update(load_api_keys_file(env[ENV_KEYS_FILE]))
+        if env.get(ENV_KEYS):
+            keys.update(parse_api_keys(env[ENV_KEYS]))
+        kwargs: dict = {"api_keys": keys}
+        if env.get(ENV_UPLOADS_DIR):
+            kwargs["uploads_dir"] = Path(env[ENV_UPLOADS_DIR])
+        if env.get(ENV_JOBS_ROOT):
+            kwargs["jobs_root"] = Path(env[ENV_JOBS_ROOT])
+        if env.get(ENV_DATA_ROOTS):
+            kwargs["data_roots"] = [Path(p) for p in env[ENV_DATA_ROOTS].split(os.pathsep) if p]
+        if env.get(ENV_MODEL_ROOTS):
+            kwargs["model_roots"] = [Path(p) for p in env[ENV_MODEL_ROOTS].split(os.pathsep) if p]
+        if env.get(ENV_MODEL_CATALOGUE):
+            kwargs["model_catalogue"] = {name: Path(p) for name, p in
+                                         _pairs(env[ENV_MODEL_CATALOGUE], ENV_MODEL_CATALOGUE).items()}
+        if env.get(ENV_MAX_BODY):
+            kwargs["max_body_bytes"] = int(env[ENV_MAX_BODY])
+        if env.get(ENV_MAX_UPLOAD):
+            kwargs["max_upload_bytes"] = int(env[ENV_MAX_UPLOAD])
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+
+def parse_api_keys(text: str) -> dict[str, str]:
+    """``"key1=tenant-a,key2=tenant-b"`` -> ``{"key1": "tenant-a", "key2": "tenant-b"}``."""
+    return _pairs(text, ENV_KEYS)
+
+
+def _pairs(text: str, what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise ValueError(f"{what}: entry {item!r} is not NAME=VALUE; write a=x,b=y (e.g. key1=tenant-a)")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def load_api_keys_file(path: str | Path) -> dict[str, str]:
+    """A YAML or JSON file holding ``{key: tenant}`` or ``{"keys": {key: tenant}}``."""
+    text = Path(path).read_text()
+    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    if isinstance(data, dict) and set(data) == {"keys"}:
+        data = data["keys"]
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        raise ValueError(f"{path}: expected a mapping of API key -> tenant name")
+    return dict(data)

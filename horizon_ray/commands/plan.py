@@ -1,0 +1,137 @@
+"""``horizon-ray plan``: host RAM, GPU memory and step time of a job on a node, before anything runs.
+
+    horizon-ray plan --model qwen2.5-7b [--mode exact] [--seq-len 1024 --micro-batch-size 16 ...]
+                     [--node-ram 125.9GiB --gpu-mem 141GB] [--json]
+    horizon-ray plan --config job.yaml            # a job spec, as `horizon-ray finetune` would run it
+    horizon-ray plan --max-model qwen2.5 --node-ram 512GiB [--mode exact]
+    horizon-ray plan --list-presets
+
+Exit codes: 0 the job fits (or the listing worked), 1 it does not fit (or no model of the family fits),
+2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", metavar="NAME|PATH",
+                      help="a preset (see --list-presets), an HF model directory or a config.json")
+    what.add_argument("--config", metavar="JOB.yaml", help="plan a job spec (model, training and engine fields)")
+    what.add_argument("--max-model", metavar="FAMILY",
+                      help="the largest model of a family (qwen2.5, llama-3, dense, all) that fits the node")
+    what.add_argument("--list-presets", action="store_true", help="list the known model shapes")
+
+    job = parser.add_argument_group("job (defaults: the job spec's)")
+    job.add_argument("--method", choices=("full", "lora"), default="full")
+    job.add_argument("--mode", help="precision mode: exact (default), bf16-weights, bf16-state, lora")
+    job.add_argument("--seq-len", type=int)
+    job.add_argument("--micro-batch-size", type=int)
+    job.add_argument("--grad-accum", type=int)
+    job.add_argument("--checkpoint-every", type=int, metavar="K", help="keep one layer input every K layers")
+    job.add_argument("--loss-chunk-tokens", type=int)
+    job.add_argument("--packed", action="store_true", help="packed rows (an attention mask per micro-batch)")
+    job.add_argument("--compute-dtype", default="auto", choices=("auto", "bfloat16", "float32"))
+    job.add_argument("--device", default="auto", help="auto (cuda when the node has a GPU), cuda, cpu")
+    job.add_argument("--lora-rank", type=int, default=16)
+    job.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                     help="comma-separated projections that get an adapter")
+
+    node = parser.add_argument_group("node (defaults: the H200 box of ceilings.md)")
+    node.add_argument("--node-ram", metavar="BYTES", help="host RAM, e.g. 125.9GiB, 1.5TiB, 512Gi")
+    node.add_argument("--gpu-mem", metavar="BYTES", help="memory of one GPU, e.g. 141GB, 80GiB")
+    node.add_argument("--gpus", type=int, help="GPUs on the node (0: a CPU node)")
+    node.add_argument("--gpu-budget", metavar="BYTES", help="GPU memory the job may use (default: all of it)")
+    node.add_argument("--reserve", type=float, help="share of RAM kept free (default 0.05)")
+    node.add_argument("--efficiency", type=float, help="share of the 786.5 TFLOP/s a layer sustains (0.55)")
+    node.add_argument("--pinned", choices=("pow2", "exact"),
+                      help="how pinned buffers are sized: pow2 (torch's caching host allocator, the engine "
+                           "today) or exact (cudaHostRegister)")
+
+    parser.add_argument("--scan-depth", action="store_true",
+                        help="with --max-model: also stack the next larger preset's layer as deep as fits")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _node(args):
+    from dataclasses import replace
+
+    from horizon_ray.planner import H200_NODE, parse_bytes
+
+    node = H200_NODE
+    kw = {}
+    if args.node_ram is not None:
+        kw["ram_bytes"] = parse_bytes(args.node_ram)
+    if args.gpu_mem is not None:
+        kw["gpu_mem_bytes"] = parse_bytes(args.gpu_mem)
+    if args.gpus is not None:
+        kw["gpus"] = args.gpus
+    if args.reserve is not None:
+        kw["reserve_fraction"] = args.reserve
+    if args.efficiency is not None:
+        if not 0 < args.efficiency <= 1:
+            raise ValueError(f"--efficiency must lie in (0, 1], got {args.efficiency}")
+        kw["ceilings"] = replace(node.ceilings, compute_efficiency=args.efficiency)
+    if kw:
+        node = replace(node, name="custom", **kw)
+    return node
+
+
+def run(args: argparse.Namespace) -> int:
+    from horizon_ray import planner
+
+    if args.list_presets:
+        rows = [{"name": s.name, "params": s.num_params, "layers": s.num_layers, "hidden": s.hidden_size,
+                 "intermediate": s.intermediate_size, "heads": s.num_heads, "kv_heads": s.num_kv_heads,
+                 "vocab": s.vocab_size, "tied": s.tie_word_embeddings, "note": s.note}
+                for s in planner.PRESETS.values()]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            for r in rows:
+                print(f"{r['name']:<20} {planner.human_params(r['params']):>8}  L={r['layers']:<4} "
+                      f"H={r['hidden']:<6} I={r['intermediate']:<6} heads={r['heads']}/{r['kv_heads']} "
+                      f"V={r['vocab']}{' tied' if r['tied'] else ''}")
+        return 0
+
+    node = _node(args)
+    budget = planner.parse_bytes(args.gpu_budget) if args.gpu_budget else None
+    pinned = {} if args.pinned is None else {"pinned_pow2": args.pinned == "pow2"}
+    job = {"seq_len": args.seq_len, "micro_batch_size": args.micro_batch_size, "grad_accum": args.grad_accum,
+           "checkpoint_every": args.checkpoint_every, "loss_chunk_tokens": args.loss_chunk_tokens,
+           "compute_dtype": args.compute_dtype, "device": args.device, "packed": args.packed,
+           "gpu_budget_bytes": budget, **pinned}
+
+    if args.max_model:
+        found = planner.max_model(args.max_model, node, args.mode or "exact", scan_depth=args.scan_depth, **job)
+        if args.json:
+            print(json.dumps(found.to_dict(), indent=2))
+        else:
+            for t in found.tried:
+                print(f"{t['model']:<26} {planner.human_params(t['params']):>8}  host "
+                      f"{planner.format_bytes(t['host_bytes']):>11}  gpu {planner.format_bytes(t['gpu_bytes']):>10}"
+                      f"  {'fits' if t['fits'] else 'does not fit'}")
+            if found.shape is None:
+                print(f"\nno model of family {found.family} fits this node in mode {found.mode}")
+            else:
+                print(f"\nlargest that fits in mode {found.mode}: {found.shape.name} "
+                      f"({planner.human_params(found.shape.num_params)} params)")
+        return 0 if found.shape is not None else 1
+
+    if args.config:
+        from horizon_ray.jobspec import JobSpec
+
+        spec = JobSpec.from_yaml(args.config)
+        p = planner.plan_for_spec(spec, node, gpu_budget_bytes=budget)
+    else:
+        lora = None
+        if args.method == "lora" or args.mode == "lora":
+            targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+            lora = planner.LoraSpec(rank=args.lora_rank, targets=targets)
+        p = planner.plan(args.model, method="lora" if args.mode == "lora" else args.method, mode=args.mode,
+                         node=node, lora=lora, **job)
+    print(json.dumps(p.to_dict(), indent=2) if args.json else planner.format_plan(p))
+    return 0 if p.fits else 1

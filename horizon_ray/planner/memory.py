@@ -1,0 +1,229 @@
+"""Host and GPU bytes of one job, item by item, as the engine allocates them.
+
+Host (``horizon_ray.engine.store`` / ``streamer``): the per-unit buffers of the mode (see ``modes``), the
+activation checkpoints (offloaded to pinned host buffers on CUDA, the engine's default), the rounding of
+pinned buffers, the optimizer's scratch chunk, the process baseline, and the load's transient: loading
+materialises one tensor at a time before copying it into its unit (the safetensors read, or
+from_config's random init), at most an fp32 tensor of the model's largest shape. The load ends before
+the first step allocates the checkpoint buffers and the scratch chunk, so ``load_staging`` counts only
+what the load needs beyond those (the host peak is the larger of the two phases). On device "cpu" the
+engine's device-side working set (checkpoints, a layer's autograd workspace, the loss chunk) lives in
+host RAM and is counted there.
+
+GPU (``streamer`` and ``engine``), c = bytes of the compute dtype, T = tokens of the optimizer step (all
+micro-batches), m = tokens of one row group (a micro-batch split at layer_chunk_tokens), K = checkpoint
+interval, L = layers:
+
+    weight_slots       2 x min(K, L) x layer x c     two groups of K layer slots (a block + the next one)
+    embed_slot         V x H x c
+    head_slot          (H [+ V x H untied]) x c
+    grad_accumulators  fp32: 2 x layer + (V x H + H if tied, else one V x H shared by embed and head)
+    grad_staging       2 x layer x c                 a layer's gradient cast before D2H (bf16 only)
+    checkpoints        offloaded: 2 x T x H x c      the block's checkpoint back on the device and the next
+                                                     one returning; not offloaded: ceil(L/K) x T x H x c
+    recompute_inputs   (min(K, L) - 1) x T x H x c   the block's other inputs, recomputed in backward
+    hidden_states      2 x T x H x c                 a layer's input and output lists (dL/dy and dL/dx)
+    layer_workspace    one row group through one layer under autograd (LAYER_* coefficients below)
+                       + the layer's weight gradients, returned at once by torch.autograd.grad
+    loss_workspace     chunk x V x (12 + 2c) + V x H x c   logits (c, fp32), log-softmax, their grads;
+                       dL/dW of the LM head as autograd returns it
+    rope_and_masks     cos/sin tables 2 x T x head_dim x c, ids/targets 16 x T, packing masks T x seq
+    allocator_slack    ALLOCATOR_SLACK x the items above: caching-allocator rounding and fragmentation
+    cuda_context       CUDA_CONTEXT_BYTES: context, cuBLAS and SDPA workspaces (outside torch's allocator)
+
+The activation coefficients are a model of what ``layers.decoder_layer`` keeps for its backward. On the
+H200 box (2026-11-29, seq 1024, micro-batch 16, bf16) torch's peak reserved memory was 95 % (Qwen2.5-1.5B,
+32k tokens, K=1), 93 % (same, K=4) and 85 % (Qwen2.5-7B, 64k tokens, K=4) of the plan without the CUDA
+context; the host's pinned bytes (torch.cuda.host_memory_stats) equalled the plan's pinned bytes exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from horizon_ray.planner.modes import DTYPE_BYTES, ParamBytes, PrecisionMode
+from horizon_ray.planner.node import MiB
+from horizon_ray.planner.shapes import LoraSpec, ModelShape, ceil_div
+
+# RSS of a process that imported torch and built an engine, beyond the engine's own buffers.
+# Measured: CPU build on the dev machine: 277 MiB after `import torch`, 326 MiB after a first matmul
+# (thread pools). CUDA build on the H200 box: 492 MiB after `import torch`, 615 MiB with a CUDA context,
+# 825 MiB after cuBLAS and SDPA ran; with the engine training (Qwen2.5-1.5B K=1 / K=4, Qwen2.5-7B K=4,
+# bf16, 2026-11-29) the RSS exceeded the planned buffers by 1.23 / 0.99 / 1.18 GiB. Rounded up.
+PROCESS_BASELINE_BYTES = {"cpu": 512 * MiB, "cuda": 1536 * MiB}
+
+# GPU memory the CUDA context and library workspaces take outside torch's caching allocator.
+CUDA_CONTEXT_BYTES = 512 * MiB
+
+# Share added to the torch-allocated GPU items for the caching allocator's rounding and fragmentation.
+ALLOCATOR_SLACK = 0.05
+
+# Engine defaults the plan depends on (EngineConfig; a unit test keeps them equal).
+OPTIMIZER_SCRATCH_ELEMENTS = 1 << 21  # optimizer._CHUNK: the scratch chunk that widens gradients
+LAYER_CHUNK_TOKENS = 8192  # EngineConfig.layer_chunk_tokens: micro-batches split into row groups
+
+# Pinned host buffers go through torch's CachingHostAllocator, which rounds every allocation up to the
+# next power of two (measured on the H200 box: pinning 600 MiB adds 1 GiB of RSS, 1.5 GiB adds 2 GiB).
+# The engine pins each unit's wire and gradient buffer, and each offloaded checkpoint, on its own
+# (pin_memory=True), so this is True today; set it False once the engine pins with cudaHostRegister or
+# carves its buffers out of power-of-two arenas.
+PINNED_POW2_ROUNDING = True
+
+# What decoder_layer keeps for backward for one row group, in elements per token (times c bytes):
+# hidden-sized: norm1 out, o_proj out, residual, norm2 out, down out, output; q-sized: q, q after RoPE,
+# SDPA out, its reshape, k and v repeated to every head; kv-sized: k, v, k after RoPE; MLP: gate,
+# silu(gate), up, their product.
+LAYER_SAVED_H, LAYER_SAVED_Q, LAYER_SAVED_KV, LAYER_SAVED_I = 6, 6, 3, 4
+# fp32 bytes per token per hidden unit: the two RMSNorms' float32 copies of their input.
+LAYER_SAVED_FP32_H = 2
+# Gradients alive at the peak of the layer's backward, elements per token: MLP and attention.
+LAYER_BACKWARD_I, LAYER_BACKWARD_Q = 3, 3
+
+
+def largest_tensor(shape: ModelShape) -> int:
+    """Elements of the model's largest single tensor."""
+    return max(shape.embed_params, *(i * o for i, o in shape.linear_shapes().values()))
+
+
+def pow2ceil(n: int) -> int:
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def pinned_padding(nbytes: int, pow2: bool) -> int:
+    return pow2ceil(nbytes) - nbytes if pow2 else 0
+
+
+@dataclass(frozen=True)
+class Job:
+    """The training parameters the plan depends on."""
+
+    seq_len: int  # tokens per sequence
+    micro_batch_size: int  # sequences per micro-batch
+    grad_accum: int  # micro-batches per optimizer step
+    checkpoint_every: int  # K
+    loss_chunk_tokens: int  # tokens per chunk of LM head + cross-entropy
+    packed: bool  # packed rows: a [B, 1, S, S] attention mask per micro-batch
+    layer_chunk_tokens: int = LAYER_CHUNK_TOKENS  # micro-batches run through a layer in row groups of this
+    offload_checkpoints: bool | None = None  # None: the engine's "auto" (offloaded on CUDA)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.micro_batch_size * self.grad_accum
+
+    @property
+    def rows_per_group(self) -> int:
+        return min(self.micro_batch_size, max(1, self.layer_chunk_tokens // self.seq_len))
+
+    @property
+    def group_tokens(self) -> int:
+        """Tokens of one row group: what one layer call processes at once."""
+        return self.rows_per_group * self.seq_len
+
+    def row_groups(self) -> list[int]:
+        """Rows of each row group of the step (every micro-batch split at layer_chunk_tokens)."""
+        r, mb = self.rows_per_group, self.micro_batch_size
+        return [min(r, mb - lo) for lo in range(0, mb, r)] * self.grad_accum
+
+    def offloads(self, device: str) -> bool:
+        return device == "cuda" if self.offload_checkpoints is None else self.offload_checkpoints and device == "cuda"
+
+
+def host_breakdown(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, device: str, job: Job,
+                   lora: LoraSpec | None, pinned_pow2: bool = PINNED_POW2_ROUNDING) -> tuple[dict[str, int], int]:
+    """(host bytes by item, of which pinned). Items sum to the host bytes. ``pinned_pow2``: each pinned
+    buffer takes the next power of two (torch's caching host allocator)."""
+    cuda = device == "cuda"
+    c = DTYPE_BYTES[compute_dtype]
+    out = {"weights": 0, "master": 0, "moments": 0, "grads": 0, "checkpoints": 0, "pinned_padding": 0,
+           "optimizer_scratch": 0, "load_staging": 0, "workspace": 0, "baseline": PROCESS_BASELINE_BYTES[device]}
+    pinned = 0
+
+    def pin(nbytes: int) -> None:
+        nonlocal pinned
+        if cuda and nbytes:
+            pinned += nbytes
+            out["pinned_padding"] += pinned_padding(nbytes, pinned_pow2)
+
+    def add(n: int, pb: ParamBytes) -> None:
+        out["master"] += n * pb.master
+        out["moments"] += n * pb.moments
+        out["grads"] += n * pb.grads
+        out["weights"] += n * pb.wire
+        for nbytes in (n * pb.master if pb.master_is_wire else 0, n * pb.wire, n * pb.grads):
+            pin(nbytes)
+
+    kinds = [mode.base(compute_dtype)]
+    for _, n in shape.units():
+        add(n, kinds[0])
+    if mode.method == "lora":
+        for _ in range(shape.num_layers):
+            add(lora.layer_params(shape), mode.adapter())
+            kinds.append(mode.adapter())
+    widening = [pb for pb in kinds if pb.widens]
+    if widening:
+        out["optimizer_scratch"] = OPTIMIZER_SCRATCH_ELEMENTS * max(pb.master for pb in widening)
+
+    n_checkpoints = ceil_div(shape.num_layers, min(job.checkpoint_every, max(shape.num_layers, 1)))
+    if job.offloads(device):
+        # one pinned buffer per checkpoint and row group, [rows, seq, H] in the compute dtype
+        for rows in job.row_groups():
+            nbytes = rows * job.seq_len * shape.hidden_size * c
+            out["checkpoints"] += n_checkpoints * nbytes
+            for _ in range(n_checkpoints):
+                pin(nbytes)
+    pinned += out["pinned_padding"]
+    if not cuda:
+        dev = device_items(shape, mode, compute_dtype, job, lora, cuda=False)
+        out["checkpoints"] = dev.pop("checkpoints") + dev.pop("recompute_inputs")
+        out["workspace"] = sum(dev.values())
+    step_transient = out["checkpoints"] + out["optimizer_scratch"] + out["workspace"]
+    out["load_staging"] = max(0, 4 * largest_tensor(shape) - step_transient)
+    return out, pinned
+
+
+def device_items(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, job: Job, lora: LoraSpec | None,
+                 cuda: bool = True) -> dict[str, int]:
+    """The engine's device-side working set, by item (on CPU the same work runs in host RAM)."""
+    c = DTYPE_BYTES[compute_dtype]
+    H, V, L = shape.hidden_size, shape.vocab_size, shape.num_layers
+    K = min(job.checkpoint_every, max(L, 1))
+    T, m = job.tokens_per_step, job.group_tokens
+    layer = shape.layer_params
+    full = mode.method == "full"
+    trained_layer = layer if full else lora.layer_params(shape)
+    out: dict[str, int] = {}
+    if cuda:
+        out["weight_slots"] = 2 * K * layer * c
+        out["embed_slot"] = shape.embed_params * c
+        out["head_slot"] = shape.head_params * c
+        if full:
+            ends = (shape.embed_params + shape.head_params if shape.tie_word_embeddings
+                    else max(shape.embed_params, shape.head_params))
+            out["grad_accumulators"] = 4 * (2 * layer + ends)
+            if c != 4:
+                out["grad_staging"] = 2 * layer * c
+        else:  # adapters only; fp32 adapters leave without a cast
+            out["grad_accumulators"] = 4 * 2 * trained_layer
+    elif full and c != 4:
+        # on the CPU an fp32 gradient is accumulated in its host buffer; a bf16 layer's in a temporary
+        # fp32 buffer, one at a time
+        out["grad_accumulators"] = 4 * layer
+    resident = 2 if (cuda and job.offloads("cuda")) else ceil_div(L, K)
+    out["checkpoints"] = min(resident, ceil_div(L, K)) * T * H * c
+    out["recompute_inputs"] = (K - 1) * T * H * c
+    out["hidden_states"] = 2 * T * H * c
+    saved = m * (c * (LAYER_SAVED_H * H + LAYER_SAVED_Q * shape.q_dim + LAYER_SAVED_KV * shape.kv_dim
+                      + LAYER_SAVED_I * shape.intermediate_size) + 4 * LAYER_SAVED_FP32_H * H)
+    transient = m * c * (LAYER_BACKWARD_I * shape.intermediate_size + LAYER_BACKWARD_Q * shape.q_dim)
+    out["layer_workspace"] = saved + transient + trained_layer * c
+    chunk = min(job.loss_chunk_tokens, m)
+    out["loss_workspace"] = chunk * V * (12 + 2 * c) + (shape.embed_params * c if full else 0)
+    masks = T * job.seq_len if job.packed else 0
+    if job.packed and not cuda:
+        # the CPU's SDPA takes its math path under a mask: scores, softmax and its grad per head
+        masks += 3 * m * shape.num_heads * job.seq_len * c
+    out["rope_and_masks"] = 2 * T * shape.head_dim * c + 16 * T + masks
+    if cuda:
+        out["allocator_slack"] = int(ALLOCATOR_SLACK * sum(out.values()))
+        out["cuda_context"] = CUDA_CONTEXT_BYTES
+    return out

@@ -1,0 +1,100 @@
+"""A node as the planner sees it: RAM, GPU memory and the measured ceilings that set the step time.
+
+Defaults describe the project's GPU box (``/work/shared/ceilings.md``): one H200, 16 Sapphire Rapids
+cores, 125.9 GiB of host RAM. Every rate is a measurement on that box, not a datasheet number, except
+where a field says otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "ki": KiB, "kib": KiB, "mi": MiB, "mib": MiB, "gi": GiB, "gib": GiB, "ti": TiB, "tib": TiB,
+}
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """``"125GiB"`` -> 134217728000. IEC suffixes (KiB, MiB, GiB, TiB, or Kubernetes' Ki, Mi, Gi, Ti) are
+    powers of 1024; SI ones (KB, MB, GB, TB, K, M, G, T) powers of 1000, so "1.5TB" is 1.5e12 bytes, 9 %
+    less than the 1.5 TiB a server with 1536 GiB of DIMMs has. A bare number is bytes."""
+    if isinstance(text, bool):
+        raise ValueError(f"not a byte size: {text!r}")
+    if isinstance(text, (int, float)):
+        if text < 0:
+            raise ValueError(f"a byte size cannot be negative: {text!r}")
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(f"not a byte size: {text!r}; write e.g. 125GiB, 1.5TiB, 512Gi or 141GB")
+    return int(round(float(m.group(1)) * _UNITS[unit]))
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in GiB (or MiB below 1 GiB), the unit the reasons and tables speak."""
+    if abs(n) >= GiB:
+        return f"{n / GiB:.1f} GiB"
+    return f"{n / MiB:.0f} MiB"
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """Measured rates of the box (ceilings.md, 2026-11-29, one run each: take them as +-5 %)."""
+
+    matmul_flops: float = 786.5e12  # bf16 dense matmul, FLOP/s (datasheet 989.5e12)
+    compute_efficiency: float = 0.55  # assumed share of matmul_flops a streamed layer sustains (see timing)
+    h2d_bytes_per_s: float = 55.4e9  # pinned host -> device
+    d2h_bytes_per_s: float = 55.3e9  # pinned device -> host
+    duplex_bytes_per_s: float = 101.7e9  # both directions at once, in total
+    adam_params_per_s: float = 4.33e9  # torch fused CPU AdamW, fp32, 16 threads, no copies running
+    adam_params_per_s_with_copies: float = 2.70e9  # the same while full-duplex pinned copies run
+    adam_bytes_per_param: float = 28.0  # bytes the measured AdamW moved per parameter (fp32 g, p, m, v)
+    cpu_flops: float = 1.0e12  # device="cpu" only: sustained fp32 FLOP/s of the host (rough, not measured)
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    ram_bytes: int = int(125.9 * GiB)  # host RAM (ceilings.md: 125.9 GiB on the H200 box)
+    gpu_mem_bytes: int = 143771 * MiB  # memory of one GPU (nvidia-smi on the H200 box: 143771 MiB)
+    gpus: int = 1  # GPUs on the node; one job uses one GPU
+    reserve_fraction: float = 0.05  # share of RAM kept free for the OS, page cache and other processes
+    ceilings: Ceilings = field(default_factory=Ceilings)
+    name: str = "h200"
+
+    def __post_init__(self):
+        if self.ram_bytes <= 0:
+            raise ValueError(f"node RAM must be > 0 bytes, got {self.ram_bytes}")
+        if self.gpu_mem_bytes < 0 or self.gpus < 0:
+            raise ValueError("GPU memory and GPU count must be >= 0")
+        if not 0 <= self.reserve_fraction < 1:
+            raise ValueError(f"reserve_fraction must lie in [0, 1), got {self.reserve_fraction}")
+
+    @property
+    def usable_ram_bytes(self) -> int:
+        """RAM a job may plan to use: the node's RAM less the reserve."""
+        return int(self.ram_bytes * (1 - self.reserve_fraction))
+
+    def ram_needed_for(self, host_bytes: int) -> int:
+        """The smallest node RAM whose usable share holds host_bytes."""
+        return int(host_bytes / (1 - self.reserve_fraction)) + 1
+
+    @classmethod
+    def from_node_info(cls, info, **overrides) -> NodeSpec:
+        """From anything with the cluster's NodeInfo fields (ram_bytes, gpu_count, gpu_memory_bytes)."""
+        kw = {"ram_bytes": int(info.ram_bytes), "gpus": int(getattr(info, "gpu_count", 0) or 0),
+              "gpu_mem_bytes": int(getattr(info, "gpu_memory_bytes", 0) or 0),
+              "name": str(getattr(info, "node_id", "node"))}
+        kw.update(overrides)
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+H200_NODE = NodeSpec()

@@ -1,0 +1,427 @@
+"""The plan of one job on one node: host and GPU bytes, step time, and whether it fits (and why not)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from horizon_ray.planner.memory import LAYER_CHUNK_TOKENS, PINNED_POW2_ROUNDING, Job, device_items, host_breakdown
+from horizon_ray.planner.modes import DTYPE_BYTES, FIDELITY_ORDER, MODES, get_mode
+from horizon_ray.planner.node import H200_NODE, GiB, NodeSpec, format_bytes
+from horizon_ray.planner.shapes import FAMILIES, PRESETS, LoraSpec, ModelShape, human_params, load_model_shape
+from horizon_ray.planner.timing import step_time
+
+DEVICES = ("cuda", "cpu")
+
+
+@dataclass
+class Plan:
+    """Everything the planner predicts for one job on one node (plain data, JSON-ready via to_dict)."""
+
+    model: str  # preset name or config path
+    params: int  # parameters of the model
+    trainable_params: int  # parameters the optimizer updates (adapters only with LoRA)
+    method: str  # "full" | "lora"
+    mode: str  # precision mode (see modes.MODES)
+    compute_dtype: str  # "bfloat16" | "float32"
+    device: str  # "cuda" | "cpu"
+    seq_len: int
+    micro_batch_size: int
+    grad_accum: int
+    checkpoint_every: int
+    tokens_per_step: int  # seq_len x micro_batch_size x grad_accum
+    host_bytes: int  # host RAM the job needs at its peak, process baseline included
+    gpu_bytes: int  # GPU memory the job needs at its peak (0 on device cpu)
+    pinned_bytes: int  # part of host_bytes that is page-locked (CUDA)
+    host_limit_bytes: int  # usable RAM of the node (RAM less the reserve)
+    gpu_limit_bytes: int  # GPU memory of the node, or the budget given
+    fits: bool  # host_bytes <= host_limit_bytes and gpu_bytes <= gpu_limit_bytes
+    reason: str  # one paragraph: the verdict with numbers, and what would fit when it does not
+    breakdown: dict[str, dict[str, int]]  # {"host": {item: bytes}, "gpu": {item: bytes}}; items sum up
+    bytes_per_param: float  # host bytes per parameter of the mode's state (weights, master, m, v, grads)
+    step_time_s: float  # predicted seconds per optimizer step
+    tokens_per_s: float  # tokens_per_step / step_time_s
+    mfu: float  # model FLOPs (house convention) per second / matmul_flops
+    bound: str  # what sets the step time: gpu compute, pcie, cpu optimizer
+    timing: dict[str, Any]  # the terms of the roofline, seconds and FLOPs
+    gives_up: str  # what the mode costs against exact AdamW
+    engine_supported: bool  # the engine implements this mode today
+    alternatives: list[dict[str, Any]] = field(default_factory=list)  # other modes on this node
+    lora: dict[str, Any] | None = None  # rank and targets, for method lora
+    node: dict[str, Any] = field(default_factory=dict)  # the NodeSpec planned against
+    pinned_pow2: bool = PINNED_POW2_ROUNDING  # pinned buffers rounded up to powers of two (torch's allocator)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _job_defaults() -> dict[str, Any]:
+    """The job spec's defaults, so a plan with no training parameters plans what a job would run."""
+    from horizon_ray.jobspec import EngineSpec, TrainingSpec
+
+    t, e = TrainingSpec(), EngineSpec()
+    return {"seq_len": t.seq_len, "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
+            "checkpoint_every": e.activation_checkpoint_every, "loss_chunk_tokens": e.loss_chunk_tokens,
+            "layer_chunk_tokens": LAYER_CHUNK_TOKENS}
+
+
+def plan(model, *, method: str = "full", mode: str | None = None, seq_len: int | None = None,
+         micro_batch_size: int | None = None, grad_accum: int | None = None, checkpoint_every: int | None = None,
+         compute_dtype: str = "auto", device: str = "cuda", node: NodeSpec | None = None,
+         gpu_budget_bytes: int | None = None, lora: LoraSpec | dict | None = None,
+         loss_chunk_tokens: int | None = None, packed: bool = False, suggest: bool = True,
+         pinned_pow2: bool = PINNED_POW2_ROUNDING, layer_chunk_tokens: int = LAYER_CHUNK_TOKENS,
+         offload_checkpoints: bool | str | None = None) -> Plan:
+    """Plan one job on one node.
+
+    ``model``: a preset name, a config.json path or model directory, an HF config dict, a ModelShape, or a
+    job-spec-like dict ({"model": {"path": ...}, "training": {...}, "engine": {...}}; see plan_for_spec).
+    ``device`` "auto" means cuda when the node has a GPU; ``compute_dtype`` "auto" means bfloat16 on cuda
+    and float32 on cpu (the job spec's rule). ``packed``: rows pack several documents (a mask per
+    micro-batch). ``pinned_pow2``: how the engine pins host buffers (see memory.PINNED_POW2_ROUNDING).
+    ``layer_chunk_tokens`` / ``offload_checkpoints``: the engine's knobs of the same names ("auto" or None:
+    checkpoints offloaded to the host on CUDA).
+    """
+    node = node or H200_NODE
+    if isinstance(model, dict) and "model" in model:
+        return plan_for_spec(model, node, gpu_budget_bytes=gpu_budget_bytes, suggest=suggest)
+    shape = load_model_shape(model)
+    d = _job_defaults()
+    job = Job(seq_len=_pos("seq_len", seq_len, d), micro_batch_size=_pos("micro_batch_size", micro_batch_size, d),
+              grad_accum=_pos("grad_accum", grad_accum, d), checkpoint_every=_pos("checkpoint_every",
+                                                                                  checkpoint_every, d),
+              loss_chunk_tokens=_pos("loss_chunk_tokens", loss_chunk_tokens, d), packed=bool(packed),
+              layer_chunk_tokens=_pos("layer_chunk_tokens", layer_chunk_tokens, d),
+              offload_checkpoints=None if offload_checkpoints in (None, "auto") else bool(offload_checkpoints))
+    device = _device(device, node)
+    if compute_dtype == "auto":
+        compute_dtype = "bfloat16" if device == "cuda" else "float32"
+    if compute_dtype not in DTYPE_BYTES:
+        raise ValueError(f"compute_dtype must be one of auto, {', '.join(DTYPE_BYTES)}; got {compute_dtype!r}")
+    if method not in ("full", "lora"):
+        raise ValueError(f"method must be 'full' or 'lora', got {method!r}")
+    mode = mode or ("lora" if method == "lora" else "exact")
+    pm = get_mode(mode)
+    if pm.method != method:
+        if method == "lora" or mode == "lora":
+            raise ValueError(f"mode {mode!r} goes with method {pm.method!r}; for LoRA use method='lora' "
+                             "(mode 'lora'), for full fine-tuning one of "
+                             f"{', '.join(n for n, m in MODES.items() if m.method == 'full')}")
+    if pm.needs_bf16 and compute_dtype != "bfloat16":
+        raise ValueError(f"mode {mode!r} keeps its weights in bf16 and computes in bfloat16; set "
+                         "compute_dtype='bfloat16' or use mode 'exact'")
+    lora_spec = None
+    if method == "lora":
+        lora_spec = lora if isinstance(lora, LoraSpec) else LoraSpec(**(lora or {}))
+        lora_spec = replace(lora_spec, targets=tuple(lora_spec.targets))
+        lora_spec.validate()
+    return _plan(shape, pm.name, compute_dtype, device, job, node, gpu_budget_bytes, lora_spec, suggest,
+                 pinned_pow2)
+
+
+def _pos(name: str, value: int | None, defaults: dict[str, Any]) -> int:
+    value = defaults[name] if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _device(device: str, node: NodeSpec) -> str:
+    if device == "auto":
+        return "cuda" if node.gpus > 0 else "cpu"
+    head = device.split(":", 1)[0]
+    if head not in DEVICES:
+        raise ValueError(f"device must be auto, cuda, cuda:N or cpu; got {device!r}")
+    return head
+
+
+def _plan(shape: ModelShape, mode: str, compute_dtype: str, device: str, job: Job, node: NodeSpec,
+          gpu_budget_bytes: int | None, lora: LoraSpec | None, suggest: bool, pinned_pow2: bool) -> Plan:
+    pm = MODES[mode]
+    host, pinned = host_breakdown(shape, pm, compute_dtype, device, job, lora, pinned_pow2)
+    gpu = device_items(shape, pm, compute_dtype, job, lora) if device == "cuda" else {}
+    host_bytes, gpu_bytes = sum(host.values()), sum(gpu.values())
+    t = step_time(shape, pm, compute_dtype, device, job, lora, node.ceilings)
+    trainable = shape.num_params if pm.method == "full" else lora.num_params(shape)
+    state = host["weights"] + host["master"] + host["moments"] + host["grads"]
+    gpu_limit = gpu_budget_bytes if gpu_budget_bytes is not None else node.gpu_mem_bytes
+    host_ok = host_bytes <= node.usable_ram_bytes
+    gpu_ok = device == "cpu" or (node.gpus > 0 and gpu_bytes <= gpu_limit)
+    p = Plan(
+        model=shape.name, params=shape.num_params, trainable_params=trainable, method=pm.method, mode=mode,
+        compute_dtype=compute_dtype, device=device, seq_len=job.seq_len, micro_batch_size=job.micro_batch_size,
+        grad_accum=job.grad_accum, checkpoint_every=job.checkpoint_every, tokens_per_step=job.tokens_per_step,
+        host_bytes=host_bytes, gpu_bytes=gpu_bytes, pinned_bytes=pinned, host_limit_bytes=node.usable_ram_bytes,
+        gpu_limit_bytes=gpu_limit if device == "cuda" else 0, fits=host_ok and gpu_ok, reason="",
+        breakdown={"host": host, "gpu": gpu}, bytes_per_param=state / shape.num_params,
+        step_time_s=t["step_s"], tokens_per_s=job.tokens_per_step / t["step_s"],
+        mfu=t["model_flops"] / t["step_s"] / node.ceilings.matmul_flops, bound=t["bound"], timing=t,
+        gives_up=pm.gives_up, engine_supported=pm.engine_supported,
+        lora=dataclasses.asdict(lora) if lora else None, node=node.to_dict(), pinned_pow2=pinned_pow2,
+    )
+    if suggest and not p.fits:
+        p.alternatives = _alternatives(shape, p, job, node, gpu_budget_bytes, lora)
+    p.reason = _reason(p, node, shape, job, gpu_budget_bytes, lora, host_ok, gpu_ok, suggest)
+    return p
+
+
+def _alternatives(shape, p: Plan, job, node, gpu_budget_bytes, lora) -> list[dict[str, Any]]:
+    """The other modes on this node, in order of fidelity to exact AdamW."""
+    out = []
+    for name in FIDELITY_ORDER:
+        if name == p.mode:
+            continue
+        pm = MODES[name]
+        dtype = "bfloat16" if pm.needs_bf16 else p.compute_dtype
+        other = _plan(shape, name, dtype, p.device, job, node, gpu_budget_bytes,
+                      (lora or LoraSpec()) if pm.method == "lora" else None, False, p.pinned_pow2)
+        out.append({"mode": name, "compute_dtype": dtype, "host_bytes": other.host_bytes,
+                    "gpu_bytes": other.gpu_bytes, "fits": other.fits, "engine_supported": pm.engine_supported,
+                    "bytes_per_param": round(other.bytes_per_param, 3), "gives_up": pm.gives_up,
+                    "short": pm.short,
+                    "ram_needed_bytes": node.ram_needed_for(other.host_bytes)})
+    return out
+
+
+def _gib_up(n: int) -> str:
+    return f"{math.ceil(n / GiB)} GiB"
+
+
+def _reason(p: Plan, node: NodeSpec, shape, job, gpu_budget_bytes, lora, host_ok: bool, gpu_ok: bool,
+            suggest: bool) -> str:
+    ram_txt = (f"{format_bytes(p.host_limit_bytes)} usable ({format_bytes(node.ram_bytes)} less the "
+               f"{node.reserve_fraction:.0%} reserve)")
+    gpu_txt = f"GPU {format_bytes(p.gpu_bytes)} of {format_bytes(p.gpu_limit_bytes)}" if p.device == "cuda" else ""
+    mode_txt = f"mode {p.mode} ({p.bytes_per_param:.1f} B/param)"
+    caveat = "" if p.engine_supported else f" Mode {p.mode} is planned only: the engine does not implement it yet."
+    if p.fits:
+        gives = "" if MODES[p.mode].exact_adamw else f" It gives up {p.gives_up}."
+        return (f"fits: host {format_bytes(p.host_bytes)} of {ram_txt}" + (f", {gpu_txt}" if gpu_txt else "")
+                + f"; {mode_txt}; ~{p.step_time_s:.2f} s/step ({p.bound} bound).{gives}{caveat}")
+    parts = []
+    if not host_ok:
+        missing = p.host_bytes - p.host_limit_bytes
+        parts.append(f"does not fit: host RAM needs {format_bytes(p.host_bytes)} in {mode_txt} but "
+                     f"{ram_txt}: {format_bytes(missing)} missing. In mode {p.mode} a node needs at least "
+                     f"{_gib_up(node.ram_needed_for(p.host_bytes))} of RAM.")
+        pad = p.breakdown["host"]["pinned_padding"]
+        if pad >= GiB:
+            verdict = ("would fit" if pad >= missing else
+                       f"would still miss {format_bytes(missing - pad)}")
+            parts.append(f"{format_bytes(pad)} of the need is torch's rounding of each pinned buffer up to a "
+                         f"power of two; pinning with cudaHostRegister instead {verdict}.")
+        fitting = [a for a in p.alternatives if a["fits"]]
+        if fitting:
+            lines = []
+            for a in fitting:
+                note = "" if a["engine_supported"] else "; not in the engine yet"
+                lines.append(f"{a['mode']} ({a['bytes_per_param']:.1f} B/param, {format_bytes(a['host_bytes'])}: "
+                             f"{a['short']}{note})")
+            parts.append("Modes that fit this node: " + "; ".join(lines) + ".")
+            first = next((a for a in fitting if a["engine_supported"]), None)
+            if first and not MODES[first["mode"]].exact_adamw:
+                parts.append(f"The engine's {first['mode']} gives up {first['gives_up']}.")
+        else:
+            smallest = min(p.alternatives, key=lambda a: a["host_bytes"], default=None)
+            if smallest:
+                parts.append(f"No mode fits this node; the smallest, {smallest['mode']}, needs a node with "
+                             f"{_gib_up(smallest['ram_needed_bytes'])} of RAM.")
+    if p.device == "cuda" and not gpu_ok:
+        if node.gpus == 0:
+            parts.append("does not fit: the node has no GPU; plan with device='cpu' or pick a GPU node.")
+        else:
+            missing = p.gpu_bytes - p.gpu_limit_bytes
+            acts = sum(p.breakdown["gpu"][k] for k in ("checkpoints", "recompute_inputs", "hidden_states"))
+            parts.append(f"does not fit: GPU memory needs {format_bytes(p.gpu_bytes)} but "
+                         f"{format_bytes(p.gpu_limit_bytes)} are available: {format_bytes(missing)} missing "
+                         f"(activations of the {p.tokens_per_step}-token step: {format_bytes(acts)}).")
+            fix = _gpu_fix(shape, p, job, node, gpu_budget_bytes, lora) if suggest else ""
+            if fix:
+                parts.append(fix)
+    return " ".join(parts) + caveat
+
+
+def _gpu_fix(shape, p: Plan, job: Job, node, gpu_budget_bytes, lora) -> str:
+    """The first of a few job changes that fits the GPU: smaller micro-batches at the same tokens per step,
+    smaller loss chunks, another checkpoint interval, then fewer tokens per step."""
+    def fits(j: Job) -> bool:
+        q = _plan(shape, p.mode, p.compute_dtype, p.device, j, node, gpu_budget_bytes, lora, False, p.pinned_pow2)
+        return q.gpu_bytes <= p.gpu_limit_bytes
+
+    mb, ga = job.micro_batch_size, job.grad_accum
+    while mb > 1:
+        mb, ga = (mb + 1) // 2, ga * 2
+        j = replace(job, micro_batch_size=mb, grad_accum=ga)
+        if fits(j):
+            return (f"It fits with micro_batch_size={mb} and grad_accum={ga} (same tokens per step, "
+                    "fewer at once through a layer).")
+    chunk = job.loss_chunk_tokens
+    while chunk > 256:
+        chunk //= 2
+        if fits(replace(job, loss_chunk_tokens=chunk)):
+            return f"It fits with loss_chunk_tokens={chunk} (smaller chunks of [tokens x vocab] logits)."
+    for k in (1, 2, 4, 8, 16):
+        j = replace(job, checkpoint_every=k)
+        if k != job.checkpoint_every and fits(j):
+            return f"It fits with checkpoint_every={k}."
+    chunk = min(job.loss_chunk_tokens, 1024)
+    j = replace(job, micro_batch_size=1, loss_chunk_tokens=chunk)
+    for ga in range(job.grad_accum * job.micro_batch_size, 0, -1):
+        j = replace(j, grad_accum=ga)
+        if fits(j):
+            return (f"It fits with at most {ga * job.seq_len} tokens per step (micro_batch_size=1, "
+                    f"grad_accum={ga}, loss_chunk_tokens={chunk}).")
+    return "Even one sequence per step does not fit: shorten seq_len."
+
+
+# ---- job specs --------------------------------------------------------------------------------------------
+
+
+def _get(d: Any, dotted: str, default: Any) -> Any:
+    for part in dotted.split("."):
+        if isinstance(d, dict):
+            d = d.get(part)
+        else:
+            d = getattr(d, part, None)
+        if d is None:
+            return default
+    return d
+
+
+def plan_for_spec(spec, node: NodeSpec | None = None, *, gpu_budget_bytes: int | None = None,
+                  suggest: bool = True) -> Plan:
+    """Plan a job spec (``horizon_ray.jobspec.JobSpec`` or its dict form) on a node.
+
+    The model is read from ``model.path``: a model directory or config.json when this machine sees it, else
+    a preset name (the coordinator may not see the node's disks). ``engine.device`` / ``compute_dtype``
+    "auto" resolve as the job runner does: cuda and bfloat16 when the node has a GPU.
+    """
+    from horizon_ray.jobspec import EngineSpec, ModelSpec, TrainingSpec
+
+    node = node or H200_NODE
+    model = _get(spec, "model.path", ModelSpec().path) if not isinstance(_get(spec, "model", None), str) \
+        else _get(spec, "model", "")
+    if not model:
+        raise ValueError("the job spec has no model.path; set it to an HF model directory or a preset name")
+    t, e = TrainingSpec(), EngineSpec()
+    method = _get(spec, "method", "full")
+    lora = _get(spec, "lora", None)
+    if lora is not None and not isinstance(lora, (dict, LoraSpec)):
+        lora = {"rank": _get(lora, "rank", 16), "targets": _get(lora, "targets", None) or LoraSpec().targets}
+    return plan(
+        model, method=method, mode=_get(spec, "engine.precision", e.precision) if method == "full" else "lora",
+        seq_len=_get(spec, "training.seq_len", t.seq_len),
+        micro_batch_size=_get(spec, "training.micro_batch_size", t.micro_batch_size),
+        grad_accum=_get(spec, "training.grad_accum", t.grad_accum),
+        checkpoint_every=_get(spec, "engine.activation_checkpoint_every", e.activation_checkpoint_every),
+        compute_dtype=_get(spec, "engine.compute_dtype", e.compute_dtype),
+        device=_get(spec, "engine.device", e.device), node=node, gpu_budget_bytes=gpu_budget_bytes, lora=lora,
+        loss_chunk_tokens=_get(spec, "engine.loss_chunk_tokens", e.loss_chunk_tokens),
+        layer_chunk_tokens=_get(spec, "engine.layer_chunk_tokens", LAYER_CHUNK_TOKENS),
+        offload_checkpoints=_get(spec, "engine.offload_checkpoints", None),
+        packed=bool(_get(spec, "training.packing", t.packing)), suggest=suggest)
+
+
+# ---- the largest model of a family --------------------------------------------------------------------------
+
+
+@dataclass
+class MaxModel:
+    """The largest shape of a family that fits a node in a mode."""
+
+    family: str
+    mode: str
+    shape: ModelShape | None  # None when nothing fits
+    plan: Plan | None  # its plan
+    tried: list[dict[str, Any]]  # every shape planned: name, params, host_bytes, gpu_bytes, fits
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"family": self.family, "mode": self.mode, "model": self.shape.name if self.shape else None,
+                "params": self.shape.num_params if self.shape else None, "tried": self.tried,
+                "plan": self.plan.to_dict() if self.plan else None}
+
+
+def max_model(family: str | list = "qwen2.5", node: NodeSpec | None = None, mode: str = "exact", *,
+              scan_depth: bool = False, **job) -> MaxModel:
+    """The largest model of ``family`` that a node can fine-tune in ``mode``.
+
+    ``family``: a name of ``FAMILIES`` (qwen2.5, llama-3, dense, all) or a list of models. With
+    ``scan_depth``, also the deepest stack of the next larger preset's layer that fits (a finer answer
+    between two presets). ``job``: plan()'s training keywords.
+    """
+    node = node or H200_NODE
+    if isinstance(family, str):
+        if family.lower() not in FAMILIES:
+            raise ValueError(f"unknown family {family!r}; known families: {', '.join(FAMILIES)}")
+        shapes = [PRESETS[n] for n in FAMILIES[family.lower()]]
+        label = family.lower()
+    else:
+        shapes = [load_model_shape(m) for m in family]
+        label = "custom"
+    shapes.sort(key=lambda s: s.num_params)
+    method = "lora" if mode == "lora" else "full"
+    tried, best, best_plan = [], None, None
+
+    def attempt(shape: ModelShape) -> Plan:
+        q = plan(shape, method=method, mode=mode, node=node, suggest=False, **job)
+        tried.append({"model": shape.name, "params": shape.num_params, "host_bytes": q.host_bytes,
+                      "gpu_bytes": q.gpu_bytes, "fits": q.fits})
+        return q
+
+    bigger = None
+    for shape in shapes:
+        q = attempt(shape)
+        if q.fits:
+            best, best_plan = shape, q
+        elif bigger is None and (best is None or shape.num_params > best.num_params):
+            bigger = shape
+    if scan_depth and bigger is not None:
+        lo, hi = 1, bigger.num_layers - 1  # deepest fitting stack of `bigger`'s layer, by bisection
+        found = None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            q = attempt(bigger.with_layers(mid))
+            if q.fits:
+                found, lo = (bigger.with_layers(mid), q), mid + 1
+            else:
+                hi = mid - 1
+        if found and (best is None or found[0].num_params > best.num_params):
+            best, best_plan = found
+    return MaxModel(family=label, mode=mode, shape=best, plan=best_plan, tried=tried)
+
+
+# ---- text ---------------------------------------------------------------------------------------------------
+
+
+def format_plan(p: Plan) -> str:
+    """The plan as a readable table."""
+    rows = [f"model        {p.model}: {human_params(p.params)} params"
+            + (f", {human_params(p.trainable_params)} trainable" if p.trainable_params != p.params else ""),
+            f"job          {p.method}, mode {p.mode}, {p.compute_dtype} on {p.device}; seq {p.seq_len} x micro "
+            f"{p.micro_batch_size} x accum {p.grad_accum} = {p.tokens_per_step} tokens/step; "
+            f"checkpoint every {p.checkpoint_every}",
+            f"node         {format_bytes(p.node.get('ram_bytes', 0))} RAM, "
+            f"{p.node.get('gpus', 0)} GPU x {format_bytes(p.node.get('gpu_mem_bytes', 0))}", ""]
+    for side, total, limit in (("host", p.host_bytes, p.host_limit_bytes), ("gpu", p.gpu_bytes, p.gpu_limit_bytes)):
+        items = p.breakdown[side]
+        if not items:
+            continue
+        rows.append(f"{side.upper():<22}{'bytes':>14}{'GiB':>11}")
+        for k, v in items.items():
+            if v:
+                rows.append(f"  {k:<20}{v:>14,}{v / GiB:>11.2f}")
+        rows.append(f"  {'total':<20}{total:>14,}{total / GiB:>11.2f}   (limit {limit / GiB:.1f} GiB)")
+        rows.append("")
+    if p.device == "cuda":
+        t = p.timing
+        rows.append(f"STEP         {p.step_time_s:.2f} s, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%} "
+                    f"({p.bound} bound)")
+        rows.append(f"  compute {t['compute_s']:.2f} s (fwd {t['forward_s']:.2f}, bwd {t['backward_s']:.2f}); "
+                    f"pcie {t['pcie_s']:.2f} s; cpu optimizer {t['optimizer_s']:.2f} s; exposed "
+                    f"{t['exposed_s']:.2f} s")
+    else:
+        rows.append(f"STEP         {p.step_time_s:.2f} s, {p.tokens_per_s:,.0f} tokens/s (CPU, rough)")
+    rows += ["", ("FITS" if p.fits else "DOES NOT FIT") + f": {p.reason}"]
+    return "\n".join(rows)

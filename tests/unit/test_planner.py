@@ -1,0 +1,331 @@
+"""The planner: exact bytes per mode, agreement with the engine's allocations, verdicts, CLI."""
+
+import json
+
+import pytest
+
+from horizon_ray.planner import (
+    H200_NODE,
+    MODES,
+    PRESETS,
+    LoraSpec,
+    NodeSpec,
+    load_model_shape,
+    max_model,
+    parse_bytes,
+    plan,
+    plan_for_spec,
+)
+from horizon_ray.planner.node import GiB, TiB
+
+# A tiny untied Llama: H=64, I=128, L=2, 4 heads of 16, 2 KV heads, V=100.
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "tie_word_embeddings": False}
+# Per layer: q 64x64 + k, v 32x64 each + o 64x64 + gate, up, down 64x128 each + 2 norms of 64.
+TINY_LAYER = 4096 + 2048 + 2048 + 4096 + 3 * 8192 + 2 * 64  # 36992
+TINY_PARAMS = 100 * 64 + 2 * TINY_LAYER + (64 + 100 * 64)  # embed + layers + head (norm + lm_head) = 86848
+JOB = {"seq_len": 16, "micro_batch_size": 2, "grad_accum": 1, "checkpoint_every": 1}
+
+
+def _state(p):
+    h = p.breakdown["host"]
+    return {k: h[k] for k in ("weights", "master", "moments", "grads")}
+
+
+def test_tiny_param_count():
+    shape = load_model_shape(TINY)
+    assert shape.layer_params == TINY_LAYER == 36992
+    assert shape.num_params == TINY_PARAMS == 86848
+
+
+@pytest.mark.parametrize("mode, dtype, per_param, total", [
+    # bytes per parameter: (wire, master, m+v, grads)
+    ("exact", "bfloat16", (2, 4, 8, 0), 14),  # the gradient lands in the bf16 wire buffer
+    ("exact", "float32", (0, 4, 8, 4), 16),  # fp32 compute: the master is the wire
+    ("bf16-weights", "bfloat16", (0, 2, 8, 2), 12),
+    ("bf16-state", "bfloat16", (0, 2, 4, 2), 8),
+])
+def test_bytes_per_param_per_mode(mode, dtype, per_param, total):
+    assert sum(per_param) == total
+    expect = {k: b * TINY_PARAMS for k, b in zip(("weights", "master", "moments", "grads"), per_param)}
+    for device in ("cuda", "cpu"):
+        p = plan(TINY, mode=mode, compute_dtype=dtype, device=device, pinned_pow2=False, **JOB)
+        assert _state(p) == expect
+        assert p.bytes_per_param == total
+    assert plan("qwen2.5-7b", mode=mode, compute_dtype=dtype, **JOB).bytes_per_param == total
+
+
+def test_lora_bytes():
+    lora = LoraSpec(rank=4, targets=("q_proj", "v_proj"))
+    adapters = 2 * (4 * (64 + 64) + 4 * (64 + 32))  # L x (A [r, in] + B [out, r]) for q and v = 1792
+    p = plan(TINY, method="lora", lora=lora, compute_dtype="bfloat16", pinned_pow2=False, **JOB)
+    assert p.trainable_params == adapters
+    # frozen base: 2 B/param streamed; adapters: fp32 master (its own wire) + m, v + fp32 grad = 16 B
+    assert _state(p) == {"weights": 2 * TINY_PARAMS, "master": 4 * adapters, "moments": 8 * adapters,
+                         "grads": 4 * adapters}
+
+
+def test_pinned_buffers_round_to_powers_of_two():
+    p = plan(TINY, mode="exact", compute_dtype="bfloat16", device="cuda", **JOB)
+    # each unit's wire (which also takes its gradient) is pinned on its own, rounded up to a power of two:
+    # embed 12800 B -> 16384, each layer 73984 -> 131072, head 12928 -> 16384. The two offloaded
+    # checkpoints [2, 16, 64] bf16 are 4096 B each, already a power of two.
+    padding = 3584 + 2 * 57088 + 3456
+    assert p.breakdown["host"]["pinned_padding"] == padding == 121216
+    assert p.breakdown["host"]["checkpoints"] == 2 * 4096
+    assert p.pinned_bytes == 2 * TINY_PARAMS + 2 * 4096 + padding
+    assert plan(TINY, mode="exact", device="cpu", **JOB).breakdown["host"]["pinned_padding"] == 0
+
+
+def test_breakdowns_sum_to_totals():
+    for name in ("qwen2.5-7b", "llama-3.2-1b", "dense-110b"):
+        for mode in ("exact", "bf16-state", "lora"):
+            p = plan(name, mode=mode, method="lora" if mode == "lora" else "full", **JOB)
+            assert sum(p.breakdown["host"].values()) == p.host_bytes
+            assert sum(p.breakdown["gpu"].values()) == p.gpu_bytes
+            assert p.fits == (p.host_bytes <= p.host_limit_bytes and p.gpu_bytes <= p.gpu_limit_bytes)
+
+
+# ---- agreement with the engine --------------------------------------------------------------------------
+
+ENGINE_CONFIGS = [
+    TINY,
+    {**TINY, "model_type": "qwen2", "tie_word_embeddings": True},  # q/k/v biases, tied head
+    {**TINY, "attention_bias": True, "head_dim": 8},  # llama with q/k/v/o biases, head_dim != H / heads
+    {**TINY, "model_type": "mistral", "num_key_value_heads": 4},
+]
+
+
+@pytest.mark.parametrize("config", ENGINE_CONFIGS)
+def test_units_and_store_match_the_engine(config):
+    torch = pytest.importorskip("torch")
+    from horizon_ray.engine.config import DTYPES, EngineConfig
+    from horizon_ray.engine.model import ModelConfig, unit_layouts
+    from horizon_ray.engine.store import HostStore
+
+    mc = ModelConfig.from_hf(config)
+    shape = load_model_shape(config)
+    assert [(u.name, u.numel) for u in unit_layouts(mc)] == shape.units()
+    for precision, dtype in (("exact", "float32"), ("exact", "bfloat16"), ("bf16-state", "bfloat16")):
+        ec = EngineConfig(precision=precision, compute_dtype=dtype)
+        store = HostStore(unit_layouts(mc), DTYPES[dtype], ec.master_dtype, pin=False)
+        got = store.bytes_by_kind()
+        p = plan(config, mode=precision, compute_dtype=dtype, device="cpu", **JOB)
+        want = _state(p)
+        assert (got["master"], got["moments"]) == (want["master"], want["moments"]), (precision, dtype)
+        # the store counts a shared wire/gradient buffer as gradients, the planner as the wire
+        assert got["grads"] + got["wire"] == want["grads"] + want["weights"], (precision, dtype)
+    del torch
+
+
+def test_planner_constants_match_the_engine():
+    pytest.importorskip("torch")
+    from horizon_ray.engine import EngineConfig, optimizer
+    from horizon_ray.engine.config import PRECISIONS
+    from horizon_ray.jobspec import PRECISIONS as SPEC_PRECISIONS
+    from horizon_ray.planner import memory
+
+    assert memory.LAYER_CHUNK_TOKENS == EngineConfig().layer_chunk_tokens
+    assert memory.OPTIMIZER_SCRATCH_ELEMENTS == optimizer._CHUNK
+    assert {n for n, m in MODES.items() if m.engine_supported} == set(PRECISIONS) >= set(SPEC_PRECISIONS)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "llama-3.2-1b", "qwen2.5-7b", "llama-3.1-8b"])
+def test_preset_param_counts_match_transformers(name):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    shape = PRESETS[name]
+    hf = shape.to_hf_config()
+    cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[shape.arch]
+    cfg = cls(**{k: v for k, v in hf.items() if k not in ("model_type", "architectures")})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert sum(p.numel() for p in model.parameters()) == shape.num_params
+
+
+def test_known_param_counts():
+    # published totals of the real checkpoints
+    assert PRESETS["qwen2.5-7b"].num_params == 7_615_616_512
+    assert PRESETS["llama-3.1-8b"].num_params == 8_030_261_248
+    assert PRESETS["llama-3.1-70b"].num_params == 70_553_706_496
+    assert 109e9 < PRESETS["dense-110b"].num_params < 110e9
+    assert 119e9 < PRESETS["dense-120b"].num_params < 121e9
+
+
+# ---- verdicts -------------------------------------------------------------------------------------------
+
+BIG_JOB = {"seq_len": 1024, "micro_batch_size": 8, "grad_accum": 1, "checkpoint_every": 4}
+NODE_1_5T = NodeSpec(ram_bytes=parse_bytes("1.5TiB"))
+NODE_512G = NodeSpec(ram_bytes=parse_bytes("512GiB"))
+
+
+def test_110b_fits_1_5_tib_in_exact_mode():
+    # exact AdamW at 14 B/param, pinned buffers sized exactly (cudaHostRegister)
+    p = plan("dense-110b", mode="exact", node=NODE_1_5T, pinned_pow2=False, **BIG_JOB)
+    assert p.fits, p.reason
+    assert p.reason.startswith("fits")
+    assert 1.35 * TiB < p.host_bytes < 0.95 * 1.5 * TiB
+    assert p.gpu_bytes < H200_NODE.gpu_mem_bytes
+
+
+def test_110b_with_power_of_two_pinning_says_what_is_missing_and_what_fits():
+    # the engine today pins each 2.2 GB layer buffer through torch's caching host allocator: 4 GiB each
+    p = plan("dense-110b", mode="exact", node=NODE_1_5T, pinned_pow2=True, **BIG_JOB)
+    assert not p.fits
+    missing = (p.host_bytes - p.host_limit_bytes) / GiB
+    assert f"{missing:.1f} GiB missing" in p.reason
+    assert "a node needs at least" in p.reason
+    assert "cudaHostRegister instead would fit" in p.reason
+    assert "bf16-state" in p.reason
+
+
+def test_110b_does_not_fit_512_gib():
+    for pow2 in (True, False):
+        p = plan("dense-110b", node=NODE_512G, pinned_pow2=pow2, **BIG_JOB)
+        assert not p.fits
+        missing = (p.host_bytes - p.host_limit_bytes) / GiB
+        assert missing > 900
+        assert f"{missing:.1f} GiB missing" in p.reason
+        need = -(-NODE_512G.ram_needed_for(p.host_bytes) // GiB)
+        assert f"a node needs at least {need} GiB of RAM" in p.reason
+        assert "lora" in p.reason  # the one mode that fits 512 GiB
+        assert [a["mode"] for a in p.alternatives if a["fits"]] == ["lora"]
+
+
+def test_120b_on_1_5_tib_names_the_mode_that_fits_and_what_it_gives_up():
+    for pow2 in (True, False):
+        p = plan("dense-120b", mode="exact", node=NODE_1_5T, pinned_pow2=pow2, **BIG_JOB)
+        assert not p.fits
+        assert "bf16-state" in p.reason
+        assert "fp32 master" in p.reason  # what bf16-state gives up
+        assert "half a bf16 ulp" in p.reason
+    q = plan("dense-120b", mode="bf16-state", node=NODE_1_5T, **BIG_JOB)
+    assert q.fits and q.engine_supported
+    assert "gives up the fp32 master" in q.reason
+
+
+def test_max_model_on_the_h200_box_is_7_to_8b():
+    for pow2 in (True, False):
+        found = max_model("qwen2.5", H200_NODE, "exact", pinned_pow2=pow2, **BIG_JOB)
+        assert found.shape.name == "qwen2.5-7b"
+        assert [t["fits"] for t in found.tried] == [True] * 4 + [False] * 3
+        assert max_model("all", H200_NODE, "exact", pinned_pow2=pow2, **BIG_JOB).shape.name == "llama-3.1-8b"
+    # between two presets: the 14B layer stacked as deep as fits, when that beats the 7B
+    deep = max_model("qwen2.5", H200_NODE, "exact", scan_depth=True, pinned_pow2=False, **BIG_JOB)
+    assert deep.shape.name.startswith("qwen2.5-14b@")
+    assert PRESETS["qwen2.5-7b"].num_params < deep.shape.num_params < 9e9
+    assert deep.plan.fits
+    assert any(t["model"].startswith("qwen2.5-14b@") and not t["fits"] for t in deep.tried)
+    # half the bytes per parameter, twice the model; but the power-of-two rounding of 14B's 550 MB layer
+    # buffers (to 1 GiB each) costs it the node
+    assert max_model("all", H200_NODE, "bf16-state", pinned_pow2=False, **BIG_JOB).shape.name == "qwen2.5-14b"
+    assert max_model("all", H200_NODE, "bf16-state", **BIG_JOB).shape.name == "llama-3.1-8b"
+
+
+def test_gpu_shortfall_names_a_job_that_fits():
+    p = plan("qwen2.5-7b", mode="bf16-state", seq_len=4096, micro_batch_size=16, grad_accum=4,
+             checkpoint_every=1, gpu_budget_bytes=20 * GiB, node=NODE_512G)
+    assert not p.fits
+    assert "GPU memory needs" in p.reason and "missing" in p.reason
+    assert "It fits with" in p.reason
+
+
+def test_step_time_roofline():
+    k1 = plan("qwen2.5-7b", seq_len=1024, micro_batch_size=16, grad_accum=4, checkpoint_every=1)
+    k4 = plan("qwen2.5-7b", seq_len=1024, micro_batch_size=16, grad_accum=4, checkpoint_every=4)
+    assert k4.timing["compute_s"] > k1.timing["compute_s"]  # more recompute
+    # checkpoints are offloaded to the host on CUDA: K=4 keeps fewer there, but holds 8 layer slots
+    assert k4.breakdown["host"]["checkpoints"] * 4 == k1.breakdown["host"]["checkpoints"]
+    assert k4.breakdown["gpu"]["weight_slots"] == 4 * k1.breakdown["gpu"]["weight_slots"]
+    for p in (k1, k4):
+        assert p.tokens_per_s == pytest.approx(65536 / p.step_time_s)
+        assert p.step_time_s >= max(p.timing["compute_s"], p.timing["optimizer_s"])
+        assert 0 < p.mfu < 0.55
+
+
+# ---- inputs ---------------------------------------------------------------------------------------------
+
+
+def test_unknown_preset_names_the_known_ones():
+    with pytest.raises(ValueError, match="known presets: qwen2.5-0.5b, .*llama-3.1-70b"):
+        plan("qwen9-1t")
+
+
+def test_hub_ids_and_config_paths(tmp_path):
+    assert load_model_shape("Qwen/Qwen2.5-7B-Instruct") is PRESETS["qwen2.5-7b"]
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    assert load_model_shape(tmp_path).num_params == TINY_PARAMS
+    assert load_model_shape(tmp_path / "config.json").num_params == TINY_PARAMS
+
+
+def test_bad_inputs_name_the_fix():
+    with pytest.raises(ValueError, match="compute_dtype='bfloat16'"):
+        plan(TINY, mode="bf16-state", compute_dtype="float32")
+    with pytest.raises(ValueError, match="known modes"):
+        plan(TINY, mode="fp8")
+    with pytest.raises(ValueError, match="seq_len must be"):
+        plan(TINY, seq_len=0)
+    with pytest.raises(ValueError, match="model_type"):
+        plan({"model_type": "gpt2", "hidden_size": 8})
+
+
+def test_parse_bytes():
+    assert parse_bytes("125GiB") == 125 * 2**30
+    assert parse_bytes("1.5TiB") == 1536 * 2**30
+    assert parse_bytes("512Gi") == 512 * 2**30
+    assert parse_bytes("141GB") == 141 * 10**9
+    assert parse_bytes("1.5TB") == 1.5e12
+    assert parse_bytes(1024) == 1024
+    with pytest.raises(ValueError, match="125GiB"):
+        parse_bytes("lots")
+
+
+def test_plan_for_spec_uses_the_job_spec_fields():
+    from horizon_ray.jobspec import JobSpec
+
+    spec = JobSpec.from_dict({
+        "model": {"path": "qwen2.5-1.5b"}, "data": {"path": "d.jsonl"}, "output_dir": "out",
+        "training": {"seq_len": 2048, "micro_batch_size": 2, "grad_accum": 8, "max_steps": 10},
+        "engine": {"precision": "bf16-state", "activation_checkpoint_every": 2},
+    })
+    p = plan_for_spec(spec, H200_NODE)
+    assert (p.mode, p.device, p.compute_dtype) == ("bf16-state", "cuda", "bfloat16")
+    assert (p.seq_len, p.micro_batch_size, p.grad_accum, p.checkpoint_every) == (2048, 2, 8, 2)
+    assert p.tokens_per_step == 2048 * 16
+    cpu = plan_for_spec(spec.to_dict() | {"engine": {"device": "auto"}}, NodeSpec(gpus=0, gpu_mem_bytes=0))
+    assert (cpu.device, cpu.compute_dtype, cpu.gpu_bytes) == ("cpu", "float32", 0)
+    assert plan(spec.to_dict()).host_bytes == p.host_bytes  # plan() takes a job-spec dict too
+
+
+def test_modes_document_what_they_give_up():
+    assert MODES["exact"].exact_adamw and MODES["exact"].engine_supported
+    assert MODES["bf16-state"].engine_supported and "fp32 master" in MODES["bf16-state"].gives_up
+    assert "adapters" in MODES["lora"].gives_up
+
+
+# ---- CLI ------------------------------------------------------------------------------------------------
+
+
+def test_cli_json(capsys):
+    from horizon_ray.cli import main
+
+    rc = main(["plan", "--model", "qwen2.5-0.5b", "--seq-len", "512", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["fits"] is True
+    for key in ("host_bytes", "gpu_bytes", "fits", "reason", "breakdown", "step_time_s", "tokens_per_s",
+                "bytes_per_param", "params"):
+        assert key in out
+    assert set(out["breakdown"]) == {"host", "gpu"}
+
+
+def test_cli_table_and_exit_codes(capsys):
+    from horizon_ray.cli import main
+
+    rc = main(["plan", "--model", "dense-110b", "--node-ram", "512GiB"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "DOES NOT FIT" in out and "GiB missing" in out and "master" in out
+    assert main(["plan", "--model", "nope"]) == 2
+    assert "known presets" in capsys.readouterr().err
+    assert main(["plan", "--max-model", "qwen2.5", "--pinned", "exact"]) == 0
+    assert "largest that fits in mode exact: qwen2.5-7b" in capsys.readouterr().out
