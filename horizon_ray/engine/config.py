@@ -34,7 +34,7 @@ class EngineConfig:
     # bounds the device workspace (MLP intermediates) without changing the step's math.
     layer_chunk_tokens: int = 8192
     # Tokens per chunk of the LM-head + cross-entropy, so full logits [tokens x vocab] never exist.
-    loss_chunk_tokens: int = 2048
+    loss_chunk_tokens: int = 1024
     # Dtype of the tensors written by save_pretrained.
     save_dtype: str = "float32"
     # save_pretrained writes shards of at most this many bytes (plus an index) above it.

@@ -169,7 +169,11 @@ class Engine:
         return {"host": self.store.bytes_by_kind(), "device": self.streamer.device_bytes()}
 
     def close(self) -> None:
-        self.optimizer.wait_all()
+        """Wait for the last update, stop the optimizer's worker and unlock the pinned host memory."""
+        self.optimizer.shutdown()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.store.pool.close()
 
     # ---- the step's parts ----------------------------------------------------------------------------
 
@@ -227,6 +231,7 @@ class Engine:
         dev = self.device
         cos, sin = rope_tables(self.inv_freq, positions, self.dtype)
         return MicroBatch(
+            input_ids_host=ids,
             input_ids_BT=ids.to(dev, non_blocking=True),
             targets_BT=targets.to(dev, non_blocking=True),
             cos_BTd=cos.to(dev, non_blocking=True),
@@ -237,10 +242,14 @@ class Engine:
 
     def _forward(self, mbs: list[MicroBatch], keep_checkpoints: bool):
         st = self.streamer
-        embed = st.weights(0)["embed"]
-        st.prefetch(1)  # the first layer's copy overlaps the embedding lookup
-        hs = [F.embedding(mb.input_ids_BT, embed) for mb in mbs]
-        st.release(0)
+        if st.host_embed:
+            st.prefetch(1)  # the first layer's copy overlaps the gather of the embedding rows
+            hs = [st.embed_rows(i, mb.input_ids_host) for i, mb in enumerate(mbs)]
+        else:
+            embed = st.weights(0)["embed"]
+            st.prefetch(1)  # the first layer's copy overlaps the embedding lookup
+            hs = [F.embedding(mb.input_ids_BT, embed) for mb in mbs]
+            st.release(0)
         for j in range(self.L):
             w = st.weights(j + 1)
             st.prefetch(j + 2)  # the next layer (or the head) streams in while this one computes

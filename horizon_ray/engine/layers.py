@@ -20,6 +20,7 @@ from horizon_ray.engine.model import ModelConfig
 class MicroBatch:
     """One micro-batch on the compute device, with everything the layers need precomputed once."""
 
+    input_ids_host: torch.Tensor  # the same ids on the host (the embedding may be gathered there)
     input_ids_BT: torch.Tensor
     targets_BT: torch.Tensor  # next-token targets (labels shifted left by one), -100 where ignored
     cos_BTd: torch.Tensor  # RoPE tables in the compute dtype

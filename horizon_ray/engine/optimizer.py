@@ -16,9 +16,10 @@ import torch
 
 from horizon_ray.engine.store import HostStore
 
-# Units are updated in chunks small enough (8 MB of fp32) to stay in the last-level cache between the
+# Units are updated in chunks small enough (16 MB of fp32) to stay in the last-level cache between the
 # widening of the gradient, the update and the narrowing of the weights for the wire.
-_CHUNK = 1 << 21
+_CHUNK = 1 << 22
+_STOP = ("stop",)
 
 
 class HostAdamW:
@@ -33,20 +34,24 @@ class HostAdamW:
         self.chunk = _CHUNK
         self._cv = threading.Condition()
         self._done = len(store.units)  # units of the current update already written
-        self._thread: threading.Thread | None = None
+        self._todo: tuple[float, float] | None = None  # (lr, clip coefficient) of an update not yet started
         self._error: BaseException | None = None
         self._scratch: torch.Tensor | None = None
+        self._worker: threading.Thread | None = None
         self.waited_s = 0.0  # time the training thread spent blocked on updates (exposed optimizer time)
         self.update_s = 0.0  # wall time of the last full update
 
     def launch(self, lr: float, clip_coef: float) -> None:
         """Start the update of every unit with this step's gradients; returns at once."""
         self.wait_all()
+        if self._worker is None:
+            # one long-lived worker: its OpenMP team is built once, not at every step
+            self._worker = threading.Thread(target=self._serve, name="horizon-adamw", daemon=True)
+            self._worker.start()
         with self._cv:
             self._done = 0
-        self._thread = threading.Thread(target=self._run, args=(lr, clip_coef), name="horizon-adamw",
-                                        daemon=True)
-        self._thread.start()
+            self._todo = (lr, clip_coef)
+            self._cv.notify_all()
 
     def wait_unit(self, u: int) -> None:
         with self._cv:
@@ -57,23 +62,37 @@ class HostAdamW:
         self._raise()
 
     def wait_all(self) -> None:
-        if self._thread is not None:
-            t0 = time.perf_counter()
-            self._thread.join()
-            self.waited_s += time.perf_counter() - t0
-            self._thread = None
-        self._raise()
+        self.wait_unit(len(self.store.units) - 1)
 
     def _raise(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError("the host optimizer failed") from err
 
+    def shutdown(self) -> None:
+        """Finish the pending update and stop the worker (a later launch starts a new one)."""
+        self.wait_all()
+        if self._worker is not None:
+            with self._cv:
+                self._todo = _STOP
+                self._cv.notify_all()
+            self._worker.join()
+            self._worker = None
+
+    def _serve(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._todo is not None)
+                todo, self._todo = self._todo, None
+            if todo is _STOP:
+                return
+            self._run(*todo)
+
     def _run(self, lr: float, clip_coef: float) -> None:
         try:
             t0 = time.perf_counter()
-            if self.threads:
-                torch.set_num_threads(self.threads)
             for u, unit in enumerate(self.store.units):
                 self.update(unit, lr, clip_coef)
                 self.on_updated(u)

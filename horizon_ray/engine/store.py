@@ -8,8 +8,8 @@ Bytes per parameter, by mode:
   a step is the unit's backward, the gradient's first writer comes after it, and the update reads the
   gradient chunk by chunk before it writes the new wire chunk over it.
 - "bf16-state": master, m, v, gradient in bf16; the master is the wire: 8.
-On CUDA the wire and gradient buffers are pinned (pageable copies run at a seventh of the speed), once,
-unit by unit, at start.
+On CUDA the wire and gradient buffers are page-locked (pageable copies run at a seventh of the speed),
+once, unit by unit, at start, at their exact size (see pinned.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from horizon_ray.engine.model import UnitLayout
+from horizon_ray.engine.pinned import PinnedPool
 
 
 @dataclass
@@ -39,16 +40,18 @@ class HostStore:
         self.compute_dtype = compute_dtype
         self.master_dtype = master_dtype
         self.pinned = pin
+        self.pool = PinnedPool(pin)
         self.units: list[UnitState] = []
         # the gradient shares the wire's buffer when the wire is a narrowed copy of the master
         self.grad_is_wire = master_dtype != compute_dtype
         for layout in layouts:
             n = layout.numel
-            master = torch.empty(n, dtype=master_dtype, pin_memory=pin and not self.grad_is_wire)
             if self.grad_is_wire:
-                wire = grad = torch.zeros(n, dtype=compute_dtype, pin_memory=pin)
+                master = torch.empty(n, dtype=master_dtype)
+                wire = grad = self.pool.empty(n, compute_dtype, zero=True)
             else:
-                wire, grad = master, torch.zeros(n, dtype=compute_dtype, pin_memory=pin)
+                master = self.pool.empty(n, master_dtype)
+                wire, grad = master, self.pool.empty(n, compute_dtype, zero=True)
             self.units.append(UnitState(
                 layout=layout,
                 master=master,

@@ -40,6 +40,9 @@ class Streamer:
         self.version = [0] * len(units)  # bumped by the optimizer each time a unit's weights change
         dtype = store.compute_dtype
         self.norm_sq = torch.zeros((), dtype=torch.float32, device=device)  # sum of squared grads of the step
+        # untied on CUDA: the embedding never needs the whole table on the device; its rows are gathered
+        # on the host, and only [tokens x hidden] crosses
+        self.host_embed = self.cuda and not tied
         self.offload = offload_checkpoints
         self._stashed: dict = {}  # checkpoint key -> tensors (device, or pinned host when offloading)
         self._returning: dict = {}  # checkpoint key -> (device tensors, event: their H2D copy landed)
@@ -57,7 +60,9 @@ class Streamer:
         n_slots = 2 * min(self.K, max(self.L, 1))
         # slot key -> flat device buffer. Layer slots are ints, the embedding and head slots are named.
         self._slots = {s: torch.empty(max_layer, dtype=dtype, device=device) for s in range(n_slots)}
-        self._slots["embed"] = torch.empty(units[0].layout.numel, dtype=dtype, device=device)
+        self._gathered: dict = {}  # micro-batch index -> (pinned rows buffer, event: its H2D finished)
+        if not self.host_embed:
+            self._slots["embed"] = torch.empty(units[0].layout.numel, dtype=dtype, device=device)
         self._slots["head"] = torch.empty(units[-1].layout.numel, dtype=dtype, device=device)
         self._slot_unit = {}  # slot -> (unit index, version) it holds or is receiving
         self._copied = {s: None for s in self._slots}  # slot -> event: its H2D copy finished
@@ -66,7 +71,11 @@ class Streamer:
         # fp32 gradient accumulators: two for layers (one filling while the other drains), and one per
         # end unit; untied embedding and head share one, as their gradients are never live together.
         big = max(units[0].layout.numel, units[-1].layout.numel)
-        self._acc = {0: torch.empty(max_layer, device=device), 1: torch.empty(max_layer, device=device)}
+        # with a narrower compute dtype a layer's gradient is cast into a staging buffer right away, which
+        # frees its accumulator for the next layer at once: one suffices. In fp32 two alternate.
+        staged = dtype != torch.float32
+        layer_acc = torch.empty(max_layer, device=device)
+        self._acc = {0: layer_acc, 1: layer_acc if staged else torch.empty(max_layer, device=device)}
         if tied:
             self._acc["embed"] = torch.empty(units[0].layout.numel, device=device)
             self._acc["head"] = torch.empty(units[-1].layout.numel, device=device)
@@ -83,6 +92,7 @@ class Streamer:
 
     def _slot_of(self, u: int):
         if u == 0:
+            assert not (self.cuda and self.host_embed), "untied embeddings are gathered on the host"
             return "embed"
         if u == self.L + 1:
             return "head"
@@ -121,6 +131,27 @@ class Streamer:
         # read-after-write: compute must not read the slot before its copy has landed
         self.compute.wait_event(self._copied[slot])
         return unit.layout.views(self._slots[slot])
+
+    def embed_rows(self, i: int, ids_BT: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of micro-batch i, gathered on the host and sent to the device."""
+        self.wait_updated(0)
+        unit = self.store.units[0]
+        V, H = unit.layout.tensors[0].shape
+        held = self._gathered.get(i)
+        if held is not None:
+            held[1].synchronize()  # the pinned rows buffer is rewritten only after its last copy left
+        buf = self._host_buffer(("embed_rows", i), torch.empty((*ids_BT.shape, H), dtype=unit.wire.dtype))
+        torch.index_select(unit.wire.view(V, H), 0, ids_BT.reshape(-1), out=buf.view(-1, H))
+        with torch.cuda.stream(self.h2d):
+            dev = torch.empty(buf.shape, dtype=buf.dtype, device=self.device)
+            dev.copy_(buf, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.h2d)
+        self._gathered[i] = (buf, ev)
+        # read-after-write: the rows must have landed before the first layer reads them
+        self.compute.wait_event(ev)
+        dev.record_stream(self.compute)
+        return dev
 
     def release(self, u: int) -> None:
         """Compute work queued so far is the last reader of unit u's slot until it is fetched again."""
@@ -199,7 +230,9 @@ class Streamer:
         buf = self._host_pool.get(key)
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
             # pinned once and reused every step: pinning costs far more than the copy
-            buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+            if buf is not None:
+                self.store.pool.free(buf)
+            buf = self.store.pool.empty(like.shape, like.dtype)
             self._host_pool[key] = buf
         return buf
 
@@ -231,6 +264,7 @@ class Streamer:
             return
         if self._stage is None:
             self._d2h(unit.grad, acc)
+            # the accumulator is reused only once its D2H has read it
             self._acc_free[id(self._acc_buffer_of(acc))] = self._last_d2h
             return
         # narrowed piece by piece through the two layer-sized staging buffers, so that the vocab-sized
@@ -246,7 +280,7 @@ class Streamer:
             piece.copy_(acc[lo:hi])
             self._d2h(unit.grad[lo:hi], piece)
             self._stage_free[i] = self._last_d2h
-        self._acc_free[id(self._acc_buffer_of(acc))] = self._last_d2h
+        # the casts above ran on the compute stream: the accumulator is free for the next unit already
 
     def _d2h(self, host: torch.Tensor, dev: torch.Tensor) -> None:
         produced = torch.cuda.Event()

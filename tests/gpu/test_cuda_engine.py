@@ -1,5 +1,7 @@
 """The CUDA pipeline against the CPU path (run on the GPU box: pytest -m gpu tests/gpu)."""
 
+import gc
+
 import pytest
 import torch
 
@@ -76,15 +78,25 @@ def test_many_thin_layers_expose_missing_events():
 def test_bf16_cuda_close_to_fp32_cpu():
     cfg = _config(4)
     lc, _, _ = _run("cpu", cfg)
-    lg, _, eng = _run("cuda", cfg, dtype="bfloat16")
-    assert eng.store.units[1].wire.is_pinned()
+    lg, _, _ = _run("cuda", cfg, dtype="bfloat16")
     for a, b in zip(lg, lc):
         assert a == pytest.approx(b, rel=3e-2)
+
+
+def test_host_buffers_are_pinned_at_their_exact_size():
+    cfg = _config(2, hidden=512, inter=1024, vocab=4096)
+    eng = Engine.from_config(cfg, EngineConfig(device="cuda", compute_dtype="bfloat16"))
+    for u in eng.store.units:
+        assert u.wire.is_pinned() and u.grad is u.wire
+        assert not u.master.is_pinned()  # only what crosses PCIe is page-locked
+    eng.close()
+    assert not eng.store.units[1].wire.is_pinned()  # close() unlocks it
 
 
 def test_peak_gpu_memory_flat_when_layers_double():
     peaks = []
     for layers in (8, 16):
+        gc.collect()  # the previous engine's device buffers must not count
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         cfg = _config(layers, hidden=1024, inter=2816, vocab=8192, heads=16, kv=4)

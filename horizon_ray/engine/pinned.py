@@ -1,0 +1,62 @@
+"""Page-locked host buffers of exactly the size asked for.
+
+torch's pinned allocator (``pin_memory=True``) rounds every buffer up to a power of two: for a 7B model's
+store that is gigabytes of RAM that hold nothing. Large buffers here are ordinary allocations registered
+with cudaHostRegister instead; they are unregistered before their memory can be freed (when the owner
+closes or is collected). Small ones, where rounding costs nothing, use torch's allocator.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+_REGISTER_MIN_BYTES = 1 << 20
+
+
+class PinnedPool:
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._registered: list[int] = []  # data pointers this pool registered
+        self._finalizer = weakref.finalize(self, _unregister_all, self._registered)
+
+    def empty(self, shape, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+        make = torch.zeros if zero else torch.empty
+        if not self.enabled:
+            return make(shape, dtype=dtype)
+        probe = torch.empty(0, dtype=dtype)
+        nbytes = probe.element_size() * _numel(shape)
+        if nbytes < _REGISTER_MIN_BYTES:
+            return make(shape, dtype=dtype, pin_memory=True)
+        t = make(shape, dtype=dtype)
+        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0)
+        if int(getattr(rc, "value", rc)) != 0:
+            raise RuntimeError(f"cudaHostRegister of {t.nbytes} bytes failed with CUDA error {rc}; "
+                               "the node may lack lockable memory (ulimit -l)")
+        self._registered.append(t.data_ptr())
+        return t
+
+    def free(self, t: torch.Tensor) -> None:
+        """Unregister a buffer this pool made, before the caller drops it."""
+        if t.data_ptr() in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            self._registered.remove(t.data_ptr())
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _numel(shape) -> int:
+    if isinstance(shape, int):
+        return shape
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _unregister_all(pointers: list[int]) -> None:
+    for ptr in pointers:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    pointers.clear()
