@@ -15,9 +15,10 @@ micro-batches), m = tokens of one row group (a micro-batch split at layer_chunk_
 interval, L = layers:
 
     weight_slots       2 x min(K, L) x layer x c     two groups of K layer slots (a block + the next one)
-    embed_slot         V x H x c
+    embed_slot         V x H x c, tied only          (untied: rows are gathered on the host, T x H crosses)
     head_slot          (H [+ V x H untied]) x c
-    grad_accumulators  fp32: 2 x layer + (V x H + H if tied, else one V x H shared by embed and head)
+    grad_accumulators  fp32: layers 1 (bf16: cast at once into staging) or 2 (fp32) x layer, plus
+                       V x H + H if tied, else one V x H shared by embed and head
     grad_staging       2 x layer x c                 a layer's gradient cast before D2H (bf16 only)
     checkpoints        offloaded: 2 x T x H x c      the block's checkpoint back on the device and the next
                                                      one returning; not offloaded: ceil(L/K) x T x H x c
@@ -59,15 +60,14 @@ CUDA_CONTEXT_BYTES = 512 * MiB
 ALLOCATOR_SLACK = 0.05
 
 # Engine defaults the plan depends on (EngineConfig; a unit test keeps them equal).
-OPTIMIZER_SCRATCH_ELEMENTS = 1 << 21  # optimizer._CHUNK: the scratch chunk that widens gradients
+OPTIMIZER_SCRATCH_ELEMENTS = 1 << 22  # optimizer._CHUNK: the scratch chunk that widens gradients
 LAYER_CHUNK_TOKENS = 8192  # EngineConfig.layer_chunk_tokens: micro-batches split into row groups
 
-# Pinned host buffers go through torch's CachingHostAllocator, which rounds every allocation up to the
-# next power of two (measured on the H200 box: pinning 600 MiB adds 1 GiB of RSS, 1.5 GiB adds 2 GiB).
-# The engine pins each unit's wire and gradient buffer, and each offloaded checkpoint, on its own
-# (pin_memory=True), so this is True today; set it False once the engine pins with cudaHostRegister or
-# carves its buffers out of power-of-two arenas.
-PINNED_POW2_ROUNDING = True
+# torch's CachingHostAllocator (pin_memory=True) rounds every allocation up to the next power of two
+# (measured on the H200 box: pinning 600 MiB adds 1 GiB of RSS, 1.5 GiB adds 2 GiB). The engine page-locks
+# its buffers of 1 MiB and more with cudaHostRegister at their exact size (engine/pinned.py), so the plan
+# counts no rounding; pinned_pow2=True plans the old allocator's cost.
+PINNED_POW2_ROUNDING = False
 
 # What decoder_layer keeps for backward for one row group, in elements per token (times c bytes):
 # hidden-sized: norm1 out, o_proj out, residual, norm2 out, down out, output; q-sized: q, q after RoPE,
@@ -89,8 +89,13 @@ def pow2ceil(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
+# engine/pinned.py: buffers from 1 MiB up are registered at their exact size, smaller ones use torch's
+# rounding allocator.
+REGISTER_MIN_BYTES = 1 << 20
+
+
 def pinned_padding(nbytes: int, pow2: bool) -> int:
-    return pow2ceil(nbytes) - nbytes if pow2 else 0
+    return pow2ceil(nbytes) - nbytes if pow2 or nbytes < REGISTER_MIN_BYTES else 0
 
 
 @dataclass(frozen=True)
@@ -134,8 +139,8 @@ def host_breakdown(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, d
     buffer takes the next power of two (torch's caching host allocator)."""
     cuda = device == "cuda"
     c = DTYPE_BYTES[compute_dtype]
-    out = {"weights": 0, "master": 0, "moments": 0, "grads": 0, "checkpoints": 0, "pinned_padding": 0,
-           "optimizer_scratch": 0, "load_staging": 0, "workspace": 0, "baseline": PROCESS_BASELINE_BYTES[device]}
+    out = {"weights": 0, "master": 0, "moments": 0, "grads": 0, "checkpoints": 0, "embed_rows": 0,
+           "pinned_padding": 0, "optimizer_scratch": 0, "load_staging": 0, "workspace": 0, "baseline": PROCESS_BASELINE_BYTES[device]}
     pinned = 0
 
     def pin(nbytes: int) -> None:
@@ -171,6 +176,12 @@ def host_breakdown(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, d
             out["checkpoints"] += n_checkpoints * nbytes
             for _ in range(n_checkpoints):
                 pin(nbytes)
+    if cuda and not shape.tie_word_embeddings:
+        # untied embeddings are gathered on the host into one pinned [rows, seq, H] buffer per row group
+        for rows in job.row_groups():
+            nbytes = rows * job.seq_len * shape.hidden_size * c
+            out["embed_rows"] += nbytes
+            pin(nbytes)
     pinned += out["pinned_padding"]
     if not cuda:
         dev = device_items(shape, mode, compute_dtype, job, lora, cuda=False)
@@ -194,12 +205,12 @@ def device_items(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, job
     out: dict[str, int] = {}
     if cuda:
         out["weight_slots"] = 2 * K * layer * c
-        out["embed_slot"] = shape.embed_params * c
+        out["embed_slot"] = shape.embed_params * c if shape.tie_word_embeddings else 0
         out["head_slot"] = shape.head_params * c
         if full:
             ends = (shape.embed_params + shape.head_params if shape.tie_word_embeddings
                     else max(shape.embed_params, shape.head_params))
-            out["grad_accumulators"] = 4 * (2 * layer + ends)
+            out["grad_accumulators"] = 4 * ((1 if c != 4 else 2) * layer + ends)
             if c != 4:
                 out["grad_staging"] = 2 * layer * c
         else:  # adapters only; fp32 adapters leave without a cast

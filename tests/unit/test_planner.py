@@ -65,7 +65,7 @@ def test_lora_bytes():
                          "grads": 4 * adapters}
 
 
-def test_pinned_buffers_round_to_powers_of_two():
+def test_small_pinned_buffers_round_to_powers_of_two():
     p = plan(TINY, mode="exact", compute_dtype="bfloat16", device="cuda", **JOB)
     # each unit's wire (which also takes its gradient) is pinned on its own, rounded up to a power of two:
     # embed 12800 B -> 16384, each layer 73984 -> 131072, head 12928 -> 16384. The two offloaded
@@ -73,7 +73,7 @@ def test_pinned_buffers_round_to_powers_of_two():
     padding = 3584 + 2 * 57088 + 3456
     assert p.breakdown["host"]["pinned_padding"] == padding == 121216
     assert p.breakdown["host"]["checkpoints"] == 2 * 4096
-    assert p.pinned_bytes == 2 * TINY_PARAMS + 2 * 4096 + padding
+    assert p.pinned_bytes == 2 * TINY_PARAMS + 2 * 4096 + p.breakdown["host"]["embed_rows"] + padding
     assert plan(TINY, mode="exact", device="cpu", **JOB).breakdown["host"]["pinned_padding"] == 0
 
 
@@ -216,10 +216,10 @@ def test_max_model_on_the_h200_box_is_7_to_8b():
     assert PRESETS["qwen2.5-7b"].num_params < deep.shape.num_params < 9e9
     assert deep.plan.fits
     assert any(t["model"].startswith("qwen2.5-14b@") and not t["fits"] for t in deep.tried)
-    # half the bytes per parameter, twice the model; but the power-of-two rounding of 14B's 550 MB layer
-    # buffers (to 1 GiB each) costs it the node
-    assert max_model("all", H200_NODE, "bf16-state", pinned_pow2=False, **BIG_JOB).shape.name == "qwen2.5-14b"
-    assert max_model("all", H200_NODE, "bf16-state", **BIG_JOB).shape.name == "llama-3.1-8b"
+    # half the bytes per parameter, twice the model; with torch's power-of-two pinned allocator, the
+    # rounding of 14B's 550 MB layer buffers (to 1 GiB each) would cost it the node
+    assert max_model("all", H200_NODE, "bf16-state", **BIG_JOB).shape.name == "qwen2.5-14b"
+    assert max_model("all", H200_NODE, "bf16-state", pinned_pow2=True, **BIG_JOB).shape.name == "llama-3.1-8b"
 
 
 def test_gpu_shortfall_names_a_job_that_fits():
@@ -329,3 +329,15 @@ def test_cli_table_and_exit_codes(capsys):
     assert "known presets" in capsys.readouterr().err
     assert main(["plan", "--max-model", "qwen2.5", "--pinned", "exact"]) == 0
     assert "largest that fits in mode exact: qwen2.5-7b" in capsys.readouterr().out
+
+
+def test_large_pinned_buffers_are_exact():
+    from horizon_ray.engine.pinned import _REGISTER_MIN_BYTES
+    from horizon_ray.planner import memory
+
+    assert memory.REGISTER_MIN_BYTES == _REGISTER_MIN_BYTES
+    p = plan("qwen2.5-7b", mode="exact", compute_dtype="bfloat16", device="cuda", **JOB)
+    # the store's buffers are far above 1 MiB: no rounding (only the small checkpoint buffers of JOB round)
+    assert p.breakdown["host"]["pinned_padding"] < 2**20
+    rounded = plan("qwen2.5-7b", mode="exact", compute_dtype="bfloat16", device="cuda", pinned_pow2=True, **JOB)
+    assert rounded.breakdown["host"]["pinned_padding"] > 2**30
