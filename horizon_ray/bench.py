@@ -164,6 +164,9 @@ def optimizer_probe(params: int = 1 << 30, units: int = 4) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    # a streaming step allocates and frees tensors of many sizes; segments that grow avoid fragmentation
+    # eating into a tight GPU budget (must be set before CUDA initialises)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen2.5-7b", choices=sorted(SHAPES))
     p.add_argument("--layers", type=int, default=None, help="override the layer count of the shape")
@@ -173,7 +176,7 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint-every", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="auto")
-    p.add_argument("--loss-chunk", type=int, default=2048)
+    p.add_argument("--loss-chunk", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--gpu-budget-gib", type=float, default=None, help="cap the process's GPU memory")
