@@ -1,0 +1,69 @@
+"""``horizon-ray finetune --config job.yaml [--resume] [key=value ...]``: run one job on this node.
+
+Exit codes (the cluster's node agent relies on them): 0 done, 2 bad input (a one-line message, nothing
+trained or the job refused to start), 1 crash (the traceback, then a one-line message), 143 stopped by
+SIGTERM and 130 by Ctrl-C (both resumable with --resume). Outputs are described in docs/CONTRACTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import traceback
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, metavar="JOB.yaml", help="the job spec (YAML)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint in output_dir (fresh if none)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    parser.add_argument("--print-spec", action="store_true",
+                        help="print the resolved job spec (defaults filled in) and exit")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="override spec values, e.g. training.lr=1e-4 training.max_steps=200")
+
+
+def run(args: argparse.Namespace) -> int:
+    from horizon_ray.jobspec import JobSpec
+
+    spec = JobSpec.from_yaml(args.config, overrides=args.overrides)
+    if args.print_spec:
+        print(spec.to_yaml(), end="")
+        return 0
+
+    from horizon_ray.job import JobTerminated, run_job
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise JobTerminated("stopped by SIGTERM; rerun with --resume to continue from the last checkpoint")
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        result = run_job(spec, resume=args.resume, progress=not args.no_progress)
+    except ValueError:
+        raise  # the CLI prints the one-line message and exits 2
+    except JobTerminated as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    except KeyboardInterrupt:
+        print("error: interrupted; rerun with --resume to continue from the last checkpoint", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        traceback.print_exc()
+        print(f"error: the job crashed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if result.start_step == result.total_steps:
+        print(f"done: the job had already finished; final model in {result.final_dir}")
+        return 0
+    print(f"done: {result.total_steps} steps in {result.wall_s:.1f}s; final model in {result.final_dir}")
+    if result.final_eval_loss is not None:
+        print(f"eval loss: {_fmt(result.first_eval_loss)} -> {result.final_eval_loss:.4f}")
+    out = result.output_dir
+    print(f"metrics: {out / 'metrics.jsonl'}; loss curve: {out / 'loss_curve.png'}")
+    return 0
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"

@@ -1,0 +1,121 @@
+"""metrics.jsonl (the stream the cluster reads, format in docs/CONTRACTS.md) and the loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+EVENT_TYPES = ("start", "metrics", "eval", "checkpoint", "done", "error")
+
+
+class MetricsWriter:
+    """Appends one JSON object per line; each line is flushed at once so that a tailing reader sees it.
+
+    A resumed job appends to the same file after a ``start`` event that carries ``resumed_from``; lines
+    after it supersede earlier lines of the same step (the steps the interrupted run did after its last
+    checkpoint).
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: TextIO | None = open(self.path, "a", encoding="utf-8")
+
+    def write(self, type: str, step: int, **fields: Any) -> dict[str, Any]:
+        assert type in EVENT_TYPES, type
+        record = {"type": type, "step": int(step), "time": round(time.time(), 3)}
+        record.update({k: _plain(v) for k, v in fields.items()})
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        return record
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _plain(value: Any) -> Any:
+    # JSON has no NaN/inf; a diverged loss is written as null rather than producing invalid JSON.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All complete records of a metrics.jsonl; a torn last line (the writer was killed) is skipped."""
+    records = []
+    p = Path(path)
+    if not p.exists():
+        return records
+    for line in p.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def curves(records: list[dict[str, Any]]) -> tuple[dict[int, dict], dict[int, float]]:
+    """Latest ``metrics`` record per step and latest eval loss per step (later lines win after a resume)."""
+    train: dict[int, dict] = {}
+    evals: dict[int, float] = {}
+    for r in records:
+        if r.get("type") == "metrics":
+            train[r["step"]] = r
+        elif r.get("type") == "eval" and r.get("eval_loss") is not None:
+            evals[r["step"]] = r["eval_loss"]
+    return dict(sorted(train.items())), dict(sorted(evals.items()))
+
+
+def plot_loss_curve(metrics_path: str | os.PathLike, png_path: str | os.PathLike, title: str = "") -> Path:
+    """Training loss (raw and smoothed) and eval loss against the step, written with matplotlib's Agg."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, evals = curves(read_metrics(metrics_path))
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    steps = [s for s, r in train.items() if r.get("loss") is not None]
+    losses = [train[s]["loss"] for s in steps]
+    if steps:
+        ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=1, label="train loss")
+        ax.plot(steps, _ema(losses, 0.8), color="tab:blue", linewidth=1.5, label="train loss (EMA)")
+    if evals:
+        ax.plot(list(evals), list(evals.values()), "o-", color="tab:orange", label="eval loss")
+    values = [v for v in [*losses, *evals.values()] if v > 0]
+    if values and max(values) / min(values) > 20:
+        ax.set_yscale("log")  # a fine-tune falls by orders of magnitude; linear would hide the tail
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(png_path)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out
+
+
+def _ema(values: list[float], beta: float) -> list[float]:
+    out, avg = [], None
+    for v in values:
+        avg = v if avg is None else beta * avg + (1 - beta) * v
+        out.append(avg)
+    return out

@@ -1,0 +1,341 @@
+"""Run one fine-tuning job in this process: spec -> data -> engine -> steps, evals, checkpoints -> final/.
+
+The run is a pure function of the spec: the data of step N comes from ``StepSampler.batches_for_step(N)``,
+the learning rate from ``lr_at(N)``, and the engine's state round-trips exactly through a checkpoint, so
+a job killed at any point and resumed with ``resume=True`` ends with the same weights as one that never
+stopped. Output files follow docs/CONTRACTS.md.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import shutil
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from horizon_ray.job import checkpoints as ckpt_io
+from horizon_ray.job.metrics import MetricsWriter, plot_loss_curve
+from horizon_ray.job.progress import Progress
+from horizon_ray.job.schedule import lr_at
+from horizon_ray.jobspec import JobSpec
+
+DONE = "DONE"  # in output_dir, written after final/ and before the "done" event: the job is finished
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt",
+                   "generation_config.json")
+
+
+class JobTerminated(BaseException):
+    """Raised in the job's thread when the process is asked to stop (SIGTERM from the node agent or Ray).
+    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` swallows it."""
+
+
+@dataclass
+class JobResult:
+    output_dir: Path  # the spec's output_dir
+    final_dir: Path  # the trained model in HF format (tokenizer included)
+    total_steps: int  # optimizer steps of the whole job
+    start_step: int  # step the run started from (> 0 when resumed)
+    first_eval_loss: float | None  # eval loss of the first evaluation of this run (None: no eval data)
+    final_eval_loss: float | None  # eval loss after the last step
+    final_loss: float | None  # training loss of the last step run here
+    wall_s: float  # seconds this run took
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def engine_config(spec: JobSpec) -> Any:
+    """The EngineConfig a spec asks for, with auto device and dtype resolved for this node."""
+    from horizon_ray.engine import EngineConfig
+
+    device = resolve_device(spec.engine.device)
+    dtype = spec.engine.compute_dtype
+    if dtype == "auto":
+        bf16 = device.startswith("cuda") or spec.engine.precision == "bf16-state"
+        dtype = "bfloat16" if bf16 else "float32"
+    t = spec.training
+    return EngineConfig(
+        lr=t.lr,  # replaced by the schedule's rate before every step
+        betas=(t.betas[0], t.betas[1]),
+        eps=t.eps,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        checkpoint_every=spec.engine.activation_checkpoint_every,
+        device=device,
+        compute_dtype=dtype,
+        precision=spec.engine.precision,
+        loss_chunk_tokens=spec.engine.loss_chunk_tokens,
+        seed=t.seed,
+    )
+
+
+def total_steps_for(spec: JobSpec, steps_per_epoch: int) -> int:
+    t = spec.training
+    candidates = []
+    if t.epochs is not None:
+        candidates.append(max(1, math.ceil(t.epochs * steps_per_epoch)))
+    if t.max_steps is not None:
+        candidates.append(t.max_steps)
+    return min(candidates)
+
+
+def run_job(spec: JobSpec, resume: bool = False, progress: bool = True) -> JobResult:
+    """Run the job described by ``spec`` to completion. ValueError: bad input (nothing trained)."""
+    spec.validate()
+    spec.check_paths()
+    out = Path(spec.output_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    with _exclusive(out), MetricsWriter(out / "metrics.jsonl") as metrics:
+        job = _Job(spec, out, metrics, progress)
+        try:
+            return job.run(resume)
+        except BaseException as exc:
+            # KeyboardInterrupt too: the cluster should see why the job stopped. SIGKILL leaves no line.
+            plain = isinstance(exc, ValueError | JobTerminated)
+            message = str(exc) if plain else f"{type(exc).__name__}: {exc}"
+            metrics.write("error", job.step, message=message)
+            raise
+
+
+class _Job:
+    def __init__(self, spec: JobSpec, out: Path, metrics: MetricsWriter, show_progress: bool) -> None:
+        self.spec = spec
+        self.out = out
+        self.metrics = metrics
+        self.show_progress = show_progress
+        self.ckpt_root = out / "checkpoints"
+        self.tokenizer_dir = Path(spec.model.tokenizer_path or spec.model.path).expanduser()
+        self.step = 0  # optimizer steps done
+
+    def run(self, resume: bool) -> JobResult:
+        from horizon_ray.engine import Engine
+
+        t0 = time.monotonic()
+        finished = self._finished_run(resume)
+        if finished is not None:
+            return finished
+        latest = self._checkpoint_to_resume(resume)
+        ckpt_io.write_file_durably(self.out / "job.yaml", self.spec.to_yaml().encode())
+        self._load_data()
+        cfg = engine_config(self.spec)
+        eng = Engine.from_pretrained(str(Path(self.spec.model.path).expanduser()), cfg)
+        try:
+            if latest is not None:
+                eng.load_state(str(latest.engine_dir))
+                _restore_rng(latest.state())
+                self.step = latest.step
+                assert eng.step == self.step, (eng.step, self.step)
+            start = self.step
+            self.metrics.write(
+                "start", start, total_steps=self.total, resumed_from=start if latest else None,
+                name=self.spec.name, device=cfg.device, compute_dtype=cfg.compute_dtype,
+                num_params=eng.num_params, train_examples=len(self.train_ds.examples),
+                eval_examples=len(self.eval_ds.examples) if self.eval_ds is not None else 0,
+                steps_per_epoch=self.sampler.steps_per_epoch, training_hash=self.spec.training_hash(),
+            )
+            first_eval, final_eval, last_loss = self._train(eng)
+            final_dir = self._save_final(eng)
+        finally:
+            eng.close()
+        try:
+            plot_loss_curve(self.out / "metrics.jsonl", self.out / "loss_curve.png", self.spec.name or "")
+        except Exception as exc:  # a missing plot must not fail a finished job
+            print(f"warning: could not draw the loss curve: {exc}", flush=True)
+        wall = time.monotonic() - t0
+        done = {"training_hash": self.spec.training_hash(), "total_steps": self.total,
+                "final_dir": str(final_dir), "eval_loss": final_eval}
+        ckpt_io.write_file_durably(self.out / DONE, json.dumps(done, indent=2).encode() + b"\n")
+        self.metrics.write("done", self.total, final_dir=str(final_dir), eval_loss=final_eval,
+                           wall_s=round(wall, 2))
+        return JobResult(self.out, final_dir, self.total, start, first_eval, final_eval, last_loss, wall)
+
+    def _finished_run(self, resume: bool) -> JobResult | None:
+        """A job that already finished here: with --resume there is nothing left to do (a requeued job
+        that had completed just reports done again); without it, the output directory is taken."""
+        path = self.out / DONE
+        if not path.is_file():
+            if not resume and (self.out / "final").exists():
+                raise ValueError(f"{self.out} already holds a final model; choose another output_dir")
+            return None
+        done = json.loads(path.read_text())
+        if not resume:
+            raise ValueError(f"{self.out} already holds a finished run; choose another output_dir (or pass "
+                             "--resume, which reports it as done)")
+        if done.get("training_hash") != self.spec.training_hash():
+            raise ValueError(f"{self.out} holds a finished run of a different job spec; choose another "
+                             "output_dir")
+        self.step = done["total_steps"]
+        self.metrics.write("done", self.step, final_dir=done["final_dir"], eval_loss=done["eval_loss"],
+                           wall_s=0.0)
+        return JobResult(self.out, Path(done["final_dir"]), self.step, self.step, None, done["eval_loss"],
+                         None, 0.0)
+
+    def _checkpoint_to_resume(self, resume: bool) -> ckpt_io.Checkpoint | None:
+        ckpt_io.remove_incomplete(self.ckpt_root)
+        latest = ckpt_io.latest_checkpoint(self.ckpt_root)
+        if latest is None:
+            return None
+        if not resume:
+            raise ValueError(f"{self.out} already holds checkpoints of a run (newest: step {latest.step}); "
+                             "pass --resume to continue it, or choose another output_dir")
+        if latest.state().get("training_hash") != self.spec.training_hash():
+            raise ValueError(f"the checkpoint in {latest.path} belongs to a different job spec (model, data "
+                             "or training settings changed); resume with the original spec, or choose "
+                             "another output_dir")
+        return latest
+
+    def _load_data(self) -> None:
+        from horizon_ray.data import StepSampler, build_datasets, eval_batches, load_tokenizer
+
+        spec, t = self.spec, self.spec.training
+        tokenizer = load_tokenizer(self.tokenizer_dir)
+        self.train_ds, self.eval_ds = build_datasets(
+            spec.data.path, spec.data.format, tokenizer, t.seq_len,
+            # eval_path replaces the held-out fraction (the data API takes one or the other)
+            eval_fraction=0.0 if spec.data.eval_path else spec.data.eval_fraction,
+            eval_path=spec.data.eval_path, seed=t.seed,
+        )
+        self.sampler = StepSampler(self.train_ds, t.seq_len, micro_batch_size=t.micro_batch_size,
+                                   grad_accum=t.grad_accum, packing=t.packing, seed=t.seed)
+        self.total = total_steps_for(spec, self.sampler.steps_per_epoch)
+        if t.schedule.warmup_steps >= self.total:
+            raise ValueError(f"training.schedule.warmup_steps ({t.schedule.warmup_steps}) must be smaller "
+                             f"than the job's {self.total} steps; lower the warmup")
+        self.evals = None
+        if self.eval_ds is not None and self.eval_ds.examples:
+            self.evals = eval_batches(self.eval_ds, t.seq_len, micro_batch_size=t.micro_batch_size,
+                                      packing=t.packing)[: spec.eval.max_batches]
+
+    def _train(self, eng: Any) -> tuple[float | None, float | None, float | None]:
+        """The step loop. Returns (first eval loss of this run, final eval loss, last training loss)."""
+        spec, t, total = self.spec, self.spec.training, self.total
+        bar = Progress(total, start_step=self.step, enabled=self.show_progress, title=spec.name or "finetune")
+        first_eval = last_loss = None
+        window: deque[tuple[float, int]] = deque(maxlen=20)  # (seconds, tokens) of the latest steps
+        try:
+            if self.evals and self.step == 0:
+                first_eval = self._evaluate(eng)
+                bar.note(f"eval loss before training: {first_eval:.4f}")
+            for step in range(self.step, total):
+                tick = time.monotonic()
+                lr = lr_at(step, total, t.lr, t.schedule)
+                eng.set_lr(lr)
+                batches = self.sampler.batches_for_step(step)
+                last_loss = float(eng.train_step(batches))
+                self.step = done = step + 1
+
+                window.append((time.monotonic() - tick, self.sampler.tokens_for_step(step)))
+                secs = sum(w[0] for w in window)
+                tps = sum(w[1] for w in window) / secs if secs > 0 else 0.0
+                eta = secs / len(window) * (total - done)
+                self.metrics.write("metrics", done, loss=last_loss, lr=lr,
+                                   grad_norm=float(eng.last_grad_norm), tokens_per_s=round(tps, 1),
+                                   host_rss_bytes=_rss(), total_steps=total, eta_s=round(eta, 1))
+                bar.update(done, last_loss, tps, eta)
+
+                if _due(spec.checkpoint.every_steps, done, total):
+                    saved = _save_checkpoint(eng, self.ckpt_root, done, spec)
+                    ckpt_io.prune(self.ckpt_root, spec.checkpoint.keep)
+                    self.metrics.write("checkpoint", done, path=str(saved.path))
+                if self.evals and _due(spec.eval.every_steps, done, total):
+                    loss = self._evaluate(eng)
+                    first_eval = loss if first_eval is None else first_eval
+                    bar.note(f"step {done}: eval loss {loss:.4f}")
+            final_eval = self._evaluate(eng) if self.evals else None
+            if final_eval is not None:
+                bar.note(f"eval loss after training: {final_eval:.4f}")
+        finally:
+            bar.close()
+        return first_eval, final_eval, last_loss
+
+    def _evaluate(self, eng: Any) -> float:
+        loss_sum, n_tokens = 0.0, 0
+        for mb in self.evals:
+            s, n = eng.eval_loss([mb])
+            loss_sum += float(s)
+            n_tokens += int(n)
+        loss = loss_sum / max(1, n_tokens)
+        self.metrics.write("eval", self.step, eval_loss=loss, eval_tokens=n_tokens)
+        return loss
+
+    def _save_final(self, eng: Any) -> Path:
+        """final/ appears whole or not at all: written under a temporary name, fsynced, renamed."""
+        final = self.out / "final"
+        tmp = self.out / f"final.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        eng.save_pretrained(str(tmp))
+        for name in TOKENIZER_FILES:
+            src = self.tokenizer_dir / name
+            if src.is_file() and not (tmp / name).exists():
+                shutil.copy2(src, tmp / name)
+        ckpt_io.fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        ckpt_io.fsync_dir(self.out)
+        return final
+
+
+def _due(every: int, done: int, total: int) -> bool:
+    # Nothing is due after the last step: the final eval and final/ cover it.
+    return every > 0 and done % every == 0 and done < total
+
+
+def _save_checkpoint(eng: Any, root: Path, step: int, spec: JobSpec) -> ckpt_io.Checkpoint:
+    state = {
+        "step": step,
+        "training_hash": spec.training_hash(),
+        # The engine and the sampler draw no random numbers during training today; the generators are
+        # saved anyway so that adding dropout or sampling later cannot silently break exact resume.
+        "torch_rng_state": torch.get_rng_state().tolist(),
+    }
+    return ckpt_io.write_checkpoint(root, step, lambda d: eng.save_state(str(d)), state)
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    rng = state.get("torch_rng_state")
+    if rng is not None:
+        torch.set_rng_state(torch.tensor(rng, dtype=torch.uint8))
+
+
+def _rss() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+class _exclusive:
+    """An flock on ``<output_dir>/.lock``: two runners never write the same output directory."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / ".lock"
+        self.fd: int | None = None
+
+    def __enter__(self) -> _exclusive:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            self.fd = None
+            raise ValueError(f"another job is running in {self.path.parent}; wait for it or choose another "
+                             "output_dir") from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

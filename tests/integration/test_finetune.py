@@ -1,0 +1,258 @@
+"""`horizon-ray finetune` end to end on a tiny model on the CPU, and exact resume after SIGKILL.
+
+Every run is a real subprocess of the console script, as the node agent starts it. The interrupted runs
+are killed with SIGKILL (no cleanup of any kind), once between two checkpoints and once in the middle of
+writing a checkpoint; `--resume` must then end with bit-identical weights to the uninterrupted run.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+engine_mod = pytest.importorskip("horizon_ray.engine")
+if not hasattr(engine_mod, "Engine"):
+    pytest.skip("horizon_ray.engine does not provide Engine yet", allow_module_level=True)
+
+from horizon_ray.job import checkpoints as ck  # noqa: E402
+from horizon_ray.job.metrics import curves, read_metrics  # noqa: E402
+from horizon_ray.jobspec import JobSpec  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+TOTAL_STEPS = 12
+CKPT_EVERY = 4
+
+TINY_LLAMA = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 262, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "hidden_act": "silu", "tie_word_embeddings": False, "initializer_range": 0.02,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from horizon_ray.data import build_demo_tokenizer, make_demo_dataset
+    from horizon_ray.engine import Engine, EngineConfig
+
+    root = tmp_path_factory.mktemp("assets")
+    eng = Engine.from_config(TINY_LLAMA, EngineConfig(device="cpu", seed=7))
+    eng.save_pretrained(root / "model")
+    eng.close()
+    build_demo_tokenizer(root / "model")
+    make_demo_dataset(root / "train.jsonl", 400, seed=1)
+    return root
+
+
+def _write_spec(assets: Path, out: Path) -> Path:
+    spec = {
+        "name": "tiny",
+        "model": {"path": str(assets / "model")},
+        "data": {"path": str(assets / "train.jsonl"), "format": "auto", "eval_fraction": 0.1},
+        "training": {
+            "seq_len": 64, "micro_batch_size": 4, "grad_accum": 2, "max_steps": TOTAL_STEPS, "lr": 3e-3,
+            "schedule": {"type": "cosine", "warmup_steps": 2}, "weight_decay": 0.01, "seed": 3,
+        },
+        "eval": {"every_steps": 4},
+        "checkpoint": {"every_steps": CKPT_EVERY, "keep": 2},
+        "engine": {"device": "cpu"},
+        "output_dir": str(out),
+    }
+    path = out.parent / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _finetune(config: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "horizon_ray", "finetune", "--config", str(config), *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def baseline(assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "baseline"
+    proc = _finetune(_write_spec(assets, out))
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def _weights(final_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(final_dir / "model.safetensors")
+
+
+def test_finetune_writes_the_contract_outputs(baseline):
+    records = read_metrics(baseline / "metrics.jsonl")
+    types = [r["type"] for r in records]
+    assert types[0] == "start" and types[-1] == "done"
+    assert set(types) == {"start", "metrics", "eval", "checkpoint", "done"}
+    metrics = [r for r in records if r["type"] == "metrics"]
+    assert [r["step"] for r in metrics] == list(range(1, TOTAL_STEPS + 1))
+    for r in metrics:
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "host_rss_bytes", "total_steps", "eta_s", "time"):
+            assert r[key] is not None, key
+        assert r["total_steps"] == TOTAL_STEPS and r["tokens_per_s"] > 0 and r["host_rss_bytes"] > 2**20
+    evals = [r for r in records if r["type"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 4, 8, TOTAL_STEPS]
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert [r["step"] for r in records if r["type"] == "checkpoint"] == [4, 8]
+    assert records[-1]["final_dir"] == str(baseline / "final")
+
+    # keep=2 and no checkpoint after the last step: steps 4 and 8, both complete, nothing else.
+    assert [c.step for c in ck.complete_checkpoints(baseline / "checkpoints")] == [4, 8]
+    assert sorted(p.name for p in (baseline / "checkpoints").iterdir()) == ["step-00000004", "step-00000008"]
+    assert (baseline / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert JobSpec.from_yaml(baseline / "job.yaml").training.max_steps == TOTAL_STEPS
+
+
+def test_final_is_a_usable_hf_model_dir(baseline):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from horizon_ray.engine import Engine, EngineConfig
+
+    final = baseline / "final"
+    tok = AutoTokenizer.from_pretrained(final, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(final, local_files_only=True, dtype=torch.float32).eval()
+    ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": "copy abc"}],
+                                                add_generation_prompt=True, tokenize=True, return_dict=True)
+                        ["input_ids"]])
+    with torch.no_grad():
+        hf_logits = model(input_ids=ids).logits
+    eng = Engine.from_pretrained(final, EngineConfig(device="cpu"))
+    try:
+        ours = eng.forward_logits(ids)
+    finally:
+        eng.close()
+    torch.testing.assert_close(ours, hf_logits, rtol=1e-4, atol=1e-4)
+    generated = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert generated.shape[1] > ids.shape[1]
+
+
+# Runs the console script with a hook that stops the job at a chosen point, for the parent to SIGKILL
+# (between checkpoints), or SIGKILLs it from inside save_state with a truncated state file on disk.
+_HOOKED = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from pathlib import Path
+    from horizon_ray.engine import Engine
+
+    mode, at, flag = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    if mode == "between":
+        real_step, calls = Engine.train_step, [0]
+        def train_step(self, micro_batches):
+            if calls[0] == at:  # steps 1..at are done and logged: park here until killed
+                flag.write_text("parked")
+                time.sleep(600)
+            calls[0] += 1
+            return real_step(self, micro_batches)
+        Engine.train_step = train_step
+    else:
+        real_save = Engine.save_state
+        def save_state(self, d):
+            real_save(self, d)
+            if self.step == at:  # cut the state file short and die before the checkpoint completes
+                with open(os.path.join(d, "engine_state.safetensors"), "r+b") as f:
+                    f.truncate(100)
+                os.kill(os.getpid(), signal.SIGKILL)
+        Engine.save_state = save_state
+    from horizon_ray.cli import main
+    sys.exit(main(sys.argv[4:]))
+    """
+)
+
+
+def _stopped_run(config: Path, mode: str, at: int, flag: Path, sig: signal.Signals) -> str:
+    args = [sys.executable, "-c", _HOOKED, mode, str(at), str(flag), "finetune", "--config", str(config)]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if mode == "between":
+        deadline = time.monotonic() + 300
+        while not flag.exists():
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the job never reached the kill point"
+            time.sleep(0.05)
+        os.kill(proc.pid, sig)
+    _, err = proc.communicate(timeout=300)
+    # SIGKILL: the process just vanishes; SIGTERM: it stops itself with exit code 128 + 15.
+    assert proc.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 143), err
+    return err
+
+
+@pytest.mark.parametrize(
+    "mode, at, sig, resumes_from",
+    [("between", 6, signal.SIGKILL, 4), ("checkpoint", 8, signal.SIGKILL, 4), ("between", 9, signal.SIGTERM, 8)],
+    ids=["sigkill-between-checkpoints", "sigkill-mid-checkpoint-write", "sigterm-between-checkpoints"],
+)
+def test_resume_after_a_kill_matches_the_uninterrupted_run(assets, baseline, tmp_path, mode, at, sig,
+                                                            resumes_from):
+    out = tmp_path / "run"
+    config = _write_spec(assets, out)
+    err = _stopped_run(config, mode, at, tmp_path / "parked", sig)
+    if sig == signal.SIGTERM:
+        assert err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM")
+        last = read_metrics(out / "metrics.jsonl")[-1]
+        assert last["type"] == "error" and "SIGTERM" in last["message"] and last["step"] == at
+
+    # The kill left the run without final/ and with `resumes_from` as the newest complete checkpoint.
+    assert not (out / "final").exists()
+    assert ck.latest_checkpoint(out / "checkpoints").step == resumes_from
+    if mode == "checkpoint":
+        assert any(".tmp-" in p.name for p in (out / "checkpoints").iterdir()), "no torn checkpoint was left"
+
+    proc = _finetune(config, "--resume")
+    assert proc.returncode == 0, proc.stderr
+    starts = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "start"]
+    assert [s["resumed_from"] for s in starts] == [None, resumes_from]
+    assert not [p for p in (out / "checkpoints").iterdir() if ".tmp-" in p.name]
+
+    # Same data, same schedule: every step's loss and lr match the uninterrupted run...
+    base_train, base_eval = curves(read_metrics(baseline / "metrics.jsonl"))
+    train, evals = curves(read_metrics(out / "metrics.jsonl"))
+    assert [(s, r["loss"], r["lr"]) for s, r in train.items()] == [
+        (s, r["loss"], r["lr"]) for s, r in base_train.items()
+    ]
+    # ...and so do the final weights, bit for bit.
+    expected, got = _weights(baseline / "final"), _weights(out / "final")
+    assert expected.keys() == got.keys()
+    differ = {k: (expected[k] - got[k]).abs().max().item() for k in expected if not torch.equal(expected[k], got[k])}
+    assert not differ, f"weights differ after resume (max abs diff): {differ}"
+    assert evals[TOTAL_STEPS] == base_eval[TOTAL_STEPS]
+
+
+def test_rerunning_a_finished_job(baseline, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(baseline, out)
+    config = out.parent / "copy.yaml"
+    config.write_text((baseline.parent / "baseline.yaml").read_text().replace(str(baseline), str(out)))
+    before = _weights(out / "final")
+    proc = _finetune(config, "--resume")  # a requeued job that had finished: nothing to redo
+    assert proc.returncode == 0, proc.stderr
+    assert "already finished" in proc.stdout
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["type"] for r in records[-2:]] == ["done", "done"]
+    assert all(torch.equal(before[k], v) for k, v in _weights(out / "final").items())
+    proc = _finetune(config)  # a fresh run must not overwrite it
+    assert proc.returncode == 2
+    assert "already holds a finished run" in proc.stderr
+
+
+def test_resume_without_checkpoint_starts_fresh(assets, baseline, tmp_path):
+    out = tmp_path / "fresh"
+    proc = _finetune(_write_spec(assets, out), "--resume", "checkpoint.every_steps=0")
+    assert proc.returncode == 0, proc.stderr
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    expected, got = _weights(baseline / "final"), _weights(out / "final")
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    done = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "done"]
+    assert json.loads(json.dumps(done[0]))["final_dir"] == str(out / "final")

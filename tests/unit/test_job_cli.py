@@ -1,0 +1,111 @@
+"""`horizon-ray finetune` exit codes and messages, as the node agent relies on them (docs/CONTRACTS.md):
+0 done, 2 bad input with a one-line message and no traceback, 1 crash."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from horizon_ray.cli import main
+from horizon_ray.job import checkpoints as ck
+from horizon_ray.job.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def job(tmp_path):
+    """A spec whose inputs exist on disk (contents are never read by these tests)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").write_text("{}")
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    spec = {
+        "model": {"path": str(model)},
+        "data": {"path": str(data)},
+        "training": {"max_steps": 5},
+        "output_dir": str(tmp_path / "out"),
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _one_line_error(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_missing_config_exits_2_with_one_line(tmp_path, capsys):
+    assert main(["finetune", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in _one_line_error(capsys.readouterr().err)
+
+
+def test_unknown_key_exits_2_and_names_it(job, capsys):
+    assert main(["finetune", "--config", str(job), "training.lerning_rate=1e-4"]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "training.lerning_rate" in line and "training.lr" in line
+
+
+def test_missing_model_exits_2(job, capsys, tmp_path):
+    assert main(["finetune", "--config", str(job), f"model.path={tmp_path / 'missing'}"]) == 2
+    assert "model.path" in _one_line_error(capsys.readouterr().err)
+
+
+def test_existing_run_without_resume_exits_2_and_logs_the_error(job, capsys, tmp_path):
+    out = tmp_path / "out"
+    ck.write_checkpoint(out / "checkpoints", 3, lambda d: d.mkdir(), {"step": 3})
+    assert main(["finetune", "--config", str(job)]) == 2
+    assert "--resume" in _one_line_error(capsys.readouterr().err)
+    errors = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "error"]
+    assert errors and "--resume" in errors[0]["message"]
+
+
+def test_resume_of_another_spec_exits_2(job, capsys, tmp_path):
+    out = tmp_path / "out"
+    ck.write_checkpoint(out / "checkpoints", 3, lambda d: d.mkdir(), {"step": 3, "training_hash": "other"})
+    assert main(["finetune", "--config", str(job), "--resume"]) == 2
+    assert "different job spec" in _one_line_error(capsys.readouterr().err)
+
+
+def test_a_second_runner_on_the_same_output_dir_is_refused(job, capsys, tmp_path):
+    from horizon_ray.job.runner import _exclusive
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with _exclusive(out):
+        assert main(["finetune", "--config", str(job)]) == 2
+    assert "another job is running" in _one_line_error(capsys.readouterr().err)
+
+
+def test_a_crash_exits_1(job, capsys, monkeypatch):
+    import horizon_ray.job
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("the engine fell over")
+
+    monkeypatch.setattr(horizon_ray.job, "run_job", boom)
+    assert main(["finetune", "--config", str(job)]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "error: the job crashed: RuntimeError: the engine fell over"
+
+
+def test_print_spec_shows_the_resolved_spec(job, capsys):
+    assert main(["finetune", "--config", str(job), "--print-spec", "training.lr=3e-4"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["training"]["lr"] == 3e-4
+    assert printed["training"]["schedule"]["type"] == "cosine"  # defaults filled in
+
+
+def test_exit_code_2_through_the_console_script(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "horizon_ray", "finetune", "--config", str(tmp_path / "x.yaml")],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2
+    _one_line_error(proc.stderr)

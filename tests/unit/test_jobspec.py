@@ -1,0 +1,192 @@
+"""The job spec loads strictly: unknown keys and impossible values are errors that name the fix."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from horizon_ray.jobspec import JobSpec, apply_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+
+MINIMAL = {
+    "model": {"path": "/models/tiny"},
+    "data": {"path": "/data/train.jsonl"},
+    "training": {"max_steps": 10},
+    "output_dir": "/runs/x",
+}
+
+
+def _with(**changes) -> dict:
+    """MINIMAL with dotted keys set, e.g. _with(**{"training.lr": 0})."""
+    d = copy.deepcopy(MINIMAL)
+    return apply_overrides(d, [f"{k}={json.dumps(v)}" for k, v in changes.items()])
+
+
+def test_minimal_spec_fills_defaults_from_one_place():
+    spec = JobSpec.from_dict(MINIMAL)
+    assert spec.model.path == "/models/tiny"
+    assert spec.method == "full"
+    assert spec.data.format == "auto"
+    assert spec.training.max_steps == 10 and spec.training.epochs is None
+    assert spec.training.schedule.type == "cosine"
+    assert spec.checkpoint.keep >= 1
+    assert spec.engine.device == "auto"
+
+
+def test_round_trips_through_dict_json_and_yaml():
+    spec = JobSpec.from_dict(_with(**{"training.lr": 1e-4, "training.betas": [0.9, 0.95], "name": "x"}))
+    again = JobSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert again == spec
+    assert JobSpec.from_dict(yaml.safe_load(spec.to_yaml())) == spec
+
+
+@pytest.mark.parametrize(
+    "data, must_name",
+    [
+        ({**MINIMAL, "lr": 1e-4}, ["'lr'", "training.lr"]),
+        ({**MINIMAL, "trainig": {}}, ["'trainig'", "did you mean 'training'"]),
+        (_with(**{"training.learning_rate": 1e-4}), ["training.learning_rate", "did you mean 'training.lr'"]),
+        (_with(**{"training.sed": 1}), ["training.sed", "did you mean 'training.seed'", "valid keys in training"]),
+        (_with(**{"training.schedule.warmup": 5}), ["training.schedule.warmup", "warmup_steps"]),
+        (_with(**{"checkpoint.every": 5}), ["checkpoint.every", "every_steps"]),
+        (_with(**{"model.revision": "main"}), ["model.revision", "valid keys in model: path, tokenizer_path"]),
+    ],
+)
+def test_unknown_keys_are_errors_that_name_the_key_and_the_fix(data, must_name):
+    with pytest.raises(ValueError) as err:
+        JobSpec.from_dict(data)
+    for text in must_name:
+        assert text in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(
+    "changes, must_name",
+    [
+        ({"training.seq_len": 4}, "training.seq_len"),
+        ({"training.lr": 0}, "training.lr"),
+        ({"training.lr": -1e-4}, "training.lr"),
+        ({"checkpoint.keep": 0}, "checkpoint.keep"),
+        ({"checkpoint.every_steps": -1}, "checkpoint.every_steps"),
+        ({"data.eval_fraction": 1.0}, "data.eval_fraction"),
+        ({"data.eval_fraction": -0.1}, "data.eval_fraction"),
+        ({"data.format": "csv"}, "data.format"),
+        ({"training.max_steps": None}, "training.max_steps"),
+        ({"training.max_steps": 0}, "training.max_steps"),
+        ({"training.epochs": 0}, "training.epochs"),
+        ({"training.micro_batch_size": 0}, "training.micro_batch_size"),
+        ({"training.grad_accum": 0}, "training.grad_accum"),
+        ({"training.schedule.type": "cosin"}, "did you mean 'cosine'"),
+        ({"training.schedule.warmup_steps": 10}, "warmup_steps"),
+        ({"training.schedule.min_lr_ratio": 2}, "min_lr_ratio"),
+        ({"training.betas": [0.9]}, "training.betas"),
+        ({"training.betas": [0.9, 1.0]}, "training.betas"),
+        ({"training.max_grad_norm": 0}, "training.max_grad_norm"),
+        ({"training.weight_decay": -0.1}, "training.weight_decay"),
+        ({"method": "lora"}, "method"),
+        ({"engine.device": "tpu"}, "engine.device"),
+        ({"engine.compute_dtype": "fp16"}, "engine.compute_dtype"),
+        ({"engine.precision": "bf16-state", "engine.compute_dtype": "float32"}, "engine.compute_dtype"),
+        ({"model.path": ""}, "model.path"),
+        ({"data.path": ""}, "data.path"),
+        ({"output_dir": ""}, "output_dir"),
+        ({"training.seq_len": "long"}, "training.seq_len must be an integer"),
+        ({"training.seq_len": 12.5}, "training.seq_len must be an integer"),
+        ({"training.packing": "yes"}, "training.packing must be true or false"),
+        ({"training.lr": None}, "training.lr cannot be null"),
+        ({"model": "tiny"}, "model must be a mapping"),
+    ],
+)
+def test_impossible_values_are_errors_that_name_the_field(changes, must_name):
+    with pytest.raises(ValueError) as err:
+        JobSpec.from_dict(_with(**changes))
+    assert must_name in str(err.value), str(err.value)
+
+
+def test_missing_required_sections_name_the_fix():
+    with pytest.raises(ValueError, match="model.path is required"):
+        JobSpec.from_dict({})
+    with pytest.raises(ValueError, match="set one"):
+        JobSpec.from_dict({k: v for k, v in MINIMAL.items() if k != "training"})
+
+
+def test_numbers_yaml_reads_as_strings_are_accepted():
+    # PyYAML reads 1e-4 (no dot) as the string "1e-4"; a learning rate written that way must still work.
+    spec = JobSpec.from_dict(_with(**{"training.lr": "1e-4", "training.max_steps": "1e3"}))
+    assert spec.training.lr == 1e-4
+    assert spec.training.max_steps == 1000
+
+
+def test_from_yaml_applies_overrides(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(MINIMAL))
+    spec = JobSpec.from_yaml(path, ["training.lr=1e-4", "training.schedule.type=linear",
+                                    "training.betas=[0.9, 0.95]", "data.eval_path=/data/eval.jsonl",
+                                    "name=my-run", "training.epochs=2"])
+    assert spec.training.lr == 1e-4
+    assert spec.training.schedule.type == "linear"
+    assert spec.training.betas == [0.9, 0.95]
+    assert spec.data.eval_path == "/data/eval.jsonl"
+    assert spec.name == "my-run"
+    assert spec.training.epochs == 2.0
+    with pytest.raises(ValueError, match="training.lr=1e-4"):
+        JobSpec.from_yaml(path, ["training.lr"])
+    with pytest.raises(ValueError, match="training.lerning_rate"):
+        JobSpec.from_yaml(path, ["training.lerning_rate=1"])
+    with pytest.raises(ValueError, match="output_dir is not a section"):
+        JobSpec.from_yaml(path, ["output_dir.x=1"])
+
+
+def test_from_yaml_file_errors(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        JobSpec.from_yaml(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        JobSpec.from_yaml(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="mapping"):
+        JobSpec.from_yaml(listy)
+
+
+def test_training_hash_ignores_what_may_change_on_resume():
+    base = JobSpec.from_dict(MINIMAL)
+    same = JobSpec.from_dict(_with(**{"output_dir": "/elsewhere", "checkpoint.every_steps": 7,
+                                      "eval.every_steps": 3, "engine.device": "cpu", "name": "n"}))
+    other = JobSpec.from_dict(_with(**{"training.lr": 1e-3}))
+    assert base.training_hash() == same.training_hash()
+    assert base.training_hash() != other.training_hash()
+
+
+def test_check_paths_names_the_missing_input(tmp_path):
+    spec = JobSpec.from_dict(_with(**{"model.path": str(tmp_path / "m"), "data.path": str(tmp_path / "d.jsonl")}))
+    with pytest.raises(ValueError, match="not an HF model directory"):
+        spec.check_paths()
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        spec.check_paths()
+    (tmp_path / "m" / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match="data.path"):
+        spec.check_paths()
+    (tmp_path / "d.jsonl").write_text("")
+    spec.check_paths()
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_loads_strictly(path):
+    spec = JobSpec.from_yaml(path)
+    assert spec.name
+
+
+def test_demo_example_matches_the_embedded_demo_job():
+    from horizon_ray.job.demo import ASSETS_VERSION, DEMO_JOB
+
+    spec = JobSpec.from_yaml(ROOT / "examples" / "demo.yaml").to_dict()
+    assert f"/demo/assets-v{ASSETS_VERSION}/" in spec["model"]["path"]
+    for section in ("training", "eval", "checkpoint"):
+        for key, value in DEMO_JOB[section].items():
+            assert spec[section][key] == value, f"examples/demo.yaml {section}.{key} drifted from DEMO_JOB"
