@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from horizon_ray.engine import cpu_adam
 from horizon_ray.engine.store import HostStore
 
 # Units are updated in chunks small enough (16 MB of fp32) to stay in the last-level cache between the
@@ -32,6 +33,7 @@ class HostAdamW:
         self.on_updated = on_updated  # called with the unit index once its new weights are on the wire
         self.threads = threads
         self.chunk = _CHUNK
+        self.one_pass = True  # use the compiled one-pass kernel where the layout allows (cpu_adam.py)
         self._cv = threading.Condition()
         self._done = len(store.units)  # units of the current update already written
         self._todo: tuple[float, float] | None = None  # (lr, clip coefficient) of an update not yet started
@@ -111,6 +113,11 @@ class HostAdamW:
         cache between the widening (and clipping) of its gradient, the update and the narrowing of its
         weights for the wire."""
         unit.step += 1
+        if unit.grad is unit.wire and unit.master.dtype == torch.float32 and self.one_pass and \
+                cpu_adam.adamw_bf16_wire(unit.master, unit.exp_avg, unit.exp_avg_sq, unit.wire, lr=lr,
+                                         betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                                         step=float(unit.step), clip=min(clip_coef, 1.0)):
+            return
         widen = unit.grad.dtype != unit.master.dtype
         narrow = unit.wire is not unit.master
         clip = clip_coef < 1.0

@@ -140,7 +140,8 @@ def host_breakdown(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, d
     cuda = device == "cuda"
     c = DTYPE_BYTES[compute_dtype]
     out = {"weights": 0, "master": 0, "moments": 0, "grads": 0, "checkpoints": 0, "embed_rows": 0,
-           "pinned_padding": 0, "optimizer_scratch": 0, "load_staging": 0, "workspace": 0, "baseline": PROCESS_BASELINE_BYTES[device]}
+           "pinned_padding": 0, "optimizer_scratch": 0, "load_staging": 0, "workspace": 0,
+           "baseline": PROCESS_BASELINE_BYTES[device]}
     pinned = 0
 
     def pin(nbytes: int) -> None:

@@ -1,0 +1,54 @@
+"""The one-pass bf16-wire AdamW kernel against torch.optim.AdamW, and the optimizer with and without it."""
+
+import pytest
+import torch
+
+from horizon_ray.engine import cpu_adam
+from horizon_ray.engine.model import _unit
+from horizon_ray.engine.optimizer import HostAdamW
+from horizon_ray.engine.store import HostStore
+
+if cpu_adam.kernel() is None:  # pragma: no cover - a machine without a C++ toolchain
+    pytest.skip(f"one-pass kernel unavailable: {cpu_adam._failed}", allow_module_level=True)
+
+HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def test_kernel_matches_torch_adamw_over_steps_with_clipping():
+    n = 1_000_003  # not a multiple of any vector width
+    g = torch.Generator().manual_seed(0)
+    p0 = torch.randn(n, generator=g)
+    ref = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([ref], **HP)
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    for step, clip in enumerate([1.0, 0.3, 0.7], start=1):
+        grad = (torch.randn(n, generator=g) * 0.01).bfloat16()
+        wire = grad.clone()
+        ref.grad = grad.float() * clip  # clip_grad_norm_ multiplies the gradient
+        opt.step()
+        cpu_adam.adamw_bf16_wire(p, m, v, wire, **HP, step=float(step), clip=clip)
+        st = opt.state[ref]
+        torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(m, st["exp_avg"], rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(v, st["exp_avg_sq"], rtol=1e-6, atol=1e-12)
+        assert torch.equal(wire, p.bfloat16())  # the wire is the master rounded to nearest even
+
+
+def test_optimizer_one_pass_equals_three_passes():
+    n = 300_000
+    results = []
+    for one_pass in (True, False):
+        store = HostStore([_unit("u", [("w", "w", (n,))])], torch.bfloat16, torch.float32, pin=False)
+        u = store.units[0]
+        u.master.copy_(torch.linspace(-1, 1, n))
+        store.refresh_wire(u)
+        opt = HostAdamW(store, HP["betas"], HP["eps"], HP["weight_decay"], on_updated=lambda i: None)
+        opt.one_pass = one_pass
+        for step in range(3):
+            u.grad.copy_(torch.sin(torch.arange(n) * (step + 1.0)) * 0.01)
+            opt.update(u, HP["lr"], 0.5 if step == 1 else 1.0)
+        results.append((u.master.clone(), u.exp_avg.clone(), u.wire.clone()))
+    (p1, m1, w1), (p3, m3, w3) = results
+    torch.testing.assert_close(p1, p3, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(m1, m3, rtol=1e-6, atol=1e-9)
+    assert (w1.float() - w3.float()).abs().max() <= 2 ** -7  # at most one bf16 ulp apart
