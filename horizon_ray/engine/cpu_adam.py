@@ -47,6 +47,8 @@ void adamw_bf16_wire(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor e
     TORCH_CHECK(param.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous() &&
                 grad_wire.is_contiguous(), "contiguous tensors expected");
     TORCH_CHECK(param.scalar_type() == at::kFloat && grad_wire.scalar_type() == at::kBFloat16, "dtypes");
+    // the training thread must keep launching device work while this runs: drop the GIL
+    pybind11::gil_scoped_release no_gil;
     float* p = param.data_ptr<float>();
     float* m = exp_avg.data_ptr<float>();
     float* v = exp_avg_sq.data_ptr<float>();
@@ -99,7 +101,7 @@ def kernel():
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name="horizon_ray_adamw_v2", cpp_sources=[_SOURCE], functions=["adamw_bf16_wire"],
+                    name="horizon_ray_adamw_v3", cpp_sources=[_SOURCE], functions=["adamw_bf16_wire"],
                     # -fno-math-errno lets the compiler vectorise sqrt
                     extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],
