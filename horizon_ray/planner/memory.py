@@ -20,6 +20,8 @@ interval, L = layers:
     grad_accumulators  fp32: layers 1 (bf16: cast at once into staging) or 2 (fp32) x layer, plus
                        V x H + H if tied, else one V x H shared by embed and head
     grad_staging       2 x layer x c                 a layer's gradient cast before D2H (bf16 only)
+    adapter_weights    L x adapter layer x 4         LoRA: every layer's fp32 adapters, resident
+    adapter_grads      L x adapter layer x 4         LoRA: their fp32 gradients, resident (no base accumulators)
     checkpoints        offloaded: 2 x T x H x c      the block's checkpoint back on the device and the next
                                                      one returning; not offloaded: ceil(L/K) x T x H x c
     recompute_inputs   (min(K, L) - 1) x T x H x c   the block's other inputs, recomputed in backward
@@ -27,7 +29,8 @@ interval, L = layers:
     layer_workspace    one row group through one layer under autograd (LAYER_* coefficients below)
                        + the layer's weight gradients, returned at once by torch.autograd.grad
     loss_workspace     chunk x V x (12 + 2c) + V x H x c   logits (c, fp32), log-softmax, their grads;
-                       dL/dW of the LM head as autograd returns it
+                       dL/dW of the LM head as autograd returns it; counted beyond layer_workspace only, as
+                       the two are never live together
     rope_and_masks     cos/sin tables 2 x T x head_dim x c, ids/targets 16 x T, packing masks T x seq
     allocator_slack    ALLOCATOR_SLACK x the items above: caching-allocator rounding and fragmentation
     cuda_context       CUDA_CONTEXT_BYTES: context, cuBLAS and SDPA workspaces (outside torch's allocator)
@@ -214,8 +217,9 @@ def device_items(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, job
             out["grad_accumulators"] = 4 * ((1 if c != 4 else 2) * layer + ends)
             if c != 4:
                 out["grad_staging"] = 2 * layer * c
-        else:  # adapters only; fp32 adapters leave without a cast
-            out["grad_accumulators"] = 4 * 2 * trained_layer
+        else:  # the frozen base has no gradient; the fp32 adapters and their gradients stay resident
+            out["adapter_weights"] = 4 * L * trained_layer
+            out["adapter_grads"] = 4 * L * trained_layer
     elif full and c != 4:
         # on the CPU an fp32 gradient is accumulated in its host buffer; a bf16 layer's in a temporary
         # fp32 buffer, one at a time
@@ -227,9 +231,12 @@ def device_items(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, job
     saved = m * (c * (LAYER_SAVED_H * H + LAYER_SAVED_Q * shape.q_dim + LAYER_SAVED_KV * shape.kv_dim
                       + LAYER_SAVED_I * shape.intermediate_size) + 4 * LAYER_SAVED_FP32_H * H)
     transient = m * c * (LAYER_BACKWARD_I * shape.intermediate_size + LAYER_BACKWARD_Q * shape.q_dim)
-    out["layer_workspace"] = saved + transient + trained_layer * c
+    out["layer_workspace"] = saved + transient + trained_layer * (c if full else 4)
     chunk = min(job.loss_chunk_tokens, m)
-    out["loss_workspace"] = chunk * V * (12 + 2 * c) + (shape.embed_params * c if full else 0)
+    loss = chunk * V * (12 + 2 * c) + (shape.embed_params * c if full else 0)
+    # the loss runs after the last layer's forward and before the first layer's backward: its workspace and
+    # a layer's are never live together, so only what the loss needs beyond a layer's counts
+    out["loss_workspace"] = max(0, loss - out["layer_workspace"])
     masks = T * job.seq_len if job.packed else 0
     if job.packed and not cuda:
         # the CPU's SDPA takes its math path under a mask: scores, softmax and its grad per head

@@ -9,13 +9,17 @@ c = bytes of the compute dtype (2 for bfloat16, 4 for float32):
 | exact         | float32  | 4 (is the wire) | 8     | 4                     | 0          | 16    | yes     |
 | bf16-weights  | bfloat16 | 2 (is the wire) | 8     | 2                     | 0          | 12    | not yet |
 | bf16-state    | bfloat16 | 2 (is the wire) | 4     | 2                     | 0          | 8     | yes     |
-| lora, base    | any      | 0               | 0     | 0                     | c (frozen) | c     | not yet |
-| lora, adapter | any      | 4 (is the wire) | 8     | 4                     | 0          | 16    | not yet |
+| lora, base    | any      | 0               | 0     | 0                     | c (frozen) | c     | yes     |
+| lora, adapter | any      | 4 (is the wire) | 8     | 4                     | 0          | 16    | yes     |
 
 "wire" is the copy in the compute dtype that crosses PCIe; on CUDA it and the gradient buffers are pinned.
 In exact with bf16 compute one bf16 buffer per unit is both: the wire copy of the weights, and between the
 unit's backward (its last reader in a step) and its update, the unit's gradient; the update reads the
 gradient chunk by chunk and writes the new wire chunk over it.
+
+In lora (``EngineConfig(lora=...)``) the base units are the frozen wire alone (HostStore with
+``adapter_layouts``: no master, moments or gradient), and each layer has one fp32 adapter unit with A [r, in]
+and B [out, r] per target; on CUDA the adapters and their gradients are also resident on the device.
 
 The host update moves, per parameter, the gradient once, master and moments twice (read, write) and the
 wire copy once (written from the master chunk still in cache): exact in bf16 = 2 + 24 + 2 = 28 B, the
@@ -124,10 +128,10 @@ MODES: dict[str, PrecisionMode] = {m.name: m for m in [
         "lora", "lora",
         "frozen base in the compute dtype on the host (2 B/param in bf16, streamed) + LoRA adapters with "
         "fp32 master, m, v and gradient (16 B per adapter param)",
-        "full fine-tuning: only the rank-r adapters train and the base stays frozen, so the result is an "
-        "adapter and its quality is LoRA's; not implemented by the engine yet",
+        "full fine-tuning: only the rank-r adapters train (exact fp32 AdamW on them) and the base stays "
+        "frozen, so the result is an adapter and its quality is LoRA's",
         "gives up full fine-tuning: only rank-r adapters train",
-        engine_supported=False, exact_adamw=False, needs_bf16=False),
+        engine_supported=True, exact_adamw=False, needs_bf16=False),
 ]}
 
 # Order in which a verdict suggests other modes: the closest to exact AdamW first.

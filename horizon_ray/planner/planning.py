@@ -299,6 +299,7 @@ def plan_for_spec(spec, node: NodeSpec | None = None, *, gpu_budget_bytes: int |
     "auto" resolve as the job runner does: cuda and bfloat16 when the node has a GPU.
     """
     from horizon_ray.jobspec import EngineSpec, ModelSpec, TrainingSpec
+    from horizon_ray.jobspec import LoraSpec as SpecLora
 
     node = node or H200_NODE
     model = _get(spec, "model.path", ModelSpec().path) if not isinstance(_get(spec, "model", None), str) \
@@ -308,8 +309,10 @@ def plan_for_spec(spec, node: NodeSpec | None = None, *, gpu_budget_bytes: int |
     t, e = TrainingSpec(), EngineSpec()
     method = _get(spec, "method", "full")
     lora = _get(spec, "lora", None)
-    if lora is not None and not isinstance(lora, (dict, LoraSpec)):
-        lora = {"rank": _get(lora, "rank", 16), "targets": _get(lora, "targets", None) or LoraSpec().targets}
+    if method == "lora" and not isinstance(lora, LoraSpec):
+        # the job spec's lora section (dataclass or dict; absent: its defaults), as the runner reads it
+        d = SpecLora()
+        lora = LoraSpec(rank=_get(lora, "r", d.r), targets=tuple(_get(lora, "targets", None) or d.targets))
     return plan(
         model, method=method, mode=_get(spec, "engine.precision", e.precision) if method == "full" else "lora",
         seq_len=_get(spec, "training.seq_len", t.seq_len),

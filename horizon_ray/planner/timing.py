@@ -14,8 +14,9 @@ Work of one optimizer step (T tokens, L layers, K checkpoint interval, S sequenc
 
     PCIe: every unit's streamed copy (compute dtype) crosses once in the forward; layers cross again in
     the backward except the top two blocks, still resident (L - 2K layers); each unit's gradient leaves
-    once (in the compute dtype; LoRA: the fp32 adapters only); offloaded activation checkpoints leave in
-    the forward and come back in the backward. Concurrent H2D and D2H share duplex_bytes_per_s.
+    once (in the compute dtype; LoRA: the fp32 adapters only, which stay resident on the device and cross
+    once a step, after their update); offloaded activation checkpoints leave in the forward and come back
+    in the backward. Concurrent H2D and D2H share duplex_bytes_per_s.
 
     CPU optimizer: the bytes the update moves per parameter (modes.ParamBytes.optimizer_bytes: 28 B for
     exact in bf16), at the bandwidth the measured fused AdamW reached (adam_bytes_per_param x
@@ -86,7 +87,7 @@ def step_time(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, device
     embed_grad_down = shape.embed_params * pb.grad_bytes
     checkpoints = ceil_div(L, K) * tokens * H * c if job.offloads(device) else 0
     h2d_fwd = sum(wire.values()) + adapter_wire - wire["embed"]
-    h2d_bwd = max(0, L - 2 * K) * (wire.get("layer.0", 0) + 4 * adapter_layer) + checkpoints
+    h2d_bwd = max(0, L - 2 * K) * wire.get("layer.0", 0) + checkpoints
 
     bw_alone = ceil.adam_bytes_per_param * ceil.adam_params_per_s
     bw_copies = ceil.adam_bytes_per_param * ceil.adam_params_per_s_with_copies

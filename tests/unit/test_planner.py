@@ -115,7 +115,19 @@ def test_units_and_store_match_the_engine(config):
         assert (got["master"], got["moments"]) == (want["master"], want["moments"]), (precision, dtype)
         # the store counts a shared wire/gradient buffer as gradients, the planner as the wire
         assert got["grads"] + got["wire"] == want["grads"] + want["weights"], (precision, dtype)
-    del torch
+    # LoRA: the frozen base is its wire alone, the fp32 adapters have master, m, v and gradient
+    from horizon_ray.engine.lora import LoraConfig, adapter_layouts
+
+    for dtype, targets in (("bfloat16", ("q_proj", "v_proj")), ("float32", LoraSpec().targets)):
+        lora = LoraConfig(r=4, targets=targets)
+        store = HostStore(unit_layouts(mc), DTYPES[dtype], torch.float32, pin=False,
+                          adapter_layouts=adapter_layouts(mc, lora))
+        p = plan(config, method="lora", lora=LoraSpec(rank=4, targets=targets), compute_dtype=dtype, device="cpu",
+                 **JOB)
+        want = _state(p)
+        assert store.bytes_by_kind() == {"master": want["master"], "moments": want["moments"],
+                                         "grads": want["grads"], "wire": want["weights"]}, (dtype, targets)
+        assert store.trainable_params == p.trainable_params
 
 
 def test_planner_constants_match_the_engine():
@@ -127,7 +139,9 @@ def test_planner_constants_match_the_engine():
 
     assert memory.LAYER_CHUNK_TOKENS == EngineConfig().layer_chunk_tokens
     assert memory.OPTIMIZER_SCRATCH_ELEMENTS == optimizer._CHUNK
-    assert {n for n, m in MODES.items() if m.engine_supported} == set(PRECISIONS) >= set(SPEC_PRECISIONS)
+    full = {n for n, m in MODES.items() if m.engine_supported and m.method == "full"}
+    assert full == set(PRECISIONS) >= set(SPEC_PRECISIONS)
+    assert MODES["lora"].engine_supported  # EngineConfig(lora=...)
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-0.5b", "llama-3.2-1b", "qwen2.5-7b", "llama-3.1-8b"])
@@ -224,7 +238,7 @@ def test_max_model_on_the_h200_box_is_7_to_8b():
 
 def test_gpu_shortfall_names_a_job_that_fits():
     p = plan("qwen2.5-7b", mode="bf16-state", seq_len=4096, micro_batch_size=16, grad_accum=4,
-             checkpoint_every=1, gpu_budget_bytes=20 * GiB, node=NODE_512G)
+             checkpoint_every=1, gpu_budget_bytes=12 * GiB, node=NODE_512G)
     assert not p.fits
     assert "GPU memory needs" in p.reason and "missing" in p.reason
     assert "It fits with" in p.reason

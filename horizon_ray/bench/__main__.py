@@ -1,0 +1,3 @@
+from horizon_ray.bench.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,40 @@
+"""The in-GPU baseline: what a user gets when the whole model fits on the GPU.
+
+HF transformers' model of the shape, random init, weights, gradients and AdamW state on the device in the
+compute dtype (bf16 on a GPU: the planner's "bf16-state" precision), activation checkpointing, SDPA,
+``torch.optim.AdamW(fused=True)``, global-norm clipping at 1.0, random token batches of the same
+micro-batch, accumulation and sequence length as the engine's run. It always has the whole GPU (no
+budget). With ``--device cpu`` it runs on the CPU: a smoke test, and its ``device`` field says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from horizon_ray.bench import hf
+from horizon_ray.bench.metrics import BASELINE
+from horizon_ray.bench.runtime import device_and_dtype, sync
+from horizon_ray.bench.shapes import resolve_shape
+
+
+def run(args, emit: Callable[[dict], None]) -> list[dict]:
+    shape = resolve_shape(args.shape, args.layers)
+    dev, dtype = device_and_dtype(args)
+    device = torch.device(dev)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with device:
+        model = hf.build_model(shape, getattr(torch, dtype))
+    every = hf.enable_checkpointing(model, args.checkpoint_every)
+    model.train()
+    opt = hf.FallbackAdamW(model.parameters())
+    sync(device)
+    return hf.measure(BASELINE, shape, model, opt, args, emit, device=device, dtype=dtype,
+                      mode="bf16-state" if dtype == "bfloat16" else "exact", checkpoint_every=every,
+                      gpu_budget_bytes=None, extra={"init_s": round(time.perf_counter() - t0, 1)},
+                      after=lambda: {"optimizer": f"{opt.name} ({device.type})", "optimizer_fallback": opt.fell_back})

@@ -1,0 +1,167 @@
+"""The horizon-ray system: the streaming engine on a random-init model, warm-up plus timed steps.
+
+One engine serves every accumulation of the list (building a 7B store and pinning it takes a minute).
+Each step is timed on the host around ``train_step``; the engine's optimizer runs in the background, so a
+step's time includes what it had to wait for the previous update (``exposed_optimizer_s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from horizon_ray.bench.metrics import (
+    base_record,
+    error_reason,
+    host_peak_rss,
+    host_rss,
+    is_out_of_memory,
+    timed_summary,
+)
+from horizon_ray.bench.planning import planned_bytes
+from horizon_ray.bench.runtime import cap_gpu_memory, device_and_dtype, device_name, free_memory, profile_step
+from horizon_ray.bench.shapes import hf_config, model_flops_per_token, resolve_shape
+from horizon_ray.engine import Engine, EngineConfig
+
+OFFLOAD = {"auto": "auto", "true": True, "false": False}
+
+
+def run(args, emit: Callable[[dict], None]) -> list[dict]:
+    """Build the engine once, measure each accumulation of ``args.accum``; emit each record as it lands."""
+    shape = resolve_shape(args.shape, args.layers)
+    device, dtype = device_and_dtype(args)
+    t0 = time.perf_counter()
+    rss0 = host_rss()
+    eng = Engine.from_config(hf_config(shape), EngineConfig(
+        lr=1e-5, weight_decay=0.01, max_grad_norm=1.0, checkpoint_every=args.checkpoint_every, device=device,
+        compute_dtype=dtype, precision=args.mode, loss_chunk_tokens=args.loss_chunk,
+        offload_checkpoints=OFFLOAD[args.offload]))
+    init_s = time.perf_counter() - t0
+    cuda = eng.device.type == "cuda"
+    budget = int(args.gpu_budget_gib * 2**30) if args.gpu_budget_gib else None
+    cap_gpu_memory(budget, eng.device)
+    results = []
+    for accum in [int(a) for a in str(args.accum).split(",")]:
+        rec = base_record("horizon-ray", shape, mode=args.mode, dtype=dtype, device=eng.device.type,
+                          device_name=device_name(eng.device), seq=args.seq, micro=args.micro, accum=accum,
+                          checkpoint_every=args.checkpoint_every, gpu_budget_bytes=budget,
+                          offload_checkpoints=args.offload, flops_per_token=model_flops_per_token(shape, args.seq))
+        rec.update(planned_bytes(shape, mode=args.mode, seq=args.seq, micro=args.micro, accum=accum,
+                                 checkpoint_every=args.checkpoint_every, dtype=dtype, device=eng.device.type,
+                                 gpu_budget_bytes=budget, loss_chunk=args.loss_chunk, offload=args.offload))
+        rec.update(init_s=round(init_s, 1), params=eng.num_params,
+                   offload_resolved=bool(eng.streamer.offload))  # where checkpoints lived: host (True) or device
+        batches = _batches(shape.vocab_size, args.micro, args.seq, accum)
+        try:
+            _measure(eng, rec, batches, args, rss0)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            rec.update(status="did-not-fit", reason=error_reason(exc), host_peak_rss_bytes=host_peak_rss())
+        if rec["status"] != "ok":  # outside the except: its traceback no longer pins the step's tensors
+            free_memory()
+        emit(rec)
+        results.append(rec)
+        if rec["status"] == "ok" and cuda and args.profile:
+            emit(_profiled(eng, rec, batches))
+    eng.close()
+    return results
+
+
+def _batches(vocab: int, micro: int, seq: int, accum: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Two steps of random tokens, alternated (labels = inputs: the engine shifts them)."""
+    g = torch.Generator().manual_seed(0)
+    return [[(ids, ids) for ids in (torch.randint(0, vocab, (micro, seq), generator=g) for _ in range(accum))]
+            for _ in range(2)]
+
+
+def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
+    cuda = eng.device.type == "cuda"
+    times, waits, updates = [], [], []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(args.warmup + args.steps):
+        if cuda:
+            torch.cuda.synchronize()
+        eng.optimizer.waited_s = 0.0
+        s = time.perf_counter()
+        eng.train_step(batches[step % 2])
+        times.append(time.perf_counter() - s)
+        waits.append(eng.optimizer.waited_s)
+        updates.append(eng.optimizer.update_s)
+    # no wait for the last update here: a profiled step that follows must find it running, as any step does
+    w = args.warmup
+    mem = eng.memory_report()
+    rec.update(timed_summary(times, w, rec["tokens_per_step"], rec["model_flops_per_token"]))
+    rec.update(
+        exposed_optimizer_s=round(statistics.median(waits[w:]), 4),
+        # update_s is the last finished update; the step after the last timed one is still its own
+        optimizer_update_s=round(statistics.median(updates[w:]), 4),
+        peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else 0,
+        peak_gpu_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else 0,
+        host_rss_bytes=host_rss(), host_rss_growth_bytes=host_rss() - rss0, host_peak_rss_bytes=host_peak_rss(),
+        store_bytes=mem["host"], device_bytes=mem["device"],
+        host_checkpoint_bytes=eng.streamer.host_checkpoint_bytes(),
+    )
+
+
+def _profiled(eng: Engine, rec: dict, batches) -> dict:
+    """The record again, with the time split of one more step run under the profiler. It follows the timed
+    steps at once, so it waits for the previous update as they did (counted in gpu_idle_s)."""
+    out = dict(rec)
+    try:
+        eng.optimizer.waited_s = 0.0
+        out.update(profile_step(lambda: eng.train_step(batches[0])))
+        out["profiled_exposed_optimizer_s"] = round(eng.optimizer.waited_s, 4)
+    except Exception as exc:  # the split is a bonus: a profiler failure must not lose the measured run
+        out["split_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return out
+
+
+def optimizer_probe(params: int = 1 << 30, units: int = 4) -> list[dict]:
+    """Host AdamW throughput in the store's real layout (bf16 wire/gradient, fp32 master and moments),
+    by thread placement, thread count, chunk size and clipping."""
+    import threading
+
+    from horizon_ray.engine.model import _unit
+    from horizon_ray.engine.optimizer import HostAdamW
+    from horizon_ray.engine.store import HostStore
+
+    n = params // units
+    store = HostStore([_unit(f"u{i}", [(f"w{i}", "w", (n,))]) for i in range(units)], torch.bfloat16,
+                      torch.float32, pin=torch.cuda.is_available())
+    for u in store.units:
+        u.master.normal_()
+        u.wire.normal_()
+    opt = HostAdamW(store, (0.9, 0.95), 1e-8, 0.01, on_updated=lambda u: None)
+    out = []
+    for where in ("main", "thread"):
+        for threads in (0, max(1, (os.cpu_count() or 4) - 2)):
+            for chunk in (1 << 19, 1 << 21, 1 << 23):
+                for clip in (1.0, 0.5):
+                    opt.chunk = chunk
+
+                    def work(threads=threads, clip=clip):
+                        if threads:
+                            torch.set_num_threads(threads)
+                        for u in store.units:
+                            opt.update(u, 1e-5, clip)
+
+                    t = time.perf_counter()
+                    if where == "main":
+                        work()
+                    else:
+                        th = threading.Thread(target=work)
+                        th.start()
+                        th.join()
+                    dt = time.perf_counter() - t
+                    torch.set_num_threads(os.cpu_count() or 1)
+                    out.append(dict(where=where, threads=threads or torch.get_num_threads(), chunk=chunk, clip=clip,
+                                    g_params_per_s=round(params / dt / 1e9, 3)))
+                    print("OPT", json.dumps(out[-1]), flush=True)
+    return out

@@ -1,0 +1,177 @@
+"""HF transformers pieces the two peers share: the model of a shape, activation checkpointing, random
+batches, the step and its measurement. Imported only by the peers' children."""
+
+from __future__ import annotations
+
+import inspect
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from horizon_ray.bench.metrics import (
+    base_record,
+    error_reason,
+    host_peak_rss,
+    host_rss,
+    is_out_of_memory,
+    timed_summary,
+)
+from horizon_ray.bench.runtime import device_name, free_memory, gpu_peaks, profile_step, sync
+from horizon_ray.bench.shapes import hf_config, model_flops_per_token
+
+
+def transformers_config(shape):
+    """The shape as a transformers config (Qwen2Config / LlamaConfig / MistralConfig), SDPA attention."""
+    from transformers import AutoConfig
+
+    cfg = hf_config(shape)
+    model_type = cfg.pop("model_type")
+    cfg.pop("architectures", None)
+    return AutoConfig.for_model(model_type, use_cache=False, **cfg)
+
+
+def build_model(shape, dtype: torch.dtype):
+    """A random-init causal LM of the shape, built on the current default device (``with torch.device``)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(transformers_config(shape), dtype=dtype, attn_implementation="sdpa")
+
+
+def enable_checkpointing(model, every: int) -> int:
+    """Activation checkpointing of the decoder layers, non-reentrant (what FSDP2 composes with). Newer
+    transformers checkpoint every ``every``-th layer; older ones every layer. Returns the interval used."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        if "every_n_layers" in inspect.signature(enable).parameters:
+            enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every)
+            return every
+        enable(activation_checkpointing_kwargs=kwargs)
+        return 1
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return 1
+
+
+def random_batches(vocab: int, micro: int, seq: int, accum: int, device: torch.device) -> list[list[torch.Tensor]]:
+    """Two steps of random token ids on the device, alternated (labels = inputs: the model shifts them)."""
+    g = torch.Generator().manual_seed(0)
+    return [[torch.randint(0, vocab, (micro, seq), generator=g).to(device) for _ in range(accum)]
+            for _ in range(2)]
+
+
+def forward_backward(model, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+    """Gradients of the step's mean loss (every micro-batch has as many tokens, so the mean of their means)."""
+    total = None
+    for ids in micro_batches:
+        loss = model(input_ids=ids, labels=ids).loss / len(micro_batches)
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    """torch.optim.AdamW, fused (one kernel over all tensors) where the parameters' device supports it."""
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=True)
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, foreach=True)
+
+
+class FallbackAdamW:
+    """A fused AdamW that turns into a foreach one if its first step fails (a fused kernel that a tensor
+    subclass, e.g. FSDP2's DTensor, does not support), so the peer still gets measured."""
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.opt = adamw(self.params)
+        self.fell_back: str | None = None  # why the fused optimizer was replaced
+        self.steps = 0
+
+    @property
+    def name(self) -> str:
+        return "AdamW fused" if self.opt.defaults.get("fused") else "AdamW foreach"
+
+    def step(self) -> None:
+        self.steps += 1
+        try:
+            self.opt.step()
+        except (RuntimeError, NotImplementedError) as exc:
+            if self.steps > 1 or not self.opt.defaults.get("fused") or is_out_of_memory(exc):
+                raise
+            self.fell_back = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            self.opt = torch.optim.AdamW(self.params, lr=1e-5, weight_decay=0.01, foreach=True)
+            self.opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+
+def optimizer_step(model, opt, max_norm: float = 1.0) -> None:
+    """Global-norm clipping, the update, and the gradients freed, as the engine's step does."""
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def measure(system: str, shape, model, opt, args, emit: Callable[[dict], None], *, device: torch.device,
+            dtype: str, mode: str, checkpoint_every: int, gpu_budget_bytes: int | None, extra: dict,
+            after: Callable[[], dict] | None = None) -> list[dict]:
+    """Warm-up plus timed steps of each accumulation of ``args.accum``; one record each, emitted as it
+    lands, then again with the time split of a profiled step (CUDA, ``--profile``).
+
+    A step is timed on the host between device syncs; a sync between the backward and the update splits off
+    the update (the optimizer's time: for these systems it never overlaps anything, so all of it is exposed).
+    ``after``: more fields, read once the timed steps ran.
+    """
+    results = []
+    for accum in [int(a) for a in str(args.accum).split(",")]:
+        rec = base_record(system, shape, mode=mode, dtype=dtype, device=device.type,
+                          device_name=device_name(device), seq=args.seq, micro=args.micro, accum=accum,
+                          checkpoint_every=checkpoint_every, gpu_budget_bytes=gpu_budget_bytes,
+                          flops_per_token=model_flops_per_token(shape, args.seq))
+        rec.update(extra)
+        batches = random_batches(shape.vocab_size, args.micro, args.seq, accum, device)
+
+        def step(mbs) -> float:
+            forward_backward(model, mbs)
+            sync(device)
+            t = time.perf_counter()
+            optimizer_step(model, opt)
+            sync(device)
+            return time.perf_counter() - t
+
+        try:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            times, updates = [], []
+            for i in range(args.warmup + args.steps):
+                sync(device)
+                t0 = time.perf_counter()
+                updates.append(step(batches[i % 2]))
+                times.append(time.perf_counter() - t0)
+            rec.update(timed_summary(times, args.warmup, rec["tokens_per_step"], rec["model_flops_per_token"]))
+            upd = round(statistics.median(updates[args.warmup:] or updates), 4)
+            rec.update(gpu_peaks(device), exposed_optimizer_s=upd, optimizer_update_s=upd, host_rss_bytes=host_rss(),
+                       host_peak_rss_bytes=host_peak_rss())
+            if after is not None:
+                rec.update(after())
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            rec.update(status="did-not-fit", reason=error_reason(exc), host_peak_rss_bytes=host_peak_rss())
+        if rec["status"] != "ok":  # outside the except: its traceback no longer pins the step's tensors
+            opt.zero_grad(set_to_none=True)
+            free_memory()
+        emit(rec)
+        results.append(rec)
+        if rec["status"] == "ok" and device.type == "cuda" and args.profile:
+            out = dict(rec)
+            try:
+                out.update(profile_step(lambda b=batches[0]: step(b)))
+            except Exception as exc:  # the split is a bonus: a profiler failure must not lose the run
+                out["split_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            emit(out)
+    return results

@@ -1,0 +1,179 @@
+"""What one benchmark run measures, and the arithmetic on it. Pure Python (no torch import).
+
+Every run is one flat dict (a *record*) that crosses the child -> parent boundary as a ``RESULT {json}``
+line and lands in ``benchmarks/results/*.json``. ``REQUIRED_KEYS`` are present in every record of every
+system, ``None`` where a system does not have the quantity (a baseline has no plan) or a run did not
+measure it (it did not fit).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+
+# bf16 dense matmul rate of the H200 box (ceilings.md), and the datasheet's.
+MEASURED_BF16_FLOPS = 786.5e12
+DATASHEET_BF16_FLOPS = 989.5e12
+
+SYSTEMS = ("horizon-ray", "in-gpu-baseline", "fsdp2-offload")
+BASELINE = "in-gpu-baseline"
+
+# ok: measured; did-not-fit: GPU or host memory ran out; timeout: killed at the time limit; error: failed
+# otherwise; skipped: not attempted on this machine (the reason says why); not-run: a placeholder for a
+# system the session did not run on the box.
+STATUSES = ("ok", "did-not-fit", "timeout", "error", "skipped", "not-run")
+
+REQUIRED_KEYS = (
+    "system",  # one of SYSTEMS
+    "status",  # one of STATUSES
+    "reason",  # why status is not ok (None when it is)
+    "shape",  # shape name (shapes.resolve_shape)
+    "mode",  # precision mode: exact (fp32 master + fp32 AdamW state), bf16-state (bf16 master and state)
+    "seq_len",  # tokens per sequence
+    "tokens_per_step",  # non-padding tokens per optimizer step: seq_len x micro x accum
+    "tokens_per_s",  # tokens_per_step / median step time of the timed steps
+    "baseline_tokens_per_s",  # tokens/s of the in-GPU baseline in the same run at the same tokens per step
+    "ratio",  # tokens_per_s / baseline_tokens_per_s (1.0 for the baseline itself)
+    "gpu_budget_bytes",  # GPU memory the run was capped at (None: the whole GPU)
+    "peak_gpu_bytes",  # torch.cuda.max_memory_allocated over the run (0 on cpu)
+    "host_rss_bytes",  # resident set size of the process after the timed steps
+    "planned_host_bytes",  # horizon_ray.planner.plan(...).host_bytes of these settings (horizon-ray only)
+    "date",  # YYYY-MM-DD (UTC) of the run
+    "box",  # machine kind: h200, cpu, ...
+    "commit",  # git commit of the code that ran
+)
+
+
+def throughput(tokens_per_step: int, step_s: float, flops_per_token: float) -> dict:
+    """tokens/s, model TFLOP/s and MFU (against the measured and the datasheet bf16 rate)."""
+    flops = flops_per_token * tokens_per_step / step_s
+    return {"tokens_per_s": round(tokens_per_step / step_s, 1), "model_tflops": round(flops / 1e12, 1),
+            "mfu_measured": round(flops / MEASURED_BF16_FLOPS, 4),
+            "mfu_datasheet": round(flops / DATASHEET_BF16_FLOPS, 4)}
+
+
+def timed_summary(step_times: list[float], warmup: int, tokens_per_step: int, flops_per_token: float) -> dict:
+    """Median of the steps after the warm-up, and what follows from it."""
+    timed = step_times[warmup:] or step_times
+    step_s = statistics.median(timed)
+    return {"step_s": round(step_s, 4), "step_times": [round(t, 4) for t in timed],
+            **throughput(tokens_per_step, step_s, flops_per_token)}
+
+
+def host_rss() -> int:
+    """Resident set size of this process now, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_peak_rss() -> int:
+    """Highest resident set size of this process so far, in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def host_ram_bytes() -> int:
+    """MemTotal of this machine."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemTotal in /proc/meminfo")
+
+
+# ---- the time split of a profiled step --------------------------------------------------------------------
+
+
+def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint union of [start, end) intervals."""
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(i for i in intervals if i[1] > i[0]):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def length(merged: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in merged)
+
+
+def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two merged interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def split_from_trace(events: list[dict], step_s: float) -> dict:
+    """GPU compute, exposed copy and GPU idle seconds of one step from its Chrome trace (torch.profiler).
+
+    Compute: the union of kernel and memset intervals on every stream. Exposed copy: the union of memcpy
+    intervals (host <-> device, on any stream) not covered by compute: the time the step waits for PCIe.
+    Idle: the rest of the step's wall time (the host is behind: a blocking optimizer wait, launch latency,
+    a host sync).
+    """
+    compute, copies = [], []
+    for ev in events:
+        if ev.get("ph") != "X" or "dur" not in ev:
+            continue
+        cat = str(ev.get("cat", "")).lower()
+        span = (float(ev["ts"]), float(ev["ts"]) + float(ev["dur"]))  # microseconds
+        if cat in ("kernel", "gpu_memset"):
+            compute.append(span)
+        elif cat == "gpu_memcpy":
+            copies.append(span)
+    c, m = merge(compute), merge(copies)
+    compute_s = length(c) / 1e6
+    exposed_copy_s = (length(m) - overlap(c, m)) / 1e6
+    return {"profiled_step_s": round(step_s, 4), "gpu_compute_s": round(compute_s, 4),
+            "exposed_copy_s": round(exposed_copy_s, 4),
+            "gpu_idle_s": round(max(0.0, step_s - compute_s - exposed_copy_s), 4)}
+
+
+def error_reason(exc: BaseException) -> str:
+    """Type and first line of an error, for the reason of a record that was not measured."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """GPU or host memory ran out (torch.OutOfMemoryError, a failed host allocation or pinning)."""
+    if type(exc).__name__ == "OutOfMemoryError" or isinstance(exc, MemoryError):
+        return True
+    text = str(exc).lower()
+    return "out of memory" in text or "can't allocate memory" in text or "cannot allocate memory" in text
+
+
+def base_record(system: str, shape, *, mode: str, dtype: str, device: str, device_name: str, seq: int,
+                micro: int, accum: int, checkpoint_every: int, gpu_budget_bytes: int | None,
+                offload_checkpoints: str | None = None, flops_per_token: float) -> dict:
+    """A record with every key a run reports, before it is measured (REQUIRED_KEYS first)."""
+    rec = {k: None for k in REQUIRED_KEYS}
+    rec.update(system=system, status="ok", shape=shape.name, mode=mode, seq_len=seq,
+               tokens_per_step=seq * micro * accum, gpu_budget_bytes=gpu_budget_bytes)
+    rec.update(
+        params=shape.num_params,  # parameters of the model (embedding, layers, head)
+        layers=shape.num_layers,
+        dtype=dtype,  # compute dtype
+        device=device,  # cuda | cpu: where the step ran
+        device_name=device_name,  # e.g. "NVIDIA H200"
+        micro=micro, accum=accum,
+        checkpoint_every=checkpoint_every,  # K: a layer input kept every K layers (HF: every K-th layer)
+        offload_checkpoints=offload_checkpoints,  # horizon-ray's --offload (auto | true | false)
+        model_flops_per_token=flops_per_token,  # house convention, see shapes.model_flops_per_token
+        step_s=None, step_times=[], model_tflops=None, mfu_measured=None, mfu_datasheet=None,
+        exposed_optimizer_s=None,  # seconds a step blocks on the optimizer (median of the timed steps)
+        optimizer_update_s=None,  # seconds of the optimizer's own work per step, overlapped or not
+        gpu_compute_s=None, exposed_copy_s=None, gpu_idle_s=None, profiled_step_s=None,  # split_from_trace
+        peak_gpu_reserved_bytes=None, host_peak_rss_bytes=None,
+        init_s=None,  # seconds to build the model (random init, pinning, sharding)
+    )
+    return rec

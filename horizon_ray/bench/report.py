@@ -1,0 +1,289 @@
+"""Result files and the markdown table: ratios against the baseline, ``benchmarks/RESULTS.md`` regenerated
+from every ``benchmarks/results/*.json``. Pure Python; the output depends only on the files' contents
+(never on the clock or the order files are listed in), so regenerating it twice gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from horizon_ray.bench.metrics import BASELINE, REQUIRED_KEYS, SYSTEMS
+
+GiB = 2**30
+MEASURED_TFLOPS = 786.5
+DATASHEET_TFLOPS = 989.5
+
+
+# ---- runs ---------------------------------------------------------------------------------------------------
+
+
+def missing_keys(run: dict) -> list[str]:
+    return [k for k in REQUIRED_KEYS if k not in run]
+
+
+def group_key(run: dict) -> tuple:
+    """Runs compared with each other: one invocation of the suite (run_id), one shape, sequence length and
+    number of tokens per step."""
+    inv = run.get("run_id") or (run.get("date"), run.get("box"), run.get("commit"))
+    return (inv, run.get("shape"), run.get("seq_len"), run.get("tokens_per_step"))
+
+
+def compute_ratios(runs: list[dict]) -> list[dict]:
+    """Set ``baseline_tokens_per_s`` and ``ratio`` of every run from the in-GPU baseline of its group (in
+    place; also returned). A group without a measured baseline gets None."""
+    baselines = {group_key(r): r["tokens_per_s"] for r in runs
+                 if r.get("system") == BASELINE and r.get("status") == "ok" and r.get("tokens_per_s")}
+    for r in runs:
+        base = baselines.get(group_key(r))
+        r["baseline_tokens_per_s"] = base
+        tps = r.get("tokens_per_s") if r.get("status") == "ok" else None
+        r["ratio"] = round(tps / base, 3) if base and tps else None
+    return runs
+
+
+def load_results(results_dir: str | Path) -> list[tuple[str, dict]]:
+    """(file name, run) of every run of every ``*.json`` in the directory."""
+    out = []
+    for path in sorted(Path(results_dir).glob("*.json")):
+        runs = json.loads(path.read_text())
+        if not isinstance(runs, list):
+            raise ValueError(f"{path}: a result file holds a JSON list of runs")
+        for r in runs:
+            bad = missing_keys(r)
+            if bad:
+                raise ValueError(f"{path}: a run lacks {bad}; every run carries {list(REQUIRED_KEYS)}")
+            out.append((path.name, r))
+    return out
+
+
+def write_json(path: Path, runs: list[dict]) -> None:
+    """Atomically: a reader never sees half a file, a crash never leaves one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(runs, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def merge_results(src_dir: str | Path, dst_dir: str | Path) -> int:
+    """Add the runs of every result file of ``src_dir`` (e.g. what a GPU box wrote to $OUT) to the file of
+    the same name in ``dst_dir``, keeping the runs already there; a run present in both is kept once.
+    Returns the number of runs added."""
+    added = 0
+    for src in sorted(Path(src_dir).glob("*.json")):
+        new = json.loads(src.read_text())
+        for r in new:
+            bad = missing_keys(r)
+            if bad:
+                raise ValueError(f"{src}: a run lacks {bad}")
+        dst = Path(dst_dir) / src.name
+        old = json.loads(dst.read_text()) if dst.exists() else []
+        seen = {json.dumps(r, sort_keys=True) for r in old}
+        fresh = [r for r in new if json.dumps(r, sort_keys=True) not in seen]
+        if fresh:
+            write_json(dst, old + fresh)
+            added += len(fresh)
+    return added
+
+
+# ---- the markdown -------------------------------------------------------------------------------------------
+
+
+def _gib(b) -> str:
+    return "—" if b is None else f"{b / GiB:.1f}"
+
+
+def _num(x, fmt: str) -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def _system_label(r: dict) -> str:
+    return r["system"] + (" (ran on cpu)" if r.get("device") == "cpu" else "")
+
+
+def _mode_label(r: dict) -> str:
+    if r.get("device") == "cpu":
+        return r["mode"]
+    if r["system"] == "horizon-ray":
+        off = r.get("offload_checkpoints") or "auto"
+        resolved = r.get("offload_resolved")
+        where = {True: "host", False: "GPU", None: "auto"}[resolved] if off == "auto" else \
+            {"true": "host", "false": "GPU"}.get(str(off), str(off))
+        return f"{r['mode']}, ckpt {where}" + (" (auto)" if off == "auto" and resolved is not None else "")
+    if r["system"] == BASELINE:
+        return f"{r['mode']}, all on {'CPU' if r.get('device') == 'cpu' else 'GPU'}"
+    return f"{r['mode']}, host offload"
+
+
+def _sorted(items: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """Newest date first; then box, file, invocation, size, sequence, tokens per step, system, mode."""
+    def rest(item):
+        name, r = item
+        order = SYSTEMS.index(r["system"]) if r["system"] in SYSTEMS else len(SYSTEMS)
+        return (r.get("box") or "", name, r.get("run_id") or "", r.get("params") or 0, r.get("seq_len") or 0,
+                r.get("tokens_per_step") or 0, order, _mode_label(r), json.dumps(r, sort_keys=True))
+
+    out = sorted(items, key=rest)
+    out.sort(key=lambda item: item[1].get("date") or "", reverse=True)  # stable: keeps the rest's order
+    return out
+
+
+def _bound(r: dict, base: dict | None) -> str:
+    """One paragraph: what sets this row's step time, from its measured fields."""
+    step, upd, exp = r.get("step_s"), r.get("optimizer_update_s"), r.get("exposed_optimizer_s")
+    parts = []
+    bound = "GPU compute"
+    if r["system"] == BASELINE:
+        where = "the CPU (a smoke test, not a GPU number)" if r.get("device") == "cpu" else "the GPU"
+        parts.append(f"everything is resident on {where}")
+        if upd is not None and step:
+            parts.append(f"the fused AdamW takes {upd:.2f} s of the {step:.2f} s step")
+    else:
+        if upd is not None and exp is not None and step:
+            rate = (r.get("params") or 0) / upd / 1e9 if upd else 0
+            overlap = "the next step's forward waits for it" if r["system"] == "horizon-ray" else "not overlapped"
+            parts.append(f"the host AdamW updates {(r.get('params') or 0) / 1e9:.2f} G params in {upd:.2f} s "
+                         f"({rate:.2f} G params/s); {exp:.2f} s of the {step:.2f} s step is exposed ({overlap})")
+            if exp >= 0.25 * step:
+                bound = "the host optimizer"
+            if base and base.get("step_s"):
+                rest = step - exp
+                parts.append(f"the rest of the step, {rest:.2f} s, is {rest / base['step_s']:.2f}x the in-GPU "
+                             f"baseline's whole step ({base['step_s']:.2f} s) at the same tokens per step")
+    if r.get("gpu_compute_s") is not None:
+        x = r.get("exposed_copy_s") or 0.0
+        parts.append(f"a profiled step of {r['profiled_step_s']:.2f} s had {r['gpu_compute_s']:.2f} s of GPU "
+                     f"compute, {x:.2f} s of exposed copies and {r.get('gpu_idle_s') or 0:.2f} s of GPU idle")
+        if bound == "GPU compute" and step and x >= 0.25 * r["profiled_step_s"]:
+            bound = "PCIe copies"
+    elif r["system"] != BASELINE and r.get("device") != "cpu":
+        parts.append("GPU compute and exposed copies were not split (no profiled step)")
+    if r.get("model_tflops") is not None and r.get("device") != "cpu":
+        parts.append(f"{r['model_tflops']:.1f} model TFLOP/s ({r['model_tflops'] / MEASURED_TFLOPS:.1%} of "
+                     f"{MEASURED_TFLOPS})")
+    if r.get("planned_host_bytes") and r.get("host_rss_bytes"):
+        rss, planned = r["host_rss_bytes"], r["planned_host_bytes"]
+        parts.append(f"host RSS {rss / GiB:.1f} GiB against {planned / GiB:.1f} GiB planned "
+                     f"({rss / planned - 1:+.1%})")
+    if r.get("planned_gpu_bytes") and r.get("peak_gpu_bytes"):
+        parts.append(f"peak GPU {r['peak_gpu_bytes'] / GiB:.1f} GiB allocated against "
+                     f"{r['planned_gpu_bytes'] / GiB:.1f} GiB planned")
+    if r.get("device") == "cpu":
+        bound = "the CPU"
+    # a diagnosis the fields cannot show (e.g. found after the run) is recorded with the run itself
+    bound = r.get("bound") or bound
+    if r.get("note"):
+        parts.append(r["note"])
+    return f"Bound by {bound}: " + "; ".join(parts) + "."
+
+
+def render(results_dir: str | Path) -> str:
+    """RESULTS.md from every result file of the directory."""
+    items = _sorted(load_results(results_dir))
+    runs = [r for _, r in items]
+    compute_ratios(runs)
+    ok = [(n, r) for n, r in items if r.get("status") == "ok"]
+    lines = [
+        "# Benchmark results",
+        "",
+        "Generated by `python -m horizon_ray.bench --report` from `benchmarks/results/*.json`: edit or add the "
+        "JSON, then regenerate; do not edit this file by hand. How to run the suite: `benchmarks/README.md`.",
+        "",
+        "House convention (DESIGN.md, Measuring): tokens/s counts non-padding tokens; model FLOPs = 6 N tokens "
+        "+ 6 L heads head_dim seq tokens (N: the weights of the layers' projections and the LM head; causal "
+        "attention, forward and backward; recompute not counted); MFU against the H200's measured 786.5 "
+        "TFLOP/s bf16 rate and the 989.5 datasheet rate. **ratio** = tokens/s over the tokens/s of the in-GPU "
+        "baseline measured in the same run at the same tokens per step. The baseline keeps weights, gradients "
+        "and AdamW state in bf16 on the GPU (bf16-state); horizon-ray and FSDP2 keep an fp32 master and fp32 "
+        "AdamW state on the host (exact). peak GPU: torch's max_memory_allocated; budget: the cap the run was "
+        "held to (— = the whole GPU); host RSS after the timed steps; planned host: horizon_ray.planner.plan "
+        "of the same settings; exposed opt: seconds a step waits for the optimizer.",
+        "",
+        "| # | date | box | commit | system | shape | mode | seq | tokens/step | tokens/s | ratio | model TFLOP/s "
+        "| MFU (786.5) | MFU (989.5) | peak GPU GiB | budget GiB | host RSS GiB | planned host GiB | exposed opt s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, (_, r) in enumerate(ok, 1):
+        gpu = r.get("device") != "cpu"
+        lines.append("| " + " | ".join([
+            str(i), r.get("date") or "—", r.get("box") or "—", f"`{r.get('commit') or '—'}`", _system_label(r),
+            r["shape"], _mode_label(r), str(r["seq_len"]), f"{r['tokens_per_step']:,}",
+            _num(r.get("tokens_per_s"), ",.0f"), _num(r.get("ratio"), ".3f"), _num(r.get("model_tflops"), ".1f"),
+            _num(r.get("mfu_measured"), ".1%") if gpu else "—", _num(r.get("mfu_datasheet"), ".1%") if gpu else "—",
+            _gib(r.get("peak_gpu_bytes")) if gpu else "—", _gib(r.get("gpu_budget_bytes")),
+            _gib(r.get("host_rss_bytes")), _gib(r.get("planned_host_bytes")), _num(r.get("exposed_optimizer_s"), ".2f"),
+        ]) + " |")
+    if not ok:
+        lines.append("| — | no measured run yet | | | | | | | | | | | | | | | | | |")
+    lines += ["", "## What bounds each row", ""]
+    base_of = {group_key(r): r for r in runs if r["system"] == BASELINE and r.get("status") == "ok"}
+    for i, (_, r) in enumerate(ok, 1):
+        base = None if r["system"] == BASELINE else base_of.get(group_key(r))
+        lines.append(f"- **#{i}** {_system_label(r)}, {r['shape']}, {_mode_label(r)}, "
+                     f"{r['tokens_per_step']:,} tokens/step. {_bound(r, base)}")
+    lines += _not_measured(items) + _largest(items) + _commands(items)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _not_measured(items) -> list[str]:
+    groups: dict[tuple, list[int]] = {}
+    for _, r in items:
+        if r.get("status") != "ok":
+            key = (r.get("date") or "", r.get("box") or "", r["shape"], _system_label(r), _mode_label(r),
+                   r["status"], r.get("reason") or "")
+            groups.setdefault(key, []).append(r.get("tokens_per_step") or 0)
+    out = ["", "## Not measured", ""]
+    for (date, box, shape, system, mode, status, reason), tokens in groups.items():
+        toks = " and ".join(f"{t:,}" for t in sorted(set(tokens)))
+        out.append(f"- {date} {box} {shape}, {system} ({mode}; {toks} tokens/step): **{status}**"
+                   + (f": {reason}" if reason else ""))
+    if not any(r["system"] == "fsdp2-offload" and r.get("status") == "ok" and r.get("device") != "cpu"
+               for _, r in items):
+        out.append("- No FSDP2 CPU-offload numbers from a GPU exist yet; `benchmarks/README.md` has the command "
+                   "that measures them.")
+    return out if len(out) > 3 else []
+
+
+def _largest(items) -> list[str]:
+    """Per box and system: the largest shape that ran and the smallest that did not fit."""
+    ran: dict[tuple, tuple] = {}
+    failed: dict[tuple, tuple] = {}
+    for _, r in items:
+        key = (r.get("box") or "", _system_label(r))
+        size = (r.get("params") or 0, r["shape"])
+        if r.get("status") == "ok":
+            ran[key] = max(ran.get(key, size), size)
+        elif r.get("status") == "did-not-fit":
+            failed[key] = min(failed.get(key, size), size)
+    if not ran and not failed:
+        return []
+    out = ["", "## Largest shape per box and system", "",
+           "| box | system | largest that ran | params | smallest that did not fit | params |",
+           "|---|---|---|---|---|---|"]
+    for key in sorted(set(ran) | set(failed)):
+        r, f = ran.get(key), failed.get(key)
+        out.append(f"| {key[0]} | {key[1]} | {r[1] if r else '—'} | {f'{r[0] / 1e9:.2f}B' if r else '—'} | "
+                   f"{f[1] if f else '—'} | {f'{f[0] / 1e9:.2f}B' if f else '—'} |")
+    return out
+
+
+def _commands(items) -> list[str]:
+    per_file: dict[str, set] = {}
+    for name, r in items:
+        if r.get("command"):
+            per_file.setdefault(name, set()).add((r.get("commit") or "—", r["command"]))
+    out = ["", "## Commands", ""]
+    for name in sorted(per_file):
+        for commit, command in sorted(per_file[name]):
+            out.append(f"- `results/{name}` (commit `{commit}`): `{command}`")
+    return out
+
+
+def write_report(results_dir: str | Path, md_path: str | Path) -> Path:
+    md_path = Path(md_path)
+    text = render(results_dir)
+    tmp = md_path.with_name(md_path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, md_path)
+    return md_path

@@ -1,0 +1,313 @@
+"""The parent: each system (and each horizon-ray variant) in a fresh child process, so host RAM and GPU
+memory start clean and an out-of-memory death of one loses nothing of the others; then ratios against the
+baseline, ``benchmarks/results/<date>-<box>-<shape>.json`` rewritten after every child, and RESULTS.md.
+
+The parent imports no torch (it would hold host RAM the children need): it asks a short-lived child what
+the device is, and plans with the pure-Python planner.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import horizon_ray
+from horizon_ray.bench.child import parse_output
+from horizon_ray.bench.metrics import BASELINE, SYSTEMS, base_record, host_ram_bytes
+from horizon_ray.bench.planning import largest_shape, planned_bytes
+from horizon_ray.bench.report import compute_ratios, write_json, write_report
+from horizon_ray.bench.shapes import FIND_LARGEST_SHAPES, model_flops_per_token, resolve_shape
+
+ROOT = Path(horizon_ray.__file__).resolve().parents[1]
+HOST_OOM = ("killed by SIGKILL with no result: the host ran out of memory (the kernel's OOM killer) "
+            "or something else killed it")
+
+
+@dataclass
+class Child:
+    """What one child process left behind."""
+
+    lines: list[str] = field(default_factory=list)  # its stdout and stderr, line by line
+    returncode: int | None = None
+    timed_out: bool = False  # the parent killed it at its time limit
+    wall_s: float = 0.0
+
+
+def run_suite(args, argv: list[str]) -> int:
+    systems = _systems(args)
+    shapes = _shapes(args)
+    probe = _probe() if args.device == "auto" or (args.box == "auto" and args.device != "cpu") else {}
+    device = args.device if args.device != "auto" else ("cuda" if probe.get("cuda") else "cpu")
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    box = args.box if args.box != "auto" else box_name(device, probe.get("name", ""))
+    now = datetime.datetime.now(datetime.UTC)
+    date = now.strftime("%Y-%m-%d")
+    ctx = {"date": date, "box": box, "commit": resolve_commit(args.commit),
+           "command": "python -m horizon_ray.bench " + shlex.join(argv),
+           "run_id": f"{date}-{box}-{now.strftime('%H%M%S')}-{os.getpid()}"}  # the invocation: ratios stay in it
+    results_dir = Path(args.results_dir)
+    deadline = time.monotonic() + args.time_limit_s if args.time_limit_s else None
+    print(f"bench: {', '.join(shapes)} on {device} ({box}), systems {', '.join(systems)}, commit {ctx['commit']}",
+          flush=True)
+
+    all_runs: list[dict] = []
+    for shape_name in shapes:
+        path = results_dir / _file_name(date, box, "find-largest" if args.find_largest else shape_name)
+        prior = json.loads(path.read_text()) if path.exists() else []
+        runs: list[dict] = []
+        for system, mode, offload in _variants(systems, args, dtype):
+            got = _run_system(system, shape_name, args, device, dtype, mode, offload, deadline)
+            for r in got:
+                r.update(ctx)
+            runs += got
+            compute_ratios(runs)
+            write_json(path, prior + runs)
+        all_runs += runs
+        if args.find_largest and _target_failed(runs, systems):
+            print(f"bench: {shape_name} did not fit; larger shapes are not tried", flush=True)
+            break
+    if args.out:
+        with open(args.out, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in all_runs)
+    md = Path(args.results_md) if args.results_md else results_dir.parent / "RESULTS.md"
+    write_report(results_dir, md)
+    _summary(all_runs, md)
+    return 1 if any(r["status"] in ("error", "timeout") for r in all_runs) else 0
+
+
+def _run_system(system: str, shape: str, args, device: str, dtype: str, mode: str | None, offload: str | None,
+                deadline: float | None) -> list[dict]:
+    """One system (one horizon-ray variant) in a child process; or why it did not run."""
+    if system == "fsdp2-offload" and not device.startswith("cuda") and not args.fsdp_on_cpu:
+        return _placeholders(system, shape, args, device, dtype, mode, offload, "skipped",
+                             "FSDP2 CPU offload moves parameters between the host and a GPU; this machine ran on "
+                             "the CPU")
+    limit = args.child_timeout_s
+    if deadline is not None:
+        if deadline - time.monotonic() < 30:
+            return _placeholders(system, shape, args, device, dtype, mode, offload, "not-run",
+                                 f"the suite's --time-limit-s {args.time_limit_s:g} ran out before it started")
+        limit = min(limit, deadline - time.monotonic() - 10)
+    argv = child_argv(system, shape, args, device, dtype, mode, offload)
+    print(f"bench: {system} {shape} {mode or ''} {offload or ''}: {shlex.join(argv)}", flush=True)
+    return collect(spawn(argv, limit, system), system, shape, args, device, dtype, mode, offload)
+
+
+# ---- what to run --------------------------------------------------------------------------------------------
+
+
+def _systems(args) -> list[str]:
+    default = "fsdp2-offload,in-gpu-baseline" if args.find_largest else ",".join(SYSTEMS)
+    systems = [s.strip() for s in (args.systems or default).split(",") if s.strip()]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad or not systems:
+        raise ValueError(f"--systems takes a comma list of {', '.join(SYSTEMS)}; got {args.systems!r}")
+    return systems
+
+
+def _shapes(args) -> list[str]:
+    if args.find_largest:
+        names = [s.strip() for s in (args.shapes or ",".join(FIND_LARGEST_SHAPES)).split(",") if s.strip()]
+        shapes = sorted((resolve_shape(n) for n in names), key=lambda s: s.num_params)
+        return [s.name for s in shapes]
+    if args.shape == "largest":
+        accum = max(int(a) for a in str(args.accum).split(","))
+        modes = args.mode.split(",")
+        name = largest_shape(host_ram_bytes(), mode=modes[0], seq=args.seq, micro=args.micro, accum=accum,
+                             checkpoint_every=args.checkpoint_every)
+        print(f"bench: the largest shape this host holds in mode {modes[0]} (planner): {name}", flush=True)
+        return [name]
+    return [resolve_shape(args.shape, args.layers).name]
+
+
+def _variants(systems: list[str], args, dtype: str) -> list[tuple[str, str | None, str | None]]:
+    """(system, precision mode, checkpoint offload): horizon-ray once per --mode x --offload value."""
+    out = []
+    for system in systems:
+        if system == "horizon-ray":
+            for mode in args.mode.split(","):
+                if mode == "bf16-state" and dtype != "bfloat16":
+                    raise ValueError("--mode bf16-state needs --dtype bfloat16")
+                for offload in args.offload.split(","):
+                    out.append((system, mode, offload))
+        else:
+            out.append((system, None, None))
+    return out
+
+
+def _target_failed(runs: list[dict], systems: list[str]) -> bool:
+    """--find-largest stops at the first shape where the system it searches for (the first system that is
+    not the baseline) did not fit."""
+    target = next((s for s in systems if s != BASELINE), systems[0])
+    return any(r["system"] == target and r["status"] == "did-not-fit" for r in runs)
+
+
+def child_argv(system: str, shape: str, args, device: str, dtype: str, mode: str | None,
+               offload: str | None) -> list[str]:
+    argv = [sys.executable, "-m", "horizon_ray.bench", "--system", system, "--shape", shape,
+            "--seq", str(args.seq), "--micro", str(args.micro), "--accum", str(args.accum),
+            "--checkpoint-every", str(args.checkpoint_every), "--dtype", dtype, "--device", device,
+            "--loss-chunk", str(args.loss_chunk), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    if system == "horizon-ray":
+        argv += ["--mode", mode, "--offload", offload]
+        if args.gpu_budget_gib:
+            argv += ["--gpu-budget-gib", f"{args.gpu_budget_gib:g}"]
+    if system == "fsdp2-offload":
+        if args.fsdp_gpu_budget_gib:
+            argv += ["--fsdp-gpu-budget-gib", f"{args.fsdp_gpu_budget_gib:g}"]
+        if args.fsdp_on_cpu:
+            argv.append("--fsdp-on-cpu")
+    if not args.profile:
+        argv.append("--no-profile")
+    return argv
+
+
+# ---- children -----------------------------------------------------------------------------------------------
+
+
+def spawn(argv: list[str], timeout_s: float, label: str) -> Child:
+    """Run a child, echo its output as it comes, kill it at the time limit."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    # a streaming step allocates and frees tensors of many sizes; growing segments keep fragmentation from
+    # eating a tight GPU budget (read when CUDA initialises)
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    child = Child()
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+
+    def pump():
+        for line in proc.stdout:
+            child.lines.append(line.rstrip("\n"))
+            print(f"  [{label}] {line}", end="", flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=max(1.0, timeout_s))
+    except subprocess.TimeoutExpired:
+        child.timed_out = True
+        proc.kill()
+        proc.wait()
+    reader.join(timeout=30)
+    child.returncode = proc.returncode
+    child.wall_s = time.monotonic() - t0
+    return child
+
+
+def collect(child: Child, system: str, shape: str, args, device: str, dtype: str, mode: str | None,
+            offload: str | None) -> list[dict]:
+    """The child's records, plus one for every accumulation it did not report, saying why."""
+    records, failed = parse_output(child.lines)
+    if child.timed_out:
+        status, reason = "timeout", f"killed after {child.wall_s:.0f} s (--child-timeout-s / --time-limit-s)"
+    elif failed:
+        status, reason = failed["status"], failed["reason"]
+    elif child.returncode == -signal.SIGKILL:
+        status, reason = "did-not-fit", HOST_OOM
+    elif child.returncode != 0:
+        tail = [ln for ln in child.lines if ln.strip()][-1:] or [""]
+        status, reason = "error", f"exit status {child.returncode}: {tail[0][:300]}"
+    else:
+        status, reason = "error", "the child exited without a result for this accumulation"
+    out = []
+    for accum in _accums(args):
+        if accum in records:
+            out.append(records[accum])
+        else:
+            out += _placeholders(system, shape, args, device, dtype, mode, offload, status, reason, [accum])
+    return out
+
+
+def _accums(args) -> list[int]:
+    return [int(a) for a in str(args.accum).split(",")]
+
+
+def _placeholders(system, shape_name, args, device, dtype, mode, offload, status, reason,
+                  accums: list[int] | None = None) -> list[dict]:
+    """Records of runs that did not produce one: same keys, nothing measured, status and reason."""
+    shape = resolve_shape(shape_name)
+    out = []
+    for accum in accums or _accums(args):
+        budget = None
+        if system == "horizon-ray" and args.gpu_budget_gib:
+            budget = int(args.gpu_budget_gib * 2**30)
+        elif system == "fsdp2-offload" and args.fsdp_gpu_budget_gib:
+            budget = int(args.fsdp_gpu_budget_gib * 2**30)
+        peer_mode = "exact" if system == "fsdp2-offload" or dtype != "bfloat16" else "bf16-state"
+        rec = base_record(system, shape, mode=mode or peer_mode, dtype=dtype, device=device.split(":")[0],
+                          device_name="", seq=args.seq, micro=args.micro, accum=accum,
+                          checkpoint_every=args.checkpoint_every, gpu_budget_bytes=budget,
+                          offload_checkpoints=offload, flops_per_token=model_flops_per_token(shape, args.seq))
+        rec.update(status=status, reason=reason)
+        if system == "horizon-ray":
+            rec.update(planned_bytes(shape, mode=mode, seq=args.seq, micro=args.micro, accum=accum,
+                                     checkpoint_every=args.checkpoint_every, dtype=dtype, device=device,
+                                     gpu_budget_bytes=budget, loss_chunk=args.loss_chunk, offload=offload))
+        out.append(rec)
+    return out
+
+
+# ---- the machine --------------------------------------------------------------------------------------------
+
+
+def _probe() -> dict:
+    """Whether there is a GPU and its name, asked of a short-lived process (the parent stays torch-free)."""
+    code = ("import json, torch; c = torch.cuda.is_available(); "
+            "print(json.dumps({'cuda': c, 'name': torch.cuda.get_device_name(0) if c else 'cpu'}))")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return {"cuda": False, "name": "cpu"}
+
+
+def box_name(device: str, gpu_name: str) -> str:
+    """``NVIDIA H200`` -> ``h200``; ``cpu`` when the run is on the CPU."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    m = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Za-z]?)\b", gpu_name)
+    if m:
+        return m.group(1).lower()
+    return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") or "gpu"
+
+
+def resolve_commit(given: str | None) -> str:
+    """--commit, else $HORIZON_RAY_COMMIT, else the checkout's HEAD (``-dirty`` with uncommitted changes to
+    tracked files), else ``unknown`` (the GPU box gets a copy of the tree without .git)."""
+    if given:
+        return given
+    if os.environ.get("HORIZON_RAY_COMMIT"):
+        return os.environ["HORIZON_RAY_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _file_name(date: str, box: str, what: str) -> str:
+    """Only characters that travel everywhere (``qwen2.5-14b@26L`` -> ``qwen2.5-14b-26L``)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{date}-{box}-{what}") + ".json"
+
+
+def _summary(runs: list[dict], md: Path) -> None:
+    print(f"bench: wrote {md}", flush=True)
+    for r in runs:
+        tps = f"{r['tokens_per_s']:,.0f} tok/s" if r.get("tokens_per_s") else r["status"]
+        ratio = f" ratio {r['ratio']:.3f}" if r.get("ratio") is not None else ""
+        print(f"SUMMARY {r['system']:<16} {r['shape']:<16} {r['mode']:<10} {r['tokens_per_step']:>8,} tok/step "
+              f"{tps}{ratio}" + (f" ({r['reason']})" if r.get("reason") else ""), flush=True)

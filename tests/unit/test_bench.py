@@ -1,0 +1,298 @@
+"""The benchmark harness without running a benchmark: FLOPs, the time split, ratios, result files, the
+markdown, the parent's reading of its children, and what the harness may import."""
+
+import argparse
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from horizon_ray.bench.child import parse_output
+from horizon_ray.bench.cli import add_arguments
+from horizon_ray.bench.metrics import REQUIRED_KEYS, STATUSES, SYSTEMS, base_record, split_from_trace, throughput
+from horizon_ray.bench.report import compute_ratios, load_results, merge_results, render, write_json
+from horizon_ray.bench.shapes import TINY, model_flops_per_token, resolve_shape
+from horizon_ray.bench.suite import HOST_OOM, Child, box_name, child_argv, collect
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _args(**kw):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    argv = []
+    for k, v in kw.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return p.parse_args(argv)
+
+
+# ---- FLOPs --------------------------------------------------------------------------------------------------
+
+
+def test_flops_per_token_against_a_hand_count():
+    """tiny: H 256, MLP 768, 8 layers, 4 heads of 64, 2 KV heads, vocab 8192, untied head; seq 128."""
+    H, I, L, heads, kv, d, V, seq = 256, 768, 8, 4, 2, 64, 8192, 128
+    per_layer = {"q": H * heads * d, "k": H * kv * d, "v": H * kv * d, "o": heads * d * H,
+                 "gate": H * I, "up": H * I, "down": I * H}
+    matmul_weights = L * sum(per_layer.values()) + V * H  # the LM head multiplies, the embedding looks up
+    # a weight costs 2 FLOPs a token forward and 4 backward (grad of input, grad of weight)
+    dense = (2 + 4) * matmul_weights
+    # attention per layer and head: QK^T and AV, 2 * seq * d each a token forward; causal halves; x3 fwd+bwd
+    attention = L * heads * 3 * (2 * 2 * seq * d) // 2
+    assert model_flops_per_token(TINY, seq) == dense + attention == 51_904_512
+
+
+def test_flops_match_the_reference_baseline_on_qwen_7b():
+    """The reference script reported 414.9 model TFLOP/s at 9639.2 tokens/s (Qwen2.5-7B, seq 1024)."""
+    shape = resolve_shape("qwen2.5-7b")
+    assert throughput(16384, 16384 / 9639.2, model_flops_per_token(shape, 1024))["model_tflops"] == 414.9
+
+
+def test_throughput_and_mfu():
+    t = throughput(tokens_per_step=1000, step_s=2.0, flops_per_token=786.5e9 * 2)
+    assert t["tokens_per_s"] == 500.0
+    assert t["model_tflops"] == 786.5
+    assert t["mfu_measured"] == 1.0
+    assert t["mfu_datasheet"] == pytest.approx(786.5 / 989.5, abs=1e-4)
+
+
+def test_shapes_resolve_presets_depths_and_tiny():
+    assert 9e6 < TINY.num_params < 12e6
+    assert resolve_shape("qwen2.5-14b@20L").num_layers == 20
+    assert resolve_shape("qwen2.5-7b", layers=4).name == "qwen2.5-7b@4L"
+    assert resolve_shape(resolve_shape("qwen2.5-7b", layers=4).name).num_layers == 4
+    with pytest.raises(ValueError, match="unknown shape"):
+        resolve_shape("gpt-5")
+    with pytest.raises(ValueError, match="NAME@<layers>L"):
+        resolve_shape("qwen2.5-7b@x")
+
+
+# ---- the profiled step's split -----------------------------------------------------------------------------
+
+
+def test_split_from_trace_counts_only_copies_not_under_compute():
+    us = 1e6
+    events = [
+        {"ph": "X", "cat": "kernel", "ts": 0, "dur": 0.4 * us},
+        {"ph": "X", "cat": "kernel", "ts": 0.3 * us, "dur": 0.2 * us},  # overlaps the first: union 0.0-0.5
+        {"ph": "X", "cat": "gpu_memset", "ts": 0.9 * us, "dur": 0.1 * us},
+        {"ph": "X", "cat": "gpu_memcpy", "ts": 0.4 * us, "dur": 0.3 * us},  # 0.1 hidden under compute, 0.2 exposed
+        {"ph": "X", "cat": "gpu_memcpy", "ts": 1.2 * us, "dur": 0.1 * us},  # exposed
+        {"ph": "X", "cat": "cuda_runtime", "ts": 0, "dur": 2 * us},  # host side: ignored
+        {"ph": "i", "cat": "kernel", "ts": 0},  # not a span
+    ]
+    s = split_from_trace(events, step_s=2.0)
+    assert s["gpu_compute_s"] == pytest.approx(0.6)
+    assert s["exposed_copy_s"] == pytest.approx(0.3)
+    assert s["gpu_idle_s"] == pytest.approx(1.1)
+    assert s["profiled_step_s"] == 2.0
+
+
+# ---- records, ratios, files ----------------------------------------------------------------------------------
+
+
+def _run(system, tps, tokens=16384, status="ok", run_id="r1", date="2026-11-29", **kw):
+    rec = base_record(system, TINY, mode="exact", dtype="bfloat16", device="cuda", device_name="NVIDIA H200",
+                      seq=1024, micro=tokens // 1024, accum=1, checkpoint_every=1, gpu_budget_bytes=None,
+                      flops_per_token=model_flops_per_token(TINY, 1024))
+    rec.update(status=status, tokens_per_s=tps, step_s=tokens / tps if tps else None, date=date,
+               box="h200", commit="abc1234", run_id=run_id, command="python -m horizon_ray.bench --shape tiny", **kw)
+    return rec
+
+
+def test_every_record_carries_the_required_keys():
+    rec = _run("horizon-ray", 100.0)
+    assert list(rec)[: len(REQUIRED_KEYS)] == list(REQUIRED_KEYS)
+
+
+def test_ratio_is_against_the_baseline_of_the_same_run_and_tokens_per_step():
+    runs = [
+        _run("horizon-ray", 50.0), _run("in-gpu-baseline", 100.0), _run("fsdp2-offload", 25.0),
+        _run("horizon-ray", 90.0, tokens=65536), _run("in-gpu-baseline", 120.0, tokens=65536),
+        _run("horizon-ray", 80.0, run_id="r2"),  # another invocation: no baseline of its own
+        _run("fsdp2-offload", None, status="did-not-fit", reason="host OOM"),
+    ]
+    compute_ratios(runs)
+    assert [r["ratio"] for r in runs] == [0.5, 1.0, 0.25, 0.75, 1.0, None, None]
+    assert runs[0]["baseline_tokens_per_s"] == 100.0 and runs[3]["baseline_tokens_per_s"] == 120.0
+    assert runs[5]["baseline_tokens_per_s"] is None
+
+
+def _write_results(d: Path) -> None:
+    write_json(d / "2026-11-29-h200-tiny.json", [
+        _run("horizon-ray", 50.0, planned_host_bytes=2**30, host_rss_bytes=2**30, exposed_optimizer_s=0.5,
+             optimizer_update_s=0.6),
+        _run("in-gpu-baseline", 100.0),
+        _run("fsdp2-offload", None, status="not-run", reason="not run on the GPU box this session"),
+    ])
+    write_json(d / "2026-11-30-h200-tiny.json", [_run("horizon-ray", 70.0, run_id="r3", date="2026-11-30"),
+                                                 _run("in-gpu-baseline", 100.0, run_id="r3", date="2026-11-30")])
+
+
+def test_results_md_is_regenerated_deterministically(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _write_results(a)
+    b.mkdir()
+    for f in sorted(a.glob("*.json"), reverse=True):  # another creation order
+        shutil.copy(f, b / f.name)
+    text = render(a)
+    assert text == render(a) == render(b)
+    rows = [ln for ln in text.splitlines() if re.match(r"\| \d+ \| ", ln)]
+    assert len(rows) == 4  # the not-run placeholder is listed under "Not measured", not as a row
+    assert "2026-11-30" in rows[0]  # newest first
+    assert "| 0.500 |" in rows[2] and "| 1.000 |" in rows[3]
+    assert "**not-run**: not run on the GPU box this session" in text
+    assert "No FSDP2 CPU-offload numbers from a GPU exist yet" in text
+    assert "Bound by the host optimizer" not in text  # 0.5 s exposed of a 327 s step
+    assert "`python -m horizon_ray.bench --shape tiny`" in text
+
+
+def test_merge_keeps_local_runs_and_adds_new_ones_once(tmp_path):
+    local, box = tmp_path / "local", tmp_path / "box"
+    _write_results(local)
+    write_json(box / "2026-11-29-h200-tiny.json", [_run("fsdp2-offload", 30.0, run_id="r9"),
+                                                   _run("in-gpu-baseline", 100.0, run_id="r9")])
+    assert merge_results(box, local) == 2
+    assert merge_results(box, local) == 0
+    runs = json.loads((local / "2026-11-29-h200-tiny.json").read_text())
+    assert [r["system"] for r in runs] == ["horizon-ray", "in-gpu-baseline", "fsdp2-offload", "fsdp2-offload",
+                                           "in-gpu-baseline"]
+
+
+def test_a_run_without_a_required_key_is_refused(tmp_path):
+    run = _run("horizon-ray", 1.0)
+    del run["planned_host_bytes"]
+    write_json(tmp_path / "x.json", [run])
+    with pytest.raises(ValueError, match="planned_host_bytes"):
+        load_results(tmp_path)
+
+
+def test_committed_results_follow_the_schema_and_results_md_is_current():
+    runs = [r for _, r in load_results(RESULTS)]
+    assert runs, "benchmarks/results holds no result file"
+    for r in runs:
+        assert r["system"] in SYSTEMS and r["status"] in STATUSES
+        if r["status"] == "ok":
+            assert r["tokens_per_s"] > 0 and r["tokens_per_step"] == r["seq_len"] * r["micro"] * r["accum"]
+    before = [(r["ratio"], r["baseline_tokens_per_s"]) for r in runs]
+    assert [(r["ratio"], r["baseline_tokens_per_s"]) for r in compute_ratios(runs)] == before
+    assert (ROOT / "benchmarks" / "RESULTS.md").read_text() == render(RESULTS), \
+        "RESULTS.md is stale: run `python -m horizon_ray.bench --report`"
+
+
+def test_the_h200_7b_record():
+    runs = json.loads((RESULTS / "2026-11-29-h200-qwen2.5-7b-run8.json").read_text())
+    hr = {r["accum"]: r for r in runs if r["system"] == "horizon-ray"}
+    assert hr[1]["ratio"] == round(3086.2 / 9639.2, 3) and hr[4]["ratio"] == round(6936.3 / 9840.2, 3)
+    assert all(r["commit"] == "59969c9" and r["planned_host_bytes"] > 100 * 2**30 for r in hr.values())
+    assert {r["status"] for r in runs if r["system"] == "fsdp2-offload"} == {"not-run"}
+
+
+# ---- the parent and its children ----------------------------------------------------------------------------
+
+
+def test_parse_output_keeps_the_last_record_of_each_accumulation():
+    first = {"accum": 1, "tokens_per_s": 1.0}
+    lines = ["noise", "RESULT " + json.dumps(first), "RESULT " + json.dumps({**first, "gpu_compute_s": 0.5}),
+             "FAILED " + json.dumps({"status": "did-not-fit", "reason": "OutOfMemoryError: x"})]
+    records, failed = parse_output(lines)
+    assert records == {1: {"accum": 1, "tokens_per_s": 1.0, "gpu_compute_s": 0.5}}
+    assert failed["status"] == "did-not-fit"
+
+
+def test_a_child_killed_by_the_host_oom_killer_did_not_fit():
+    args = _args(shape="tiny", accum="1,4", device="cpu")
+    done = _run("horizon-ray", 10.0)
+    done["accum"] = 1
+    child = Child(lines=["RESULT " + json.dumps(done)], returncode=-9)
+    got = collect(child, "horizon-ray", "tiny", args, "cpu", "float32", "exact", "auto")
+    assert [r["accum"] for r in got] == [1, 4]
+    assert got[0]["status"] == "ok"
+    assert got[1]["status"] == "did-not-fit" and got[1]["reason"] == HOST_OOM
+    assert got[1]["planned_host_bytes"] > 0 and set(REQUIRED_KEYS) <= set(got[1])
+
+
+def test_a_child_that_timed_out_or_crashed():
+    args = _args(shape="tiny", device="cpu")
+    timed_out = collect(Child(returncode=-9, timed_out=True, wall_s=12), "in-gpu-baseline", "tiny", args, "cpu",
+                        "float32", None, None)
+    assert timed_out[0]["status"] == "timeout"
+    crashed = collect(Child(lines=["Traceback", "KeyError: 'x'"], returncode=1), "fsdp2-offload", "tiny", args,
+                      "cpu", "float32", None, None)
+    assert crashed[0]["status"] == "error" and "KeyError" in crashed[0]["reason"]
+
+
+def test_child_argv_passes_each_system_its_own_knobs():
+    args = _args(shape="qwen2.5-7b", accum="1,4", gpu_budget_gib=12, fsdp_gpu_budget_gib=40)
+    hr = child_argv("horizon-ray", "qwen2.5-7b", args, "cuda", "bfloat16", "exact", "false")
+    assert hr[hr.index("--gpu-budget-gib") + 1] == "12" and hr[hr.index("--offload") + 1] == "false"
+    base = child_argv("in-gpu-baseline", "qwen2.5-7b", args, "cuda", "bfloat16", None, None)
+    assert "--gpu-budget-gib" not in base and "--mode" not in base
+    fsdp = child_argv("fsdp2-offload", "qwen2.5-7b", args, "cuda", "bfloat16", None, None)
+    assert fsdp[fsdp.index("--fsdp-gpu-budget-gib") + 1] == "40"
+
+
+def test_box_names():
+    assert box_name("cuda:0", "NVIDIA H200") == "h200"
+    assert box_name("cuda", "NVIDIA H100 80GB HBM3") == "h100"
+    assert box_name("cpu", "") == "cpu"
+
+
+def test_fused_adamw_falls_back_to_foreach_when_its_first_step_fails(monkeypatch):
+    import torch
+
+    from horizon_ray.bench.hf import FallbackAdamW
+
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = FallbackAdamW([w])
+    assert opt.name == "AdamW fused"
+
+    def broken(*a, **k):
+        raise NotImplementedError("no fused kernel for this tensor type")
+
+    monkeypatch.setattr(torch, "_fused_adamw_", broken)
+    w.grad = torch.ones(4)
+    opt.step()
+    assert opt.name == "AdamW foreach" and "NotImplementedError" in opt.fell_back
+    assert torch.all(w < 1)
+
+
+def test_readme_commands_parse():
+    """Every command of benchmarks/README.md for the GPU box is a valid invocation that writes to $OUT."""
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(p)
+    cmds = [ln for ln in (ROOT / "benchmarks" / "README.md").read_text().splitlines()
+            if ln.startswith("PYTHONPATH=$PWD python3 -m horizon_ray.bench")]
+    assert len(cmds) >= 4
+    for cmd in cmds:
+        words = shlex.split(cmd.replace("$OUT", "/tmp/out").replace("<commit>", "abc1234"))
+        args = p.parse_args(words[words.index("horizon_ray.bench") + 1:])
+        assert args.results_dir.startswith("/tmp/out"), cmd
+
+
+# ---- what the harness imports -----------------------------------------------------------------------------
+
+
+def test_the_engine_does_not_import_the_bench():
+    code = ("import sys, horizon_ray.engine\n"
+            "assert not [m for m in sys.modules if m.startswith('horizon_ray.bench')]\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_parent_imports_no_torch_and_no_module_the_gpu_box_lacks():
+    code = (
+        "import sys\n"
+        "import horizon_ray.bench.suite, horizon_ray.bench.report, horizon_ray.bench.cli, horizon_ray.commands.bench\n"
+        "assert 'torch' not in sys.modules\n"
+        "import horizon_ray.bench.engine_run, horizon_ray.bench.baseline, horizon_ray.bench.fsdp2\n"
+        "bad = [m for m in ('ray', 'fastapi', 'pydantic', 'uvicorn', 'starlette', 'psutil', 'rich')\n"
+        "       if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -1,0 +1,62 @@
+"""`horizon-ray bench` end to end on the CPU: the tiny shape, every system in its own process, a result
+file and RESULTS.md. (Seconds on two cores; the GPU box runs the same code on real shapes.)"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from horizon_ray.bench.metrics import REQUIRED_KEYS
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--shape", "tiny", "--device", "cpu", "--seq", "64", "--micro", "2", "--accum", "1,2", "--warmup", "1",
+        "--steps", "1", "--commit", "test"]
+
+
+def _bench(tmp_path, *extra, module="horizon_ray"):
+    argv = [sys.executable, "-m", module] + (["bench"] if module == "horizon_ray" else [])
+    out = subprocess.run(argv + TINY + ["--results-dir", str(tmp_path / "results"), *extra], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    files = list((tmp_path / "results").glob("*.json"))
+    assert [f.name for f in files] == [files[0].name] and files[0].name.endswith("-cpu-tiny.json")
+    return json.loads(files[0].read_text()), (tmp_path / "RESULTS.md").read_text(), out.stdout
+
+
+def test_bench_cli_on_the_tiny_shape_on_cpu(tmp_path):
+    runs, md, stdout = _bench(tmp_path)
+    assert [(r["system"], r["accum"]) for r in runs] == [
+        ("horizon-ray", 1), ("horizon-ray", 2), ("in-gpu-baseline", 1), ("in-gpu-baseline", 2),
+        ("fsdp2-offload", 1), ("fsdp2-offload", 2)]
+    for r in runs:
+        assert set(REQUIRED_KEYS) <= set(r), r["system"]
+        assert r["date"] and r["box"] == "cpu" and r["commit"] == "test" and r["device"] == "cpu"
+        assert r["tokens_per_step"] == 64 * 2 * r["accum"]
+    measured = [r for r in runs if r["system"] != "fsdp2-offload"]
+    for r in measured:
+        assert r["status"] == "ok" and r["tokens_per_s"] > 0 and r["model_tflops"] is not None
+        assert r["host_rss_bytes"] > 0 and r["peak_gpu_bytes"] == 0
+        base = next(b for b in runs if b["system"] == "in-gpu-baseline" and b["accum"] == r["accum"])
+        assert r["baseline_tokens_per_s"] == base["tokens_per_s"]
+        assert r["ratio"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"], abs=1e-3)
+    hr = [r for r in runs if r["system"] == "horizon-ray"]
+    assert all(r["planned_host_bytes"] > 0 and r["exposed_optimizer_s"] is not None for r in hr)
+    assert all(r["planned_host_bytes"] is None for r in runs if r["system"] != "horizon-ray")
+    skipped = [r for r in runs if r["system"] == "fsdp2-offload"]
+    assert all(r["status"] == "skipped" and "GPU" in r["reason"] and r["ratio"] is None for r in skipped)
+    assert "horizon-ray (ran on cpu)" in md and "in-gpu-baseline (ran on cpu)" in md
+    assert "**skipped**: FSDP2 CPU offload" in md
+    assert "SUMMARY horizon-ray" in stdout
+
+
+def test_fsdp2_peer_code_runs_on_cpu(tmp_path):
+    """--fsdp-on-cpu: the FSDP2 peer's real code (meta init, fully_shard with CPUOffloadPolicy, mixed precision
+    policy, activation checkpointing, host AdamW) on a gloo group of one, without a GPU."""
+    runs, _, _ = _bench(tmp_path, "--systems", "fsdp2-offload", "--fsdp-on-cpu", module="horizon_ray.bench")
+    assert [r["system"] for r in runs] == ["fsdp2-offload"] * 2
+    for r in runs:
+        assert r["status"] == "ok", r["reason"]
+        assert r["tokens_per_s"] > 0 and r["exposed_optimizer_s"] > 0 and r["optimizer"].startswith("AdamW")
+        assert r["ratio"] is None  # no baseline in this invocation
