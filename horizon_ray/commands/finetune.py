@@ -32,6 +32,13 @@ def run(args: argparse.Namespace) -> int:
         print(spec.to_yaml(), end="")
         return 0
 
+    # Inside a Ray job (`ray job submit -- horizon-ray finetune ...`) the spec goes to the service's
+    # coordinator, which places it on a node whose RAM holds it; this process follows it to the end.
+    from horizon_ray.cluster import should_submit_to_coordinator, submit_and_follow
+
+    if should_submit_to_coordinator():
+        return submit_and_follow(spec.to_dict())
+
     from horizon_ray.job import JobTerminated, run_job
 
     def on_sigterm(signum: int, frame: object) -> None:

@@ -1,0 +1,398 @@
+"""The node agent: one per node; runs each job's engine in a child process it supervises.
+
+The agent owns its node's reservation ledger. `start` reserves the planner's bytes and launches
+`python -m horizon_ray finetune --config <output_dir>/job.yaml --resume`; a monitor thread samples the
+child's memory and reaps it, freeing the reservation however the child ends (exit, crash, signal, cancel).
+The coordinator polls: `poll` returns the new metrics.jsonl lines of each job (from the byte offset the
+coordinator acknowledged, so nothing is lost or repeated across a coordinator restart) and how each
+finished job exited. A crash or OOM kill of a job is a child exit: it never takes the agent down.
+
+Children get PR_SET_PDEATHSIG=SIGKILL: when the agent dies (its node is removed, the actor is killed) its
+jobs die with it, so a job recovered on another node never has a stale twin writing to its output_dir.
+
+This module imports no Ray; `ray_actors` turns `NodeAgent` into a Ray actor pinned to its node.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+import yaml
+
+from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, NodeInfo, Reservation
+
+METRICS_FILE = "metrics.jsonl"
+SPEC_FILE = "job.yaml"
+_MAX_LINES_PER_POLL = 2000
+_STDERR_TAIL_BYTES = 4000
+
+
+class AgentUnavailable(Exception):
+    """The agent could not be reached. `definitive`: it is known dead (not merely slow)."""
+
+    def __init__(self, message: str, *, definitive: bool = False):
+        super().__init__(message)
+        self.definitive = definitive
+
+
+class ReservationRefused(Exception):
+    """The agent's ledger has no room for the job (the coordinator's view was stale)."""
+
+
+class Agent(Protocol):
+    """What the coordinator needs from a node agent (a `NodeAgent`, a Ray proxy to one, or a fake)."""
+
+    def info(self) -> NodeInfo: ...
+
+    def start(self, job_id: str, spec: dict[str, Any], output_dir: str, host_bytes: int, gpu_bytes: int,
+              metrics_offset: int = 0, attempt: int = 1) -> None: ...
+
+    def cancel(self, job_id: str) -> None: ...
+
+    def poll(self, offsets: dict[str, int]) -> dict[str, AgentJobReport]: ...
+
+    def forget(self, job_id: str) -> None: ...
+
+
+@dataclass
+class Ledger:
+    """Memory of one node set aside for running jobs."""
+
+    ram_bytes: int  # host RAM offered to jobs
+    gpu_count: int = 0  # GPUs of the node
+    gpu_memory_bytes: int = 0  # memory of one GPU
+    entries: dict[str, Reservation] = field(default_factory=dict)  # job_id -> reservation
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(r.host_bytes for r in self.entries.values())
+
+    @property
+    def reserved_gpu_bytes(self) -> int:
+        return sum(r.gpu_bytes for r in self.entries.values())
+
+    @property
+    def gpu_jobs(self) -> int:
+        """Jobs holding a GPU (each GPU job gets a whole GPU)."""
+        return sum(1 for r in self.entries.values() if r.gpu_bytes)
+
+    def reserve(self, job_id: str, host_bytes: int, gpu_bytes: int) -> Reservation:
+        if job_id in self.entries:
+            return self.entries[job_id]
+        if self.reserved_bytes + host_bytes > self.ram_bytes:
+            raise ReservationRefused(
+                f"job {job_id} needs {host_bytes} host bytes; {self.ram_bytes - self.reserved_bytes} free")
+        if gpu_bytes and self.gpu_jobs >= self.gpu_count:
+            raise ReservationRefused(f"job {job_id} needs a GPU; all {self.gpu_count} are taken")
+        self.entries[job_id] = Reservation(job_id, int(host_bytes), int(gpu_bytes), time.time())
+        return self.entries[job_id]
+
+    def release(self, job_id: str) -> None:
+        self.entries.pop(job_id, None)
+
+    def node_info(self, node_id: str, **extra: Any) -> NodeInfo:
+        return NodeInfo(
+            node_id=node_id,
+            ram_bytes=self.ram_bytes,
+            gpu_count=self.gpu_count,
+            gpu_memory_bytes=self.gpu_memory_bytes,
+            reserved_bytes=self.reserved_bytes,
+            reserved_gpu_bytes=self.reserved_gpu_bytes,
+            ledger=list(self.entries.values()),
+            **extra,
+        )
+
+
+def read_metrics_lines(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """Parsed complete lines of a metrics.jsonl from byte `offset`; returns (lines, next offset).
+
+    A torn last line (no newline yet) is left for the next read. A line that is not JSON (the tail of a
+    killed writer followed by a resumed one) is skipped. A file shorter than `offset` was rewritten:
+    reading restarts at 0.
+    """
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return [], offset
+    if size < offset:
+        offset = 0
+    lines: list[dict[str, Any]] = []
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while len(lines) < _MAX_LINES_PER_POLL:
+            raw = f.readline()
+            if not raw.endswith(b"\n"):
+                break
+            offset += len(raw)
+            try:
+                obj = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                lines.append(obj)
+    return lines, offset
+
+
+def _set_pdeathsig() -> None:
+    # Runs in the child between fork and exec: ask the kernel to SIGKILL it when its parent dies.
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def detect_gpus() -> tuple[int, int]:
+    """(GPU count, memory of one GPU in bytes) from nvidia-smi; (0, 0) when there is none.
+
+    The cluster layer never touches CUDA itself (STYLE.md 1)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return 0, 0
+    try:
+        out = subprocess.run([exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0, 0
+    mems = [int(float(x)) * 2**20 for x in out.split() if x.strip()]
+    return len(mems), (min(mems) if mems else 0)
+
+
+@dataclass
+class _Job:
+    job_id: str
+    proc: subprocess.Popen
+    output_dir: Path
+    log_path: Path
+    planned_bytes: int
+    started: float
+    gpu_index: int | None = None
+    rss_bytes: int = 0
+    peak_rss_bytes: int = 0
+    cancel_at: float | None = None  # when the cancel was asked (SIGTERM sent)
+    exit: ExitInfo | None = None
+
+
+class NodeAgent:
+    """Supervisor of the engine processes of one node."""
+
+    def __init__(
+        self,
+        node_id: str,
+        *,
+        ram_bytes: int | None = None,
+        gpu_count: int | None = None,
+        gpu_memory_bytes: int | None = None,
+        ray_node_id: str | None = None,
+        command: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        sample_interval_s: float = 0.2,
+        kill_grace_s: float = 10.0,
+    ):
+        if gpu_count is None:
+            gpu_count, detected_mem = detect_gpus()
+            gpu_memory_bytes = gpu_memory_bytes or detected_mem
+        self.node_id = node_id
+        self.ray_node_id = ray_node_id
+        self.incarnation = uuid.uuid4().hex[:12]
+        self._ledger = Ledger(
+            ram_bytes=int(ram_bytes if ram_bytes is not None else psutil.virtual_memory().total),
+            gpu_count=int(gpu_count),
+            gpu_memory_bytes=int(gpu_memory_bytes or 0),
+        )
+        # argv prefix of a job; `--config <spec> --resume` is appended
+        self._command = list(command or [sys.executable, "-m", "horizon_ray", "finetune"])
+        self._env = dict(env or {})
+        self._sample_interval_s = sample_interval_s
+        self._kill_grace_s = kill_grace_s
+        self._jobs: dict[str, _Job] = {}
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._monitor_loop, name=f"agent-{node_id}", daemon=True)
+        self._monitor.start()
+
+    # ---- the Agent interface -------------------------------------------------------------------------
+
+    def info(self) -> NodeInfo:
+        with self._lock:
+            self._reap()
+            return self._ledger.node_info(self.node_id, ray_node_id=self.ray_node_id,
+                                          incarnation=self.incarnation)
+
+    def start(self, job_id: str, spec: dict[str, Any], output_dir: str, host_bytes: int, gpu_bytes: int,
+              metrics_offset: int = 0, attempt: int = 1) -> None:
+        with self._lock:
+            self._reap()
+            if job_id in self._jobs and self._jobs[job_id].exit is None:
+                return  # already running here: a retried start
+            self._jobs.pop(job_id, None)
+            self._ledger.reserve(job_id, host_bytes, gpu_bytes)
+            try:
+                self._jobs[job_id] = self._launch(job_id, spec, Path(output_dir), host_bytes, gpu_bytes,
+                                                  attempt)
+            except BaseException:
+                self._ledger.release(job_id)
+                raise
+
+    def cancel(self, job_id: str) -> None:
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or job.exit is not None or job.cancel_at is not None:
+                return
+            job.cancel_at = time.time()
+            _signal_group(job.proc, signal.SIGTERM)
+
+    def poll(self, offsets: dict[str, int]) -> dict[str, AgentJobReport]:
+        """Reports of every job this agent holds (running, or exited and not yet forgotten)."""
+        with self._lock:
+            self._reap()
+            reports = {}
+            for job_id, job in self._jobs.items():
+                lines, next_offset = read_metrics_lines(job.output_dir / METRICS_FILE,
+                                                        int(offsets.get(job_id, 0)))
+                reports[job_id] = AgentJobReport(
+                    job_id=job_id,
+                    lines=lines,
+                    next_offset=next_offset,
+                    checkpointing=job.exit is None and _is_checkpointing(job.output_dir, job.proc.pid),
+                    rss_bytes=job.rss_bytes if job.exit is None else 0,
+                    peak_rss_bytes=job.peak_rss_bytes,
+                    exit=job.exit,
+                )
+            return reports
+
+    def forget(self, job_id: str) -> None:
+        """Drop an exited job (the coordinator has recorded its end). A running job is killed first."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None:
+                return
+            if job.exit is None:
+                _signal_group(job.proc, signal.SIGKILL)
+                job.proc.wait()
+                self._reap()
+            self._jobs.pop(job_id, None)
+            self._ledger.release(job_id)
+
+    def shutdown(self) -> None:
+        """Kill every job (used when the service stops) and stop the monitor."""
+        with self._lock:
+            for job in self._jobs.values():
+                if job.exit is None:
+                    _signal_group(job.proc, signal.SIGKILL)
+            for job in self._jobs.values():
+                if job.exit is None:
+                    job.proc.wait()
+            self._reap()
+        self._stop.set()
+
+    def ping(self) -> str:
+        return self.incarnation
+
+    # ---- internals -----------------------------------------------------------------------------------
+
+    def _launch(self, job_id: str, spec: dict[str, Any], output_dir: Path, host_bytes: int, gpu_bytes: int,
+                attempt: int) -> _Job:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        spec = dict(spec, output_dir=str(output_dir))
+        spec_path = output_dir / SPEC_FILE
+        tmp = spec_path.with_name(f"{SPEC_FILE}.tmp-{os.getpid()}")
+        tmp.write_text(yaml.safe_dump(spec, sort_keys=False))
+        os.replace(tmp, spec_path)
+        log_dir = output_dir / "logs"
+        log_dir.mkdir(exist_ok=True)
+        log_path = log_dir / f"attempt-{attempt}-{self.node_id}.log"
+        env = {**os.environ, **self._env}
+        # The child trains here: it must not hand its spec back to the coordinator (Ray Jobs path).
+        env["HORIZON_RAY_SUBMIT"] = "0"
+        env.pop("RAY_JOB_CONFIG_JSON_ENV_VAR", None)
+        env["HORIZON_RAY_JOB_ID"] = job_id
+        env["HORIZON_RAY_NODE_ID"] = self.node_id
+        gpu_index = None
+        if gpu_bytes and self._ledger.gpu_count:
+            gpu_index = self._pick_gpu(gpu_bytes)
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu_index)
+        argv = [*self._command, "--config", str(spec_path), "--resume"]
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    env=env, cwd=str(output_dir), start_new_session=True,
+                                    preexec_fn=_set_pdeathsig)
+        return _Job(job_id=job_id, proc=proc, output_dir=output_dir, log_path=log_path,
+                    planned_bytes=int(host_bytes), started=time.time(), gpu_index=gpu_index)
+
+    def _pick_gpu(self, gpu_bytes: int) -> int:
+        used = [0] * self._ledger.gpu_count
+        for job in self._jobs.values():
+            if job.exit is None and job.gpu_index is not None:
+                entry = self._ledger.entries.get(job.job_id)
+                used[job.gpu_index] += entry.gpu_bytes if entry else 0
+        return min(range(len(used)), key=lambda i: used[i])
+
+    def _reap(self) -> None:
+        """Record the exit of finished children and free their reservations. Caller holds the lock."""
+        now = time.time()
+        for job in self._jobs.values():
+            if job.exit is not None:
+                continue
+            rc = job.proc.poll()
+            if rc is None:
+                if job.cancel_at is not None and now - job.cancel_at > self._kill_grace_s:
+                    _signal_group(job.proc, signal.SIGKILL)
+                continue
+            job.exit = ExitInfo(returncode=rc, cancelled=job.cancel_at is not None,
+                                peak_rss_bytes=job.peak_rss_bytes, stderr_tail=_tail(job.log_path), time=now)
+            self._ledger.release(job.job_id)
+
+    def _sample(self) -> None:
+        for job in list(self._jobs.values()):
+            if job.exit is not None:
+                continue
+            try:
+                p = psutil.Process(job.proc.pid)
+                rss = p.memory_info().rss + sum(c.memory_info().rss for c in p.children(recursive=True))
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            job.rss_bytes = rss
+            job.peak_rss_bytes = max(job.peak_rss_bytes, rss)
+
+    def _monitor_loop(self) -> None:
+        while not self._stop.wait(self._sample_interval_s):
+            with self._lock:
+                self._sample()
+                self._reap()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _is_checkpointing(output_dir: Path, pid: int) -> bool:
+    ckpt_dir = output_dir / "checkpoints"
+    try:
+        names = os.listdir(ckpt_dir)
+    except OSError:
+        return False
+    return any(re.fullmatch(rf"step-\d+\.tmp-{pid}", n) for n in names)
+
+
+def _tail(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - _STDERR_TAIL_BYTES))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""

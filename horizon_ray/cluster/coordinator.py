@@ -1,0 +1,648 @@
+"""The coordinator core: job table, state machine, tenant quotas, fair queue, placement and recovery.
+
+Plain Python, no Ray: it takes its node agents (node id -> `Agent`), its clock, its planner and the path of
+its sqlite job table as arguments, so unit tests drive it with fake agents and a fake clock
+(`horizon_ray.cluster.fake`). `ray_actors.CoordinatorActor` wraps it in the named, detached Ray actor and
+calls `tick()` twice a second.
+
+One `tick()`:
+1. ask every agent for its node (RAM, GPUs, ledger) and its jobs' reports (new metrics lines, exits);
+   an agent that cannot be reached, or that restarted, loses its jobs: they go to RECOVERING;
+2. apply the reports: progress, metrics, checkpoints, memory, and the end of finished jobs;
+3. serve the queue: recovering jobs first, then queued jobs in fair order across tenants, each on the
+   best-fitting node that holds it now and within its tenant's quota.
+
+Every change is written to the job table before the next one is made, so a coordinator restarted at any
+point finds every non-terminal job; running jobs are reattached on the first tick (their agent still
+reports them) or recovered (it does not).
+
+Shared-storage assumption: a job's output_dir (`<jobs_root>/<tenant>/<job_id>/`) must be visible to every
+node, so that a job recovered on another node finds its checkpoints. On one machine this holds trivially;
+on several hosts, jobs_root must be a shared filesystem (NFS, a mounted bucket).
+"""
+
+from __future__ import annotations
+
+import builtins
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from horizon_ray.cluster.agent import Agent, AgentUnavailable, ReservationRefused
+from horizon_ray.cluster.errors import (
+    IdempotencyConflict,
+    InvalidRequest,
+    InvalidSpec,
+    InvalidTransition,
+    JobNotFound,
+    JobRejected,
+    QuotaExceeded,
+)
+from horizon_ray.cluster.messages import (
+    AgentJobReport,
+    Checkpoint,
+    ErrorCode,
+    EventType,
+    ExitInfo,
+    JobError,
+    JobEvent,
+    JobRecord,
+    JobStatus,
+    NodeInfo,
+    Reservation,
+    can_transition,
+)
+from horizon_ray.cluster.placement import (
+    Candidate,
+    Planner,
+    best_fit,
+    default_planner,
+    evaluate,
+    never_fits_reason,
+    waiting_reason,
+)
+from horizon_ray.cluster.store import JobStore
+from horizon_ray.cluster.tenants import TenantsConfig, check_tenant_name, fair_order, format_bytes
+
+SpecValidator = Callable[[dict[str, Any]], dict[str, Any]]
+WAITING = (JobStatus.RECOVERING, JobStatus.QUEUED)
+ACTIVE = (JobStatus.RUNNING, JobStatus.CHECKPOINTING, JobStatus.CANCELLING)
+_NOT_TRAINING_KEYS = ("output_dir",)  # spec keys that may differ between two submits of one job
+_LIVE = tuple(s for s in JobStatus if not s.is_terminal())
+
+
+def default_validate_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """The job helper's strict JobSpec loader; returns the normalised spec (every default filled in)."""
+    from horizon_ray.jobspec import JobSpec
+
+    return JobSpec.from_dict(spec).to_dict()
+
+
+@dataclass
+class _NodeState:
+    node_id: str
+    info: NodeInfo | None = None  # last report of its agent
+    alive: bool = False  # reachable at the last tick
+    failed_since: float | None = None  # first failed contact of the current outage
+    incarnation: str | None = None  # the agent's incarnation seen last
+
+
+@dataclass
+class _MemoryMark:
+    time: float = 0.0
+    peak: int = 0
+
+
+@dataclass
+class _Usage:
+    jobs: int = 0
+    bytes: int = 0
+    blocked_by: str | None = None  # id of the tenant's job that could not be served this pass
+    extra: dict = field(default_factory=dict)
+
+
+class Coordinator:
+    """The job service's brain. Thread-safe: every public method holds one lock."""
+
+    def __init__(
+        self,
+        *,
+        store_path: str | Path,
+        jobs_root: str | Path,
+        agents: Mapping[str, Agent] | Callable[[], Mapping[str, Agent]],
+        planner: Planner = default_planner,
+        validate_spec: SpecValidator = default_validate_spec,
+        tenants: TenantsConfig | None = None,
+        clock: Callable[[], float] = time.time,
+        node_dead_after_s: float = 10.0,
+        memory_event_interval_s: float = 10.0,
+    ):
+        self.store = JobStore(store_path)
+        self.jobs_root = Path(jobs_root).expanduser().resolve()
+        self._agents_source = agents
+        self._planner = planner
+        self._validate_spec = validate_spec
+        self.tenants = tenants or TenantsConfig()
+        self._clock = clock
+        self._node_dead_after_s = node_dead_after_s
+        self._memory_event_interval_s = memory_event_interval_s
+        self._lock = threading.RLock()
+        self._nodes: dict[str, _NodeState] = {}
+        self._plan_cache: dict = {}
+        self._memory: dict[str, _MemoryMark] = {}
+        self._last_created = 0.0
+        self._started = clock()
+        self._last_served: dict[str, int] = dict(self.store.get_meta("last_served", {}))
+        self._serve_clock = int(self.store.get_meta("serve_clock", 0))
+        self._recover_on_start()
+
+    # ---- client interface (see client.CoordinatorClient) ---------------------------------------------
+
+    def submit(self, tenant: str, spec: dict[str, Any], *, idempotency_key: str | None = None,
+               priority: int = 0, name: str | None = None) -> JobRecord:
+        with self._lock:
+            self._check_tenant(tenant)
+            if not isinstance(priority, int) or isinstance(priority, bool):
+                raise InvalidRequest(f"priority is {priority!r}; give an integer (higher runs first)")
+            if idempotency_key is not None:
+                existing = self.store.find_idempotent(tenant, idempotency_key)
+                if existing is not None:
+                    same = _training_view(existing.spec) == _training_view(
+                        self._normalise(spec, tenant, existing.id))
+                    if not same:
+                        raise IdempotencyConflict(
+                            f"idempotency key {idempotency_key!r} was used for job {existing.id} with "
+                            "another spec; use a new key for a new job", job_id=existing.id)
+                    return existing
+            quota = self.tenants.quota(tenant)
+            waiting = [j for j in self.store.jobs(statuses=WAITING) if j.tenant == tenant]
+            if len(waiting) >= quota.max_queued_jobs:
+                raise QuotaExceeded(
+                    f"tenant {tenant} already has {len(waiting)} jobs waiting (quota "
+                    f"{quota.max_queued_jobs}); wait for some to start or cancel some",
+                    limit="max_queued_jobs")
+            job_id = f"job-{uuid.uuid4().hex[:12]}"
+            full = self._normalise(spec, tenant, job_id)
+            for other in self.store.jobs(statuses=_LIVE):
+                if other.output_dir == full["output_dir"]:
+                    who = f"job {other.id}" if other.tenant == tenant else "another job"
+                    raise InvalidSpec(f"output_dir {full['output_dir']} is in use by {who}, which has not "
+                                      "ended; give this job its own output_dir")
+            now = self._created_time()
+            job = JobRecord(id=job_id, tenant=tenant, name=name if name is not None else full.get("name"),
+                            status=JobStatus.VALIDATING, priority=priority, created_at=now, updated_at=now,
+                            spec=full, output_dir=full["output_dir"], idempotency_key=idempotency_key)
+            with self.store.transaction():
+                self.store.put_job(job)
+                self.store.add_event(job.id, now, EventType.STATUS, {"from": None, "to": "validating"})
+            try:
+                self._admit(job)
+            except (JobRejected, QuotaExceeded):
+                self.store.delete_job(job.id)
+                raise
+            return job
+
+    def get(self, tenant: str, job_id: str) -> JobRecord:
+        with self._lock:
+            return self._owned(tenant, job_id)
+
+    def list(self, tenant: str, *, limit: int = 20, after: str | None = None,
+             status: JobStatus | str | None = None) -> tuple[builtins.list[JobRecord], bool]:
+        with self._lock:
+            self._check_tenant(tenant)
+            if not isinstance(limit, int) or not 1 <= limit <= 1000:
+                raise InvalidRequest(f"limit is {limit!r}; give an integer from 1 to 1000")
+            try:
+                status = JobStatus(status) if status is not None else None
+            except ValueError:
+                raise InvalidRequest(f"status {status!r} is not a job status; use one of "
+                                     f"{', '.join(s.value for s in JobStatus)}") from None
+            return self.store.list_jobs(tenant, limit=limit, after=after, status=status)
+
+    def cancel(self, tenant: str, job_id: str) -> JobRecord:
+        with self._lock:
+            job = self._owned(tenant, job_id)
+            if job.status in (JobStatus.CANCELLED, JobStatus.CANCELLING):
+                return job
+            if job.status.is_terminal():
+                raise InvalidTransition(f"job {job_id} already {job.status.value}; only a job that has not "
+                                        "ended can be cancelled", status=job.status.value)
+            if job.status in (JobStatus.RUNNING, JobStatus.CHECKPOINTING):
+                self._move(job, JobStatus.CANCELLING, reason="cancel requested")
+                agent = self._agents().get(job.node_id or "")
+                if agent is not None:
+                    try:
+                        agent.cancel(job.id)
+                    except Exception:  # noqa: BLE001 - an unreachable node ends in _lost(): CANCELLED
+                        pass
+            else:
+                self._move(job, JobStatus.CANCELLED, reason="cancel requested")
+            return job
+
+    def events(self, tenant: str, job_id: str, after_seq: int = 0, limit: int | None = None
+               ) -> builtins.list[JobEvent]:
+        with self._lock:
+            self._owned(tenant, job_id)
+            return self.store.events(job_id, after_seq=int(after_seq), limit=limit)
+
+    def checkpoints(self, tenant: str, job_id: str) -> builtins.list[Checkpoint]:
+        with self._lock:
+            self._owned(tenant, job_id)
+            return self.store.checkpoints(job_id)
+
+    def plan(self, tenant: str, spec: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            self._check_tenant(tenant)
+            full = self._normalise(spec, tenant, "job-plan")
+            cands = evaluate(full, self._alive_infos(), self._planner)
+            best = best_fit(cands)
+            if not cands:
+                decision, reason, node = "queue", "no node is available yet", None
+            elif not any(c.fits for c in cands):
+                decision, reason, node = "reject", never_fits_reason(cands), None
+            elif best is None:
+                decision, reason, node = "queue", waiting_reason(cands), None
+            else:
+                decision, reason, node = "place", f"best fit: node {best.node_id}", best.node_id
+            shown = best or max((c for c in cands if c.fits), key=lambda c: c.ram_bytes, default=None)
+            if shown is None and cands:
+                shown = max(cands, key=lambda c: c.ram_bytes)
+            return {"decision": decision, "node_id": node, "reason": reason,
+                    "plan": shown.plan if shown else None, "nodes": [c.summary() for c in cands]}
+
+    def nodes(self) -> builtins.list[NodeInfo]:
+        with self._lock:
+            out = []
+            for st in sorted(self._nodes.values(), key=lambda s: s.node_id):
+                info = st.info or NodeInfo(node_id=st.node_id, ram_bytes=0)
+                out.append(_replace_alive(info, st.alive))
+            return out
+
+    def queue(self, tenant: str | None = None) -> builtins.list[JobRecord]:
+        with self._lock:
+            order = fair_order(self.store.jobs(statuses=WAITING), self._last_served)
+            return [j for j in order if tenant is None or j.tenant == tenant]
+
+    def ready(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            self.store.close()
+
+    # ---- the control loop ----------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """One pass: refresh nodes and job reports, then serve the queue."""
+        with self._lock:
+            agents = self._agents()
+            now = self._clock()
+            for node_id, agent in agents.items():
+                self._refresh_node(node_id, agent, now)
+            for node_id, st in builtins.list(self._nodes.items()):
+                if node_id not in agents:
+                    self._node_failed(st, now, definitive=st.info is not None,
+                                      why=f"the agent of node {node_id} is gone")
+            for job in self.store.jobs(statuses=ACTIVE):
+                if job.node_id not in self._nodes:
+                    st = self._nodes[job.node_id] = _NodeState(job.node_id, failed_since=self._started)
+                    self._node_failed(st, now, definitive=False, why=f"node {job.node_id} has no agent")
+            self._schedule(agents)
+
+    # ---- nodes and reports ---------------------------------------------------------------------------
+
+    def _refresh_node(self, node_id: str, agent: Agent, now: float) -> None:
+        st = self._nodes.setdefault(node_id, _NodeState(node_id))
+        mine = [j for j in self.store.jobs(statuses=ACTIVE) if j.node_id == node_id]
+        offsets = {j.id: self.store.metrics_offset(j.id) for j in mine}
+        try:
+            reports = agent.poll(offsets)
+            info = agent.info()  # after the poll, so that the ledger no longer holds jobs that exited
+        except AgentUnavailable as exc:
+            self._node_failed(st, now, definitive=exc.definitive, why=str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - any failure to talk to an agent is an outage
+            self._node_failed(st, now, definitive=False, why=f"{type(exc).__name__}: {exc}")
+            return
+        restarted = st.incarnation is not None and info.incarnation != st.incarnation
+        st.info, st.alive, st.failed_since, st.incarnation = info, True, None, info.incarnation
+        for job in mine:
+            report = reports.pop(job.id, None)
+            if report is None:
+                why = (f"the agent of node {node_id} restarted" if restarted
+                       else f"its engine process on node {node_id} is gone")
+                self._lost(job, why)
+                continue
+            self._apply_report(job, report)
+            if report.exit is not None:
+                self._finish(job, report.exit)
+                agent.forget(job.id)
+        for job_id, report in reports.items():
+            self._stray(node_id, agent, job_id, report)
+
+    def _stray(self, node_id: str, agent: Agent, job_id: str, report: AgentJobReport) -> None:
+        """A job the agent runs but the table does not place there: adopt it or stop it."""
+        job = self.store.get_job(job_id)
+        if job is not None and job.status in WAITING and report.exit is None:
+            # The coordinator died between starting it and recording that: adopt it.
+            job.node_id = node_id
+            job.attempts += 1
+            job.started_at = job.started_at or self._clock()
+            job.queue_reason = job.queue_position = None
+            self._move(job, JobStatus.RUNNING, reason=f"reattached on node {node_id}")
+            self._apply_report(job, report)
+            return
+        agent.forget(job_id)
+
+    def _node_failed(self, st: _NodeState, now: float, *, definitive: bool, why: str) -> None:
+        if st.failed_since is None:
+            st.failed_since = now
+        if not definitive and now - st.failed_since < self._node_dead_after_s:
+            return
+        st.alive = False
+        st.incarnation = None
+        for job in self.store.jobs(statuses=ACTIVE):
+            if job.node_id == st.node_id:
+                self._lost(job, f"node {st.node_id} was lost ({why})")
+
+    def _lost(self, job: JobRecord, why: str) -> None:
+        """Its engine process is gone without an exit report: recover it (or finish a cancel)."""
+        if job.status is JobStatus.CANCELLING:
+            self._move(job, JobStatus.CANCELLED, reason=f"cancelled; {why}")
+            return
+        ckpt = job.last_checkpoint_step
+        job.queue_reason = f"{why}; resumes from " + (f"checkpoint step {ckpt}" if ckpt is not None
+                                                        else "the start (no checkpoint yet)")
+        self._move(job, JobStatus.RECOVERING, reason=job.queue_reason)
+
+    def _apply_report(self, job: JobRecord, report: AgentJobReport) -> None:
+        now = self._clock()
+        events: list[tuple[float, EventType, dict]] = []
+        for line in report.lines:
+            kind, t = line.get("type"), float(line.get("time") or now)
+            if kind in ("metrics", "eval"):
+                job.metrics.update({k: v for k, v in line.items() if k not in ("type", "time")})
+                if kind == "metrics":
+                    p = job.progress
+                    p.step = int(line.get("step") or p.step)
+                    p.total_steps = line.get("total_steps", p.total_steps)
+                    p.tokens_per_s = line.get("tokens_per_s", p.tokens_per_s)
+                    p.eta_s = line.get("eta_s", p.eta_s)
+                events.append((t, EventType.METRICS, line))
+            elif kind == "checkpoint":
+                step = int(line.get("step") or 0)
+                self.store.add_checkpoint(job.id, Checkpoint(step=step, path=str(line.get("path")), time=t))
+                job.last_checkpoint_step = step
+                events.append((t, EventType.CHECKPOINT, {"step": step, "path": line.get("path")}))
+            elif kind == "error":
+                events.append((t, EventType.ERROR, {"code": "engine_error", "message": line.get("message")}))
+            elif kind == "start":
+                if line.get("total_steps") is not None:
+                    job.progress.total_steps = line["total_steps"]
+            elif kind == "done":
+                job.progress.step = int(line.get("step") or job.progress.step)
+        mark = self._memory.setdefault(job.id, _MemoryMark())
+        planned = int((job.plan or {}).get("host_bytes") or 0)
+        # A memory event when the peak grew by a tenth of the plan (or 64 MiB), and at least every interval.
+        step = max(planned // 10, 64 * 2**20)
+        if report.peak_rss_bytes and (report.peak_rss_bytes > mark.peak + step
+                                      or now - mark.time >= self._memory_event_interval_s):
+            events.append((now, EventType.MEMORY, {"rss_bytes": report.rss_bytes,
+                                                   "peak_rss_bytes": report.peak_rss_bytes,
+                                                   "planned_bytes": planned}))
+            mark.time, mark.peak = now, report.peak_rss_bytes
+        with self.store.transaction():
+            for t, kind, data in events:
+                self.store.add_event(job.id, t, kind, data)
+            if report.exit is None and job.status is JobStatus.RUNNING and report.checkpointing:
+                self._move(job, JobStatus.CHECKPOINTING, reason="writing a checkpoint")
+            elif job.status is JobStatus.CHECKPOINTING and not report.checkpointing:
+                self._move(job, JobStatus.RUNNING, reason="checkpoint written")
+            job.updated_at = now
+            self.store.put_job(job, metrics_offset=report.next_offset)
+
+    def _finish(self, job: JobRecord, ex: ExitInfo) -> None:
+        planned = int((job.plan or {}).get("host_bytes") or 0)
+        data = {"returncode": ex.returncode, "peak_rss_bytes": ex.peak_rss_bytes, "planned_bytes": planned}
+        if job.status is JobStatus.CANCELLING or ex.cancelled:
+            if ex.returncode == 0 and job.status is not JobStatus.CANCELLING:
+                self._move(job, JobStatus.SUCCEEDED, reason="engine exited 0", data=data)
+            else:
+                self._move(job, JobStatus.CANCELLED, reason="engine stopped after cancel", data=data)
+            return
+        if ex.returncode == 0:
+            self._move(job, JobStatus.SUCCEEDED, reason="engine exited 0", data=data)
+            return
+        if ex.returncode < 0:
+            sig = _signal_name(-ex.returncode)
+            seen = (f"peak RSS {format_bytes(ex.peak_rss_bytes)} against {format_bytes(planned)} planned")
+            if -ex.returncode == signal.SIGKILL:
+                err = JobError(ErrorCode.OOM_KILLED.value,
+                               f"engine killed by {sig}, most likely out of memory ({seen})")
+            else:
+                err = JobError(ErrorCode.KILLED.value, f"engine killed by {sig} ({seen})")
+        else:
+            last = _last_line(ex.stderr_tail)
+            code = ErrorCode.BAD_INPUT if ex.returncode == 2 else ErrorCode.ENGINE_CRASHED
+            message = f"engine exited with code {ex.returncode}" + (f": {last}" if last else "")
+            err = JobError(code.value, message)
+        job.error = err
+        self._move(job, JobStatus.FAILED, reason=err.message,
+                   data={**data, "error": {"code": err.code, "message": err.message},
+                         "stderr_tail": ex.stderr_tail[-2000:]})
+
+    # ---- queue ---------------------------------------------------------------------------------------
+
+    def _schedule(self, agents: Mapping[str, Agent]) -> None:
+        infos = {n.node_id: n for n in self._alive_infos()}
+        usage: dict[str, _Usage] = {}
+        for job in self.store.jobs(statuses=(*ACTIVE, JobStatus.RECOVERING)):
+            u = usage.setdefault(job.tenant, _Usage())
+            u.jobs += 1
+            u.bytes += int((job.plan or {}).get("host_bytes") or 0)
+        order = fair_order(self.store.jobs(statuses=WAITING), self._last_served)
+        still_waiting: list[tuple[JobRecord, str]] = []
+        for job in order:
+            u = usage.setdefault(job.tenant, _Usage())
+            reason = self._try_place(job, u, infos, agents)
+            if reason is not None:
+                still_waiting.append((job, reason))
+                if job.status is JobStatus.QUEUED and u.blocked_by is None:
+                    u.blocked_by = job.id
+        for position, (job, reason) in enumerate(still_waiting, start=1):
+            if job.queue_position != position or job.queue_reason != reason:
+                job.queue_position, job.queue_reason = position, reason
+                self.store.put_job(job)
+
+    def _try_place(self, job: JobRecord, u: _Usage, infos: dict[str, NodeInfo],
+                   agents: Mapping[str, Agent]) -> str | None:
+        """Start `job` on its best node, or return why it waits."""
+        quota = self.tenants.quota(job.tenant)
+        if job.status is JobStatus.QUEUED and u.blocked_by is not None:
+            return f"behind job {u.blocked_by} of the same tenant"
+        cands = evaluate(job.spec, infos.values(), self._planner, self._plan_cache, job.id)
+        if not cands:
+            return "no node is available"
+        fitting = [c for c in cands if c.fits]
+        if not fitting:
+            return never_fits_reason(cands) if job.status is JobStatus.QUEUED else (
+                f"{job.queue_reason or 'recovering'}; no alive node can hold it now")
+        if job.status is JobStatus.QUEUED:
+            need = min(c.host_bytes for c in fitting)
+            if u.jobs >= quota.max_concurrent_jobs:
+                return (f"tenant {job.tenant} is at its quota of {quota.max_concurrent_jobs} concurrent "
+                        "jobs")
+            if u.bytes + need > quota.max_reserved_bytes:
+                return (f"tenant {job.tenant} would hold {format_bytes(u.bytes + need)} of host RAM; "
+                        f"its quota is {format_bytes(quota.max_reserved_bytes)}")
+        best = best_fit(cands)
+        if best is None:
+            base = waiting_reason(cands)
+            return base if job.status is JobStatus.QUEUED else f"{job.queue_reason}; {base}"
+        agent = agents.get(best.node_id)
+        if agent is None:
+            return f"node {best.node_id} has no agent"
+        try:
+            agent.start(job.id, job.spec, job.output_dir, best.host_bytes, best.gpu_bytes,
+                        metrics_offset=self.store.metrics_offset(job.id), attempt=job.attempts + 1)
+        except (ReservationRefused, AgentUnavailable) as exc:
+            return f"node {best.node_id} refused it: {exc}"
+        self._placed(job, best, u, infos)
+        return None
+
+    def _placed(self, job: JobRecord, best: Candidate, u: _Usage, infos: dict[str, NodeInfo]) -> None:
+        was_waiting = job.status is JobStatus.QUEUED
+        resumed = job.status is JobStatus.RECOVERING
+        now = self._clock()
+        job.node_id, job.plan = best.node_id, best.plan
+        job.attempts += 1
+        job.started_at = job.started_at or now
+        job.queue_reason = job.queue_position = None
+        reason = f"placed on node {best.node_id} ({format_bytes(best.host_bytes)} host RAM reserved)"
+        if resumed:
+            ckpt = job.last_checkpoint_step
+            reason = f"resumed on node {best.node_id} from " + (
+                f"checkpoint step {ckpt}" if ckpt is not None else "the start")
+        self._move(job, JobStatus.RUNNING, reason=reason, data={"node_id": best.node_id,
+                                                                 "host_bytes": best.host_bytes})
+        if was_waiting:
+            u.jobs += 1
+            u.bytes += best.host_bytes
+            self._serve_clock += 1
+            self._last_served[job.tenant] = self._serve_clock
+            with self.store.transaction():
+                self.store.set_meta("last_served", self._last_served)
+                self.store.set_meta("serve_clock", self._serve_clock)
+        info = infos[best.node_id]
+        info.ledger = [*info.ledger, Reservation(job.id, best.host_bytes, best.gpu_bytes, now)]
+        info.reserved_bytes += best.host_bytes
+        info.reserved_gpu_bytes += best.gpu_bytes
+        self._nodes[best.node_id].info = _copy_info(info)  # nodes() shows it before the next report
+        for key in [k for k in self._plan_cache if k[0] == job.id]:
+            del self._plan_cache[key]
+
+    # ---- admission -----------------------------------------------------------------------------------
+
+    def _admit(self, job: JobRecord) -> None:
+        """VALIDATING -> QUEUED, or raise JobRejected / QuotaExceeded."""
+        cands = evaluate(job.spec, self._alive_infos(), self._planner)
+        if cands and not any(c.fits for c in cands):
+            raise JobRejected(never_fits_reason(cands), nodes=[c.summary() for c in cands])
+        quota = self.tenants.quota(job.tenant)
+        fitting = [c for c in cands if c.fits]
+        if fitting:
+            need = min(c.host_bytes for c in fitting)
+            if need > quota.max_reserved_bytes:
+                raise QuotaExceeded(
+                    f"the job needs {format_bytes(need)} of host RAM; tenant {job.tenant}'s quota is "
+                    f"{format_bytes(quota.max_reserved_bytes)}", limit="max_reserved_bytes")
+            job.plan = (best_fit(cands) or max(fitting, key=lambda c: c.ram_bytes)).plan
+        job.queue_reason = "waiting for the scheduler"
+        self._move(job, JobStatus.QUEUED, reason="accepted")
+
+    def _recover_on_start(self) -> None:
+        """Re-validate jobs caught mid-submit; running jobs are reconciled by the first tick."""
+        for job in self.store.jobs(statuses=(JobStatus.VALIDATING,)):
+            try:
+                job.spec = self._validate_spec(job.spec)
+                self._admit(job)
+            except (ValueError, InvalidSpec) as exc:
+                job.error = JobError(ErrorCode.INVALID_SPEC.value, str(exc))
+                self._move(job, JobStatus.FAILED, reason=str(exc))
+            except (JobRejected, QuotaExceeded) as exc:
+                job.error = JobError(ErrorCode.REJECTED.value, exc.message)
+                self._move(job, JobStatus.FAILED, reason=exc.message)
+        for job in self.store.jobs():
+            self._last_created = max(self._last_created, job.created_at)
+
+    # ---- helpers -------------------------------------------------------------------------------------
+
+    def _move(self, job: JobRecord, dst: JobStatus, *, reason: str | None = None,
+              data: dict[str, Any] | None = None) -> None:
+        """Apply one state-machine transition, record its event and persist the job, atomically."""
+        src = job.status
+        assert can_transition(src, dst), f"{job.id}: {src.value} -> {dst.value} is not a transition"
+        now = self._clock()
+        job.status, job.updated_at = dst, now
+        if dst.is_terminal():
+            job.finished_at = now
+            job.queue_reason = job.queue_position = None
+            self._memory.pop(job.id, None)
+        with self.store.transaction():
+            self.store.put_job(job)
+            self.store.add_event(job.id, now, EventType.STATUS,
+                                 {"from": src.value, "to": dst.value, "reason": reason, **(data or {})})
+
+    def _owned(self, tenant: str, job_id: str) -> JobRecord:
+        job = self.store.get_job(job_id) if isinstance(job_id, str) else None
+        if job is None or job.tenant != tenant:
+            raise JobNotFound(f"no job {job_id!r}", job_id=job_id)
+        return job
+
+    def _check_tenant(self, tenant: str) -> None:
+        try:
+            check_tenant_name(tenant)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    def _normalise(self, spec: dict[str, Any], tenant: str, job_id: str) -> dict[str, Any]:
+        """The spec validated strictly (InvalidSpec names the fix), with its output_dir made absolute or,
+        when it has none, set to `<jobs_root>/<tenant>/<job_id>`. Callers confine tenants' paths (the API
+        does); the coordinator only refuses two live jobs writing to one directory."""
+        if not isinstance(spec, dict):
+            raise InvalidSpec("a job spec is a mapping (the YAML/JSON object `horizon-ray finetune` reads)")
+        given = spec.get("output_dir")
+        if given is not None and not isinstance(given, str):
+            raise InvalidSpec("output_dir must be a string (a directory path)")
+        default = self.jobs_root / tenant / job_id
+        output_dir = str(Path(given).expanduser().resolve()) if given else str(default)
+        full = dict(spec, output_dir=output_dir)
+        try:
+            out = self._validate_spec(full)
+        except ValueError as exc:
+            raise InvalidSpec(str(exc)) from None
+        return out
+
+    def _created_time(self) -> float:
+        # Strictly increasing, so that submit order is FIFO order even when the clock does not move.
+        now = max(self._clock(), self._last_created + 1e-6)
+        self._last_created = now
+        return now
+
+    def _agents(self) -> Mapping[str, Agent]:
+        src = self._agents_source
+        return src() if callable(src) else src
+
+    def _alive_infos(self) -> builtins.list[NodeInfo]:
+        return [_copy_info(st.info) for st in self._nodes.values() if st.alive and st.info is not None]
+
+
+def _training_view(spec: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in spec.items() if k not in _NOT_TRAINING_KEYS}
+
+
+def _copy_info(info: NodeInfo) -> NodeInfo:
+    return NodeInfo(**{**info.__dict__, "ledger": builtins.list(info.ledger)})
+
+
+def _replace_alive(info: NodeInfo, alive: bool) -> NodeInfo:
+    out = _copy_info(info)
+    out.alive = alive
+    return out
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:500] if lines else ""

@@ -1,0 +1,244 @@
+"""In-process twins of the node agents, for tests of the coordinator and of the API (no Ray, no engine).
+
+`FakeAgent` "runs" a job by emitting the metrics.jsonl lines a real engine would (start, one metrics line
+per step, checkpoints, done) on each poll, and keeps checkpoints in a `FakeStorage` shared by the agents
+of one fake cluster, so a job recovered on another agent resumes from its last checkpoint. Tests steer
+it: hold a job, crash it, OOM-kill it, kill or restart the agent.
+
+`make_local_client` builds a `LocalClient` over a `Coordinator` with one fake agent per node::
+
+    client = make_local_client(tmp_path, nodes={"a": "16GiB", "b": "64GiB"})
+    job = client.submit("acme", spec)
+
+With the default planner, a spec whose `model.path` ends in a size ("/models/40GiB") needs that much host
+RAM; any other spec goes to the real planner.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from horizon_ray.cluster.agent import AgentUnavailable, Ledger
+from horizon_ray.cluster.client import LocalClient
+from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, NodeInfo
+from horizon_ray.cluster.placement import default_planner
+from horizon_ray.cluster.tenants import TenantsConfig, parse_bytes
+
+
+@dataclass
+class FakeStorage:
+    """The shared filesystem of a fake cluster: metrics lines and checkpoints per output_dir."""
+
+    lines: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # output_dir -> metrics lines
+    checkpoints: dict[str, list[int]] = field(default_factory=dict)  # output_dir -> complete steps
+
+
+@dataclass
+class FakeJob:
+    job_id: str
+    output_dir: str
+    total_steps: int
+    checkpoint_every: int
+    step: int = 0
+    held: bool = False  # no progress while held
+    checkpointing: bool = False  # reported as writing a checkpoint
+    cancel_requested: bool = False
+    exit: ExitInfo | None = None
+    planned_bytes: int = 0
+    rss_bytes: int = 0
+
+
+class FakeAgent:
+    """A node agent whose jobs advance `steps_per_poll` steps on every poll."""
+
+    def __init__(
+        self,
+        node_id: str,
+        ram_bytes: int | str,
+        *,
+        gpu_count: int = 0,
+        gpu_memory_bytes: int | str = 0,
+        storage: FakeStorage | None = None,
+        total_steps: int | None = None,
+        steps_per_poll: int = 1,
+        checkpoint_every: int | None = None,
+        auto: bool = True,
+    ):
+        self.node_id = node_id
+        self.ledger = Ledger(parse_bytes(ram_bytes), gpu_count, parse_bytes(gpu_memory_bytes))
+        self.storage = storage or FakeStorage()
+        self.total_steps = total_steps  # overrides the spec's training.max_steps (default 3) when set
+        self.steps_per_poll = steps_per_poll
+        self.checkpoint_every = checkpoint_every  # overrides the spec's checkpoint.every_steps when set
+        self.auto = auto  # advance on poll; otherwise only `advance()` moves jobs
+        self.alive = True
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.jobs: dict[str, FakeJob] = {}
+        self.started: list[str] = []  # job ids in the order they were started here
+
+    # ---- the Agent interface -------------------------------------------------------------------------
+
+    def info(self) -> NodeInfo:
+        self._check_alive()
+        return self.ledger.node_info(self.node_id, incarnation=self.incarnation)
+
+    def start(self, job_id: str, spec: dict[str, Any], output_dir: str, host_bytes: int, gpu_bytes: int,
+              metrics_offset: int = 0, attempt: int = 1) -> None:
+        self._check_alive()
+        if job_id in self.jobs and self.jobs[job_id].exit is None:
+            return
+        self.ledger.reserve(job_id, host_bytes, gpu_bytes)
+        training = spec.get("training") or {}
+        total = self.total_steps or training.get("max_steps") or 3
+        every = self.checkpoint_every
+        if every is None:
+            every = (spec.get("checkpoint") or {}).get("every_steps") or 0
+        done = self.storage.checkpoints.get(output_dir, [])
+        job = FakeJob(job_id, output_dir, int(total), int(every), step=max(done, default=0),
+                      planned_bytes=int(host_bytes), rss_bytes=int(host_bytes * 0.9))
+        self.jobs[job_id] = job
+        self.started.append(job_id)
+        self._emit(job, "start", total_steps=job.total_steps)
+
+    def cancel(self, job_id: str) -> None:
+        self._check_alive()
+        job = self.jobs.get(job_id)
+        if job is not None and job.exit is None:
+            job.cancel_requested = True
+
+    def poll(self, offsets: dict[str, int]) -> dict[str, AgentJobReport]:
+        self._check_alive()
+        reports = {}
+        for job in self.jobs.values():
+            if job.exit is None:
+                if job.cancel_requested:
+                    self._exit(job, -15)
+                elif self.auto and not job.held:
+                    self.advance(job.job_id, self.steps_per_poll)
+            lines = self.storage.lines.get(job.output_dir, [])
+            start = min(int(offsets.get(job.job_id, 0)), len(lines))
+            reports[job.job_id] = AgentJobReport(
+                job_id=job.job_id, lines=[dict(x) for x in lines[start:]], next_offset=len(lines),
+                checkpointing=job.checkpointing and job.exit is None,
+                rss_bytes=job.rss_bytes if job.exit is None else 0, peak_rss_bytes=job.rss_bytes,
+                exit=job.exit)
+        return reports
+
+    def forget(self, job_id: str) -> None:
+        self._check_alive()
+        self.jobs.pop(job_id, None)
+        self.ledger.release(job_id)
+
+    # ---- steering (tests) ----------------------------------------------------------------------------
+
+    def advance(self, job_id: str, steps: int = 1) -> None:
+        """Train `steps` more steps (checkpointing on schedule; exiting 0 after the last)."""
+        job = self.jobs[job_id]
+        for _ in range(steps):
+            if job.exit is not None:
+                return
+            job.step += 1
+            self._emit(job, "metrics", loss=1.0 / job.step, lr=1e-4, grad_norm=1.0, tokens_per_s=1000.0,
+                       host_rss_bytes=job.rss_bytes, total_steps=job.total_steps,
+                       eta_s=float(job.total_steps - job.step))
+            if job.checkpoint_every and job.step % job.checkpoint_every == 0:
+                self.storage.checkpoints.setdefault(job.output_dir, []).append(job.step)
+                self._emit(job, "checkpoint", path=f"{job.output_dir}/checkpoints/step-{job.step:08d}")
+            if job.step >= job.total_steps:
+                self._emit(job, "done", final_dir=f"{job.output_dir}/final")
+                self._exit(job, 0)
+
+    def hold(self, job_id: str, held: bool = True) -> None:
+        self.jobs[job_id].held = held
+
+    def set_checkpointing(self, job_id: str, on: bool = True) -> None:
+        self.jobs[job_id].checkpointing = on
+
+    def crash(self, job_id: str, returncode: int = 1, message: str = "RuntimeError: boom") -> None:
+        """The engine exits with `returncode` (negative: killed by that signal)."""
+        job = self.jobs[job_id]
+        if returncode > 0:
+            self._emit(job, "error", message=message)
+        self._exit(job, returncode, stderr=message)
+
+    def oom(self, job_id: str, rss_bytes: int | None = None) -> None:
+        """The kernel's OOM killer SIGKILLs the engine after it grew to `rss_bytes`."""
+        job = self.jobs[job_id]
+        job.rss_bytes = rss_bytes if rss_bytes is not None else int(job.planned_bytes * 1.5)
+        self._exit(job, -9)
+
+    def kill(self) -> None:
+        """The node (or its agent) dies: every call fails from now on, its jobs are gone."""
+        self.alive = False
+        self.jobs.clear()
+        self.ledger.entries.clear()
+
+    def restart(self) -> None:
+        """The agent comes back empty, with a new incarnation."""
+        self.kill()
+        self.alive = True
+        self.incarnation = uuid.uuid4().hex[:12]
+
+    # ---- internals -----------------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise AgentUnavailable(f"agent {self.node_id} is dead", definitive=True)
+
+    def _emit(self, job: FakeJob, kind: str, **fields: Any) -> None:
+        line = {"type": kind, "step": job.step, "time": time.time(), **fields}
+        self.storage.lines.setdefault(job.output_dir, []).append(line)
+
+    def _exit(self, job: FakeJob, returncode: int, stderr: str = "") -> None:
+        job.exit = ExitInfo(returncode=returncode, cancelled=job.cancel_requested,
+                            peak_rss_bytes=job.rss_bytes, stderr_tail=stderr, time=time.time())
+        self.ledger.release(job.job_id)
+
+
+DummyAgent = FakeAgent
+
+
+def size_planner(spec: dict[str, Any], node: NodeInfo) -> dict[str, Any]:
+    """Test planner: host bytes from a size at the end of model.path ("/models/40GiB"), else the real one."""
+    path = str((spec.get("model") or {}).get("path") or "")
+    try:
+        host = parse_bytes(Path(path).name)
+    except ValueError:
+        return default_planner(spec, node)
+    fits = host <= node.ram_bytes
+    return {"host_bytes": host, "gpu_bytes": 0, "fits": fits,
+            "reason": "fits" if fits else f"needs {host} bytes of host RAM, node has {node.ram_bytes}"}
+
+
+def make_local_client(
+    root: str | Path,
+    nodes: dict[str, int | str] | None = None,
+    *,
+    tenants: TenantsConfig | dict | None = None,
+    planner: Callable[[dict[str, Any], NodeInfo], dict[str, Any]] = size_planner,
+    validate_spec: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    clock: Callable[[], float] = time.time,
+    **agent_kwargs: Any,
+) -> LocalClient:
+    """A `LocalClient` over a fresh coordinator (job table in `root`) with a `FakeAgent` per node.
+
+    The agents are at `client.coordinator.fake_agents` (node id -> FakeAgent)."""
+    from horizon_ray.cluster.coordinator import Coordinator, default_validate_spec
+
+    root = Path(root)
+    storage = FakeStorage()
+    agents = {name: FakeAgent(name, ram, storage=storage, **agent_kwargs)
+              for name, ram in (nodes or {"a": "16GiB", "b": "64GiB", "c": "256GiB"}).items()}
+    if isinstance(tenants, dict):
+        tenants = TenantsConfig.from_dict(tenants)
+    coordinator = Coordinator(store_path=root / "jobs.sqlite", jobs_root=root / "jobs", agents=agents,
+                              planner=planner, validate_spec=validate_spec or default_validate_spec,
+                              tenants=tenants, clock=clock)
+    coordinator.fake_agents = agents
+    coordinator.tick()
+    return LocalClient(coordinator)

@@ -1,0 +1,254 @@
+"""Plain-data messages that cross the coordinator, node agent, client and API boundaries.
+
+Everything here is a dataclass or an enum of plain values (str, int, float, dict, list), so it pickles
+through Ray, serialises to JSON for the job store and maps one-to-one onto the API's pydantic models.
+Byte counts are ints, times are unix seconds (floats).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class JobStatus(enum.StrEnum):
+    """Lifecycle of one fine-tuning job. `TRANSITIONS` is the only source of allowed moves."""
+
+    VALIDATING = "validating"  # spec and plan are being checked; no node chosen yet
+    QUEUED = "queued"  # accepted; waits for tenant quota or for a node with enough free RAM
+    RUNNING = "running"  # its engine process runs on `node_id` and holds a reservation there
+    CHECKPOINTING = "checkpointing"  # running, and writing a checkpoint right now
+    RECOVERING = "recovering"  # its node or agent died; waits to resume from its last checkpoint
+    CANCELLING = "cancelling"  # cancel asked while running; waits for the engine process to exit
+    SUCCEEDED = "succeeded"  # the engine exited 0; the model is in `output_dir/final`
+    FAILED = "failed"  # rejected, crashed, OOM-killed or unrecoverable; see `JobRecord.error`
+    CANCELLED = "cancelled"  # cancelled by its tenant; its reservation is freed
+
+    def is_terminal(self) -> bool:
+        """True for states a job never leaves."""
+        return self in TERMINAL_STATES
+
+    def holds_reservation(self) -> bool:
+        """True while an engine process may be alive on a node (the node's ledger holds its bytes)."""
+        return self in (JobStatus.RUNNING, JobStatus.CHECKPOINTING, JobStatus.CANCELLING)
+
+    def counts_against_quota(self) -> bool:
+        """True for jobs that take one of the tenant's concurrent-job slots."""
+        return self.holds_reservation() or self is JobStatus.RECOVERING
+
+
+TERMINAL_STATES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
+
+# from -> the states it may move to. Terminal states map to the empty set.
+TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
+    JobStatus.VALIDATING: frozenset({JobStatus.QUEUED, JobStatus.FAILED, JobStatus.CANCELLED}),
+    JobStatus.QUEUED: frozenset({JobStatus.RUNNING, JobStatus.FAILED, JobStatus.CANCELLED}),
+    JobStatus.RUNNING: frozenset(
+        {
+            JobStatus.CHECKPOINTING,
+            JobStatus.RECOVERING,
+            JobStatus.CANCELLING,
+            JobStatus.SUCCEEDED,
+            JobStatus.FAILED,
+        }
+    ),
+    JobStatus.CHECKPOINTING: frozenset(
+        {
+            JobStatus.RUNNING,
+            JobStatus.RECOVERING,
+            JobStatus.CANCELLING,
+            JobStatus.SUCCEEDED,
+            JobStatus.FAILED,
+        }
+    ),
+    # A recovering job is re-placed (running), cancelled while it has no process, or failed when no
+    # node can hold it any more.
+    JobStatus.RECOVERING: frozenset({JobStatus.RUNNING, JobStatus.FAILED, JobStatus.CANCELLED}),
+    # The engine may finish or crash before the cancel reaches it; its node may die meanwhile.
+    JobStatus.CANCELLING: frozenset({JobStatus.CANCELLED, JobStatus.SUCCEEDED, JobStatus.FAILED}),
+    JobStatus.SUCCEEDED: frozenset(),
+    JobStatus.FAILED: frozenset(),
+    JobStatus.CANCELLED: frozenset(),
+}
+
+
+def can_transition(src: JobStatus, dst: JobStatus) -> bool:
+    """Whether `src -> dst` is an allowed move (staying in the same state is not a move)."""
+    return dst in TRANSITIONS[src]
+
+
+class EventType(enum.StrEnum):
+    """Kinds of entries in a job's event log."""
+
+    STATUS = "status"  # status change: data = {from, to, reason}
+    METRICS = "metrics"  # a training or eval metrics line: data = the line's fields (loss, lr, ...)
+    CHECKPOINT = "checkpoint"  # a complete checkpoint: data = {step, path}
+    MEMORY = "memory"  # memory seen by the node agent: data = {rss_bytes, peak_rss_bytes, planned_bytes}
+    ERROR = "error"  # an error reported by the engine or the agent: data = {code, message}
+
+
+class ErrorCode(enum.StrEnum):
+    """Machine-readable causes stored in `JobError.code`."""
+
+    REJECTED = "rejected"  # no node can ever hold the job (see message for the reason)
+    INVALID_SPEC = "invalid_spec"  # the spec failed validation (only after a coordinator restart)
+    BAD_INPUT = "bad_input"  # the engine refused to start (exit code 2: missing model or data, ...)
+    ENGINE_CRASHED = "engine_crashed"  # the engine process exited non-zero
+    OOM_KILLED = "oom_killed"  # the engine process was SIGKILLed, most likely out of memory
+    KILLED = "killed"  # the engine process died of another signal
+    NODE_LOST = "node_lost"  # its node died and no node can hold it any more
+    START_FAILED = "start_failed"  # the agent could not start the engine process
+
+
+@dataclass
+class JobError:
+    """Why a job failed."""
+
+    code: str  # an ErrorCode value
+    message: str  # one human-readable sentence, with numbers where they explain the failure
+
+
+@dataclass
+class Progress:
+    """Where a job is in its training run (from its latest metrics line)."""
+
+    step: int = 0  # optimizer steps done
+    total_steps: int | None = None  # optimizer steps the run will take, when known
+    tokens_per_s: float | None = None  # recent training throughput, non-padding tokens per second
+    eta_s: float | None = None  # estimated seconds to the end of training
+
+
+@dataclass
+class JobRecord:
+    """Everything the service knows about one job: the row of the job table and the API's job object."""
+
+    id: str  # "job-" + 12 hex digits, unique across tenants
+    tenant: str  # owning tenant; other tenants never see the job
+    name: str | None  # optional human label given at submit
+    status: JobStatus  # lifecycle state
+    priority: int  # higher runs first among the same tenant's queued jobs
+    created_at: float  # submit time
+    spec: dict[str, Any]  # the job spec as submitted (the YAML/JSON mapping `horizon-ray finetune` reads)
+    started_at: float | None = None  # first time it started running
+    finished_at: float | None = None  # time it reached a terminal state
+    updated_at: float | None = None  # last change of any field
+    plan: dict[str, Any] | None = None  # planner output for its (chosen or best) node: host_bytes, ...
+    node_id: str | None = None  # node running it (or that last ran it)
+    progress: Progress = field(default_factory=Progress)  # step / total / speed / eta
+    metrics: dict[str, Any] = field(default_factory=dict)  # latest metrics line (loss, lr, grad_norm...)
+    error: JobError | None = None  # set when FAILED
+    output_dir: str | None = None  # where checkpoints, metrics.jsonl and final/ are written
+    queue_reason: str | None = None  # why it is QUEUED or RECOVERING and not running
+    queue_position: int | None = None  # 1-based position in the fair queue while QUEUED/RECOVERING
+    idempotency_key: str | None = None  # a second submit with the same (tenant, key) returns this job
+    attempts: int = 0  # how many times an engine process was started for it (1 + recoveries)
+    last_checkpoint_step: int | None = None  # step of its newest complete checkpoint
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (enums become their values)."""
+        d = dataclasses.asdict(self)
+        d["status"] = self.status.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> JobRecord:
+        d = dict(d)
+        d["status"] = JobStatus(d["status"])
+        d["progress"] = Progress(**(d.get("progress") or {}))
+        d["error"] = JobError(**d["error"]) if d.get("error") else None
+        return cls(**d)
+
+
+@dataclass
+class JobEvent:
+    """One entry of a job's append-only event log."""
+
+    seq: int  # 1, 2, 3 ... per job; clients page with `after_seq`
+    job_id: str  # the job it belongs to
+    time: float  # when it happened (engine time for metrics, coordinator time otherwise)
+    type: EventType  # what kind of entry
+    data: dict[str, Any] = field(default_factory=dict)  # the entry's fields (see EventType)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seq": self.seq, "job_id": self.job_id, "time": self.time, "type": self.type.value,
+                "data": self.data}
+
+
+@dataclass
+class Reservation:
+    """One line of a node's reservation ledger: memory set aside for a running job."""
+
+    job_id: str  # the job holding it
+    host_bytes: int  # host RAM the planner said the job needs
+    gpu_bytes: int  # GPU memory the planner said the job needs (0 on CPU)
+    since: float  # when it was taken
+
+
+@dataclass
+class NodeInfo:
+    """What a node agent reports about its node."""
+
+    node_id: str  # logical node name (e.g. "a" in --simulate-nodes, else the Ray node id)
+    ram_bytes: int  # host RAM the node offers to jobs (declared when simulated)
+    gpu_count: int = 0  # GPUs on the node
+    gpu_memory_bytes: int = 0  # memory of one GPU
+    reserved_bytes: int = 0  # host RAM held by the ledger
+    reserved_gpu_bytes: int = 0  # GPU memory held by the ledger
+    ledger: list[Reservation] = field(default_factory=list)  # one entry per running job
+    alive: bool = True  # false once the node or its agent is gone
+    ray_node_id: str | None = None  # Ray's hex node id, when running on Ray
+    incarnation: str | None = None  # changes when the agent restarts (its jobs' processes are gone)
+
+    @property
+    def free_bytes(self) -> int:
+        """Host RAM not held by the ledger."""
+        return self.ram_bytes - self.reserved_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["free_bytes"] = self.free_bytes
+        return d
+
+
+@dataclass
+class Checkpoint:
+    """A complete checkpoint of a job (its directory has the COMPLETE marker)."""
+
+    step: int  # optimizer steps done when it was written
+    path: str  # its directory
+    time: float  # when it completed
+
+
+@dataclass
+class TenantQuota:
+    """Limits of one tenant (from the tenants file; unknown tenants get the default)."""
+
+    max_concurrent_jobs: int = 4  # jobs running, cancelling or recovering at once
+    max_reserved_bytes: int = 2**62  # host RAM its running jobs may hold together
+    max_queued_jobs: int = 1000  # jobs it may have waiting; submit raises QuotaExceeded beyond
+
+
+@dataclass
+class ExitInfo:
+    """How a job's engine process ended, as the node agent saw it."""
+
+    returncode: int  # process exit code; negative: killed by signal -returncode
+    cancelled: bool  # the agent was asked to stop it
+    peak_rss_bytes: int  # largest resident set the agent sampled
+    stderr_tail: str  # last lines of its stderr
+    time: float  # when the agent saw it exit
+
+
+@dataclass
+class AgentJobReport:
+    """What a node agent says about one of its jobs on each poll."""
+
+    job_id: str  # the job
+    lines: list[dict[str, Any]]  # new parsed metrics.jsonl lines since `offset`
+    next_offset: int  # byte offset to ack on the next poll
+    checkpointing: bool  # an incomplete checkpoint directory exists (a save is in progress)
+    rss_bytes: int  # resident set of the process now (0 when it exited)
+    peak_rss_bytes: int  # largest resident set seen
+    exit: ExitInfo | None  # set once the process has exited (the reservation is already freed)

@@ -1,0 +1,234 @@
+"""The Ray side: node agents pinned to their nodes, the named detached coordinator, and how to start them.
+
+- One `NodeAgent` actor per node, named `horizon-agent:<node>` in namespace `horizon-ray`, pinned with
+  `NodeAffinitySchedulingStrategy(soft=False)`, taking no CPU (its jobs run in its child processes).
+- One `CoordinatorActor`, named `horizon-coordinator`, detached, restarted by Ray when it dies
+  (`max_restarts=-1`); it reloads its sqlite job table and finds the agents by name, so a restart loses
+  no job. It is pinned to the head node, whose disk holds the job table.
+
+Simulated nodes (`horizon-ray serve --simulate-nodes a=16GiB,...`): every Ray node carries a custom
+resource `horizon_node_<name>` and its agent declares the given RAM to the planner.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from horizon_ray.cluster.agent import AgentUnavailable, NodeAgent
+from horizon_ray.cluster.client import _METHODS, COORDINATOR_NAME, NAMESPACE
+from horizon_ray.cluster.coordinator import Coordinator
+from horizon_ray.cluster.errors import HorizonError
+from horizon_ray.cluster.messages import AgentJobReport, NodeInfo
+from horizon_ray.cluster.tenants import TenantsConfig
+
+AGENT_PREFIX = "horizon-agent:"  # + logical node name
+NODE_RESOURCE_PREFIX = "horizon_node_"  # + logical node name: custom resource of a simulated node
+log = logging.getLogger("horizon_ray.cluster")
+
+
+class RayAgentProxy:
+    """The coordinator's `Agent` over a NodeAgent actor handle; Ray failures become AgentUnavailable."""
+
+    def __init__(self, handle: Any, node_id: str, timeout_s: float = 5.0):
+        self.handle = handle
+        self.node_id = node_id
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return ray.get(getattr(self.handle, method).remote(*args, **kwargs), timeout=self.timeout_s)
+        except ActorDiedError as exc:
+            why = f"agent {self.node_id} died: {_first_line(exc)}"
+            raise AgentUnavailable(why, definitive=True) from None
+        except (RayActorError, GetTimeoutError) as exc:
+            raise AgentUnavailable(f"agent {self.node_id} did not answer: {_first_line(exc)}") from None
+
+    def info(self) -> NodeInfo:
+        return self._call("info")
+
+    def start(self, job_id: str, spec: dict[str, Any], output_dir: str, host_bytes: int, gpu_bytes: int,
+              metrics_offset: int = 0, attempt: int = 1) -> None:
+        return self._call("start", job_id, spec, output_dir, host_bytes, gpu_bytes, metrics_offset, attempt)
+
+    def cancel(self, job_id: str) -> None:
+        return self._call("cancel", job_id)
+
+    def poll(self, offsets: dict[str, int]) -> dict[str, AgentJobReport]:
+        return self._call("poll", offsets)
+
+    def forget(self, job_id: str) -> None:
+        return self._call("forget", job_id)
+
+
+class AgentDirectory:
+    """The live agents, found by name in the namespace (new nodes' agents appear, dead ones vanish)."""
+
+    def __init__(self, timeout_s: float = 5.0):
+        self._timeout_s = timeout_s
+        self._proxies: dict[str, RayAgentProxy] = {}
+
+    def __call__(self) -> dict[str, RayAgentProxy]:
+        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a.get("namespace") == NAMESPACE and a["name"].startswith(AGENT_PREFIX)}
+        current: dict[str, RayAgentProxy] = {}
+        for name in names:
+            node_id = name[len(AGENT_PREFIX):]
+            proxy = self._proxies.get(node_id)
+            if proxy is None:
+                try:
+                    handle = ray.get_actor(name, namespace=NAMESPACE)
+                except ValueError:
+                    continue
+                proxy = RayAgentProxy(handle, node_id, self._timeout_s)
+            current[node_id] = proxy
+        self._proxies = current
+        return dict(current)
+
+
+class CoordinatorActor:
+    """The Ray actor around the `Coordinator` core: one generic `call` and a tick loop on a thread."""
+
+    def __init__(self, store_path: str, jobs_root: str, tenants_file: str | None = None,
+                 tick_interval_s: float = 0.5, node_dead_after_s: float = 10.0, planner: str | None = None):
+        kwargs: dict[str, Any] = {}
+        if planner:
+            kwargs["planner"] = _import(planner)
+        self.core = Coordinator(store_path=store_path, jobs_root=jobs_root, agents=AgentDirectory(),
+                                tenants=TenantsConfig.load(tenants_file), node_dead_after_s=node_dead_after_s,
+                                **kwargs)
+        self._interval = tick_interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="coordinator-tick", daemon=True)
+        self._thread.start()
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Run one client method; domain errors come back as plain data (see RayClient)."""
+        if method not in _METHODS:
+            return {"error": {"code": "invalid_request", "message": f"unknown method {method!r}"}}
+        try:
+            result = getattr(self.core, method)(*args, **kwargs)
+            if method in ("submit", "cancel"):
+                # Place (or stop) it now rather than at the next tick, and answer with the outcome.
+                self.core.tick()
+                result = self.core.get(result.tenant, result.id)
+            return {"ok": result}
+        except HorizonError as exc:
+            return {"error": exc.to_wire()}
+
+    def tick(self) -> None:
+        self.core.tick()
+
+    def pid(self) -> int:
+        """The actor's process id (tests use it to see a restart)."""
+        return os.getpid()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.core.tick()
+            except Exception:  # noqa: BLE001 - the loop must survive one bad pass; it is logged
+                log.exception("coordinator tick failed")
+
+
+def node_name_of(node: dict[str, Any]) -> str:
+    """Logical name of a Ray node: its `horizon_node_<name>` resource, else the first 12 hex of its id."""
+    for key in node.get("Resources", {}):
+        if key.startswith(NODE_RESOURCE_PREFIX):
+            return key[len(NODE_RESOURCE_PREFIX):]
+    return node["NodeID"][:12]
+
+
+def ensure_agents(ram_by_node: dict[str, int] | None = None, *, command: list[str] | None = None,
+                  env: dict[str, str] | None = None, only_simulated: bool = False) -> dict[str, Any]:
+    """Start a NodeAgent on every alive Ray node that has none; returns node name -> handle.
+
+    `ram_by_node`: declared RAM of simulated nodes (by logical name); other nodes report their real RAM.
+    `only_simulated`: skip nodes without a `horizon_node_*` resource (the head of a simulated cluster).
+    """
+    ram_by_node = ram_by_node or {}
+    handles = {}
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        name = node_name_of(node)
+        if only_simulated and name not in ram_by_node:
+            continue
+        handles[name] = NodeAgentActor.options(
+            name=AGENT_PREFIX + name,
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_restarts=-1,
+            max_task_retries=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+        ).remote(name, ram_bytes=ram_by_node.get(name), gpu_count=None if name not in ram_by_node else 0,
+                 ray_node_id=node["NodeID"], command=command, env=env)
+    for handle in handles.values():
+        ray.get(handle.ping.remote(), timeout=120)
+    return handles
+
+
+def start_coordinator(store_path: str | Path, jobs_root: str | Path, *, tenants_file: str | None = None,
+                      node_dead_after_s: float = 10.0, planner: str | None = None) -> Any:
+    """The coordinator actor (started if none runs), pinned to the head node; waits until it answers."""
+    head = _head_node_id()
+    handle = CoordinatorActorRemote.options(
+        name=COORDINATOR_NAME,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        max_restarts=-1,
+        # A call cut by a crash is not replayed (a replayed submit would create a second job); the client
+        # sees CoordinatorUnavailable and retries what is safe to retry.
+        max_task_retries=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False),
+    ).remote(str(store_path), str(jobs_root), tenants_file, 0.5, node_dead_after_s, planner)
+    deadline = time.time() + 120
+    while True:
+        try:
+            ray.get(handle.call.remote("ready"), timeout=30)
+            return handle
+        except RayActorError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _head_node_id() -> str:
+    gcs = ray.get_runtime_context().gcs_address
+    host_port = gcs.rsplit(":", 1)
+    for node in ray.nodes():
+        if node.get("Alive") and node.get("NodeManagerAddress") == host_port[0] and \
+                "node:__internal_head__" in node.get("Resources", {}):
+            return node["NodeID"]
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return node["NodeID"]
+    return ray.get_runtime_context().get_node_id()
+
+
+def _import(path: str) -> Any:
+    import importlib
+
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+NodeAgentActor = ray.remote(NodeAgent)
+CoordinatorActorRemote = ray.remote(CoordinatorActor)

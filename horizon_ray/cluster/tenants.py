@@ -1,0 +1,148 @@
+"""Tenant quotas, loaded strictly from a YAML file, and the fair order in which waiting jobs are served.
+
+Tenants file::
+
+    default:                      # quotas of any tenant not listed below
+      max_concurrent_jobs: 2
+      max_reserved_bytes: 64GiB   # int bytes or a size string (KiB, MiB, GiB, TiB; KB, MB, GB, TB)
+      max_queued_jobs: 100
+    tenants:
+      acme: {max_concurrent_jobs: 4, max_reserved_bytes: 256GiB}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from horizon_ray.cluster.messages import JobRecord, TenantQuota
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+_TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def parse_bytes(value: Any, *, what: str = "size") -> int:
+    """An int, or a string like "16GiB" / "1.5 TB", as bytes. Raises ValueError naming the fix."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} is {value!r}; give bytes as an int or a string like '16GiB'")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{what} is {value!r}; write bytes as an int or like '16GiB', '512MiB', '1TB'")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n < 0:
+        raise ValueError(f"{what} is {value!r}; it must not be negative")
+    return n
+
+
+def format_bytes(n: int | float | None) -> str:
+    """Human form used in reasons: '12.0 GiB'."""
+    if n is None:
+        return "?"
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def check_tenant_name(tenant: str) -> None:
+    """Tenant names become directory names: letters, digits, '_', '.', '-'; at most 64 characters."""
+    if not isinstance(tenant, str) or not _TENANT_RE.match(tenant):
+        raise ValueError(f"tenant {tenant!r} is not a valid name; use letters, digits, '_', '.', '-' "
+                         "(at most 64, starting with a letter or digit)")
+
+
+@dataclass
+class TenantsConfig:
+    """Quotas per tenant, with a default for tenants not listed."""
+
+    default: TenantQuota = field(default_factory=TenantQuota)  # quotas of unlisted tenants
+    tenants: dict[str, TenantQuota] = field(default_factory=dict)  # per-tenant overrides
+
+    def quota(self, tenant: str) -> TenantQuota:
+        return self.tenants.get(tenant, self.default)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TenantsConfig:
+        if data is None:
+            return cls()
+        if not isinstance(data, dict):
+            raise ValueError("a tenants file is a mapping with keys 'default' and 'tenants'")
+        unknown = set(data) - {"default", "tenants"}
+        if unknown:
+            raise ValueError(f"unknown key(s) {sorted(unknown)} in tenants file; valid: default, tenants")
+        default = _quota(data.get("default") or {}, TenantQuota(), "default")
+        tenants = {}
+        for name, q in (data.get("tenants") or {}).items():
+            check_tenant_name(name)
+            tenants[name] = _quota(q or {}, default, f"tenants.{name}")
+        return cls(default=default, tenants=tenants)
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> TenantsConfig:
+        if path is None:
+            return cls()
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise ValueError(f"tenants file {str(p)!r} does not exist; pass the path of a YAML tenants file")
+        return cls.from_dict(yaml.safe_load(p.read_text()))
+
+
+def _quota(data: Any, base: TenantQuota, where: str) -> TenantQuota:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a mapping of quota keys")
+    valid = {f.name for f in dataclasses.fields(TenantQuota)}
+    unknown = set(data) - valid
+    if unknown:
+        raise ValueError(f"unknown key(s) {sorted(unknown)} in {where}; valid: {sorted(valid)}")
+    values = dataclasses.asdict(base)
+    for key, value in data.items():
+        if key == "max_reserved_bytes":
+            values[key] = parse_bytes(value, what=f"{where}.{key}")
+        else:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{where}.{key} is {value!r}; set a positive integer")
+            values[key] = value
+    return TenantQuota(**values)
+
+
+def fair_order(waiting: Iterable[JobRecord], last_served: dict[str, int]) -> list[JobRecord]:
+    """Order in which waiting jobs are offered to the nodes.
+
+    Recovering jobs come first (they were already running). Among queued jobs, tenants take turns, the
+    least recently served first (a tenant never served counts as served longest ago), so a burst from one
+    tenant cannot starve another; within a tenant, higher priority first, then first come first served.
+    """
+    jobs = list(waiting)
+    recovering = sorted((j for j in jobs if j.status.value == "recovering"), key=_within_tenant_key)
+    per_tenant: dict[str, list[JobRecord]] = {}
+    for job in sorted((j for j in jobs if j.status.value != "recovering"), key=_within_tenant_key):
+        per_tenant.setdefault(job.tenant, []).append(job)
+    turn = {t: last_served.get(t, -1) for t in per_tenant}
+    clock = max([*last_served.values(), 0]) + 1
+    order: list[JobRecord] = []
+    while per_tenant:
+        tenant = min(per_tenant, key=lambda t: (turn[t], per_tenant[t][0].created_at, t))
+        order.append(per_tenant[tenant].pop(0))
+        if not per_tenant[tenant]:
+            del per_tenant[tenant]
+        turn[tenant] = clock
+        clock += 1
+    return recovering + order
+
+
+def _within_tenant_key(job: JobRecord) -> tuple:
+    return (-job.priority, job.created_at, job.id)

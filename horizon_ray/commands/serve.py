@@ -1,0 +1,129 @@
+"""``horizon-ray serve``: the service on a Ray cluster: node agents, the coordinator and the HTTP API.
+
+    horizon-ray serve --simulate-nodes "a=16GiB,b=64GiB,c=256GiB"   # a local cluster of simulated nodes
+    horizon-ray serve --address 10.0.0.1:6379                        # join a running Ray cluster
+
+Starts (or joins) the cluster, a NodeAgent on every node, the detached coordinator, then the API
+(`api.app:create_app`) on --host/--port; Ctrl-C stops what serve started. On a joined cluster the
+coordinator and agents are detached actors: they keep running after serve exits (use --stop-on-exit to
+remove them). The cluster's address is written to <root>/ray_address for `horizon-ray submit/status`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default=None,
+                        help="join this Ray cluster (host:port, or auto); default: start a local one")
+    parser.add_argument("--simulate-nodes", default=None, metavar="a=16GiB,b=64GiB",
+                        help="start a local cluster whose nodes declare these RAM sizes to the planner")
+    parser.add_argument("--root", type=Path, default=None,
+                        help="service state: job table, default job outputs (default "
+                             "$HORIZON_RAY_HOME/service)")
+    parser.add_argument("--tenants", type=Path, default=None, metavar="TENANTS.yaml",
+                        help="tenant quotas (default: every tenant gets the default quotas)")
+    parser.add_argument("--host", default="127.0.0.1", help="API host (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="API port (default 8000)")
+    parser.add_argument("--no-api", action="store_true", help="start the coordinator and agents only")
+    parser.add_argument("--node-dead-after", type=float, default=10.0, metavar="SECONDS",
+                        help="a node unreachable this long loses its jobs to recovery (default 10)")
+    parser.add_argument("--stop-on-exit", action="store_true",
+                        help="on a joined cluster, remove the coordinator and agents when serve exits")
+
+
+def run(args: argparse.Namespace) -> int:
+    from horizon_ray.cluster.local import default_root, parse_simulated_nodes
+    from horizon_ray.cluster.tenants import TenantsConfig, format_bytes
+
+    simulated = parse_simulated_nodes(args.simulate_nodes) if args.simulate_nodes else None
+    if simulated and args.address:
+        raise ValueError("--simulate-nodes starts its own local cluster; drop --address, or drop "
+                         "--simulate-nodes to join the cluster at --address")
+    TenantsConfig.load(args.tenants)  # fail here, with the file's error, not inside the actor
+    root = (args.root or default_root()).expanduser().resolve()
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+    import ray
+
+    from horizon_ray.cluster.client import NAMESPACE, RayClient, connect_ray
+    from horizon_ray.cluster.local import start_service, start_simulated_cluster, stop_service
+
+    cluster = None
+    if simulated:
+        print(f"starting a local Ray cluster of {len(simulated)} simulated nodes ...", flush=True)
+        cluster = start_simulated_cluster(simulated)
+        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    elif args.address:
+        connect_ray(args.address, NAMESPACE)
+    else:
+        ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    started_cluster = cluster is not None or not args.address
+    try:
+        service = start_service(root, ram_by_node=simulated,
+                                tenants_file=args.tenants.resolve() if args.tenants else None,
+                                node_dead_after_s=args.node_dead_after)
+        client = RayClient()
+        address = ray.get_runtime_context().gcs_address
+        print(f"horizon-ray service on Ray cluster {address} (namespace {NAMESPACE})")
+        for node in client.nodes():
+            print(f"  node {node.node_id}: {format_bytes(node.ram_bytes)} RAM, {node.gpu_count} GPU(s)")
+        print(f"  job table {service.store_path}; job outputs default to {service.jobs_root}/<tenant>/<job>")
+        print(f"  clients: horizon-ray submit JOB.yaml --address {address}  (or --root {root})", flush=True)
+        if not simulated:
+            threading.Thread(target=_rescan_nodes, name="agent-rescan", daemon=True).start()
+        if args.no_api:
+            _wait()
+        else:
+            _serve_api(client, args.host, args.port)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if started_cluster or args.stop_on_exit:
+            try:
+                stop_service()
+            except Exception as exc:  # noqa: BLE001 - shutting down anyway
+                print(f"warning: stopping the service: {exc}", file=sys.stderr)
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+    return 0
+
+
+def _wait() -> None:
+    print("coordinator and agents running; Ctrl-C to stop", flush=True)
+    while True:
+        time.sleep(3600)
+
+
+def _rescan_nodes() -> None:
+    """On a real cluster, start an agent on every node that joins."""
+    from horizon_ray.cluster.ray_actors import ensure_agents
+
+    while True:
+        time.sleep(5)
+        try:
+            ensure_agents()
+        except Exception as exc:  # noqa: BLE001 - try again at the next scan
+            print(f"warning: starting agents on new nodes: {exc}", file=sys.stderr)
+
+
+def _serve_api(client, host: str, port: int) -> None:
+    try:
+        from api.app import create_app
+        from api.settings import ApiSettings
+    except ImportError as exc:
+        print(f"the API is not available ({exc}); serving the coordinator and agents only", file=sys.stderr)
+        _wait()
+        return
+    import uvicorn
+
+    app = create_app(client, ApiSettings.from_env())
+    print(f"API on http://{host}:{port}", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="info")

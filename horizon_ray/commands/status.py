@@ -1,0 +1,108 @@
+"""``horizon-ray status [JOB_ID]``: the service at a glance, or one job.
+
+Without a job id: the nodes (RAM, reservations, jobs), the tenant's recent jobs and the queue. With one:
+the job's state, node, progress, plan, error, checkpoints and latest events; the exit code is 1 when the
+job failed or was cancelled, else 0 (2 when it does not exist or the service is unreachable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+
+from horizon_ray.commands.submit import add_connection_arguments, connect
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job_id", nargs="?", default=None, metavar="JOB_ID", help="one job (default: all)")
+    add_connection_arguments(parser)
+    parser.add_argument("--limit", type=int, default=20, help="jobs to list (default 20)")
+    parser.add_argument("--events", type=int, default=10, help="latest events to show for one job")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def run(args: argparse.Namespace) -> int:
+    from horizon_ray.cluster.errors import HorizonError
+
+    try:
+        client, tenant = connect(args)
+        if args.job_id:
+            return _one(client, tenant, args)
+        return _overview(client, tenant, args)
+    except HorizonError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+
+
+def _overview(client, tenant: str, args) -> int:
+    from horizon_ray.cluster.tenants import format_bytes
+
+    nodes = client.nodes()
+    jobs, more = client.list(tenant, limit=args.limit)
+    queue = client.queue(tenant)
+    if args.json:
+        print(json.dumps({"nodes": [n.to_dict() for n in nodes], "jobs": [j.to_dict() for j in jobs],
+                          "has_more": more, "queue": [j.to_dict() for j in queue]}, indent=2))
+        return 0
+    print("NODE          RAM         RESERVED    FREE        JOBS  ALIVE")
+    for n in nodes:
+        print(f"{n.node_id:<13} {format_bytes(n.ram_bytes):<11} {format_bytes(n.reserved_bytes):<11} "
+              f"{format_bytes(n.free_bytes):<11} {len(n.ledger):<5} {'yes' if n.alive else 'no'}")
+    print(f"\nJOBS of tenant {tenant}")
+    print("ID                STATUS         NODE      STEP        CREATED              NAME")
+    for j in jobs:
+        step = str(j.progress.step) + (f"/{j.progress.total_steps}" if j.progress.total_steps else "")
+        print(f"{j.id:<17} {j.status.value:<14} {j.node_id or '-':<9} {step:<11} {_time(j.created_at):<20} "
+              f"{j.name or ''}")
+    if more:
+        print("... more; use --limit")
+    if queue:
+        print("\nQUEUE")
+        for j in queue:
+            print(f"{j.queue_position or '-':>3}. {j.id} ({j.status.value}): {j.queue_reason}")
+    return 0
+
+
+def _one(client, tenant: str, args) -> int:
+    from horizon_ray.cluster.follow import format_event
+    from horizon_ray.cluster.tenants import format_bytes
+
+    job = client.get(tenant, args.job_id)
+    events = client.events(tenant, job.id)
+    checkpoints = client.checkpoints(tenant, job.id)
+    if args.json:
+        print(json.dumps({"job": job.to_dict(), "checkpoints": [c.__dict__ for c in checkpoints],
+                          "events": [e.to_dict() for e in events[-args.events:]]}, indent=2))
+    else:
+        p = job.progress
+        name = f"  name {job.name}" if job.name else ""
+        print(f"{job.id}  {job.status.value}  tenant {job.tenant}{name}")
+        print(f"  node: {job.node_id or '-'}   attempts: {job.attempts}   created {_time(job.created_at)}"
+              + (f"   finished {_time(job.finished_at)}" if job.finished_at else ""))
+        total = f"/{p.total_steps}" if p.total_steps else ""
+        speed = f"   {p.tokens_per_s:.0f} tokens/s" if p.tokens_per_s else ""
+        eta = f"   eta {p.eta_s:.0f} s" if p.eta_s is not None and not job.status.is_terminal() else ""
+        print(f"  step: {p.step}{total}{speed}{eta}")
+        if "loss" in job.metrics:
+            print(f"  loss: {job.metrics['loss']:.4f}")
+        if job.plan:
+            print(f"  plan: {format_bytes(job.plan.get('host_bytes'))} host RAM, "
+                  f"{format_bytes(job.plan.get('gpu_bytes') or 0)} GPU memory")
+        if job.queue_reason:
+            pos = f"#{job.queue_position} " if job.queue_position else ""
+            print(f"  waiting: {pos}{job.queue_reason}")
+        if job.error:
+            print(f"  error: [{job.error.code}] {job.error.message}")
+        print(f"  output: {job.output_dir}")
+        if checkpoints:
+            print(f"  checkpoints: steps {', '.join(str(c.step) for c in checkpoints)}")
+        lines = [line for line in (format_event(e) for e in events) if line]
+        for line in lines[-args.events:]:
+            print(f"  {line}")
+    return 1 if job.status.value in ("failed", "cancelled") else 0
+
+
+def _time(t: float | None) -> str:
+    return dt.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S") if t else "-"

@@ -1,0 +1,578 @@
+"""The coordinator core with in-process fake agents: state machine, placement, quotas, fairness, cancel,
+failures, recovery and restart. No Ray, no engine."""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import pytest
+
+from horizon_ray.cluster import (
+    IdempotencyConflict,
+    InvalidRequest,
+    InvalidSpec,
+    InvalidTransition,
+    JobNotFound,
+    JobRecord,
+    JobRejected,
+    JobStatus,
+    QuotaExceeded,
+)
+from horizon_ray.cluster.coordinator import Coordinator, default_validate_spec
+from horizon_ray.cluster.errors import HorizonError
+from horizon_ray.cluster.fake import FakeAgent, FakeStorage, make_local_client, size_planner
+from horizon_ray.cluster.follow import format_event, should_submit_to_coordinator, submit_and_follow
+from horizon_ray.cluster.messages import TERMINAL_STATES, TRANSITIONS, EventType, JobEvent, can_transition
+from horizon_ray.cluster.tenants import TenantsConfig, fair_order, parse_bytes
+
+GiB = 2**30
+
+
+def spec(size: str = "10GiB", steps: int = 3, every: int = 0, **extra) -> dict:
+    return {"model": {"path": f"/models/{size}"}, "data": {"path": "/data/train.jsonl"},
+            "training": {"max_steps": steps}, "checkpoint": {"every_steps": every}, **extra}
+
+
+@pytest.fixture
+def client(tmp_path):
+    c = make_local_client(tmp_path, {"a": "16GiB", "b": "64GiB", "c": "256GiB"}, auto=False,
+                          tenants={"default": {"max_concurrent_jobs": 10}})
+    yield c
+    c.close()
+
+
+def agents(c):
+    return c.coordinator.fake_agents
+
+
+def statuses(c, tenant, ids):
+    return [c.get(tenant, i).status for i in ids]
+
+
+# ---- messages, errors, state machine -------------------------------------------------------------------
+
+
+def test_terminal_states_cannot_be_left_and_every_live_state_can_end():
+    for status in JobStatus:
+        assert status.is_terminal() == (status in TERMINAL_STATES)
+        if status.is_terminal():
+            assert TRANSITIONS[status] == frozenset()
+        else:
+            assert TRANSITIONS[status] & {JobStatus.CANCELLED, JobStatus.CANCELLING}, status
+            assert TRANSITIONS[status] & {JobStatus.FAILED, JobStatus.CANCELLED}, status
+    assert not can_transition(JobStatus.SUCCEEDED, JobStatus.RUNNING)
+    assert can_transition(JobStatus.RUNNING, JobStatus.RECOVERING)
+    assert can_transition(JobStatus.RECOVERING, JobStatus.RUNNING)
+
+
+def test_records_round_trip_and_errors_survive_the_wire(client):
+    job = client.submit("acme", spec())
+    again = JobRecord.from_dict(job.to_dict())
+    assert again == job
+    err = JobRejected("too big", reason="x", nodes=[{"node_id": "a"}])
+    back = HorizonError.from_wire(err.to_wire())
+    assert type(back) is JobRejected and back.message == "too big" and back.details["reason"] == "x"
+    unpickled = pickle.loads(pickle.dumps(QuotaExceeded("over", limit="max_queued_jobs")))
+    assert isinstance(unpickled, QuotaExceeded) and unpickled.details == {"limit": "max_queued_jobs"}
+
+
+def test_tenants_file_loads_strictly(tmp_path):
+    cfg = TenantsConfig.from_dict({"default": {"max_concurrent_jobs": 1},
+                                   "tenants": {"acme": {"max_reserved_bytes": "32GiB"}}})
+    assert cfg.quota("acme").max_reserved_bytes == 32 * GiB
+    assert cfg.quota("acme").max_concurrent_jobs == 1  # inherits the default
+    assert cfg.quota("other").max_concurrent_jobs == 1
+    with pytest.raises(ValueError, match="unknown key"):
+        TenantsConfig.from_dict({"default": {"max_jobs": 1}})
+    with pytest.raises(ValueError, match="positive integer"):
+        TenantsConfig.from_dict({"tenants": {"acme": {"max_concurrent_jobs": 0}}})
+    assert parse_bytes("1.5 GiB") == int(1.5 * GiB) and parse_bytes("2TB") == 2 * 10**12
+    path = tmp_path / "tenants.yaml"
+    path.write_text("default:\n  max_concurrent_jobs: 3\n")
+    assert TenantsConfig.load(path).default.max_concurrent_jobs == 3
+
+
+# ---- placement and admission ---------------------------------------------------------------------------
+
+
+def test_jobs_land_on_the_best_fitting_node(client):
+    small = client.submit("acme", spec("10GiB"))
+    medium = client.submit("acme", spec("40GiB"))
+    large = client.submit("acme", spec("200GiB"))
+    assert (small.node_id, medium.node_id, large.node_id) == ("a", "b", "c")
+    assert all(j.status is JobStatus.RUNNING for j in (small, medium, large))
+    # a has 6 GiB left, b 24 GiB, c 56 GiB: another 10 GiB job goes where the least is left over (b).
+    other = client.submit("beta", spec("10GiB"))
+    assert other.node_id == "b"
+    ledger = {n.node_id: n.reserved_bytes for n in client.nodes()}
+    assert ledger == {"a": 10 * GiB, "b": 50 * GiB, "c": 200 * GiB}
+    assert small.plan["host_bytes"] == 10 * GiB
+
+
+def test_oversized_job_is_rejected_with_the_reason_and_leaves_no_record(client):
+    with pytest.raises(JobRejected) as info:
+        client.submit("acme", spec("300GiB"))
+    assert "no node can ever hold this job" in info.value.message
+    assert "300.0 GiB" in info.value.message and "256.0 GiB" in info.value.message
+    assert {n["node_id"] for n in info.value.details["nodes"]} == {"a", "b", "c"}
+    assert client.list("acme") == ([], False)
+    assert client.plan("acme", spec("300GiB"))["decision"] == "reject"
+
+
+def test_job_that_cannot_fit_now_waits_with_reason_and_position(client):
+    big = client.submit("acme", spec("200GiB"))
+    waiting = client.submit("acme", spec("100GiB"))
+    behind = client.submit("acme", spec("1GiB"))
+    assert big.status is JobStatus.RUNNING
+    assert waiting.status is JobStatus.QUEUED and waiting.queue_position == 1
+    assert "waiting for 100.0 GiB of free host RAM" in waiting.queue_reason
+    assert "most free now: c with 56.0 GiB" in waiting.queue_reason
+    # Within a tenant the order holds: a small job does not overtake the tenant's waiting job.
+    assert behind.status is JobStatus.QUEUED and behind.queue_position == 2
+    assert behind.queue_reason == f"behind job {waiting.id} of the same tenant"
+    assert [j.id for j in client.queue("acme")] == [waiting.id, behind.id]
+    plan = client.plan("acme", spec("100GiB"))
+    assert plan["decision"] == "queue" and plan["node_id"] is None
+    agents(client)["c"].advance(big.id, 3)
+    assert statuses(client, "acme", [big.id, waiting.id, behind.id]) == [
+        JobStatus.SUCCEEDED, JobStatus.RUNNING, JobStatus.RUNNING]
+    assert client.get("acme", waiting.id).node_id == "c" and client.get("acme", behind.id).node_id == "a"
+
+
+def test_invalid_spec_and_tenant_are_refused(client):
+    with pytest.raises(InvalidSpec, match="model.path is required"):
+        client.submit("acme", {"data": {"path": "/d.jsonl"}, "training": {"max_steps": 1}})
+    with pytest.raises(InvalidSpec, match="unknown"):
+        client.submit("acme", spec(bogus=1))
+    with pytest.raises(InvalidRequest):
+        client.submit("../etc", spec())
+    with pytest.raises(InvalidRequest):
+        client.list("acme", status="nope")
+
+
+def test_tenants_see_only_their_jobs(client):
+    job = client.submit("acme", spec())
+    for call in (lambda: client.get("beta", job.id), lambda: client.cancel("beta", job.id),
+                 lambda: client.events("beta", job.id), lambda: client.checkpoints("beta", job.id),
+                 lambda: client.get("acme", "job-doesnotexist")):
+        with pytest.raises(JobNotFound):
+            call()
+    assert client.list("beta") == ([], False)
+    assert [j.id for j in client.list("acme")[0]] == [job.id]
+
+
+def test_list_pages_newest_first(client):
+    ids = [client.submit("acme", spec("1GiB")).id for _ in range(5)]
+    page, more = client.list("acme", limit=2)
+    assert [j.id for j in page] == ids[::-1][:2] and more
+    page2, more2 = client.list("acme", limit=2, after=page[-1].id)
+    assert [j.id for j in page2] == ids[::-1][2:4] and more2
+    page3, more3 = client.list("acme", limit=2, after=page2[-1].id)
+    assert [j.id for j in page3] == ids[:1] and not more3
+    running, _ = client.list("acme", status="running")
+    assert len(running) == 5
+
+
+def test_idempotency_key_returns_the_same_job(client):
+    first = client.submit("acme", spec(), idempotency_key="k1")
+    assert client.submit("acme", spec(), idempotency_key="k1").id == first.id
+    assert client.submit("beta", spec(), idempotency_key="k1").id != first.id  # keys are per tenant
+    with pytest.raises(IdempotencyConflict):
+        client.submit("acme", spec("2GiB"), idempotency_key="k1")
+
+
+# ---- quotas and fairness ---------------------------------------------------------------------------------
+
+
+def test_quotas_bound_concurrency_and_reserved_ram(tmp_path):
+    c = make_local_client(tmp_path, {"c": "256GiB"}, auto=False, tenants={
+        "default": {"max_concurrent_jobs": 2, "max_reserved_bytes": "50GiB", "max_queued_jobs": 2}})
+    a1, a2 = c.submit("acme", spec("10GiB")), c.submit("acme", spec("10GiB"))
+    a3 = c.submit("acme", spec("10GiB"))
+    assert [a1.status, a2.status, a3.status] == [JobStatus.RUNNING, JobStatus.RUNNING, JobStatus.QUEUED]
+    assert a3.queue_reason == "tenant acme is at its quota of 2 concurrent jobs"
+    b1 = c.submit("beta", spec("45GiB"))
+    b2 = c.submit("beta", spec("10GiB"))
+    assert b1.status is JobStatus.RUNNING and b2.status is JobStatus.QUEUED
+    assert "would hold 55.0 GiB of host RAM; its quota is 50.0 GiB" in b2.queue_reason
+    with pytest.raises(QuotaExceeded, match="quota is 50.0 GiB"):
+        c.submit("beta", spec("60GiB"))
+    c.submit("acme", spec("10GiB"))
+    with pytest.raises(QuotaExceeded, match="2 jobs waiting"):
+        c.submit("acme", spec("10GiB"))
+    agents(c)["c"].advance(a1.id, 3)
+    assert c.get("acme", a3.id).status is JobStatus.RUNNING
+    c.close()
+
+
+def test_burst_from_two_tenants_is_served_fairly(tmp_path):
+    # One node that holds one job at a time: the start order is the service order.
+    c = make_local_client(tmp_path, {"n": "16GiB"}, auto=False)
+    blocker = c.submit("zed", spec("10GiB"))
+    a = [c.submit("acme", spec("10GiB", steps=1)) for _ in range(4)]
+    b = [c.submit("beta", spec("10GiB", steps=1)) for _ in range(2)]
+    q = c.queue()
+    assert [j.tenant for j in q] == ["acme", "beta", "acme", "beta", "acme", "acme"]
+    assert [j.queue_position for j in q] == [1, 2, 3, 4, 5, 6]
+    node = agents(c)["n"]
+    node.advance(blocker.id, 3)
+    for _ in range(6):
+        c.tick()
+        running = [j for j in node.jobs.values() if j.exit is None]
+        assert len(running) == 1
+        node.advance(running[0].job_id, 1)
+    c.tick()
+    assert node.started[1:] == [a[0].id, b[0].id, a[1].id, b[1].id, a[2].id, a[3].id]
+    c.close()
+
+
+def test_priority_orders_jobs_within_a_tenant_only(tmp_path):
+    c = make_local_client(tmp_path, {"n": "16GiB"}, auto=False)
+    c.submit("zed", spec("10GiB"))
+    low = c.submit("acme", spec("10GiB"), priority=0)
+    high = c.submit("acme", spec("10GiB"), priority=5)
+    other = c.submit("beta", spec("10GiB"), priority=0)
+    assert [j.id for j in c.queue()] == [high.id, other.id, low.id]
+    c.close()
+
+
+def test_fair_order_prefers_the_least_recently_served_tenant():
+    def rec(i, tenant, status="queued"):
+        return JobRecord(id=f"j{i}", tenant=tenant, name=None, status=JobStatus(status), priority=0,
+                         created_at=float(i), spec={})
+
+    jobs = [rec(0, "a"), rec(1, "a"), rec(2, "b"), rec(3, "c", "recovering")]
+    assert [j.id for j in fair_order(jobs, {"a": 5, "b": 9})] == ["j3", "j0", "j2", "j1"]
+    assert [j.id for j in fair_order(jobs, {"a": 9, "b": 5})] == ["j3", "j2", "j0", "j1"]
+
+
+# ---- cancel -----------------------------------------------------------------------------------------------
+
+
+def test_cancel_in_every_non_terminal_state_frees_the_reservation(tmp_path):
+    c = make_local_client(tmp_path, {"a": "16GiB", "b": "16GiB"}, auto=False)
+    fa, fb = agents(c)["a"], agents(c)["b"]
+    running = c.submit("acme", spec("10GiB", steps=100))
+    checkpointing = c.submit("acme", spec("10GiB", steps=100))
+    queued = c.submit("acme", spec("10GiB"))
+    assert running.node_id == "a" and checkpointing.node_id == "b" and queued.status is JobStatus.QUEUED
+    fb.set_checkpointing(checkpointing.id)
+    c.tick()
+    assert c.get("acme", checkpointing.id).status is JobStatus.CHECKPOINTING
+
+    assert c.cancel("acme", queued.id).status is JobStatus.CANCELLED
+    # LocalClient ticks after the cancel: the fake engine stops on its next poll.
+    assert c.cancel("acme", running.id).status is JobStatus.CANCELLED
+    assert c.cancel("acme", checkpointing.id).status is JobStatus.CANCELLED
+    assert all(n.reserved_bytes == 0 and n.ledger == [] for n in c.nodes())
+    assert fa.jobs == {} and fb.jobs == {}
+    assert c.cancel("acme", queued.id).status is JobStatus.CANCELLED  # idempotent
+
+    # cancelling: the engine has not stopped yet
+    slow = c.submit("acme", spec("10GiB", steps=100))
+    agent = agents(c)[slow.node_id]
+    core = c.coordinator
+    job = core.cancel("acme", slow.id)
+    assert job.status is JobStatus.CANCELLING
+    assert core.cancel("acme", slow.id).status is JobStatus.CANCELLING
+    assert agent.ledger.reserved_bytes == 10 * GiB
+    c.tick()
+    assert c.get("acme", slow.id).status is JobStatus.CANCELLED and agent.ledger.reserved_bytes == 0
+
+    # recovering: its node died, no other node has room
+    r1 = c.submit("acme", spec("10GiB", steps=100))
+    r2 = c.submit("beta", spec("10GiB", steps=100))
+    dead = agents(c)[r1.node_id]
+    dead.kill()
+    c.tick()
+    assert c.get("acme", r1.id).status is JobStatus.RECOVERING
+    assert c.cancel("acme", r1.id).status is JobStatus.CANCELLED
+    c.cancel("beta", r2.id)
+
+    # succeeded and failed jobs cannot be cancelled
+    done = c.submit("acme", spec("1GiB", steps=1))
+    agents(c)[done.node_id].advance(done.id)
+    c.tick()
+    with pytest.raises(InvalidTransition):
+        c.cancel("acme", done.id)
+    statuses_seen = [e.data["to"] for e in c.events("acme", running.id) if e.type is EventType.STATUS]
+    assert statuses_seen == ["validating", "queued", "running", "cancelling", "cancelled"]
+    c.close()
+
+
+def test_cancel_of_a_job_caught_validating_by_a_restart(tmp_path):
+    store, jobs = tmp_path / "jobs.sqlite", tmp_path / "jobs"
+    agents_ = {"a": FakeAgent("a", "16GiB", auto=False)}
+    core = Coordinator(store_path=store, jobs_root=jobs, agents=agents_, planner=size_planner)
+    core.tick()
+    job = core.submit("acme", spec("10GiB"))
+    core.cancel("acme", job.id)
+    # A crash mid-submit leaves a VALIDATING row; cancel works there too.
+    stuck = JobRecord.from_dict({**job.to_dict(), "id": "job-stuck000000", "status": "validating",
+                                 "idempotency_key": None})
+    core.store.put_job(stuck)
+    assert core.get("acme", stuck.id).status is JobStatus.VALIDATING
+    assert core.cancel("acme", stuck.id).status is JobStatus.CANCELLED
+    core.close()
+
+
+# ---- failures, recovery, restart --------------------------------------------------------------------
+
+
+def test_engine_crash_and_oom_fail_the_job_with_the_cause(client):
+    crash = client.submit("acme", spec("10GiB", steps=100))
+    oom = client.submit("acme", spec("40GiB", steps=100))
+    bad = client.submit("acme", spec("100GiB", steps=100))
+    agents(client)["a"].crash(crash.id, 1, "RuntimeError: CUDA error: an illegal memory access")
+    agents(client)["b"].oom(oom.id, rss_bytes=60 * GiB)
+    agents(client)["c"].crash(bad.id, 2, "error: model.path '/x' is not an HF model directory")
+    crash, oom, bad = (client.get("acme", j.id) for j in (crash, oom, bad))
+    assert crash.status is JobStatus.FAILED and crash.error.code == "engine_crashed"
+    assert crash.error.message == ("engine exited with code 1: RuntimeError: CUDA error: an illegal memory "
+                                   "access")
+    assert oom.error.code == "oom_killed"
+    assert oom.error.message == ("engine killed by SIGKILL, most likely out of memory (peak RSS 60.0 GiB "
+                                 "against 40.0 GiB planned)")
+    assert bad.error.code == "bad_input"
+    assert all(n.reserved_bytes == 0 for n in client.nodes())
+    assert any(e.type is EventType.ERROR for e in client.events("acme", crash.id))
+
+
+def test_progress_metrics_checkpoints_and_memory_are_recorded(client):
+    job = client.submit("acme", spec("10GiB", steps=4, every=2))
+    agents(client)["a"].advance(job.id, 3)
+    job = client.get("acme", job.id)
+    assert job.progress.step == 3 and job.progress.total_steps == 4 and job.progress.tokens_per_s == 1000.0
+    assert job.metrics["loss"] == pytest.approx(1 / 3)
+    assert job.last_checkpoint_step == 2
+    assert [ck.step for ck in client.checkpoints("acme", job.id)] == [2]
+    kinds = [e.type for e in client.events("acme", job.id)]
+    assert kinds.count(EventType.METRICS) == 3 and EventType.MEMORY in kinds and EventType.CHECKPOINT in kinds
+    seqs = [e.seq for e in client.events("acme", job.id)]
+    assert seqs == list(range(1, len(seqs) + 1))
+    assert [e.seq for e in client.events("acme", job.id, after_seq=3)] == seqs[3:]
+
+
+def test_node_loss_recovers_the_job_from_its_last_checkpoint_elsewhere(tmp_path):
+    c = make_local_client(tmp_path, {"small": "16GiB", "big": "64GiB"}, auto=False)
+    job = c.submit("acme", spec("10GiB", steps=6, every=2))
+    assert job.node_id == "small"
+    agents(c)["small"].advance(job.id, 3)  # checkpoint at 2, then step 3 (lost with the node)
+    c.tick()
+    agents(c)["small"].kill()
+    c.tick()
+    job = c.get("acme", job.id)
+    assert job.status is JobStatus.RUNNING and job.node_id == "big" and job.attempts == 2
+    resumed = agents(c)["big"].jobs[job.id]
+    assert resumed.step == 2  # from the last complete checkpoint
+    agents(c)["big"].advance(job.id, 4)
+    job = c.get("acme", job.id)
+    assert job.status is JobStatus.SUCCEEDED and job.progress.step == 6
+    moves = [(e.data["to"], e.data.get("reason")) for e in c.events("acme", job.id)
+             if e.type is EventType.STATUS]
+    assert moves[-3][0] == "recovering" and "node small was lost" in moves[-3][1]
+    assert "resumes from checkpoint step 2" in moves[-3][1]
+    assert moves[-2] == ("running", "resumed on node big from checkpoint step 2")
+    assert {n.node_id: n.alive for n in c.nodes()} == {"big": True, "small": False}
+    c.close()
+
+
+def test_recovering_job_waits_with_reason_when_no_node_has_room(tmp_path):
+    c = make_local_client(tmp_path, {"a": "16GiB", "b": "16GiB"}, auto=False)
+    j1 = c.submit("acme", spec("10GiB", steps=100))
+    j2 = c.submit("beta", spec("10GiB", steps=100))
+    queued = c.submit("acme", spec("10GiB"))
+    agents(c)["a"].kill()
+    c.tick()
+    lost = j1 if j1.node_id == "a" else j2
+    rec = c.get(lost.tenant, lost.id)
+    assert rec.status is JobStatus.RECOVERING and rec.queue_position == 1
+    assert "node a was lost" in rec.queue_reason
+    # The recovering job comes before queued work when room appears.
+    other = j2 if lost is j1 else j1
+    agents(c)["b"].advance(other.id, 100)
+    c.tick()
+    assert c.get(lost.tenant, lost.id).status is JobStatus.RUNNING
+    assert c.get("acme", queued.id).status is JobStatus.QUEUED
+    c.close()
+
+
+def test_agent_restart_loses_its_jobs_which_recover(client):
+    job = client.submit("acme", spec("10GiB", steps=5))
+    agents(client)["a"].restart()
+    client.tick()
+    job = client.get("acme", job.id)
+    assert job.status is JobStatus.RUNNING and job.attempts == 2
+    reasons = [e.data.get("reason") for e in client.events("acme", job.id)
+               if e.data.get("to") == "recovering"]
+    assert reasons and "agent of node a restarted" in reasons[0]
+
+
+def test_coordinator_restart_loses_no_job_and_reattaches_running_ones(tmp_path):
+    store, jobs = tmp_path / "jobs.sqlite", tmp_path / "jobs"
+    storage = FakeStorage()
+    fakes = {"a": FakeAgent("a", "16GiB", storage=storage, auto=False),
+             "b": FakeAgent("b", "64GiB", storage=storage, auto=False)}
+
+    def coordinator():
+        core = Coordinator(store_path=store, jobs_root=jobs, agents=fakes, planner=size_planner)
+        core.tick()
+        return core
+
+    first = coordinator()
+    running = first.submit("acme", spec("10GiB", steps=5))
+    first.tick()
+    fakes["a"].advance(running.id, 2)
+    first.tick()
+    queued = first.submit("acme", spec("60GiB"))
+    big = first.submit("beta", spec("50GiB", steps=5))
+    first.tick()
+    assert first.get("acme", queued.id).status is JobStatus.QUEUED
+    seq_before = first.events("acme", running.id)[-1].seq
+    first.close()  # the coordinator dies; the agents and their engines go on
+
+    fakes["a"].advance(running.id, 1)
+    second = coordinator()
+    assert fakes["a"].started == [running.id]  # reattached, not restarted
+    rec = second.get("acme", running.id)
+    assert rec.status is JobStatus.RUNNING and rec.progress.step == 3 and rec.attempts == 1
+    steps = [e.data["step"] for e in second.events("acme", running.id, after_seq=0)
+             if e.type is EventType.METRICS]
+    assert steps == [1, 2, 3]  # nothing lost or repeated across the restart
+    assert second.events("acme", running.id)[-1].seq > seq_before
+    assert second.get("acme", queued.id).status is JobStatus.QUEUED
+    assert second.get("beta", big.id).status is JobStatus.RUNNING
+    fakes["b"].advance(big.id, 5)
+    second.tick()
+    assert second.get("acme", queued.id).status is JobStatus.RUNNING
+    second.close()
+
+
+def test_restarted_coordinator_recovers_jobs_whose_engine_is_gone(tmp_path):
+    store, jobs = tmp_path / "jobs.sqlite", tmp_path / "jobs"
+    storage = FakeStorage()
+    fakes = {"a": FakeAgent("a", "16GiB", storage=storage, auto=False)}
+    first = Coordinator(store_path=store, jobs_root=jobs, agents=fakes, planner=size_planner)
+    first.tick()
+    job = first.submit("acme", spec("10GiB", steps=4, every=1))
+    first.tick()
+    fakes["a"].advance(job.id, 2)
+    first.tick()
+    first.close()
+    fakes["a"].kill()
+    fakes["b"] = FakeAgent("b", "16GiB", storage=storage, auto=False)
+    del fakes["a"]
+    clock = [1e12]
+    second = Coordinator(store_path=store, jobs_root=jobs, agents=fakes, planner=size_planner,
+                         clock=lambda: clock[0], node_dead_after_s=10)
+    second.tick()
+    assert second.get("acme", job.id).status is JobStatus.RUNNING  # grace period for node a
+    clock[0] += 11
+    second.tick()
+    rec = second.get("acme", job.id)
+    assert rec.status is JobStatus.RUNNING and rec.node_id == "b"
+    assert fakes["b"].jobs[job.id].step == 2
+    second.close()
+
+
+def test_coordinator_adopts_a_job_started_just_before_it_crashed(tmp_path):
+    store, jobs = tmp_path / "jobs.sqlite", tmp_path / "jobs"
+    fakes = {"a": FakeAgent("a", "16GiB", auto=False)}
+    core = Coordinator(store_path=store, jobs_root=jobs, agents=fakes, planner=size_planner)
+    job = core.submit("acme", spec("10GiB"))  # no tick yet: the node is unknown, the job waits
+    assert job.status is JobStatus.QUEUED
+    fakes["a"].start(job.id, job.spec, job.output_dir, 10 * GiB, 0)  # started; the table never heard
+    core.tick()
+    rec = core.get("acme", job.id)
+    assert rec.status is JobStatus.RUNNING and rec.node_id == "a" and fakes["a"].started == [job.id]
+    core.close()
+
+
+def test_stray_engine_of_a_finished_job_is_stopped(client):
+    job = client.submit("acme", spec("10GiB", steps=10))
+    client.cancel("acme", job.id)
+    a = agents(client)["a"]
+    a.start(job.id, job.spec, job.output_dir, 10 * GiB, 0)
+    client.tick()
+    assert job.id not in a.jobs and a.ledger.reserved_bytes == 0
+
+
+# ---- submit_and_follow and the Ray Jobs hook -------------------------------------------------------------
+
+
+def test_submit_and_follow_exits_zero_on_success_and_one_on_failure(tmp_path):
+    c = make_local_client(tmp_path, {"a": "16GiB"})
+    out = io.StringIO()
+    assert submit_and_follow(spec("1GiB", steps=2), tenant="acme", client=c, poll_s=0, out=out) == 0
+    text = out.getvalue()
+    assert "submitted job" in text and "queued -> running" in text and "succeeded" in text
+    assert "step 2/2: loss 0.5000" in text
+    assert submit_and_follow(spec("300GiB"), tenant="acme", client=c, poll_s=0, out=out) == 2
+
+    c2 = make_local_client(tmp_path / "2", {"a": "16GiB"}, auto=False)
+    job_out = io.StringIO()
+
+    class Crashing:
+        def __getattr__(self, name):
+            return getattr(c2, name)
+
+        def events(self, tenant, job_id, after_seq=0):
+            for j in list(c2.coordinator.fake_agents["a"].jobs):
+                c2.coordinator.fake_agents["a"].crash(j, 1, "boom")
+            return c2.events(tenant, job_id, after_seq)
+
+    assert submit_and_follow(spec("1GiB"), tenant="acme", client=Crashing(), poll_s=0, out=job_out) == 1
+    c.close()
+    c2.close()
+
+
+def test_should_submit_to_coordinator_reads_the_environment():
+    assert should_submit_to_coordinator({"HORIZON_RAY_SUBMIT": "1"})
+    assert not should_submit_to_coordinator({"HORIZON_RAY_SUBMIT": "0", "RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"})
+    assert not should_submit_to_coordinator({})
+    ev = JobEvent(seq=1, job_id="j", time=0.0, type=EventType.METRICS, data={"step": 3, "loss": 1.5})
+    assert format_event(ev) == "[j] step 3: loss 1.5000"
+
+
+def test_default_spec_validation_uses_the_strict_job_spec():
+    out = default_validate_spec({**spec(), "output_dir": "/tmp/x"})
+    assert out["training"]["max_steps"] == 3 and out["engine"]["precision"] == "exact"
+    with pytest.raises(ValueError):
+        default_validate_spec({**spec(), "output_dir": "/tmp/x", "nope": 1})
+
+
+def test_given_output_dir_is_kept_and_two_live_jobs_cannot_share_one(client, tmp_path):
+    out = tmp_path / "mine"
+    job = client.submit("acme", spec(output_dir=str(out)))
+    assert job.output_dir == str(out) and job.spec["output_dir"] == str(out)
+    with pytest.raises(InvalidSpec, match="in use by job"):
+        client.submit("acme", spec(output_dir=str(out)))
+    with pytest.raises(InvalidSpec, match="in use by another job"):
+        client.submit("beta", spec(output_dir=str(out)))
+    default = client.submit("acme", spec())
+    assert default.output_dir.endswith(f"/jobs/acme/{default.id}")
+    client.cancel("acme", job.id)
+    assert client.submit("acme", spec(output_dir=str(out))).output_dir == str(out)
+
+
+def test_simulated_nodes_parse_strictly():
+    from horizon_ray.cluster.local import parse_simulated_nodes
+
+    assert parse_simulated_nodes("a=16GiB, b=64GiB,c=256GiB") == {"a": 16 * GiB, "b": 64 * GiB, "c": 256 * GiB}
+    for bad in ("a16GiB", "a=16GiB,a=1GiB", "a=lots", "", "a b=1GiB"):
+        with pytest.raises(ValueError):
+            parse_simulated_nodes(bad)
+
+
+def test_serve_refuses_conflicting_flags():
+    import argparse
+
+    from horizon_ray.cli import main
+    from horizon_ray.commands import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    with pytest.raises(ValueError, match="drop --address"):
+        serve.run(parser.parse_args(["--simulate-nodes", "a=1GiB", "--address", "auto"]))
+    assert main(["serve", "--simulate-nodes", "a=nope"]) == 2

@@ -1,0 +1,189 @@
+"""The node agent's supervision of real child processes, with a stand-in engine (no Ray, no torch)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from horizon_ray.cluster.agent import NodeAgent, ReservationRefused, read_metrics_lines
+
+GiB = 2**30
+
+# Stands in for `python -m horizon_ray finetune --config spec.yaml --resume`: behaviour from spec["stand_in"].
+STAND_IN = textwrap.dedent("""
+    import json, os, sys, time, yaml
+    spec = yaml.safe_load(open(sys.argv[sys.argv.index("--config") + 1]))
+    assert "--resume" in sys.argv and os.environ["HORIZON_RAY_SUBMIT"] == "0"
+    cfg = spec["stand_in"]
+    out = spec["output_dir"]
+    ballast = bytearray(cfg.get("alloc_mb", 0) * 2**20)
+    for i in range(len(ballast) // 4096):
+        ballast[i * 4096] = 1
+    def line(**kw):
+        with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"time": time.time(), **kw}) + "\\n")
+    line(type="start", step=0, total_steps=cfg["steps"])
+    for step in range(1, cfg["steps"] + 1):
+        time.sleep(cfg.get("sleep", 0.0))
+        line(type="metrics", step=step, loss=1.0 / step, total_steps=cfg["steps"])
+    if cfg.get("checkpoint_hold"):
+        tmp = os.path.join(out, "checkpoints", f"step-00000001.tmp-{os.getpid()}")
+        os.makedirs(tmp)
+        while not os.path.exists(os.path.join(out, "release")):
+            time.sleep(0.05)
+        os.rename(tmp, os.path.join(out, "checkpoints", "step-00000001"))
+        line(type="checkpoint", step=1, path=os.path.join(out, "checkpoints", "step-00000001"))
+    if cfg.get("hang"):
+        time.sleep(600)
+    if cfg.get("exit", 0):
+        print("Traceback ...", file=sys.stderr)
+        print("error: the job crashed: RuntimeError: boom", file=sys.stderr)
+    sys.exit(cfg.get("exit", 0))
+""")
+
+
+@pytest.fixture
+def agent(tmp_path):
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    a = NodeAgent("n1", ram_bytes=16 * GiB, gpu_count=0, command=[sys.executable, str(script)],
+                  sample_interval_s=0.05, kill_grace_s=2.0)
+    yield a
+    a.shutdown()
+
+
+def wait_exit(agent, job_id, timeout=30.0):
+    deadline = time.time() + timeout
+    offset, lines = 0, []
+    while time.time() < deadline:
+        report = agent.poll({job_id: offset})[job_id]
+        lines += report.lines
+        offset = report.next_offset
+        if report.exit is not None:
+            return report, lines
+        time.sleep(0.05)
+    raise AssertionError(f"{job_id} did not exit")
+
+
+def start(agent, tmp_path, job_id, host=GiB, **cfg):
+    out = tmp_path / job_id
+    agent.start(job_id, {"stand_in": {"steps": 3, **cfg}}, str(out), host, 0)
+    return out
+
+
+def test_job_runs_to_the_end_and_its_reservation_is_freed(agent, tmp_path):
+    out = start(agent, tmp_path, "j1", host=4 * GiB, alloc_mb=64, sleep=0.2)
+    info = agent.info()
+    assert info.reserved_bytes == 4 * GiB and [r.job_id for r in info.ledger] == ["j1"]
+    report, lines = wait_exit(agent, "j1")
+    assert report.exit.returncode == 0 and not report.exit.cancelled
+    assert [ln["type"] for ln in lines] == ["start", "metrics", "metrics", "metrics"]
+    assert report.peak_rss_bytes > 64 * 2**20
+    assert agent.info().reserved_bytes == 0
+    assert (out / "job.yaml").is_file() and list((out / "logs").iterdir())
+    agent.forget("j1")
+    assert agent.poll({}) == {}
+
+
+def test_crash_reports_exit_code_and_stderr(agent, tmp_path):
+    start(agent, tmp_path, "j2", exit=1)
+    report, _ = wait_exit(agent, "j2")
+    assert report.exit.returncode == 1
+    assert "RuntimeError: boom" in report.exit.stderr_tail
+    assert agent.info().reserved_bytes == 0
+
+
+def test_cancel_stops_the_process_group_and_sigkill_is_seen(agent, tmp_path):
+    start(agent, tmp_path, "j3", hang=True)
+    time.sleep(0.5)
+    agent.cancel("j3")
+    report, _ = wait_exit(agent, "j3")
+    assert report.exit.returncode == -signal.SIGTERM and report.exit.cancelled
+
+    start(agent, tmp_path, "j4", hang=True, alloc_mb=32)
+    time.sleep(0.5)
+    pid = agent._jobs["j4"].proc.pid
+    os.kill(pid, signal.SIGKILL)  # what the kernel's OOM killer does
+    report, _ = wait_exit(agent, "j4")
+    assert report.exit.returncode == -signal.SIGKILL and not report.exit.cancelled
+    assert report.exit.peak_rss_bytes > 32 * 2**20
+    assert agent.info().reserved_bytes == 0
+
+
+def test_checkpoint_in_progress_is_reported(agent, tmp_path):
+    out = start(agent, tmp_path, "j5", steps=1, checkpoint_hold=True)
+    deadline = time.time() + 20
+    while not agent.poll({})["j5"].checkpointing:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    (out / "release").write_text("")
+    report, lines = wait_exit(agent, "j5")
+    assert not report.checkpointing and lines[-1]["type"] == "checkpoint"
+
+
+def test_ledger_refuses_what_does_not_fit_and_forget_kills(agent, tmp_path):
+    start(agent, tmp_path, "j6", host=10 * GiB, hang=True)
+    with pytest.raises(ReservationRefused):
+        start(agent, tmp_path, "j7", host=10 * GiB)
+    proc = agent._jobs["j6"].proc
+    agent.forget("j6")
+    assert proc.poll() is not None and agent.info().reserved_bytes == 0
+
+
+def test_metrics_reader_skips_torn_and_garbage_lines(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"type": "metrics", "step": 1}\n{"type": "met{"type": "start"}\n{"type": "metrics", "st')
+    lines, offset = read_metrics_lines(path, 0)
+    assert lines == [{"type": "metrics", "step": 1}]
+    with open(path, "a") as f:
+        f.write('ep": 2}\n')
+    more, offset2 = read_metrics_lines(path, offset)
+    assert more == [{"type": "metrics", "step": 2}] and offset2 == path.stat().st_size
+    path.write_text('{"type": "start"}\n')  # rewritten: shorter than the offset
+    assert read_metrics_lines(path, offset2)[0] == [{"type": "start"}]
+
+
+def test_engine_dies_with_its_agent(tmp_path):
+    """A job's engine never outlives its agent (no stale twin after recovery elsewhere)."""
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    driver = textwrap.dedent(f"""
+        import sys, time
+        from horizon_ray.cluster.agent import NodeAgent
+        a = NodeAgent("n", ram_bytes=2**30, gpu_count=0, command=[sys.executable, {str(script)!r}])
+        a.start("j", {{"stand_in": {{"steps": 1, "hang": True}}}}, {str(tmp_path / "j")!r}, 1, 0)
+        print(a._jobs["j"].proc.pid, flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
+    try:
+        child = psutil.Process(int(proc.stdout.readline()))
+        deadline = time.time() + 20
+        while not (tmp_path / "j" / "metrics.jsonl").exists():  # the engine is up and writing
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert child.is_running()
+        proc.kill()
+        proc.wait()
+        child.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not child.is_running()
+
+
+def test_spec_written_for_the_engine_has_the_output_dir(agent, tmp_path):
+    import yaml
+
+    out = start(agent, tmp_path, "j8", steps=1)
+    wait_exit(agent, "j8")
+    written = yaml.safe_load((out / "job.yaml").read_text())
+    assert written["output_dir"] == str(out) and Path(written["output_dir"]).is_dir()
