@@ -25,11 +25,12 @@ from typing import Any
 import yaml
 
 DATA_FORMATS = ("auto", "alpaca", "messages", "text")
-METHODS = ("full",)
+METHODS = ("full", "lora")
 SCHEDULES = ("constant", "linear", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 PRECISIONS = ("exact", "bf16-state")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -92,14 +93,24 @@ class EngineSpec:
 
 
 @dataclass
+class LoraSpec:
+    r: int = 8  # rank of every adapter
+    alpha: float = 16.0  # scaling of the adapters' output is alpha / r
+    dropout: float = 0.0  # dropout on each adapter's input while training
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])  # projections that get an adapter
+    merge: bool = False  # also write the merged full model (W + alpha/r x B A, HF format) to final/merged
+
+
+@dataclass
 class JobSpec:
     model: ModelSpec = field(default_factory=ModelSpec)
     data: DataSpec = field(default_factory=DataSpec)
-    method: str = "full"  # full fine-tuning (lora comes later)
+    method: str = "full"  # full: every weight trains | lora: adapters on the frozen base (see lora)
     training: TrainingSpec = field(default_factory=TrainingSpec)
     eval: EvalSpec = field(default_factory=EvalSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     engine: EngineSpec = field(default_factory=EngineSpec)
+    lora: LoraSpec | None = None  # method lora only; absent: LoraSpec's defaults
     output_dir: str = ""  # metrics.jsonl, checkpoints/, final/ go here (required)
     name: str | None = None  # free-form label shown in logs
 
@@ -109,6 +120,8 @@ class JobSpec:
     def from_dict(cls, data: Any) -> JobSpec:
         """Build and validate a spec from plain data (parsed YAML or JSON). Strict: unknown keys fail."""
         spec = _build(cls, data, prefix="")
+        if spec.method == "lora" and spec.lora is None:
+            spec.lora = LoraSpec()
         spec.validate()
         return spec
 
@@ -142,6 +155,10 @@ class JobSpec:
         d = self.to_dict()
         for key in ("name", "output_dir", "eval", "checkpoint", "engine"):
             d.pop(key)
+        if d["lora"] is None:
+            d.pop("lora")  # full fine-tuning hashes as it did before LoRA existed
+        else:
+            d["lora"].pop("merge")  # an output option: the trained adapters do not depend on it
         blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -155,8 +172,12 @@ class JobSpec:
         _require(self.output_dir, "output_dir is required: set it to a directory for metrics, "
                                   "checkpoints and the final model")
         _one_of("data.format", self.data.format, DATA_FORMATS)
-        _one_of("method", self.method, METHODS,
-                hint="only full fine-tuning is implemented; lora arrives in its own change")
+        _one_of("method", self.method, METHODS)
+        if self.method == "lora":
+            self._validate_lora()
+        elif self.lora is not None:
+            raise ValueError("a lora section is given but method is full; set method: lora to train adapters, "
+                             "or remove the lora section")
         _one_of("training.schedule.type", self.training.schedule.type, SCHEDULES)
         if not (self.engine.device in DEVICES or _is_cuda_index(self.engine.device)):
             raise ValueError(f"engine.device is {self.engine.device!r}; use one of auto, cpu, cuda, cuda:N")
@@ -206,6 +227,23 @@ class JobSpec:
         _at_least("checkpoint.keep", self.checkpoint.keep, 1)
         _at_least("engine.activation_checkpoint_every", self.engine.activation_checkpoint_every, 1)
         _at_least("engine.loss_chunk_tokens", self.engine.loss_chunk_tokens, 1)
+
+    def _validate_lora(self) -> None:
+        lo = self.lora if self.lora is not None else LoraSpec()
+        _at_least("lora.r", lo.r, 1)
+        if not (lo.alpha > 0 and math.isfinite(lo.alpha)):
+            raise ValueError(f"lora.alpha is {lo.alpha}; set it > 0 (e.g. 16; the adapters' scaling is alpha / r)")
+        if not 0.0 <= lo.dropout < 1.0:
+            raise ValueError(f"lora.dropout is {lo.dropout}; set it in [0, 1) (e.g. 0.05, or 0 for none)")
+        if not lo.targets:
+            raise ValueError(f"lora.targets is empty; list one or more of {', '.join(LORA_TARGETS)}")
+        for t in lo.targets:
+            _one_of("lora.targets", t, LORA_TARGETS)
+        if len(set(lo.targets)) != len(lo.targets):
+            raise ValueError(f"lora.targets {lo.targets} names a projection twice; list each once")
+        if self.engine.precision != "exact":
+            raise ValueError(f"engine.precision {self.engine.precision} applies to full fine-tuning; with method "
+                             "lora the base is frozen and the adapters are exact fp32: leave precision exact")
 
     def check_paths(self) -> None:
         """Check, on the node that runs the job, that the inputs exist. Raises ValueError naming the fix."""
@@ -326,12 +364,21 @@ def _all_keys(cls: type = JobSpec, prefix: str = "") -> dict[str, str]:
     out: dict[str, str] = {}
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        tp = hints[f.name]
+        tp = _section_type(hints[f.name])
         if dataclasses.is_dataclass(tp):
             out.update(_all_keys(tp, f"{prefix}{f.name}."))
         else:
             out.setdefault(f.name, f"{prefix}{f.name}")
     return out
+
+
+def _section_type(tp: Any) -> Any:
+    """The dataclass of an optional section (``LoraSpec | None`` -> LoraSpec); other types as they are."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and dataclasses.is_dataclass(args[0]):
+            return args[0]
+    return tp
 
 
 # Names other trainers use, for the did-you-mean hint only (they are not accepted).
@@ -354,8 +401,13 @@ def _unknown_key_message(key: str, prefix: str, valid: list[str]) -> str:
     # Misspellings of another trainer's name count too ("lerning_rate" -> learning_rate -> lr).
     near_alias = difflib.get_close_matches(key, list(_ALIASES), n=1, cutoff=0.8)
     alias = _ALIASES.get(key) or (_ALIASES[near_alias[0]] if near_alias else None)
-    close = [alias] if alias in valid else difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     elsewhere = _all_keys().get(key) or _all_keys().get(alias or "")
+    if alias in valid:
+        close = [alias]
+    elif _all_keys().get(key):  # the exact name of a key in another section: say where it goes
+        close = []
+    else:
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if close:
         msg += f"; did you mean {prefix + close[0]!r}?"
     elif elsewhere:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from horizon_ray.engine.lora import LoraConfig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PRECISIONS = ("exact", "bf16-state")
 
@@ -44,6 +46,8 @@ class EngineConfig:
     # CPU threads of the optimizer (0: all cores but two on CUDA, which keep the training thread's kernel
     # launches prompt; torch's default on the CPU).
     optimizer_threads: int = 0
+    # LoRA on the frozen, streamed base (see lora.py): only the adapters train; None: full fine-tuning.
+    lora: LoraConfig | None = None
 
     def validate(self) -> None:
         if not self.lr > 0:
@@ -74,6 +78,15 @@ class EngineConfig:
             raise ValueError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}")
         if self.max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be >= 1, got {self.max_shard_bytes}")
+        if self.lora is not None:
+            if not isinstance(self.lora, LoraConfig):
+                raise ValueError("lora must be a horizon_ray.engine.LoraConfig or None, got "
+                                 f"{type(self.lora).__name__}")
+            self.lora.validate()
+            if self.precision != "exact":
+                raise ValueError(f"precision {self.precision!r} applies to full fine-tuning; with lora the base is "
+                                 "frozen in the compute dtype and the adapters are always exact fp32: leave "
+                                 "precision='exact'")
         resolve_device(self.device)
 
     @property

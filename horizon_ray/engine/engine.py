@@ -7,20 +7,30 @@ A step, in layer-major order (every micro-batch passes a layer while its weights
             layer's forward under autograd and torch.autograd.grad with the incoming dL/dy
   optimizer the global norm is known once the sweep ends; AdamW runs on the host in the background and
             the next step's forward streams each unit as soon as its update is written
+
+With ``EngineConfig(lora=LoraConfig(...))`` the same step trains only the adapters (see lora.py): the
+base streams as above but is frozen, each layer's backward asks autograd for dL/d(input) and the adapter
+gradients only (the base weights are no leaves, so no base gradient is ever computed; the bottom layer
+skips dL/d(input), as the frozen embedding needs none), the head gives dL/dh alone, and the norm, the
+clipping and AdamW cover the adapters. Dropout masks come from a generator seeded by (seed, step, layer,
+row group), so the forward, the recompute and the backward draw the same ones.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from horizon_ray.engine import io
+from horizon_ray.engine import lora as lora_io
 from horizon_ray.engine.config import EngineConfig, resolve_device
 from horizon_ray.engine.layers import (
+    LoraCall,
     MicroBatch,
     attention_mask,
     decoder_layer,
@@ -46,8 +56,14 @@ class Engine:
         self.K = min(cfg.checkpoint_every, max(self.L, 1))
         self.lr = cfg.lr
         self.last_grad_norm = math.nan
+        self.lora = cfg.lora
+        self.base_model_path: str | None = None  # the model directory the base came from (from_pretrained)
+        self._steps_begun = 0  # optimizer steps launched: the step index of the dropout seeds
         cuda = self.device.type == "cuda"
-        self.store = HostStore(unit_layouts(model), cfg.dtype, cfg.master_dtype, pin=cuda)
+        adapters = lora_io.adapter_layouts(model, cfg.lora) if cfg.lora is not None else None
+        self.store = HostStore(unit_layouts(model), cfg.dtype, cfg.master_dtype, pin=cuda, adapter_layouts=adapters)
+        if cfg.lora is not None:
+            lora_io.init_adapters(self.store.adapters, cfg.seed)
         threads = cfg.optimizer_threads or (max(1, (os.cpu_count() or 4) - 2) if cuda else 0)
         self.optimizer = HostAdamW(self.store, cfg.betas, cfg.eps, cfg.weight_decay,
                                    on_updated=self._on_updated, threads=threads)
@@ -60,9 +76,32 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, cfg: EngineConfig) -> Engine:
+        """An HF model directory; or a PEFT LoRA adapter directory (adapter_config.json +
+        adapter_model.safetensors), whose base_model_name_or_path is loaded as the frozen base with the
+        adapter on it (cfg.lora None: the adapter's own r, alpha, dropout and targets)."""
         model_dir = Path(model_dir)
+        if lora_io.is_adapter_dir(model_dir):
+            return cls._from_adapter(model_dir, cfg)
         eng = cls(ModelConfig.load(model_dir), cfg)
         io.load_into(eng.store, model_dir, eng.model.tie_word_embeddings)
+        eng.base_model_path = str(model_dir.resolve())
+        return eng
+
+    @classmethod
+    def _from_adapter(cls, adapter_dir: Path, cfg: EngineConfig) -> Engine:
+        lora, base = lora_io.read_adapter_config(adapter_dir)
+        if cfg.lora is None:
+            cfg = replace(cfg, lora=lora)
+        elif (cfg.lora.r, cfg.lora.alpha, set(cfg.lora.targets)) != (lora.r, lora.alpha, set(lora.targets)):
+            raise ValueError(f"the adapter in {adapter_dir} has r={lora.r}, alpha={lora.alpha}, targets "
+                             f"{list(lora.ordered_targets)} but the engine's lora config asks for r={cfg.lora.r}, "
+                             f"alpha={cfg.lora.alpha}, targets {list(cfg.lora.ordered_targets)}; pass lora=None "
+                             "to take the adapter's")
+        if not base or lora_io.is_adapter_dir(Path(base)) or not (Path(base) / "config.json").is_file():
+            raise ValueError(f"the adapter in {adapter_dir} names base model {base!r}, which is not an HF model "
+                             "directory here; load the base with from_pretrained and call load_adapter")
+        eng = cls.from_pretrained(base, cfg)
+        eng.load_adapter(adapter_dir)
         return eng
 
     @classmethod
@@ -93,11 +132,17 @@ class Engine:
 
     @property
     def num_params(self) -> int:
+        """Parameters of the model (with LoRA: of the base, adapters not counted)."""
         return self.store.num_params
 
     @property
+    def trainable_params(self) -> int:
+        """Parameters the optimizer updates: the model's, or with LoRA the adapters'."""
+        return self.store.trainable_params
+
+    @property
     def step(self) -> int:
-        return int(self.store.units[0].step)
+        return int(self.store.trained[0].step)
 
     def set_lr(self, lr: float) -> None:
         if not lr >= 0:
@@ -110,12 +155,13 @@ class Engine:
             raise ValueError("every label of this step is -100 (ignored): nothing to train on; check the "
                              "loss mask and that sequences are longer than their prompt")
         try:
-            hs = self._forward(mbs, keep_checkpoints=True)
+            hs = self._forward(mbs, train=True)
             self.streamer.prefetch_stash(self.K * ((self.L - 1) // self.K))  # the top block's checkpoint
             loss_sum, dhs, tied_acc = self._loss(hs, mbs, n_targets, backward=True)
             del hs
             dhs = self._backward(dhs, mbs)
-            self._embedding_backward(dhs, mbs, tied_acc)
+            if self.lora is None:  # with LoRA the embedding is frozen
+                self._embedding_backward(dhs, mbs, tied_acc)
             norm = self.streamer.finish_backward()  # the step's one host sync
             loss = float(loss_sum) / n_targets
             self.last_grad_norm = norm
@@ -129,12 +175,13 @@ class Engine:
         if self.cfg.clipping:
             coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6))
         self.optimizer.launch(self.lr, coef)
+        self._steps_begun += 1
         return loss
 
     @torch.no_grad()
     def eval_loss(self, micro_batches) -> tuple[float, int]:
         mbs, n_targets = self._prepare(micro_batches)
-        hs = self._forward(mbs, keep_checkpoints=False)
+        hs = self._forward(mbs, train=False)
         loss_sum, _, _ = self._loss(hs, mbs, max(n_targets, 1), backward=False)
         return float(loss_sum), n_targets
 
@@ -144,16 +191,42 @@ class Engine:
         if position_ids is not None:
             batch = (*batch, position_ids)
         mbs, _ = self._prepare([batch])
-        h = torch.cat(self._forward(mbs, keep_checkpoints=False))
+        h = torch.cat(self._forward(mbs, train=False))
         w = self.streamer.head_weights()
         logits = F.linear(rms_norm(h, w["norm"], self.model.rms_norm_eps), w["lm_head"]).float().cpu()
         self.streamer.release_head()
         return logits
 
     def save_pretrained(self, out_dir: str | Path) -> Path:
+        """The model in HF format; with LoRA the adapter in PEFT's format (adapter_config.json +
+        adapter_model.safetensors, fp32), which peft.PeftModel.from_pretrained loads onto the base."""
         self.optimizer.wait_all()
+        if self.lora is not None:
+            return lora_io.save_adapter(self.store.adapters, self.lora, self.base_model_path, Path(out_dir))
         return io.save_pretrained(self.store, self.model.hf, Path(out_dir), getattr(torch, self.cfg.save_dtype),
                                   self.cfg.max_shard_bytes, self.model.tie_word_embeddings)
+
+    def save_merged(self, out_dir: str | Path) -> Path:
+        """LoRA only: the full model in HF format with every adapter merged, W + scaling x B A (computed in
+        fp32, written in save_dtype)."""
+        if self.lora is None:
+            raise ValueError("save_merged merges LoRA adapters; this engine fine-tunes the whole model, whose "
+                             "save_pretrained already writes the full model")
+        self.optimizer.wait_all()
+        return io.save_pretrained(self.store, self.model.hf, Path(out_dir), getattr(torch, self.cfg.save_dtype),
+                                  self.cfg.max_shard_bytes, self.model.tie_word_embeddings,
+                                  merge=lora_io.merge_fn(self.store.adapters, self.lora))
+
+    def load_adapter(self, adapter_dir: str | Path) -> None:
+        """LoRA only: set the adapters' weights from a PEFT adapter directory (same r and targets). The
+        AdamW state is left as it is: to resume training exactly, use load_state."""
+        if self.lora is None:
+            raise ValueError("load_adapter needs an engine built with EngineConfig(lora=LoraConfig(...))")
+        self.optimizer.wait_all()
+        self._sync_device()  # no copy of the adapters to the device may still read them
+        lora_io.load_adapter(self.store.adapters, Path(adapter_dir))
+        for u in range(len(self.store.trained)):
+            self._on_updated(u)
 
     def save_state(self, out_dir: str | Path) -> None:
         self.optimizer.wait_all()
@@ -161,9 +234,11 @@ class Engine:
 
     def load_state(self, state_dir: str | Path) -> None:
         self.optimizer.wait_all()
+        self._sync_device()  # no copy to the device may still read the host buffers about to change
         io.load_state(self.store, Path(state_dir))
-        for u in range(len(self.store.units)):
+        for u in range(len(self.store.trained)):
             self._on_updated(u)
+        self._steps_begun = self.step
 
     def memory_report(self) -> dict[str, dict[str, int]]:
         return {"host": self.store.bytes_by_kind(), "device": self.streamer.device_bytes()}
@@ -171,14 +246,17 @@ class Engine:
     def close(self) -> None:
         """Wait for the last update, stop the optimizer's worker and unlock the pinned host memory."""
         self.optimizer.shutdown()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._sync_device()
         self.store.pool.close()
 
     # ---- the step's parts ----------------------------------------------------------------------------
 
+    def _sync_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _on_updated(self, u: int) -> None:
-        self.streamer.version[u] += 1
+        self.streamer.updated(u)
 
     def _abandon_step(self) -> None:
         """A step that failed after its backward began may have left gradients in wire buffers."""
@@ -187,6 +265,16 @@ class Engine:
             self.store.refresh_all_wires()
             for u in range(len(self.store.units)):
                 self._on_updated(u)
+
+    def _lora_call(self, j: int, i: int, train: bool) -> LoraCall | None:
+        """How layer j applies its adapters to row group i: dropout only while training, with masks seeded
+        by (seed, step, layer, row group), so every pass over the same layer and rows draws the same."""
+        if self.lora is None:
+            return None
+        if not (train and self.lora.dropout > 0):
+            return LoraCall(self.lora.scaling, 0.0)
+        seed = lora_io.mix_seed(self.cfg.seed, self._steps_begun, j, i)
+        return LoraCall(self.lora.scaling, self.lora.dropout, seed)
 
     def _prepare(self, micro_batches) -> tuple[list[MicroBatch], int]:
         if not micro_batches:
@@ -240,7 +328,8 @@ class Engine:
             n_targets=int((targets != -100).sum()),
         )
 
-    def _forward(self, mbs: list[MicroBatch], keep_checkpoints: bool):
+    def _forward(self, mbs: list[MicroBatch], train: bool):
+        """The layers' forward without autograd; with train, the checkpoints are kept and dropout is on."""
         st = self.streamer
         if st.host_embed:
             st.prefetch(1)  # the first layer's copy overlaps the gather of the embedding rows
@@ -253,15 +342,17 @@ class Engine:
         for j in range(self.L):
             w = st.weights(j + 1)
             st.prefetch(j + 2)  # the next layer (or the head) streams in while this one computes
-            if keep_checkpoints and j % self.K == 0:
+            if train and j % self.K == 0:
                 st.stash(j, hs)
             with torch.no_grad():
-                hs = [decoder_layer(h, w, mb, self.model) for h, mb in zip(hs, mbs)]
+                hs = [decoder_layer(h, w, mb, self.model, self._lora_call(j, i, train))
+                      for i, (h, mb) in enumerate(zip(hs, mbs))]
             st.release(j + 1)
         return hs
 
     def _loss(self, hs, mbs, n_targets: int, backward: bool):
-        """Summed CE over the step (a device scalar) and, with backward, dL/dh of the last layer's output."""
+        """Summed CE over the step (a device scalar) and, with backward, dL/dh of the last layer's output
+        (and the head's gradient, unless it is frozen under LoRA)."""
         st = self.streamer
         head_u = self.L + 1
         w = st.head_weights()
@@ -269,14 +360,17 @@ class Engine:
         eps = self.model.rms_norm_eps
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         dhs, tied_acc = [], None
+        trains_head = backward and self.lora is None
         if backward:
+            # d(sum CE / n)/d(sum CE): the step's token-weighted mean, across micro-batches
+            scale = torch.tensor(1.0 / n_targets, dtype=torch.float32, device=self.device)
+            leaves = {k: w[k] for k in ("norm", "lm_head")}
+        if trains_head:
             acc = st.accumulator(head_u)
             g = self.store.units[head_u].layout.views(acc)
             if self.model.tie_word_embeddings:
                 tied_acc = st.accumulator(0)
                 g["lm_head"] = self.store.units[0].layout.views(tied_acc)["embed"]
-            # d(sum CE / n)/d(sum CE): the step's token-weighted mean, across micro-batches
-            scale = torch.tensor(1.0 / n_targets, dtype=torch.float32, device=self.device)
             leaves = {k: w[k].detach().requires_grad_() for k in ("norm", "lm_head")}
         for h, mb in zip(hs, mbs):
             h_ND = h.reshape(-1, h.shape[-1])
@@ -290,15 +384,18 @@ class Engine:
                 hc = h_ND[lo:hi].detach().requires_grad_()
                 with torch.enable_grad():
                     loss = head_loss_chunk(hc, leaves["norm"], leaves["lm_head"], t_N[lo:hi], eps)
-                d_h, d_norm, d_lm = torch.autograd.grad(loss, [hc, leaves["norm"], leaves["lm_head"]], scale)
+                if trains_head:
+                    d_h, d_norm, d_lm = torch.autograd.grad(loss, [hc, leaves["norm"], leaves["lm_head"]], scale)
+                    g["norm"].add_(d_norm)
+                    g["lm_head"].add_(d_lm)
+                else:
+                    (d_h,) = torch.autograd.grad(loss, [hc], scale)
                 loss_sum += loss.detach()
                 dh_ND[lo:hi] = d_h
-                g["norm"].add_(d_norm)
-                g["lm_head"].add_(d_lm)
             if backward:
                 dhs.append(dh_ND.view_as(h))
         st.release_head()
-        if backward:
+        if trains_head:
             st.flush(head_u, acc)
         return loss_sum, dhs, tied_acc
 
@@ -315,13 +412,16 @@ class Engine:
                 st.prefetch_stash(blocks[b - 1][0])
             with torch.no_grad():  # recompute the inputs of the block's other layers
                 for j in range(s, e - 1):
-                    inputs[j + 1] = [decoder_layer(x, ws[j], mb, self.model) for x, mb in zip(inputs[j], mbs)]
+                    inputs[j + 1] = [decoder_layer(x, ws[j], mb, self.model, self._lora_call(j, i, True))
+                                     for i, (x, mb) in enumerate(zip(inputs[j], mbs))]
             for j in reversed(range(s, e)):
                 dhs = self._layer_backward(j, ws[j], inputs.pop(j), dhs, mbs)
                 st.release(j + 1)
         return dhs
 
     def _layer_backward(self, j, w, xs, dys, mbs):
+        if self.lora is not None:
+            return self._adapter_backward(j, w, xs, dys, mbs)
         st = self.streamer
         acc = st.accumulator(j + 1)
         g = self.store.units[j + 1].layout.views(acc)
@@ -337,6 +437,28 @@ class Engine:
             for k, gk in zip(keys, grads[1:]):
                 g[k].add_(gk)
         st.flush(j + 1, acc)
+        return dxs
+
+    def _adapter_backward(self, j, w, xs, dys, mbs):
+        """Layer j under LoRA: dL/dx and the adapters' gradients. The frozen base weights are no leaves, so
+        autograd computes no gradient for them; the bottom layer's dL/dx is skipped (nothing uses it)."""
+        st = self.streamer
+        g = st.adapter_grads(j)
+        leaves = {k: w[k].detach().requires_grad_() for k in g}
+        w = {**w, **leaves}
+        need_dx = j > 0
+        dxs = []
+        for i, (x, dy, mb) in enumerate(zip(xs, dys, mbs)):
+            x = x.detach().requires_grad_(need_dx)
+            with torch.enable_grad():
+                y = decoder_layer(x, w, mb, self.model, self._lora_call(j, i, True))
+            grads = torch.autograd.grad(y, [x, *leaves.values()] if need_dx else list(leaves.values()), dy)
+            if need_dx:
+                dxs.append(grads[0])
+                grads = grads[1:]
+            for k, gk in zip(leaves, grads):
+                g[k].add_(gk)
+        st.flush_adapter(j)
         return dxs
 
     def _embedding_backward(self, dhs, mbs, tied_acc):

@@ -1,6 +1,7 @@
 """Safetensors in and out of the host store, with no torch model built on the way.
 
-Loading reads each HF tensor straight into its unit's master buffer. Saving writes HF-compatible shards
+Loading reads each HF tensor straight into its unit's master buffer (with LoRA: into the frozen base's
+wire, which is its only copy, cast to the compute dtype on the way). Saving writes HF-compatible shards
 (+ index) and config.json into a temporary directory that is renamed into place only when complete, so a
 failure never leaves a half-written model behind.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -104,7 +106,8 @@ def _commit(tmp: Path, out_dir: Path) -> None:
 
 
 def save_pretrained(store: HostStore, hf_config: dict, out_dir: Path, dtype: torch.dtype, max_shard_bytes: int,
-                    tied: bool) -> Path:
+                    tied: bool, merge: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Path:
+    """``merge``: HF name, weights -> the weights to write (LoRA's merged W + scaling B A)."""
     out_dir, tmp = _atomic_dir(out_dir)
     try:
         shards: list[dict[str, torch.Tensor]] = [{}]
@@ -116,7 +119,8 @@ def save_pretrained(store: HostStore, hf_config: dict, out_dir: Path, dtype: tor
                 if shards[-1] and size + nbytes > max_shard_bytes:
                     shards.append({})
                     size = 0
-                shards[-1][t.name] = views[t.key].to(dtype).contiguous()
+                w = views[t.key] if merge is None else merge(t.name, views[t.key])
+                shards[-1][t.name] = w.to(dtype).contiguous()
                 size += nbytes
         total = sum(v.nbytes for s in shards for v in s.values())
         if len(shards) == 1:
@@ -144,11 +148,12 @@ def save_pretrained(store: HostStore, hf_config: dict, out_dir: Path, dtype: tor
 
 
 def save_state(store: HostStore, out_dir: Path) -> None:
-    """Exact training state (master, moments, step counts) as safetensors, written into out_dir."""
+    """Exact training state (master, moments, step counts) of the trained units (with LoRA: the adapters;
+    the frozen base is the model directory's) as safetensors, written into out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for u in store.units:
+    for u in store.trained:
         name = u.layout.name
         tensors[f"{name}.master"] = u.master
         tensors[f"{name}.exp_avg"] = u.exp_avg
@@ -163,7 +168,11 @@ def load_state(store: HostStore, state_dir: Path) -> None:
         raise ValueError(f"no engine_state.safetensors in {state_dir}: not an engine checkpoint")
     with safe_open(path, framework="pt") as f:
         keys = set(f.keys())
-        for u in store.units:
+        if store.frozen != any(k.startswith("lora.") for k in keys):
+            want, got = ("LoRA", "full fine-tuning") if store.frozen else ("full fine-tuning", "LoRA")
+            raise ValueError(f"{path} holds the state of a {got} run and this engine does {want}: resume "
+                             "with the settings the checkpoint was written with")
+        for u in store.trained:
             name = u.layout.name
             for kind in ("master", "exp_avg", "exp_avg_sq"):
                 key = f"{name}.{kind}"
@@ -173,7 +182,8 @@ def load_state(store: HostStore, state_dir: Path) -> None:
                 dst = getattr(u, kind)
                 if src.shape != dst.shape or src.dtype != dst.dtype:
                     raise ValueError(f"{path}: {key} is {tuple(src.shape)} {src.dtype}, the engine expects "
-                                     f"{tuple(dst.shape)} {dst.dtype} (another model or precision mode)")
+                                     f"{tuple(dst.shape)} {dst.dtype} (another model, precision mode or LoRA "
+                                     "rank/targets)")
                 dst.copy_(src)
             u.step.copy_(f.get_tensor(f"{name}.step")[0])
             store.refresh_wire(u)

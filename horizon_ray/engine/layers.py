@@ -3,6 +3,14 @@
 Each function computes exactly what HF transformers' Llama / Qwen2 / Mistral modules compute (RMSNorm in
 float32, RoPE from float32 frequencies, SDPA with grouped-query attention, SwiGLU), so the engine's
 numerics can be pinned against them.
+
+With LoRA the weights of a layer also hold its adapters ("q.lora_A" [r, in], "q.lora_B" [out, r], ...), and
+every adapted projection computes PEFT's ``base(x) + lora_B(lora_A(dropout(x))) * scaling``: the adapter
+path in the adapters' dtype (fp32) on the input cast to it, added to the base output, the sum cast back
+to the compute dtype (what PEFT does with fp32 adapters on a bf16 base). One autograd function does the
+adapter part (``_LoraAdd``): for its backward it keeps only the input x, which the base projection keeps
+anyway, and the [tokens, r] intermediate; the fp32 cast of x and its dropout mask are rebuilt in the
+backward (the mask from its seed), so an adapter adds no activation memory of the input's size.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from horizon_ray.engine.lora import mix_seed
 from horizon_ray.engine.model import ModelConfig
 
 
@@ -27,6 +36,17 @@ class MicroBatch:
     sin_BTd: torch.Tensor
     mask_B1TT: torch.Tensor | None  # bool, True = may attend; None = plain causal
     n_targets: int  # count of targets != -100
+
+
+@dataclass(frozen=True)
+class LoraCall:
+    """How one call of the layer template applies the adapters found in its weights."""
+
+    scaling: float  # alpha / r
+    dropout: float  # probability of dropping an adapter input element; 0 in evaluation
+    # Seeds the call's dropout masks (one per adapted projection, each from this seed and the projection):
+    # the same seed gives the same masks in the forward, the recompute and the backward of a step.
+    seed: int = 0
 
 
 def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -83,17 +103,71 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _linear(x, w, b=None):
-    return F.linear(x, w, b)
+_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
-def decoder_layer(x_BTD: torch.Tensor, w: dict, mb: MicroBatch, cfg: ModelConfig) -> torch.Tensor:
+def _adapter_input(x: torch.Tensor, dtype: torch.dtype, dropout: float, seed: int) -> torch.Tensor:
+    """dropout(x) in the adapters' dtype; the mask is a function of the seed alone."""
+    x = x.to(dtype)
+    if dropout == 0:
+        return x
+    gen = torch.Generator(device=x.device)
+    gen.manual_seed(seed)
+    keep = torch.empty(x.shape, dtype=dtype, device=x.device).bernoulli_(1.0 - dropout, generator=gen)
+    return x * keep.div_(1.0 - dropout)
+
+
+class _LoraAdd(torch.autograd.Function):
+    """y + (dropout(x) A^T) B^T * scaling, computed in A's dtype and returned in y's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, y, a, b, scaling: float, dropout: float, seed: int):
+        u = F.linear(_adapter_input(x, a.dtype, dropout, seed), a)  # [..., r]
+        ctx.save_for_backward(x, a, b, u)
+        ctx.lora = (scaling, dropout, seed)
+        return F.linear(u, b).mul_(scaling).add_(y).to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, a, b, u = ctx.saved_tensors
+        scaling, dropout, seed = ctx.lora
+        need_x, need_y, need_a, need_b = ctx.needs_input_grad[:4]
+        r = a.shape[0]
+        g = grad.to(a.dtype) * scaling  # dL/d(x_d A^T B^T), [..., out]
+        g2 = g.reshape(-1, g.shape[-1])
+        grad_b = g2.T @ u.reshape(-1, r) if need_b else None
+        gu = g @ b  # [..., r]
+        grad_a = grad_x = None
+        if need_a:
+            x_d = _adapter_input(x, a.dtype, dropout, seed)  # rebuilt: the forward kept only x
+            grad_a = gu.reshape(-1, r).T @ x_d.reshape(-1, x_d.shape[-1])
+        if need_x:
+            gx = gu @ a
+            if dropout > 0:  # through the same mask: dropout of a tensor of ones is keep / (1 - p)
+                gx = gx * _adapter_input(torch.ones_like(gx), a.dtype, dropout, seed)
+            grad_x = gx.to(x.dtype)
+        return grad_x, grad if need_y else None, grad_a, grad_b, None, None, None
+
+
+def _proj(x: torch.Tensor, w: dict, key: str, lora: LoraCall | None) -> torch.Tensor:
+    """Projection ``key`` of the layer (its bias under key + "_b"), plus its adapter when it has one."""
+    y = F.linear(x, w[key], w.get(key + "_b"))
+    a = w.get(key + ".lora_A")
+    if a is None:
+        return y
+    # each projection draws its own dropout mask (as PEFT's per-module dropout does)
+    seed = mix_seed(lora.seed, _PROJECTIONS.index(key)) if lora.dropout > 0 else 0
+    return _LoraAdd.apply(x, y, a, w[key + ".lora_B"], lora.scaling, lora.dropout, seed)
+
+
+def decoder_layer(x_BTD: torch.Tensor, w: dict, mb: MicroBatch, cfg: ModelConfig,
+                  lora: LoraCall | None = None) -> torch.Tensor:
     B, T, D = x_BTD.shape
     hd = cfg.head_dim
     h = rms_norm(x_BTD, w["ln1"], cfg.rms_norm_eps)
-    q = _linear(h, w["q"], w.get("q_b")).view(B, T, cfg.num_heads, hd).transpose(1, 2)
-    k = _linear(h, w["k"], w.get("k_b")).view(B, T, cfg.num_kv_heads, hd).transpose(1, 2)
-    v = _linear(h, w["v"], w.get("v_b")).view(B, T, cfg.num_kv_heads, hd).transpose(1, 2)
+    q = _proj(h, w, "q", lora).view(B, T, cfg.num_heads, hd).transpose(1, 2)
+    k = _proj(h, w, "k", lora).view(B, T, cfg.num_kv_heads, hd).transpose(1, 2)
+    v = _proj(h, w, "v", lora).view(B, T, cfg.num_kv_heads, hd).transpose(1, 2)
     cos, sin = mb.cos_BTd[:, None], mb.sin_BTd[:, None]
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
@@ -104,9 +178,10 @@ def decoder_layer(x_BTD: torch.Tensor, w: dict, mb: MicroBatch, cfg: ModelConfig
     else:
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mb.mask_B1TT, scale=hd**-0.5, enable_gqa=gqa)
     attn = attn.transpose(1, 2).reshape(B, T, cfg.q_dim)
-    x_BTD = x_BTD + _linear(attn, w["o"], w.get("o_b"))
+    x_BTD = x_BTD + _proj(attn, w, "o", lora)
     h = rms_norm(x_BTD, w["ln2"], cfg.rms_norm_eps)
-    return x_BTD + _linear(F.silu(_linear(h, w["gate"])) * _linear(h, w["up"]), w["down"])
+    mlp = F.silu(_proj(h, w, "gate", lora)) * _proj(h, w, "up", lora)
+    return x_BTD + _proj(mlp, w, "down", lora)
 
 
 def head_loss_chunk(h_ND: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor, targets_N: torch.Tensor,

@@ -4,6 +4,9 @@ Clipping is exact by deferral: the step's global gradient norm is known when the
 the update of step n runs after it, in forward order (embedding, layers, head), while the forward of step
 n+1 streams each unit as soon as its update is written. The update is torch's fused CPU AdamW kernel
 (torch.optim.AdamW(fused=True) semantics), after the gradient chunk is multiplied by the clip coefficient.
+
+It updates the store's trained units: every unit of the model, or with LoRA the adapter units only (unit
+index u then means adapter u, the adapters of layer u).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class HostAdamW:
         self.chunk = _CHUNK
         self.one_pass = True  # use the compiled one-pass kernel where the layout allows (cpu_adam.py)
         self._cv = threading.Condition()
-        self._done = len(store.units)  # units of the current update already written
+        self._done = len(store.trained)  # units of the current update already written
         self._todo: tuple[float, float] | None = None  # (lr, clip coefficient) of an update not yet started
         self._error: BaseException | None = None
         self._scratch: torch.Tensor | None = None
@@ -64,7 +67,7 @@ class HostAdamW:
         self._raise()
 
     def wait_all(self) -> None:
-        self.wait_unit(len(self.store.units) - 1)
+        self.wait_unit(len(self.store.trained) - 1)
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -95,7 +98,7 @@ class HostAdamW:
     def _run(self, lr: float, clip_coef: float) -> None:
         try:
             t0 = time.perf_counter()
-            for u, unit in enumerate(self.store.units):
+            for u, unit in enumerate(self.store.trained):
                 self.update(unit, lr, clip_coef)
                 self.on_updated(u)
                 with self._cv:
@@ -105,7 +108,7 @@ class HostAdamW:
         except BaseException as exc:  # surfaced to the training thread at its next wait
             with self._cv:
                 self._error = exc
-                self._done = len(self.store.units)
+                self._done = len(self.store.trained)
                 self._cv.notify_all()
 
     def update(self, unit, lr: float, clip_coef: float) -> None:

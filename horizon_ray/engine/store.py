@@ -8,6 +8,10 @@ Bytes per parameter, by mode:
   a step is the unit's backward, the gradient's first writer comes after it, and the update reads the
   gradient chunk by chunk before it writes the new wire chunk over it.
 - "bf16-state": master, m, v, gradient in bf16; the master is the wire: 8.
+- LoRA (``adapter_layouts`` given): the base is frozen, each unit holds only its wire in the compute dtype
+  (2 in bfloat16, 4 in float32), which is also its ``master``; it has no moments, gradient or update. The
+  adapters (one unit per layer, ``self.adapters``) are trained units in fp32 whose master is their wire,
+  with fp32 m, v and gradient: 16 per adapter parameter. ``trained`` lists what the optimizer updates.
 On CUDA the wire and gradient buffers are page-locked (pageable copies run at a seventh of the speed),
 once, unit by unit, at start, at their exact size (see pinned.py).
 """
@@ -35,37 +39,57 @@ class UnitState:
 
 class HostStore:
     def __init__(self, layouts: list[UnitLayout], compute_dtype: torch.dtype, master_dtype: torch.dtype,
-                 pin: bool):
+                 pin: bool, adapter_layouts: list[UnitLayout] | None = None):
         self.layouts = layouts
         self.compute_dtype = compute_dtype
         self.master_dtype = master_dtype
         self.pinned = pin
         self.pool = PinnedPool(pin)
-        self.units: list[UnitState] = []
+        self.frozen = adapter_layouts is not None  # LoRA: the base units are never updated
         # the gradient shares the wire's buffer when the wire is a narrowed copy of the master
-        self.grad_is_wire = master_dtype != compute_dtype
-        for layout in layouts:
-            n = layout.numel
-            if self.grad_is_wire:
-                master = torch.empty(n, dtype=master_dtype)
-                wire = grad = self.pool.empty(n, compute_dtype, zero=True)
-            else:
-                master = self.pool.empty(n, master_dtype)
-                wire, grad = master, self.pool.empty(n, compute_dtype, zero=True)
-            self.units.append(UnitState(
-                layout=layout,
-                master=master,
-                exp_avg=torch.zeros(n, dtype=master_dtype),
-                exp_avg_sq=torch.zeros(n, dtype=master_dtype),
-                grad=grad,
-                wire=wire,
-                step=torch.tensor(0.0),
-            ))
-        self.by_name = {u.layout.name: u for u in self.units}
+        self.grad_is_wire = not self.frozen and master_dtype != compute_dtype
+        if self.frozen:
+            self.units = [self._frozen_unit(layout, compute_dtype) for layout in layouts]
+        else:
+            self.units = [self._trained_unit(layout, compute_dtype, master_dtype) for layout in layouts]
+        # fp32 adapters: the master is the wire (it crosses as is), the gradient has its own fp32 buffer
+        self.adapters = [self._trained_unit(layout, torch.float32, torch.float32)
+                         for layout in adapter_layouts or []]
+        self.trained: list[UnitState] = self.adapters if self.frozen else self.units
+        self.by_name = {u.layout.name: u for u in self.units + self.adapters}
+
+    def _trained_unit(self, layout: UnitLayout, compute_dtype: torch.dtype, master_dtype: torch.dtype) -> UnitState:
+        n = layout.numel
+        if master_dtype != compute_dtype:
+            master = torch.empty(n, dtype=master_dtype)
+            wire = grad = self.pool.empty(n, compute_dtype, zero=True)
+        else:
+            master = self.pool.empty(n, master_dtype)
+            wire, grad = master, self.pool.empty(n, compute_dtype, zero=True)
+        return UnitState(
+            layout=layout,
+            master=master,
+            exp_avg=torch.zeros(n, dtype=master_dtype),
+            exp_avg_sq=torch.zeros(n, dtype=master_dtype),
+            grad=grad,
+            wire=wire,
+            step=torch.tensor(0.0),
+        )
+
+    def _frozen_unit(self, layout: UnitLayout, compute_dtype: torch.dtype) -> UnitState:
+        wire = self.pool.empty(layout.numel, compute_dtype)
+        none = torch.empty(0, dtype=compute_dtype)  # no moments, no gradient: never updated
+        return UnitState(layout=layout, master=wire, exp_avg=none, exp_avg_sq=none, grad=none, wire=wire,
+                         step=torch.tensor(0.0))
 
     @property
     def num_params(self) -> int:
+        """Parameters of the model (the base; adapters not counted)."""
         return sum(u.layout.numel for u in self.units)
+
+    @property
+    def trainable_params(self) -> int:
+        return sum(u.layout.numel for u in self.trained)
 
     def refresh_wire(self, unit: UnitState) -> None:
         if unit.wire is not unit.master:
@@ -79,7 +103,9 @@ class HostStore:
     def bytes_by_kind(self) -> dict[str, int]:
         """Host bytes the store holds, by kind (what the planner predicts)."""
         out = {"master": 0, "moments": 0, "grads": 0, "wire": 0}
-        for u in self.units:
+        if self.frozen:  # the frozen base is only its wire
+            out["wire"] += sum(u.wire.nbytes for u in self.units)
+        for u in self.trained:
             out["master"] += u.master.nbytes
             out["moments"] += u.exp_avg.nbytes + u.exp_avg_sq.nbytes
             out["grads"] += u.grad.nbytes

@@ -14,6 +14,13 @@ Activation checkpoints: with offloading (the default on CUDA) each kept layer in
 buffer during the forward and comes back one block ahead of the backward, so device memory does not grow
 with the layer count or the checkpoint density.
 
+LoRA (the store holds adapters): the base is frozen, so its units stream as above but never wait for the
+optimizer, and no base gradient exists (no accumulators). The fp32 adapters are small (r x (in + out) per
+target) and stay on the device for the whole run, each layer's in a resident buffer of its own: after the
+host optimizer has written adapter j, its next use copies it once (H2D, versioned like a slot). Their
+gradients accumulate in a resident fp32 buffer, zeroed per layer, and each layer's leaves once per step
+(D2H) as soon as its backward is done; the gradient norm covers the adapters only.
+
 On the CPU there are no streams: a slot is a view of the host wire buffer and copies are free.
 """
 
@@ -34,10 +41,14 @@ class Streamer:
         self.cuda = device.type == "cuda"
         self.K = checkpoint_every
         self.tied = tied
-        self.wait_updated = wait_updated  # blocks until the optimizer has written unit u's new weights
+        # blocks until the optimizer has written trained unit u's new weights (with LoRA: adapter u)
+        self.wait_updated = wait_updated
         units = store.units
         self.L = len(units) - 2
+        self.lora = store.frozen
         self.version = [0] * len(units)  # bumped by the optimizer each time a unit's weights change
+        self.adapter_version = [0] * len(store.adapters)  # the same for each layer's adapters
+        self._adapter_held: dict[int, int] = {}  # adapter -> version on the device (CPU: last one waited for)
         dtype = store.compute_dtype
         self.norm_sq = torch.zeros((), dtype=torch.float32, device=device)  # sum of squared grads of the step
         # untied on CUDA: the embedding never needs the whole table on the device; its rows are gathered
@@ -67,6 +78,12 @@ class Streamer:
         self._slot_unit = {}  # slot -> (unit index, version) it holds or is receiving
         self._copied = {s: None for s in self._slots}  # slot -> event: its H2D copy finished
         self._read = {s: None for s in self._slots}  # slot -> event: its last reader finished
+        self._acc: dict = {}
+        self._acc_free: dict = {}
+        self._stage = None
+        if self.lora:
+            self._init_adapters()
+            return
 
         # fp32 gradient accumulators: two for layers (one filling while the other drains), and one per
         # end unit; untied embedding and head share one, as their gradients are never live together.
@@ -88,6 +105,19 @@ class Streamer:
             self._stage_free = [None, None]
             self._stage_next = 0
 
+    def _init_adapters(self) -> None:
+        """Resident device buffers for every layer's adapters and their gradients (fp32, LoRA only)."""
+        adapters = self.store.adapters
+        self._adapter_span = []  # adapter j -> (first element, end) in the resident buffers
+        lo = 0
+        for a in adapters:
+            self._adapter_span.append((lo, lo + a.layout.numel))
+            lo += a.layout.numel
+        self._adapter_w = torch.empty(lo, dtype=torch.float32, device=self.device)
+        self._adapter_g = torch.empty(lo, dtype=torch.float32, device=self.device)
+        self._adapter_copied: list = [None] * len(adapters)  # event: adapter j's latest H2D finished
+        self._adapter_read: list = [None] * len(adapters)  # event: adapter j's last reader finished
+
     # ---- weights -------------------------------------------------------------------------------------
 
     def _slot_of(self, u: int):
@@ -102,7 +132,11 @@ class Streamer:
     def prefetch(self, u: int) -> None:
         """Start bringing unit u's current weights to its slot (no-op if they are there already)."""
         slot = self._slot_of(u)
-        self.wait_updated(u)
+        if self.lora:
+            if 1 <= u <= self.L:
+                self._prefetch_adapter(u - 1)
+        else:
+            self.wait_updated(u)
         want = (u, self.version[u])
         if self._slot_unit.get(slot) == want:
             return
@@ -121,20 +155,57 @@ class Streamer:
             ev.record(self.h2d)
             self._copied[slot] = ev
 
+    def _prefetch_adapter(self, j: int) -> None:
+        """Start bringing layer j's adapters to their resident buffer if the optimizer changed them."""
+        self.wait_updated(j)
+        version = self.adapter_version[j]
+        if self._adapter_held.get(j) == version:
+            return
+        self._adapter_held[j] = version
+        if not self.cuda:
+            return
+        lo, hi = self._adapter_span[j]
+        with torch.cuda.stream(self.h2d):
+            if self._adapter_read[j] is not None:
+                # write-after-read: queued compute may still read the previous version
+                self.h2d.wait_event(self._adapter_read[j])
+            # non_blocking from the pinned fp32 master: it is rewritten only by the next update, which
+            # starts after this step's one host sync, by which time compute has waited for this copy
+            self._adapter_w[lo:hi].copy_(self.store.adapters[j].master, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.h2d)
+            self._adapter_copied[j] = ev
+
     def weights(self, u: int) -> dict[str, torch.Tensor]:
-        """Views of unit u's weights on the device, usable by work queued on the compute stream."""
+        """Views of unit u's weights on the device, usable by work queued on the compute stream. With LoRA,
+        a layer's views include its adapters ("q.lora_A", "q.lora_B", ...)."""
         self.prefetch(u)
         unit = self.store.units[u]
         if not self.cuda:
-            return unit.layout.views(unit.wire)
-        slot = self._slot_of(u)
-        # read-after-write: compute must not read the slot before its copy has landed
-        self.compute.wait_event(self._copied[slot])
-        return unit.layout.views(self._slots[slot])
+            w = unit.layout.views(unit.wire)
+        else:
+            slot = self._slot_of(u)
+            # read-after-write: compute must not read the slot before its copy has landed
+            self.compute.wait_event(self._copied[slot])
+            w = unit.layout.views(self._slots[slot])
+        if self.lora and 1 <= u <= self.L:
+            w.update(self._adapter_views(u - 1))
+        return w
+
+    def _adapter_views(self, j: int) -> dict[str, torch.Tensor]:
+        adapter = self.store.adapters[j]
+        if not self.cuda:
+            return adapter.layout.views(adapter.master)
+        if self._adapter_copied[j] is not None:
+            # read-after-write: the adapters' latest copy must have landed
+            self.compute.wait_event(self._adapter_copied[j])
+        lo, hi = self._adapter_span[j]
+        return adapter.layout.views(self._adapter_w[lo:hi])
 
     def embed_rows(self, i: int, ids_BT: torch.Tensor) -> torch.Tensor:
         """Embedding rows of micro-batch i, gathered on the host and sent to the device."""
-        self.wait_updated(0)
+        if not self.lora:
+            self.wait_updated(0)
         unit = self.store.units[0]
         V, H = unit.layout.tensors[0].shape
         held = self._gathered.get(i)
@@ -159,6 +230,8 @@ class Streamer:
             ev = torch.cuda.Event()
             ev.record(self.compute)
             self._read[self._slot_of(u)] = ev
+            if self.lora and 1 <= u <= self.L:
+                self._adapter_read[u - 1] = ev  # the layer's adapters were read by the same work
 
     def head_weights(self) -> dict[str, torch.Tensor]:
         w = self.weights(self.L + 1)
@@ -282,6 +355,37 @@ class Streamer:
             self._stage_free[i] = self._last_d2h
         # the casts above ran on the compute stream: the accumulator is free for the next unit already
 
+    def adapter_grads(self, j: int) -> dict[str, torch.Tensor]:
+        """Zeroed fp32 views for layer j's adapter gradients: the resident device buffer on CUDA, the host
+        gradient buffer on the CPU."""
+        adapter = self.store.adapters[j]
+        if self.cuda:
+            lo, hi = self._adapter_span[j]
+            # the previous step's D2H of this range finished in its finish_backward (d2h synchronised)
+            buf = self._adapter_g[lo:hi]
+        else:
+            buf = adapter.grad
+        return adapter.layout.views(buf.zero_())
+
+    def flush_adapter(self, j: int) -> None:
+        """Layer j's adapter gradients are complete: count them in the norm and send them to the host."""
+        adapter = self.store.adapters[j]
+        if not self.cuda:
+            self.norm_sq += torch.linalg.vector_norm(adapter.grad).square()
+            return
+        lo, hi = self._adapter_span[j]
+        grad = self._adapter_g[lo:hi]
+        self.norm_sq += torch.linalg.vector_norm(grad).square()
+        # the range is written once a step: no reuse to guard, the copy only waits for the compute
+        self._d2h(adapter.grad, grad)
+
+    def updated(self, u: int) -> None:
+        """The optimizer has written trained unit u's new weights (with LoRA: layer u's adapters)."""
+        if self.lora:
+            self.adapter_version[u] += 1
+        else:
+            self.version[u] += 1
+
     def _d2h(self, host: torch.Tensor, dev: torch.Tensor) -> None:
         produced = torch.cuda.Event()
         produced.record(self.compute)
@@ -313,6 +417,9 @@ class Streamer:
             "weight_slots": sum(b.nbytes for b in self._slots.values()),
             "grad_accumulators": sum({id(b): b.nbytes for b in self._acc.values()}.values()),
         }
+        if self.lora:
+            out["adapter_weights"] = self._adapter_w.nbytes
+            out["adapter_grads"] = self._adapter_g.nbytes
         if self._stage is not None:
             out["grad_staging"] = sum(b.nbytes for b in self._stage)
         return out

@@ -3,7 +3,9 @@
 The run is a pure function of the spec: the data of step N comes from ``StepSampler.batches_for_step(N)``,
 the learning rate from ``lr_at(N)``, and the engine's state round-trips exactly through a checkpoint, so
 a job killed at any point and resumed with ``resume=True`` ends with the same weights as one that never
-stopped. Output files follow docs/CONTRACTS.md.
+stopped. Output files follow docs/CONTRACTS.md. With ``method: lora`` final/ holds the adapter in PEFT's
+format (adapter_config.json + adapter_model.safetensors, naming the base model directory) and, with
+``lora.merge``, final/merged/ the merged full model in HF format; both with the tokenizer.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def resolve_device(device: str) -> str:
 
 def engine_config(spec: JobSpec) -> Any:
     """The EngineConfig a spec asks for, with auto device and dtype resolved for this node."""
-    from horizon_ray.engine import EngineConfig
+    from horizon_ray.engine import EngineConfig, LoraConfig
 
     device = resolve_device(spec.engine.device)
     dtype = spec.engine.compute_dtype
@@ -78,6 +80,8 @@ def engine_config(spec: JobSpec) -> Any:
         precision=spec.engine.precision,
         loss_chunk_tokens=spec.engine.loss_chunk_tokens,
         seed=t.seed,
+        lora=None if spec.method != "lora" else LoraConfig(
+            r=spec.lora.r, alpha=spec.lora.alpha, dropout=spec.lora.dropout, targets=tuple(spec.lora.targets)),
     )
 
 
@@ -141,7 +145,8 @@ class _Job:
             self.metrics.write(
                 "start", start, total_steps=self.total, resumed_from=start if latest else None,
                 name=self.spec.name, device=cfg.device, compute_dtype=cfg.compute_dtype,
-                num_params=eng.num_params, train_examples=len(self.train_ds.examples),
+                num_params=eng.num_params, trainable_params=eng.trainable_params, method=self.spec.method,
+                train_examples=len(self.train_ds.examples),
                 eval_examples=len(self.eval_ds.examples) if self.eval_ds is not None else 0,
                 steps_per_epoch=self.sampler.steps_per_epoch, training_hash=self.spec.training_hash(),
             )
@@ -276,11 +281,15 @@ class _Job:
         tmp = self.out / f"final.tmp-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
-        eng.save_pretrained(str(tmp))
-        for name in TOKENIZER_FILES:
-            src = self.tokenizer_dir / name
-            if src.is_file() and not (tmp / name).exists():
-                shutil.copy2(src, tmp / name)
+        eng.save_pretrained(str(tmp))  # with LoRA: the adapter
+        dirs = [tmp]
+        if self.spec.method == "lora" and self.spec.lora.merge:
+            dirs.append(eng.save_merged(str(tmp / "merged")))
+        for d in dirs:
+            for name in TOKENIZER_FILES:
+                src = self.tokenizer_dir / name
+                if src.is_file() and not (d / name).exists():
+                    shutil.copy2(src, d / name)
         ckpt_io.fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)

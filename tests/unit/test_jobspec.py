@@ -53,6 +53,8 @@ def test_round_trips_through_dict_json_and_yaml():
         (_with(**{"training.schedule.warmup": 5}), ["training.schedule.warmup", "warmup_steps"]),
         (_with(**{"checkpoint.every": 5}), ["checkpoint.every", "every_steps"]),
         (_with(**{"model.revision": "main"}), ["model.revision", "valid keys in model: path, tokenizer_path"]),
+        (_with(**{"method": "lora", "lora.rank": 4}), ["lora.rank", "valid keys in lora: r, alpha"]),
+        ({**MINIMAL, "method": "lora", "alpha": 4}, ["'alpha'", "lora.alpha"]),
     ],
 )
 def test_unknown_keys_are_errors_that_name_the_key_and_the_fix(data, must_name):
@@ -85,7 +87,17 @@ def test_unknown_keys_are_errors_that_name_the_key_and_the_fix(data, must_name):
         ({"training.betas": [0.9, 1.0]}, "training.betas"),
         ({"training.max_grad_norm": 0}, "training.max_grad_norm"),
         ({"training.weight_decay": -0.1}, "training.weight_decay"),
-        ({"method": "lora"}, "method"),
+        ({"method": "qlora"}, "did you mean 'lora'"),
+        ({"lora.r": 8}, "set method: lora"),
+        ({"method": "lora", "lora.r": 0}, "lora.r"),
+        ({"method": "lora", "lora.alpha": 0}, "lora.alpha"),
+        ({"method": "lora", "lora.dropout": 1.0}, "lora.dropout"),
+        ({"method": "lora", "lora.targets": []}, "lora.targets is empty"),
+        ({"method": "lora", "lora.targets": ["q_proj", "qkv_proj"]}, "use one of q_proj, k_proj"),
+        ({"method": "lora", "lora.targets": ["q_proj", "q_proj"]}, "twice"),
+        ({"method": "lora", "lora.targets": "q_proj"}, "lora.targets must be a list"),
+        ({"method": "lora", "engine.precision": "bf16-state", "engine.compute_dtype": "bfloat16"},
+         "leave precision exact"),
         ({"engine.device": "tpu"}, "engine.device"),
         ({"engine.compute_dtype": "fp16"}, "engine.compute_dtype"),
         ({"engine.precision": "bf16-state", "engine.compute_dtype": "float32"}, "engine.compute_dtype"),
@@ -110,6 +122,33 @@ def test_missing_required_sections_name_the_fix():
         JobSpec.from_dict({})
     with pytest.raises(ValueError, match="set one"):
         JobSpec.from_dict({k: v for k, v in MINIMAL.items() if k != "training"})
+
+
+def test_lora_section():
+    spec = JobSpec.from_dict(_with(method="lora"))
+    assert spec.lora is not None and spec.lora.r == 8 and spec.lora.targets == ["q_proj", "v_proj"]
+    assert JobSpec.from_dict(spec.to_dict()) == spec
+    custom = JobSpec.from_dict(_with(**{"method": "lora", "lora.r": 16, "lora.alpha": 32, "lora.dropout": 0.05,
+                                        "lora.targets": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                        "lora.merge": True}))
+    assert (custom.lora.r, custom.lora.alpha, custom.lora.dropout, custom.lora.merge) == (16, 32.0, 0.05, True)
+    # the rank changes the trained weights, merge (an output option) does not; full jobs hash as before
+    assert custom.training_hash() != JobSpec.from_dict(_with(**{**{"method": "lora", "lora.r": 8, "lora.alpha": 32,
+                                                               "lora.dropout": 0.05, "lora.merge": True},
+                                                            "lora.targets": custom.lora.targets})).training_hash()
+    unmerged = JobSpec.from_dict({**custom.to_dict(), "lora": {**custom.to_dict()["lora"], "merge": False}})
+    assert unmerged.training_hash() == custom.training_hash()
+    assert "lora" not in json.dumps(JobSpec.from_dict(MINIMAL).to_dict()["training"])
+
+
+def test_lora_defaults_match_the_engine():
+    from horizon_ray.engine import LoraConfig
+    from horizon_ray.engine.lora import TARGETS
+    from horizon_ray.jobspec import LORA_TARGETS, LoraSpec
+
+    spec, eng = LoraSpec(), LoraConfig()
+    assert (spec.r, spec.alpha, spec.dropout, tuple(spec.targets)) == (eng.r, eng.alpha, eng.dropout, eng.targets)
+    assert LORA_TARGETS == tuple(TARGETS)
 
 
 def test_numbers_yaml_reads_as_strings_are_accepted():

@@ -1,0 +1,283 @@
+"""LoRA on the streamed base: the adapters' configuration, layout, initialisation and PEFT file format.
+
+With ``EngineConfig(lora=LoraConfig(...))`` the base model is frozen: each unit holds only its wire copy in
+the compute dtype (2 bytes a parameter in bfloat16; float32 compute keeps an fp32 base), streamed exactly
+as in full fine-tuning, with no master, moments or gradient. The trainable parameters are, per decoder
+layer and targeted projection W [out, in], the pair A [r, in] and B [out, r], one adapter *unit* per layer
+(``lora.{i}``), kept in fp32 with fp32 AdamW moments and an fp32 gradient (16 bytes a parameter): AdamW
+on the host with torch.optim.AdamW's semantics, global-norm clipping over the adapters only (what
+``clip_grad_norm_`` over a PEFT model's trainable parameters does).
+
+The math is PEFT's, fused into the layer template (``layers.decoder_layer``), no module objects:
+
+    y = x W^T (+ b) + (dropout(x) A^T) B^T * alpha / r       computed in fp32, added, cast to y's dtype
+
+Supported: targets among q/k/v/o/gate/up/down_proj, one rank and alpha for all, ``use_rslora=False``
+(scaling alpha / r), no DoRA, no bias training, no trainable norms or embeddings (``modules_to_save``):
+such adapters are refused on load with the reason.
+
+Initialisation is PEFT's default: A kaiming-uniform with a = sqrt(5) (uniform in +-1/sqrt(in)), B zero,
+so the adapted model starts as the base; drawn from a generator seeded by ``EngineConfig.seed``.
+
+Files: ``save_adapter`` writes ``adapter_config.json`` + ``adapter_model.safetensors`` with PEFT's key
+names (``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``), in fp32, which
+``peft.PeftModel.from_pretrained(base, dir)`` loads onto the transformers model; ``load_adapter`` reads
+the same format back (an adapter written by PEFT, or by this engine).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from horizon_ray.engine.model import ModelConfig, UnitLayout, _unit
+
+# Target name (PEFT's target_modules) -> (key of the projection in a layer unit, its HF module path).
+TARGETS = {
+    "q_proj": ("q", "self_attn.q_proj"),
+    "k_proj": ("k", "self_attn.k_proj"),
+    "v_proj": ("v", "self_attn.v_proj"),
+    "o_proj": ("o", "self_attn.o_proj"),
+    "gate_proj": ("gate", "mlp.gate_proj"),
+    "up_proj": ("up", "mlp.up_proj"),
+    "down_proj": ("down", "mlp.down_proj"),
+}
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model."
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    # Rank of every adapter.
+    r: int = 8
+    # scaling = alpha / r multiplies every adapter's output (PEFT's lora_alpha; use_rslora=False).
+    alpha: float = 16.0
+    # Dropout probability on each adapter's input while training (a fresh mask per projection).
+    dropout: float = 0.0
+    # Projections of every decoder layer that get an adapter (PEFT's target_modules).
+    targets: tuple[str, ...] = ("q_proj", "v_proj")
+
+    def validate(self) -> None:
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise ValueError(f"lora r must be an integer >= 1 (e.g. 8), got {self.r!r}")
+        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"lora alpha must be a number > 0 (e.g. 16; scaling is alpha / r), got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora dropout must lie in [0, 1), got {self.dropout!r}")
+        targets = tuple(self.targets) if not isinstance(self.targets, str) else (self.targets,)
+        bad = [t for t in targets if t not in TARGETS]
+        if bad or not targets:
+            raise ValueError(f"lora targets {list(bad or targets)} are not valid; choose one or more of "
+                             f"{', '.join(TARGETS)}")
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"lora targets {list(targets)} name a projection twice; list each once")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+    @property
+    def ordered_targets(self) -> tuple[str, ...]:
+        """The targets in the layer's order (q, k, v, o, gate, up, down): the adapter unit's layout."""
+        chosen = set(self.targets)
+        return tuple(t for t in TARGETS if t in chosen)
+
+
+def _projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    return {"q_proj": (H, cfg.q_dim), "k_proj": (H, cfg.kv_dim), "v_proj": (H, cfg.kv_dim),
+            "o_proj": (cfg.q_dim, H), "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+
+
+def adapter_layouts(cfg: ModelConfig, lora: LoraConfig) -> list[UnitLayout]:
+    """One adapter unit per decoder layer, ``lora.{i}``: A [r, in] then B [out, r] of each target. The
+    tensor names are PEFT's saved names; the keys ("q.lora_A", ...) are what the layer template reads."""
+    shapes = _projection_shapes(cfg)
+    units = []
+    for i in range(cfg.num_layers):
+        entries = []
+        for t in lora.ordered_targets:
+            key, module = TARGETS[t]
+            fan_in, fan_out = shapes[t]
+            name = f"{_PEFT_PREFIX}model.layers.{i}.{module}"
+            entries.append((f"{name}.lora_A.weight", f"{key}.lora_A", (lora.r, fan_in)))
+            entries.append((f"{name}.lora_B.weight", f"{key}.lora_B", (fan_out, lora.r)))
+        units.append(_unit(f"lora.{i}", entries))
+    return units
+
+
+def init_adapters(adapters, seed: int) -> None:
+    """PEFT's default initialisation: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0."""
+    # a stream of its own, so that the adapters do not repeat the random numbers of from_config's base
+    gen = torch.Generator().manual_seed(mix_seed(seed, 0x4C6F5241))
+    for unit in adapters:
+        views = unit.layout.views(unit.master)
+        for t in unit.layout.tensors:
+            if t.key.endswith(".lora_A"):
+                bound = 1.0 / math.sqrt(t.shape[1])
+                views[t.key].copy_(torch.empty(t.shape).uniform_(-bound, bound, generator=gen))
+            else:
+                views[t.key].zero_()
+
+
+def mix_seed(*parts: int) -> int:
+    """A 63-bit seed from several integers (splitmix64 steps), stable across processes and platforms."""
+    x = 0
+    for p in parts:
+        x = ((x ^ (int(p) & _MASK64)) + 0x9E3779B97F4A7C15) & _MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+        x ^= x >> 31
+    return x & 0x7FFFFFFFFFFFFFFF
+
+
+def merge_fn(adapters, lora: LoraConfig):
+    """For saving a merged model: HF base tensor name, tensor -> W + scaling x B A in fp32 (others as is)."""
+    where = {}
+    for i, unit in enumerate(adapters):
+        for t in lora.ordered_targets:
+            key, module = TARGETS[t]
+            where[f"model.layers.{i}.{module}.weight"] = (unit, key)
+
+    def merge(name: str, w: torch.Tensor) -> torch.Tensor:
+        if name not in where:
+            return w
+        unit, key = where[name]
+        views = unit.layout.views(unit.master)
+        return w.float() + lora.scaling * (views[f"{key}.lora_B"] @ views[f"{key}.lora_A"])
+
+    return merge
+
+
+# ---- PEFT files ------------------------------------------------------------------------------------------
+
+
+def adapter_config_json(lora: LoraConfig, base_model: str | None) -> dict:
+    """PEFT's adapter_config.json for these adapters (the fields PEFT reads; the rest take its defaults)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.r,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": list(lora.ordered_targets),
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "revision": None,
+    }
+
+
+def save_adapter(adapters, lora: LoraConfig, base_model: str | None, out_dir: Path) -> Path:
+    """adapter_config.json + adapter_model.safetensors (fp32) into out_dir, atomically."""
+    from horizon_ray.engine.io import _atomic_dir, _commit
+
+    out_dir, tmp = _atomic_dir(out_dir)
+    try:
+        tensors = {}
+        for unit in adapters:
+            views = unit.layout.views(unit.master)
+            for t in unit.layout.tensors:
+                tensors[t.name] = views[t.key].clone()
+        save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        with open(tmp / ADAPTER_CONFIG, "w") as f:
+            json.dump(adapter_config_json(lora, base_model), f, indent=2)
+        _commit(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def is_adapter_dir(path: Path) -> bool:
+    """A PEFT adapter directory (adapter_config.json and no full model of its own)."""
+    path = Path(path)
+    return (path / ADAPTER_CONFIG).is_file() and not any(
+        (path / n).is_file() for n in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def read_adapter_config(adapter_dir: Path) -> tuple[LoraConfig, str | None]:
+    """The LoraConfig of a PEFT adapter directory and its base_model_name_or_path; refuses what the engine
+    does not implement, naming it."""
+    path = Path(adapter_dir) / ADAPTER_CONFIG
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if raw.get("peft_type") != "LORA":
+        raise ValueError(f"{path}: peft_type {raw.get('peft_type')!r} is not supported; only LORA adapters load")
+    # features the template does not implement: each must be off (false, null or empty)
+    refused = {
+        "use_rslora": "rank-stabilised scaling (use_rslora) is not supported; scaling is lora_alpha / r",
+        "use_dora": "DoRA is not supported",
+        "fan_in_fan_out": "fan_in_fan_out (Conv1D-style weights) is not supported",
+        "lora_bias": "lora_bias is not supported",
+        "modules_to_save": "modules_to_save (trainable norms, embeddings or heads) is not supported",
+        "layers_to_transform": "adapters on a subset of layers (layers_to_transform) are not supported",
+        "layer_replication": "layer_replication is not supported",
+        "rank_pattern": "per-module ranks (rank_pattern) are not supported",
+        "alpha_pattern": "per-module alphas (alpha_pattern) are not supported",
+        "trainable_token_indices": "trainable tokens are not supported",
+        "target_parameters": "target_parameters are not supported",
+        "use_qalora": "QA-LoRA is not supported",
+    }
+    for key, why in refused.items():
+        if raw.get(key):
+            raise ValueError(f"{path}: {key}={raw[key]!r}: {why}")
+    if raw.get("bias", "none") != "none":
+        raise ValueError(f"{path}: bias={raw['bias']!r}: trained biases are not supported (bias must be 'none')")
+    targets = raw.get("target_modules")
+    if isinstance(targets, str):
+        raise ValueError(f"{path}: target_modules is the pattern {targets!r}; give a list of projection names "
+                         f"among {', '.join(TARGETS)}")
+    lora = LoraConfig(r=int(raw.get("r", 8)), alpha=float(raw.get("lora_alpha", 8)),
+                      dropout=float(raw.get("lora_dropout", 0.0)), targets=tuple(targets or ()))
+    try:
+        lora.validate()
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return lora, raw.get("base_model_name_or_path")
+
+
+def load_adapter(adapters, adapter_dir: Path) -> None:
+    """Read adapter_model.safetensors (PEFT's key names, with or without the adapter name) into the
+    adapters' fp32 weights."""
+    path = Path(adapter_dir) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise ValueError(f"no {ADAPTER_WEIGHTS} in {adapter_dir}: not a PEFT adapter directory (a .bin adapter "
+                         "must be converted to safetensors first)")
+    with safe_open(path, framework="pt") as f:
+        available = {k.replace(".default.weight", ".weight"): k for k in f.keys()}
+        expected = {t.name for u in adapters for t in u.layout.tensors}
+        missing = sorted(expected - available.keys())
+        extra = sorted(available.keys() - expected)
+        if missing or extra:
+            raise ValueError(f"{path} does not match the engine's LoRA layout: missing {missing[:3]}, unexpected "
+                             f"{extra[:3]}; the adapter was trained with other targets or on another model")
+        for unit in adapters:
+            views = unit.layout.views(unit.master)
+            for t in unit.layout.tensors:
+                src = f.get_tensor(available[t.name])
+                if tuple(src.shape) != t.shape:
+                    raise ValueError(f"{path}: {t.name} has shape {tuple(src.shape)}, the engine expects {t.shape} "
+                                     "(another rank, or another model)")
+                views[t.key].copy_(src)

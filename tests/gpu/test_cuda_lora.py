@@ -1,0 +1,184 @@
+"""LoRA's CUDA pipeline against its CPU path (run on the GPU box: pytest -m gpu tests/gpu/test_cuda_lora.py).
+
+The base streams through the layer slots as in full fine-tuning; the fp32 adapters and their gradients are
+resident on the device, copied in after each host update and out once a step. These tests pin that
+schedule's events (a resident adapter overwritten while read, or read before its copy landed, changes the
+numbers), its numerics against the CPU (which test_engine_lora.py pins against PEFT), and its memory.
+"""
+
+import gc
+
+import pytest
+import torch
+
+from horizon_ray.engine import Engine, EngineConfig, LoraConfig
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():  # collected on CPU machines only to be deselected
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _config(layers, hidden=64, inter=96, vocab=97, heads=4, kv=2, tied=False):
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv, "vocab_size": vocab, "tie_word_embeddings": tied, "rms_norm_eps": 1e-6}
+
+
+def _batches(steps, micro, vocab, B=2, T=32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        mbs = []
+        for _ in range(micro):
+            ids = torch.randint(0, vocab, (B, T), generator=g)
+            labels = ids.clone()
+            labels[:, :4] = -100
+            mbs.append((ids, labels))
+        out.append(mbs)
+    return out
+
+
+def _run(device, config, steps=3, micro=2, dtype="float32", lora=None, B=2, T=32, **kw):
+    """Same base (from_config's seed) and same initial adapters on both devices; returns the losses, the
+    adapters after the last update, the last gradient norm and the engine."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    lora = lora or LoraConfig(r=4, alpha=8, targets=ALL)
+    eng = Engine.from_config(config, EngineConfig(lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, device=device,
+                                                  compute_dtype=dtype, seed=0, lora=lora, **kw))
+    losses = [eng.train_step(mbs) for mbs in _batches(steps, micro, config["vocab_size"], B=B, T=T)]
+    norms = eng.last_grad_norm
+    eng.close()
+    adapters = torch.cat([u.master for u in eng.store.adapters])
+    return losses, adapters, norms, eng
+
+
+def _assert_same(cpu, cuda, rtol):
+    (lc, ac, nc, _), (lg, ag, ng, _) = cpu, cuda
+    assert lg == pytest.approx(lc, rel=rtol)
+    assert ng == pytest.approx(nc, rel=rtol)
+    torch.testing.assert_close(ag, ac, rtol=rtol, atol=1e-5)
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("offload", [True, False])
+def test_cuda_lora_matches_cpu_fp32(K, tied, offload):
+    cfg = _config(4, tied=tied)
+    cpu = _run("cpu", cfg, checkpoint_every=K)
+    _assert_same(cpu, _run("cuda", cfg, checkpoint_every=K, offload_checkpoints=offload), rtol=1e-4)
+
+
+def test_many_thin_layers_expose_missing_adapter_events():
+    """K=1, 48 tiny layers, every step's update re-copies each resident adapter: copies race far ahead of
+    compute, so an adapter overwritten before its reader finished, or read before its copy landed, or a
+    gradient copied out before it was complete, gives another result."""
+    cfg = _config(48, hidden=32, inter=48, heads=2, kv=1)
+    lora = LoraConfig(r=2, alpha=4, targets=("q_proj", "v_proj", "down_proj"))
+    cpu = _run("cpu", cfg, steps=5, micro=3, lora=lora, checkpoint_every=1)
+    for offload in (True, False):
+        _assert_same(cpu, _run("cuda", cfg, steps=5, micro=3, lora=lora, checkpoint_every=1,
+                               offload_checkpoints=offload), rtol=1e-4)
+
+
+def test_eval_between_steps_sees_each_update():
+    """forward_logits between steps reads the adapters the host optimizer just wrote, on both devices."""
+    cfg = _config(3)
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for device in ("cpu", "cuda"):
+        eng = Engine.from_config(cfg, EngineConfig(lr=1e-2, device=device, seed=0,
+                                                   lora=LoraConfig(r=4, targets=ALL)))
+        logits[device] = []
+        for mbs in _batches(3, 2, 97):
+            eng.train_step(mbs)
+            logits[device].append(eng.forward_logits(ids))
+        eng.close()
+    for a, b in zip(logits["cuda"], logits["cpu"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(logits["cpu"][0], logits["cpu"][-1], atol=1e-4)  # the adapters moved
+
+
+def test_bf16_cuda_lora_close_to_fp32_cpu():
+    cfg = _config(4)
+    lc, _, _, _ = _run("cpu", cfg)
+    lg, _, _, eng = _run("cuda", cfg, dtype="bfloat16")
+    assert all(u.wire.dtype == torch.bfloat16 for u in eng.store.units)  # 2 bytes a base parameter
+    for a, b in zip(lg, lc):
+        assert a == pytest.approx(b, rel=3e-2)
+
+
+def test_dropout_is_deterministic_on_cuda():
+    cfg = _config(4)
+    lora = LoraConfig(r=4, alpha=8, dropout=0.2, targets=ALL)
+    a = _run("cuda", cfg, lora=lora, checkpoint_every=1)
+    b = _run("cuda", cfg, lora=lora, checkpoint_every=1)
+    assert a[0] == b[0] and torch.equal(a[1], b[1])
+    k2 = _run("cuda", cfg, lora=lora, checkpoint_every=2)  # the recompute draws the forward's masks
+    _assert_same(a, k2, rtol=1e-4)
+    plain = _run("cuda", cfg, checkpoint_every=1)
+    assert not torch.allclose(a[1], plain[1], rtol=1e-3, atol=1e-6)  # the masks change the adapters' step
+
+
+def test_host_and_device_buffers():
+    cfg = _config(2, hidden=512, inter=1024, vocab=4096)
+    eng = Engine.from_config(cfg, EngineConfig(device="cuda", compute_dtype="bfloat16",
+                                               lora=LoraConfig(r=8, targets=ALL)))
+    for u in eng.store.units:
+        assert u.wire.is_pinned() and u.master is u.wire and u.grad.numel() == 0  # frozen: only the wire
+    for a in eng.store.adapters:
+        assert a.master.is_pinned() and a.grad.is_pinned() and a.master.dtype == torch.float32
+    dev = eng.memory_report()["device"]
+    n = eng.trainable_params
+    assert dev["adapter_weights"] == dev["adapter_grads"] == 4 * n
+    assert dev["grad_accumulators"] == 0 and "grad_staging" not in dev  # no base gradient anywhere
+    eng.close()
+    assert not eng.store.units[1].wire.is_pinned()  # close() unlocks it
+
+
+def test_peak_gpu_memory_flat_when_layers_double():
+    peaks = []
+    for layers in (8, 16):
+        gc.collect()  # the previous engine's device buffers must not count
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        cfg = _config(layers, hidden=1024, inter=2816, vocab=8192, heads=16, kv=4)
+        _run("cuda", cfg, steps=2, micro=2, dtype="bfloat16", lora=LoraConfig(r=16, targets=ALL),
+             checkpoint_every=1)
+        peaks.append(torch.cuda.max_memory_allocated())
+    # checkpoints are offloaded; the resident adapters grow with L but are r/H of a layer (~3 % here)
+    print("peak GPU bytes at 8 and 16 layers (LoRA):", peaks)
+    assert peaks[1] <= peaks[0] * 1.05, peaks
+
+
+def test_peak_gpu_memory_within_the_plan():
+    from horizon_ray.planner import CUDA_CONTEXT_BYTES, LoraSpec, plan
+
+    cfg = _config(8, hidden=1024, inter=2816, vocab=8192, heads=16, kv=4)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    micro, T, B = 2, 512, 4  # 4096 tokens a step: the activations, not the cuBLAS workspace, dominate
+    _run("cuda", cfg, steps=2, micro=micro, dtype="bfloat16", lora=LoraConfig(r=16, targets=ALL), B=B, T=T,
+         checkpoint_every=2)
+    peak = torch.cuda.max_memory_allocated()
+    p = plan(cfg, method="lora", lora=LoraSpec(rank=16, targets=ALL), compute_dtype="bfloat16", device="cuda",
+             seq_len=T, micro_batch_size=B, grad_accum=micro, checkpoint_every=2)
+    planned = p.gpu_bytes - CUDA_CONTEXT_BYTES
+    print(f"peak allocated {peak / 2**20:.0f} MiB = {peak / planned:.0%} of the plan without the CUDA context "
+          f"({planned / 2**20:.0f} MiB): {p.breakdown['gpu']}")
+    assert peak <= planned
+
+
+def test_adapter_trained_on_cuda_loads_on_cpu(tmp_path):
+    cfg = _config(3)
+    _, _, _, eng = _run("cuda", cfg)
+    base = Engine.from_config(cfg, EngineConfig(device="cpu", seed=0))
+    base.save_pretrained(tmp_path / "base")
+    eng.base_model_path = str(tmp_path / "base")  # from_config has no directory of its own
+    out = eng.save_pretrained(tmp_path / "adapter")
+    cpu = Engine.from_pretrained(out, EngineConfig(device="cpu"))
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(cpu.forward_logits(ids), eng.forward_logits(ids), rtol=1e-4, atol=1e-4)
