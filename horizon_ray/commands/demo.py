@@ -1,9 +1,11 @@
 """``horizon-ray demo``: a real fine-tune of the embedded tiny model, end to end, in minutes on a CPU.
 
 Builds (once, deterministically) a random-init Llama-style model, the byte-level demo tokenizer and a
-generated instruction dataset with checkable answers; fine-tunes with the same job runner as
-``horizon-ray finetune``; then prints the eval loss and the held-out exact-match accuracy before and
-after, a few generations before and after, and where the outputs are.
+generated instruction dataset with checkable answers. By default it then starts the service on a local
+Ray cluster (one node declaring this machine's RAM, its agent, the coordinator, the REST API and the
+dashboard), submits the demo job over REST as tenant "demo", follows its server-sent events, and prints
+the eval loss and the held-out exact-match accuracy before and after, a few generations before and after,
+where the outputs are and the dashboard's URL. ``--local`` runs the same job in this process instead.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -21,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=6, help="generations to show before/after")
     parser.add_argument("--rebuild-assets", action="store_true", help="regenerate the model and data")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    parser.add_argument("--local", action="store_true",
+                        help="run the job in this process instead of through the local Ray service")
+    parser.add_argument("--keep-serving", action="store_true",
+                        help="leave the service and dashboard running after the job (Ctrl-C stops them)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="override the demo job spec, e.g. training.max_steps=100")
 
@@ -37,19 +44,138 @@ def run(args: argparse.Namespace) -> int:
         assets, built = prepare_demo_assets(rebuild=args.rebuild_assets)
     console.print(f"demo assets {'built in' if built else 'found in'} {assets.root}")
 
-    out = (args.output_dir or horizon_home() / "demo" / "run").expanduser()
     overrides = list(args.overrides) + ([f"engine.device={args.device}"] if args.device else [])
-    spec = demo_spec(assets, out, overrides)
-    _clear_previous_run(out)
-
     from horizon_ray.data import read_demo_items
 
     items = read_demo_items(assets.eval_path)
     before = _score(assets.model_dir, items)
-    result = run_job(spec, progress=not args.no_progress)
-    after = _score(result.final_dir, items)
-    _report(console, spec, result, items, before, after, args.samples, time.monotonic() - t0)
+    if args.local:
+        out = (args.output_dir or horizon_home() / "demo" / "run").expanduser()
+        spec = demo_spec(assets, out, overrides)
+        _clear_previous_run(out)
+        result = run_job(spec, progress=not args.no_progress)
+        summary = _Summary(result.total_steps, result.wall_s, result.first_eval_loss, result.final_eval_loss,
+                           result.output_dir, result.final_dir)
+    else:
+        root = (args.output_dir or horizon_home() / "demo" / "service").expanduser().resolve()
+        spec = demo_spec(assets, root / "unused", overrides)
+        summary = _through_service(console, assets, spec, root, args)
+    after = _score(summary.final_dir, items)
+    _report(console, spec, summary, items, before, after, args.samples, time.monotonic() - t0)
     return 0
+
+
+@dataclass
+class _Summary:
+    total_steps: int
+    wall_s: float
+    first_eval_loss: float | None
+    final_eval_loss: float | None
+    output_dir: Path
+    final_dir: Path
+
+
+def _through_service(console, assets, spec, root: Path, args) -> _Summary:
+    """Start the local service, submit the demo job over REST, follow its events until it ends."""
+    import os
+    import secrets
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import httpx
+    import psutil
+    import ray
+
+    from api.app import create_app
+    from api.server import running_server
+    from api.settings import ApiSettings
+    from horizon_ray.cluster.client import NAMESPACE, RayClient
+    from horizon_ray.cluster.local import start_service, start_simulated_cluster, stop_service
+
+    if root.exists():
+        shutil.rmtree(root)  # the demo's service starts with an empty job table every time
+    ram = {"local": psutil.virtual_memory().total}
+    with console.status("starting a local Ray cluster, its node agent, the coordinator and the API"):
+        cluster = start_simulated_cluster(ram)
+    try:
+        ray.init(address=cluster.address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+        service = start_service(root, ram_by_node=ram)
+        key = secrets.token_urlsafe(16)
+        settings = ApiSettings(api_keys={key: "demo"}, jobs_root=service.jobs_root, uploads_dir=root / "uploads",
+                               data_roots=[assets.root], model_roots=[assets.root])
+        app = create_app(RayClient(cluster.address), settings)
+        with running_server(app) as url:
+            console.print(f"service up: dashboard {url}/  (API key {key}), Ray at {cluster.address}")
+            body = spec.to_dict()
+            body.pop("output_dir", None)  # the coordinator gives it a place in the tenant's namespace
+            auth = {"Authorization": f"Bearer {key}"}
+            with httpx.Client(base_url=url, headers=auth, timeout=60) as http:
+                created = http.post("/finetune", json=body)
+                if created.status_code != 201:
+                    raise ValueError(f"the service refused the demo job: {created.status_code} {created.text}")
+                job = created.json()
+                console.print(f"submitted job {job['id']} over REST ({created.headers['Location']}); "
+                              f"placed by the planner, following its events")
+                t0 = time.monotonic()
+                first, last = _follow(console, http, job["id"], args.no_progress)
+                job = http.get(f"/finetune/{job['id']}").json()
+            if job["status"] != "succeeded":
+                err = job.get("error") or {}
+                raise RuntimeError(f"the demo job ended {job['status']}: {err.get('message', '')}")
+            if args.keep_serving:
+                console.print(f"the service keeps running: dashboard {url}/ (API key {key}); Ctrl-C stops it")
+                try:
+                    while True:
+                        time.sleep(3600)
+                except KeyboardInterrupt:
+                    pass
+        out = Path(job["result"]["output_dir"])
+        return _Summary(job["progress"]["total_steps"] or 0, time.monotonic() - t0, first, last, out, out / "final")
+    finally:
+        try:
+            stop_service()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+def _follow(console, http, job_id: str, quiet: bool) -> tuple[float | None, float | None]:
+    """Print the job's server-sent events until the stream ends; the first and last eval losses."""
+    import json
+
+    first = last = None
+    event = None
+    with http.stream("GET", f"/finetune/{job_id}/events", headers={"Accept": "text/event-stream"},
+                     timeout=None) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: "):
+                payload = json.loads(line[6:])
+                if event == "end":
+                    break
+                data = payload.get("data") or {}  # the event object: seq, job_id, time, type, data
+                is_eval = event == "metrics" and "eval_loss" in data
+                if is_eval:
+                    first = data["eval_loss"] if first is None else first
+                    last = data["eval_loss"]
+                # every event but the per-step metrics, of which about one in ten
+                every = max(1, int(data.get("total_steps") or 10) // 10)
+                routine = event == "metrics" and not is_eval and int(data.get("step") or 0) % every
+                if not quiet and not routine:
+                    console.print(f"  [dim]{event}[/dim] {_brief(event, data)}")
+    return first, last
+
+
+def _brief(event: str | None, data: dict) -> str:
+    keys = {"status": ("status", "node_id", "reason"), "metrics": ("step", "loss", "eval_loss", "tokens_per_s"),
+            "checkpoint": ("step", "path"), "memory": ("rss_bytes", "planned_host_bytes"),
+            "error": ("code", "message")}.get(event or "", tuple(data))
+    parts = []
+    for k in keys:
+        if data.get(k) is not None:
+            v = data[k]
+            parts.append(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}")
+    return " ".join(parts)
 
 
 def _clear_previous_run(out: Path) -> None:

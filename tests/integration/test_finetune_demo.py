@@ -53,7 +53,7 @@ def test_short_demo_end_to_end(tmp_path):
     env = {**os.environ, "HORIZON_RAY_HOME": str(tmp_path / "home")}
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "horizon_ray", "demo", "--output-dir", str(out), "--samples", "3",
+        [sys.executable, "-m", "horizon_ray", "demo", "--local", "--output-dir", str(out), "--samples", "3",
          "training.max_steps=60", "training.schedule.warmup_steps=10", "eval.every_steps=30",
          "checkpoint.every_steps=30", "engine.device=cpu"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
@@ -66,3 +66,25 @@ def test_short_demo_end_to_end(tmp_path):
     assert evals[-1] < 0.6 * evals[0], evals
     assert (out / "final" / "model.safetensors").is_file() and (out / "final" / "tokenizer.json").is_file()
     assert (out / "loss_curve.png").is_file()
+
+
+@pytest.mark.integration
+def test_demo_goes_through_the_local_service(tmp_path):
+    """The default demo: a local Ray cluster, the coordinator, an agent, the REST API; the job is submitted
+    over REST, its events followed, and it writes its outputs in the demo tenant's namespace."""
+    env = {**os.environ, "HORIZON_RAY_HOME": str(tmp_path / "home"), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    root = tmp_path / "service"
+    proc = subprocess.run(
+        [sys.executable, "-m", "horizon_ray", "demo", "--output-dir", str(root), "--samples", "2",
+         "training.max_steps=20", "training.schedule.warmup_steps=5", "eval.every_steps=10",
+         "checkpoint.every_steps=10", "engine.device=cpu"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "service up: dashboard http://127.0.0.1:" in proc.stdout
+    assert "submitted job job-" in proc.stdout and "over REST" in proc.stdout
+    finals = list((root / "jobs" / "demo").glob("job-*/final/model.safetensors"))
+    assert len(finals) == 1
+    evals = [r["eval_loss"] for r in read_metrics(finals[0].parent.parent / "metrics.jsonl") if r["type"] == "eval"]
+    assert len(evals) == 3 and evals[-1] < evals[0]
+    assert "checkpoint step=10" in proc.stdout  # events arrived through the SSE stream
