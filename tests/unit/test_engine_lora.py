@@ -16,38 +16,18 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig
+from tests.tiny import V, random_batches, tiny_llama, tiny_qwen2
 
-V = 97
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _llama(tmp_path):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=V, tie_word_embeddings=False)
-    return _save(LlamaForCausalLM(cfg), tmp_path)
 
 
-def _qwen2(tmp_path):
-    torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=1, vocab_size=V, tie_word_embeddings=True)
-    model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():  # HF initialises biases to zero: give them values so that they are tested
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.02)
-    return _save(model, tmp_path)
 
 
-def _save(model, tmp_path):
-    path = tmp_path / "base"
-    model.float().save_pretrained(path)
-    return path, type(model)
 
 
 def _peft(cls, path, lora: LoraConfig, tmp_path, random_b=True):
@@ -67,18 +47,6 @@ def _peft(cls, path, lora: LoraConfig, tmp_path, random_b=True):
     return model, tmp_path / "init"
 
 
-def _batches(steps, micro, B=2, T=12, seed=1, prompt=3):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        mbs = []
-        for _ in range(micro):
-            ids = torch.randint(0, V, (B, T), generator=g)
-            labels = ids.clone()
-            labels[:, :prompt] = -100
-            mbs.append((ids, labels))
-        out.append(mbs)
-    return out
 
 
 def _reference_step(model, params, opt, mbs, max_norm):
@@ -115,7 +83,7 @@ def _trainable(model):
 @pytest.mark.parametrize("family, targets", [("llama", ("q_proj", "v_proj")), ("llama", ALL), ("qwen2", ALL)])
 @pytest.mark.parametrize("K", [1, 2])
 def test_matches_peft_and_adamw_fp32(tmp_path, family, targets, K):
-    path, cls = (_llama if family == "llama" else _qwen2)(tmp_path)
+    path, cls = (tiny_llama if family == "llama" else tiny_qwen2)(tmp_path, "base")
     lora = LoraConfig(r=4, alpha=8, dropout=0.0, targets=targets)
     ref, init = _peft(cls, path, lora, tmp_path)
     params = _trainable(ref)
@@ -126,7 +94,7 @@ def test_matches_peft_and_adamw_fp32(tmp_path, family, targets, K):
     assert set(_adapters(eng)) == set(params)
     opt = torch.optim.AdamW(params.values(), **HP)
     clipped = 0
-    for step, mbs in enumerate(_batches(3, micro=2)):
+    for step, mbs in enumerate(random_batches(3, micro=2)):
         loss = eng.train_step(mbs)
         ref_loss, ref_norm, ref_grads = _reference_step(ref, params, opt, mbs, max_norm)
         assert loss == pytest.approx(ref_loss, rel=1e-4)
@@ -147,7 +115,7 @@ def test_matches_peft_and_adamw_fp32(tmp_path, family, targets, K):
 
 
 def test_peft_default_init_and_untouched_base(tmp_path):
-    path, cls = _llama(tmp_path)
+    path, cls = tiny_llama(tmp_path, "base")
     lora = LoraConfig(r=4, alpha=8, targets=ALL)
     eng = Engine.from_pretrained(path, EngineConfig(device="cpu", lora=lora, seed=3))
     for u in eng.store.adapters:
@@ -169,7 +137,7 @@ def test_peft_default_init_and_untouched_base(tmp_path):
     assert torch.equal(a, b) and not torch.equal(a, c)
     # training moves the adapters only: the frozen base keeps its bytes, and has no optimizer state
     before = [u.wire.clone() for u in eng.store.units]
-    for mbs in _batches(2, micro=1):
+    for mbs in random_batches(2, micro=1):
         eng.train_step(mbs)
     eng.close()
     assert all(torch.equal(u.wire, w) for u, w in zip(eng.store.units, before))
@@ -178,10 +146,10 @@ def test_peft_default_init_and_untouched_base(tmp_path):
 
 
 def test_saved_adapter_and_merged_model(tmp_path):
-    path, cls = _qwen2(tmp_path)
+    path, cls = tiny_qwen2(tmp_path, "base")
     lora = LoraConfig(r=4, alpha=16, targets=ALL)
     eng = Engine.from_pretrained(path, EngineConfig(**HP, device="cpu", lora=lora))
-    for mbs in _batches(3, micro=2):
+    for mbs in random_batches(3, micro=2):
         eng.train_step(mbs)
     ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(0))
     mine = eng.forward_logits(ids)
@@ -215,8 +183,8 @@ def test_saved_adapter_and_merged_model(tmp_path):
 
 
 def test_dropout_is_deterministic_and_active(tmp_path):
-    path, cls = _llama(tmp_path)
-    batches = _batches(3, micro=2)
+    path, cls = tiny_llama(tmp_path, "base")
+    batches = random_batches(3, micro=2)
 
     def run(dropout, seed=0, K=1):
         lora = LoraConfig(r=4, alpha=8, dropout=dropout, targets=ALL)
@@ -260,10 +228,10 @@ def test_dropout_is_deterministic_and_active(tmp_path):
 
 
 def test_state_round_trip_continues_exactly(tmp_path):
-    path, _ = _llama(tmp_path)
+    path, _ = tiny_llama(tmp_path, "base")
     lora = LoraConfig(r=4, alpha=8, dropout=0.1, targets=("q_proj", "v_proj", "down_proj"))
     cfg = EngineConfig(**HP, device="cpu", lora=lora)
-    batches = _batches(4, micro=2)
+    batches = random_batches(4, micro=2)
     a = Engine.from_pretrained(path, cfg)
     for mbs in batches:
         a.train_step(mbs)
@@ -286,12 +254,12 @@ def test_state_round_trip_continues_exactly(tmp_path):
 
 
 def test_bf16_base_is_two_bytes_a_parameter_and_close_to_fp32(tmp_path):
-    path, _ = _llama(tmp_path)
+    path, _ = tiny_llama(tmp_path, "base")
     lora = LoraConfig(r=4, alpha=8, targets=ALL)
     runs = {}
     for dtype in ("float32", "bfloat16"):
         eng = Engine.from_pretrained(path, EngineConfig(**HP, device="cpu", compute_dtype=dtype, lora=lora))
-        runs[dtype] = [eng.train_step(mbs) for mbs in _batches(3, micro=2)]
+        runs[dtype] = [eng.train_step(mbs) for mbs in random_batches(3, micro=2)]
         eng.close()
         assert all(u.wire.dtype == getattr(torch, dtype) for u in eng.store.units)
         assert all(u.master.dtype == torch.float32 for u in eng.store.adapters)
@@ -332,7 +300,7 @@ def test_bad_lora_configs_name_the_fix(tmp_path):
         EngineConfig(lora=LoraConfig(dropout=1.0)).validate()
     with pytest.raises(ValueError, match="precision='exact'"):
         EngineConfig(lora=LoraConfig(), precision="bf16-state", compute_dtype="bfloat16").validate()
-    path, cls = _llama(tmp_path)
+    path, cls = tiny_llama(tmp_path, "base")
     eng = Engine.from_pretrained(path, EngineConfig(device="cpu"))
     with pytest.raises(ValueError, match="merges LoRA adapters"):
         eng.save_merged(tmp_path / "m")

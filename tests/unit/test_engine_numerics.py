@@ -14,58 +14,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
 from horizon_ray.engine import Engine, EngineConfig
+from tests.tiny import V, random_batches, save, tiny_llama, tiny_qwen2
 
-V = 97
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def _llama(tmp_path, **kw):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=V, tie_word_embeddings=False, **kw)
-    return _save(LlamaForCausalLM(cfg), tmp_path)
 
 
-def _qwen2(tmp_path):
-    torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=1, vocab_size=V, tie_word_embeddings=True)
-    model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():  # HF initialises biases to zero: give them values so that they are tested
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.02)
-    return _save(model, tmp_path)
 
 
-def _save(model, tmp_path):
-    model = model.float()
-    path = tmp_path / "model"
-    model.save_pretrained(path)
-    return path, type(model)
 
 
-def _batches(steps, micro, B=2, T=12, seed=1, prompt=3):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        mbs = []
-        for _ in range(micro):
-            ids = torch.randint(0, V, (B, T), generator=g)
-            labels = ids.clone()
-            labels[:, :prompt] = -100
-            mbs.append((ids, labels))
-        out.append(mbs)
-    return out
 
 
 def _reference_step(model, opt, mbs, max_norm):
@@ -96,7 +60,7 @@ def _engine_tensors(eng, kind):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("K", [1, 2, "L"])
 def test_matches_hf_and_adamw_fp32(tmp_path, family, K):
-    path, cls = (_llama if family == "llama" else _qwen2)(tmp_path)
+    path, cls = (tiny_llama if family == "llama" else tiny_qwen2)(tmp_path)
     ref = cls.from_pretrained(path).float()
     K = ref.config.num_hidden_layers if K == "L" else K
     max_norm = 0.5  # small enough that clipping is active on every step
@@ -104,7 +68,7 @@ def test_matches_hf_and_adamw_fp32(tmp_path, family, K):
                                                     device="cpu", compute_dtype="float32"))
     opt = torch.optim.AdamW(ref.parameters(), **HP)
     clipped = 0
-    for step, mbs in enumerate(_batches(3, micro=2)):
+    for step, mbs in enumerate(random_batches(3, micro=2)):
         loss = eng.train_step(mbs)
         ref_loss, ref_norm, ref_grads = _reference_step(ref, opt, mbs, max_norm)
         assert loss == pytest.approx(ref_loss, rel=1e-4)
@@ -126,14 +90,14 @@ def test_matches_hf_and_adamw_fp32(tmp_path, family, K):
 
 
 def test_bf16_compute_close_to_fp32_reference(tmp_path):
-    path, cls = _llama(tmp_path)
+    path, cls = tiny_llama(tmp_path)
     ref = cls.from_pretrained(path).float()
     eng = Engine.from_pretrained(path, EngineConfig(**HP, max_grad_norm=1.0, checkpoint_every=2, device="cpu",
                                                     compute_dtype="bfloat16"))
     assert eng.store.units[1].grad.dtype == torch.bfloat16
     assert eng.store.units[1].master.dtype == torch.float32
     opt = torch.optim.AdamW(ref.parameters(), **HP)
-    for mbs in _batches(3, micro=2):
+    for mbs in random_batches(3, micro=2):
         loss = eng.train_step(mbs)
         ref_loss, ref_norm, _ = _reference_step(ref, opt, mbs, 1.0)
         assert loss == pytest.approx(ref_loss, rel=3e-2)
@@ -142,7 +106,7 @@ def test_bf16_compute_close_to_fp32_reference(tmp_path):
 
 def test_gradient_accumulation_is_token_weighted(tmp_path):
     """Two micro-batches with different numbers of targets equal one batch holding both."""
-    path, _ = _llama(tmp_path)
+    path, _ = tiny_llama(tmp_path)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, V, (2, 10), generator=g)
     labels = ids.clone()
@@ -162,7 +126,7 @@ def test_gradient_accumulation_is_token_weighted(tmp_path):
 def test_llama3_rope_scaling_matches_hf(tmp_path):
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 16, "rope_theta": 500000.0}
-    path, cls = _llama(tmp_path, rope_parameters=rope, max_position_embeddings=64)
+    path, cls = tiny_llama(tmp_path, rope_parameters=rope, max_position_embeddings=64)
     ref = cls.from_pretrained(path).float()
     eng = Engine.from_pretrained(path, EngineConfig(device="cpu"))
     assert eng.model.rope_llama3 is not None
@@ -174,7 +138,7 @@ def test_mistral_sliding_window_matches_hf(tmp_path):
     torch.manual_seed(0)
     cfg = MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=V, sliding_window=5, attn_implementation="sdpa")
-    path, cls = _save(MistralForCausalLM(cfg), tmp_path)
+    path, cls = save(MistralForCausalLM(cfg), tmp_path)
     ref = cls.from_pretrained(path, attn_implementation="sdpa").float()
     eng = Engine.from_pretrained(path, EngineConfig(device="cpu"))
     assert eng.model.sliding_window == 5
@@ -183,7 +147,7 @@ def test_mistral_sliding_window_matches_hf(tmp_path):
 
 
 def test_packed_documents_do_not_attend_across(tmp_path):
-    path, _ = _llama(tmp_path)
+    path, _ = tiny_llama(tmp_path)
     eng = Engine.from_pretrained(path, EngineConfig(device="cpu"))
     g = torch.Generator().manual_seed(0)
     a, b = torch.randint(0, V, (1, 7), generator=g), torch.randint(0, V, (1, 5), generator=g)
@@ -199,9 +163,9 @@ def test_packed_documents_do_not_attend_across(tmp_path):
 
 @pytest.mark.parametrize("shard_bytes", [5 * 2**30, 40_000])
 def test_save_pretrained_loads_in_transformers(tmp_path, shard_bytes):
-    path, cls = _qwen2(tmp_path)
+    path, cls = tiny_qwen2(tmp_path)
     eng = Engine.from_pretrained(path, EngineConfig(**HP, device="cpu", max_shard_bytes=shard_bytes))
-    for mbs in _batches(2, micro=1):
+    for mbs in random_batches(2, micro=1):
         eng.train_step(mbs)
     out = eng.save_pretrained(tmp_path / "out")
     sharded = (out / "model.safetensors.index.json").is_file()
@@ -216,9 +180,9 @@ def test_save_pretrained_loads_in_transformers(tmp_path, shard_bytes):
 
 
 def test_state_round_trip_continues_exactly(tmp_path):
-    path, _ = _llama(tmp_path)
+    path, _ = tiny_llama(tmp_path)
     cfg = EngineConfig(**HP, device="cpu")
-    batches = _batches(4, micro=2)
+    batches = random_batches(4, micro=2)
     a = Engine.from_pretrained(path, cfg)
     for mbs in batches:
         a.train_step(mbs)
@@ -238,8 +202,8 @@ def test_state_round_trip_continues_exactly(tmp_path):
 
 
 def test_row_and_loss_chunks_do_not_change_the_step(tmp_path):
-    path, _ = _llama(tmp_path)
-    batches = _batches(2, micro=2, B=4)
+    path, _ = tiny_llama(tmp_path)
+    batches = random_batches(2, micro=2, B=4)
     results = []
     for layer_chunk, loss_chunk in [(1 << 20, 1 << 20), (12, 5)]:  # 12 tokens = one row per chunk
         eng = Engine.from_pretrained(path, EngineConfig(**HP, device="cpu", layer_chunk_tokens=layer_chunk,

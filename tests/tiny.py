@@ -1,0 +1,48 @@
+"""Tiny HF models and random batches that the engine's numerics tests build for themselves."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+V = 97  # vocabulary of the tiny models
+
+
+def tiny_llama(tmp_path, name="model", **kw):
+    """Llama with untied embeddings and grouped-query attention, saved in fp32; (path, class)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=V, tie_word_embeddings=False, **kw)
+    return save(LlamaForCausalLM(cfg), tmp_path, name)
+
+
+def tiny_qwen2(tmp_path, name="model"):
+    """Qwen2 with tied embeddings, q/k/v biases and one kv head, saved in fp32; (path, class)."""
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=1, vocab_size=V, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # HF initialises biases to zero: give them values so that they are tested
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias"):
+                p.normal_(0, 0.02)
+    return save(model, tmp_path, name)
+
+
+def save(model, tmp_path, name="model"):
+    path = tmp_path / name
+    model.float().save_pretrained(path)
+    return path, type(model)
+
+
+def random_batches(steps, micro, B=2, T=12, seed=1, prompt=3):
+    """`steps` lists of `micro` (input_ids, labels) pairs; the first `prompt` labels of a row are ignored."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        mbs = []
+        for _ in range(micro):
+            ids = torch.randint(0, V, (B, T), generator=g)
+            labels = ids.clone()
+            labels[:, :prompt] = -100
+            mbs.append((ids, labels))
+        out.append(mbs)
+    return out
