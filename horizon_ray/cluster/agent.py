@@ -1,8 +1,16 @@
 """The node agent: one per node; runs each job's engine in a child process it supervises.
 
-The agent owns its node's reservation ledger. `start` reserves the planner's bytes and launches
-`python -m horizon_ray finetune --config <output_dir>/job.yaml --resume`; a monitor thread samples the
-child's memory and reaps it, freeing the reservation however the child ends (exit, crash, signal, cancel).
+The agent owns its node's reservation ledger. `start` reserves the planner's bytes and, for a GPU job, one
+of the node's GPUs, and launches `python -m horizon_ray finetune --config <output_dir>/job.yaml --resume`;
+a monitor thread samples the child's memory and reaps it, freeing the reservation (RAM and GPU) however
+the child ends (exit, crash, signal, cancel).
+
+Several engines run side by side on one node, one per GPU, all drawing on the one RAM ledger. Each child
+sees only its GPU (CUDA_VISIBLE_DEVICES=<its index>, CUDA_DEVICE_ORDER=PCI_BUS_ID so that the index is
+nvidia-smi's; "" for a CPU job) and gets its share of the node's cores (see `Ledger.cpu_share`) as
+OMP_NUM_THREADS / MKL_NUM_THREADS and HORIZON_RAY_OPTIMIZER_THREADS (the threads its CPU AdamW should use).
+A thread variable given explicitly in the agent's `env` wins over the share.
+
 The coordinator polls: `poll` returns the new metrics.jsonl lines of each job (from the byte offset the
 coordinator acknowledged, so nothing is lost or repeated across a coordinator restart) and how each
 finished job exited. A crash or OOM kill of a job is a child exit: it never takes the agent down.
@@ -33,6 +41,7 @@ from typing import Any, Protocol
 import psutil
 import yaml
 
+from horizon_ray.cluster import placement
 from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, NodeInfo, Reservation
 
 METRICS_FILE = "metrics.jsonl"
@@ -59,7 +68,10 @@ class Agent(Protocol):
     def info(self) -> NodeInfo: ...
 
     def start(self, job_id: str, spec: dict[str, Any], output_dir: str, host_bytes: int, gpu_bytes: int,
-              metrics_offset: int = 0, attempt: int = 1) -> None: ...
+              metrics_offset: int = 0, attempt: int = 1, needs_gpu: bool | None = None) -> Reservation:
+        """Reserve and launch; returns the reservation (with its GPU index and cores). `needs_gpu`: the
+        coordinator's decision; None: the rule of `placement.needs_gpu` on the spec."""
+        ...
 
     def cancel(self, job_id: str) -> None: ...
 
@@ -70,12 +82,13 @@ class Agent(Protocol):
 
 @dataclass
 class Ledger:
-    """Memory of one node set aside for running jobs."""
+    """Memory, GPUs and cores of one node set aside for running jobs."""
 
     ram_bytes: int  # host RAM offered to jobs
-    gpu_count: int = 0  # GPUs of the node
+    gpu_count: int = 0  # GPUs of the node; each GPU job holds one alone
     gpu_memory_bytes: int = 0  # memory of one GPU
     entries: dict[str, Reservation] = field(default_factory=dict)  # job_id -> reservation
+    cpu_count: int = 0  # cores split among the engines (0: no split, each engine keeps its default)
 
     @property
     def reserved_bytes(self) -> int:
@@ -88,17 +101,44 @@ class Ledger:
     @property
     def gpu_jobs(self) -> int:
         """Jobs holding a GPU (each GPU job gets a whole GPU)."""
-        return sum(1 for r in self.entries.values() if r.gpu_bytes)
+        return sum(1 for r in self.entries.values() if r.gpu_index is not None)
 
-    def reserve(self, job_id: str, host_bytes: int, gpu_bytes: int) -> Reservation:
+    @property
+    def free_gpu_indices(self) -> list[int]:
+        busy = {r.gpu_index for r in self.entries.values()}
+        return [i for i in range(self.gpu_count) if i not in busy]
+
+    def cpu_share(self, gpu: bool) -> int:
+        """Cores an engine starting now gets (0 when the node's cores are unknown).
+
+        A GPU engine gets cores / GPUs: a fixed share per GPU, so the node's engines never oversubscribe
+        its cores however many GPUs are busy, and a job's threads do not depend on the order jobs start.
+        A CPU engine gets an equal share with the engines running now (itself included).
+        """
+        if not self.cpu_count:
+            return 0
+        if gpu:
+            return max(1, self.cpu_count // max(1, self.gpu_count))
+        return max(1, self.cpu_count // (len(self.entries) + 1))
+
+    def reserve(self, job_id: str, host_bytes: int, gpu_bytes: int, needs_gpu: bool | None = None) -> Reservation:
+        """Set aside host RAM, a free GPU (when `needs_gpu`; None: when gpu_bytes > 0 on a GPU node) and a
+        share of the cores; raise ReservationRefused when the node cannot take the job now."""
         if job_id in self.entries:
             return self.entries[job_id]
+        gpu = bool(gpu_bytes) and self.gpu_count > 0 if needs_gpu is None else bool(needs_gpu)
         if self.reserved_bytes + host_bytes > self.ram_bytes:
             raise ReservationRefused(
                 f"job {job_id} needs {host_bytes} host bytes; {self.ram_bytes - self.reserved_bytes} free")
-        if gpu_bytes and self.gpu_jobs >= self.gpu_count:
-            raise ReservationRefused(f"job {job_id} needs a GPU; all {self.gpu_count} are taken")
-        self.entries[job_id] = Reservation(job_id, int(host_bytes), int(gpu_bytes), time.time())
+        gpu_index = None
+        if gpu:
+            free = self.free_gpu_indices
+            if not free:
+                raise ReservationRefused(f"job {job_id} needs a GPU; " + (
+                    placement.gpus_busy(self.gpu_count) if self.gpu_count else "the node has none"))
+            gpu_index = free[0]
+        self.entries[job_id] = Reservation(job_id, int(host_bytes), int(gpu_bytes), time.time(),
+                                           gpu_index=gpu_index, cpu_threads=self.cpu_share(gpu))
         return self.entries[job_id]
 
     def release(self, job_id: str) -> None:
@@ -113,8 +153,30 @@ class Ledger:
             reserved_bytes=self.reserved_bytes,
             reserved_gpu_bytes=self.reserved_gpu_bytes,
             ledger=list(self.entries.values()),
+            cpu_count=self.cpu_count,
             **extra,
         )
+
+
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HORIZON_RAY_OPTIMIZER_THREADS")
+
+
+def engine_env(res: Reservation, gpu_ids: list[str], fixed: dict[str, str] | None = None) -> dict[str, str]:
+    """What a job's engine gets on top of the agent's environment: only its GPU, its share of the cores.
+
+    `gpu_ids`: the CUDA_VISIBLE_DEVICES value of each of the node's GPUs, by ledger index. `fixed`: the
+    agent's explicit environment; a thread variable (or CUDA_DEVICE_ORDER) set there is left as it is.
+    """
+    fixed = fixed or {}
+    env = {"CUDA_VISIBLE_DEVICES": "" if res.gpu_index is None else gpu_ids[res.gpu_index]}
+    if res.gpu_index is not None and "CUDA_DEVICE_ORDER" not in fixed:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's own order may differ from nvidia-smi's indices
+    if res.cpu_threads:
+        # On CUDA the engine's own rule keeps two cores for the training thread's kernel launches.
+        optimizer = res.cpu_threads - 2 if res.gpu_index is not None and res.cpu_threads > 2 else res.cpu_threads
+        shares = dict(zip(THREAD_VARS, (res.cpu_threads, res.cpu_threads, optimizer), strict=True))
+        env.update({k: str(v) for k, v in shares.items() if k not in fixed})
+    return env
 
 
 def read_metrics_lines(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
@@ -153,20 +215,46 @@ def _set_pdeathsig() -> None:
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def detect_gpus() -> tuple[int, int]:
-    """(GPU count, memory of one GPU in bytes) from nvidia-smi; (0, 0) when there is none.
+def detect_gpus(environ: dict[str, str] | None = None) -> tuple[list[str], int]:
+    """(CUDA_VISIBLE_DEVICES value of each GPU the agent may hand out, memory of one GPU in bytes).
 
-    The cluster layer never touches CUDA itself (STYLE.md 1)."""
+    From `nvidia-smi` (the cluster layer never initialises CUDA itself: STYLE.md 1), restricted to the
+    agent's CUDA_VISIBLE_DEVICES when that is set ("" or -1: none). Without nvidia-smi, the devices listed in
+    CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES, with unknown memory. No GPU: ([], 0).
+    """
+    environ = dict(os.environ if environ is None else environ)
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
     exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return 0, 0
-    try:
-        out = subprocess.run([exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0, 0
-    mems = [int(float(x)) * 2**20 for x in out.split() if x.strip()]
-    return len(mems), (min(mems) if mems else 0)
+    rows: list[tuple[str, str, int]] = []  # (index, uuid, bytes)
+    if exe is not None:
+        try:
+            out = subprocess.run([exe, "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=20, check=True).stdout
+            for line in out.splitlines():
+                parts = [x.strip() for x in line.split(",")]
+                if len(parts) == 3 and parts[0].isdigit():
+                    rows.append((parts[0], parts[1], int(float(parts[2])) * 2**20))
+        except (OSError, ValueError, subprocess.SubprocessError):
+            rows = []
+    if visible is not None:
+        wanted = [x.strip() for x in visible.split(",") if x.strip()]
+        if not rows:
+            return ([] if wanted[:1] == ["-1"] else wanted), 0
+        chosen: list[tuple[str, int]] = []
+        for entry in wanted:
+            match = next((r for r in rows if entry == r[0] or (entry.startswith("GPU-") and r[1].startswith(entry))),
+                         None)
+            if match is None:
+                break  # CUDA ignores every entry from the first invalid one on
+            chosen.append((entry, match[2]))
+        return [e for e, _ in chosen], min((m for _, m in chosen), default=0)
+    if not rows:
+        listed = environ.get("NVIDIA_VISIBLE_DEVICES", "")
+        ids = [x.strip() for x in listed.split(",") if x.strip()]
+        if ids and all(x.isdigit() or x.startswith("GPU-") for x in ids):
+            return [str(i) for i in range(len(ids))], 0
+        return [], 0
+    return [r[0] for r in rows], min(r[2] for r in rows)
 
 
 @dataclass
@@ -177,11 +265,28 @@ class _Job:
     log_path: Path
     planned_bytes: int
     started: float
-    gpu_index: int | None = None
+    env: dict[str, str] = field(default_factory=dict)  # what the agent set in its environment (GPU, threads)
     rss_bytes: int = 0
     peak_rss_bytes: int = 0
     cancel_at: float | None = None  # when the cancel was asked (SIGTERM sent)
     exit: ExitInfo | None = None
+
+
+def node_ram_bytes(env: dict[str, str]) -> int:
+    """The RAM this node offers to jobs: $HORIZON_NODE_RAM_BYTES (a pod's memory limit, set by the k8s
+    manifests), else the cgroup's memory limit when there is one, else the machine's RAM. In a container
+    psutil sees the host's RAM, and planning against it would overcommit the pod."""
+    if env.get("HORIZON_NODE_RAM_BYTES"):
+        return int(env["HORIZON_NODE_RAM_BYTES"])
+    total = psutil.virtual_memory().total
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            return int(text)
+    return total
 
 
 class NodeAgent:
@@ -194,26 +299,33 @@ class NodeAgent:
         ram_bytes: int | None = None,
         gpu_count: int | None = None,
         gpu_memory_bytes: int | None = None,
+        cpu_count: int | None = None,
         ray_node_id: str | None = None,
         command: list[str] | None = None,
         env: dict[str, str] | None = None,
         sample_interval_s: float = 0.2,
         kill_grace_s: float = 10.0,
     ):
+        """`gpu_count` None: the node's GPUs from nvidia-smi (see detect_gpus); a number declares logical
+        GPUs 0..N-1 (simulated nodes). `cpu_count` None: the cores this process may run on."""
+        env = dict(env or {})
         if gpu_count is None:
-            gpu_count, detected_mem = detect_gpus()
+            self._gpu_ids, detected_mem = detect_gpus({**os.environ, **env})
             gpu_memory_bytes = gpu_memory_bytes or detected_mem
+        else:
+            self._gpu_ids = [str(i) for i in range(int(gpu_count))]
         self.node_id = node_id
         self.ray_node_id = ray_node_id
         self.incarnation = uuid.uuid4().hex[:12]
         self._ledger = Ledger(
-            ram_bytes=int(ram_bytes if ram_bytes is not None else psutil.virtual_memory().total),
-            gpu_count=int(gpu_count),
+            ram_bytes=int(ram_bytes if ram_bytes is not None else node_ram_bytes({**os.environ, **env})),
+            gpu_count=len(self._gpu_ids),
             gpu_memory_bytes=int(gpu_memory_bytes or 0),
+            cpu_count=int(cpu_count if cpu_count is not None else len(os.sched_getaffinity(0))),
         )
         # argv prefix of a job; `--config <spec> --resume` is appended
         self._command = list(command or [sys.executable, "-m", "horizon_ray", "finetune"])
-        self._env = dict(env or {})
+        self._env = env
         self._sample_interval_s = sample_interval_s
         self._kill_grace_s = kill_grace_s
         self._jobs: dict[str, _Job] = {}
@@ -231,19 +343,21 @@ class NodeAgent:
                                           incarnation=self.incarnation)
 
     def start(self, job_id: str, spec: dict[str, Any], output_dir: str, host_bytes: int, gpu_bytes: int,
-              metrics_offset: int = 0, attempt: int = 1) -> None:
+              metrics_offset: int = 0, attempt: int = 1, needs_gpu: bool | None = None) -> Reservation:
         with self._lock:
             self._reap()
             if job_id in self._jobs and self._jobs[job_id].exit is None:
-                return  # already running here: a retried start
+                return self._ledger.entries[job_id]  # already running here: a retried start
             self._jobs.pop(job_id, None)
-            self._ledger.reserve(job_id, host_bytes, gpu_bytes)
+            if needs_gpu is None:
+                needs_gpu = placement.needs_gpu(spec, self._ledger.gpu_count)
+            res = self._ledger.reserve(job_id, host_bytes, gpu_bytes, needs_gpu)
             try:
-                self._jobs[job_id] = self._launch(job_id, spec, Path(output_dir), host_bytes, gpu_bytes,
-                                                  attempt)
+                self._jobs[job_id] = self._launch(job_id, spec, Path(output_dir), res, attempt)
             except BaseException:
                 self._ledger.release(job_id)
                 raise
+            return res
 
     def cancel(self, job_id: str) -> None:
         with self._lock:
@@ -302,10 +416,13 @@ class NodeAgent:
 
     # ---- internals -----------------------------------------------------------------------------------
 
-    def _launch(self, job_id: str, spec: dict[str, Any], output_dir: Path, host_bytes: int, gpu_bytes: int,
-                attempt: int) -> _Job:
+    def _launch(self, job_id: str, spec: dict[str, Any], output_dir: Path, res: Reservation, attempt: int) -> _Job:
         output_dir.mkdir(parents=True, exist_ok=True)
         spec = dict(spec, output_dir=str(output_dir))
+        engine = spec.get("engine")
+        if isinstance(engine, dict) and str(engine.get("device", "")).startswith("cuda:"):
+            # The agent picks the GPU; the child sees only that one, as cuda:0.
+            spec["engine"] = dict(engine, device="cuda")
         spec_path = output_dir / SPEC_FILE
         tmp = spec_path.with_name(f"{SPEC_FILE}.tmp-{os.getpid()}")
         tmp.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -319,25 +436,15 @@ class NodeAgent:
         env.pop("RAY_JOB_CONFIG_JSON_ENV_VAR", None)
         env["HORIZON_RAY_JOB_ID"] = job_id
         env["HORIZON_RAY_NODE_ID"] = self.node_id
-        gpu_index = None
-        if gpu_bytes and self._ledger.gpu_count:
-            gpu_index = self._pick_gpu(gpu_bytes)
-            env["CUDA_VISIBLE_DEVICES"] = str(gpu_index)
+        mine = engine_env(res, self._gpu_ids, self._env)
+        env.update(mine)
         argv = [*self._command, "--config", str(spec_path), "--resume"]
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     env=env, cwd=str(output_dir), start_new_session=True,
                                     preexec_fn=_set_pdeathsig)
         return _Job(job_id=job_id, proc=proc, output_dir=output_dir, log_path=log_path,
-                    planned_bytes=int(host_bytes), started=time.time(), gpu_index=gpu_index)
-
-    def _pick_gpu(self, gpu_bytes: int) -> int:
-        used = [0] * self._ledger.gpu_count
-        for job in self._jobs.values():
-            if job.exit is None and job.gpu_index is not None:
-                entry = self._ledger.entries.get(job.job_id)
-                used[job.gpu_index] += entry.gpu_bytes if entry else 0
-        return min(range(len(used)), key=lambda i: used[i])
+                    planned_bytes=res.host_bytes, started=time.time(), env=mine)
 
     def _reap(self) -> None:
         """Record the exit of finished children and free their reservations. Caller holds the lock."""

@@ -10,7 +10,8 @@ One `tick()`:
    an agent that cannot be reached, or that restarted, loses its jobs: they go to RECOVERING;
 2. apply the reports: progress, metrics, checkpoints, memory, and the end of finished jobs;
 3. serve the queue: recovering jobs first, then queued jobs in fair order across tenants, each on the
-   best-fitting node that holds it now and within its tenant's quota.
+   best-fitting node that holds it now (free RAM, and a free GPU for a GPU job: see `placement`) and within
+   its tenant's quota. The agent picks the GPU; the job record keeps its index (`gpu_index`).
 
 Every change is written to the job table before the next one is made, so a coordinator restarted at any
 point finds every non-terminal job; running jobs are reattached on the first tick (their agent still
@@ -331,6 +332,9 @@ class Coordinator:
         if job is not None and job.status in WAITING and report.exit is None:
             # The coordinator died between starting it and recording that: adopt it.
             job.node_id = node_id
+            st = self._nodes.get(node_id)
+            held = next((r for r in (st.info.ledger if st and st.info else []) if r.job_id == job_id), None)
+            job.gpu_index = held.gpu_index if held else None
             job.attempts += 1
             job.started_at = job.started_at or self._clock()
             job.queue_reason = job.queue_position = None
@@ -488,28 +492,32 @@ class Coordinator:
         if agent is None:
             return f"node {best.node_id} has no agent"
         try:
-            agent.start(job.id, job.spec, job.output_dir, best.host_bytes, best.gpu_bytes,
-                        metrics_offset=self.store.metrics_offset(job.id), attempt=job.attempts + 1)
+            res = agent.start(job.id, job.spec, job.output_dir, best.host_bytes, best.gpu_bytes,
+                              metrics_offset=self.store.metrics_offset(job.id), attempt=job.attempts + 1,
+                              needs_gpu=best.needs_gpu)
         except (ReservationRefused, AgentUnavailable) as exc:
             return f"node {best.node_id} refused it: {exc}"
-        self._placed(job, best, u, infos)
+        self._placed(job, best, u, infos, res)
         return None
 
-    def _placed(self, job: JobRecord, best: Candidate, u: _Usage, infos: dict[str, NodeInfo]) -> None:
+    def _placed(self, job: JobRecord, best: Candidate, u: _Usage, infos: dict[str, NodeInfo],
+                res: Reservation) -> None:
         was_waiting = job.status is JobStatus.QUEUED
         resumed = job.status is JobStatus.RECOVERING
         now = self._clock()
-        job.node_id, job.plan = best.node_id, best.plan
+        job.node_id, job.plan, job.gpu_index = best.node_id, best.plan, res.gpu_index
         job.attempts += 1
         job.started_at = job.started_at or now
         job.queue_reason = job.queue_position = None
-        reason = f"placed on node {best.node_id} ({format_bytes(best.host_bytes)} host RAM reserved)"
+        gpu = f", GPU {res.gpu_index}" if res.gpu_index is not None else ""
+        reason = f"placed on node {best.node_id} ({format_bytes(best.host_bytes)} host RAM reserved{gpu})"
         if resumed:
             ckpt = job.last_checkpoint_step
-            reason = f"resumed on node {best.node_id} from " + (
+            reason = f"resumed on node {best.node_id}{gpu} from " + (
                 f"checkpoint step {ckpt}" if ckpt is not None else "the start")
         self._move(job, JobStatus.RUNNING, reason=reason, data={"node_id": best.node_id,
-                                                                 "host_bytes": best.host_bytes})
+                                                                 "host_bytes": best.host_bytes,
+                                                                 "gpu_index": res.gpu_index})
         if was_waiting:
             u.jobs += 1
             u.bytes += best.host_bytes
@@ -519,7 +527,7 @@ class Coordinator:
                 self.store.set_meta("last_served", self._last_served)
                 self.store.set_meta("serve_clock", self._serve_clock)
         info = infos[best.node_id]
-        info.ledger = [*info.ledger, Reservation(job.id, best.host_bytes, best.gpu_bytes, now)]
+        info.ledger = [*info.ledger, res]
         info.reserved_bytes += best.host_bytes
         info.reserved_gpu_bytes += best.gpu_bytes
         self._nodes[best.node_id].info = _copy_info(info)  # nodes() shows it before the next report

@@ -5,10 +5,14 @@ per step, checkpoints, done) on each poll, and keeps checkpoints in a `FakeStora
 of one fake cluster, so a job recovered on another agent resumes from its last checkpoint. Tests steer
 it: hold a job, crash it, OOM-kill it, kill or restart the agent.
 
-`make_local_client` builds a `LocalClient` over a `Coordinator` with one fake agent per node::
+`make_local_client` builds a `LocalClient` over a `Coordinator` with one fake agent per node, each declared
+like a node of `--simulate-nodes` (RAM, then optional logical GPUs and cores)::
 
-    client = make_local_client(tmp_path, nodes={"a": "16GiB", "b": "64GiB"})
+    client = make_local_client(tmp_path, nodes={"a": "16GiB", "b": "64GiB:2gpu:8cpu"})
     job = client.submit("acme", spec)
+
+A fake agent keeps the real agent's ledger (RAM, GPU indices, core shares) and records, per job, the
+environment the real agent would give its engine (`FakeJob.env`: CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, ...).
 
 With the default planner, a spec whose `model.path` ends in a size ("/models/40GiB") needs that much host
 RAM; any other spec goes to the real planner.
@@ -23,9 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from horizon_ray.cluster.agent import AgentUnavailable, Ledger
+from horizon_ray.cluster import placement
+from horizon_ray.cluster.agent import AgentUnavailable, Ledger, engine_env
 from horizon_ray.cluster.client import LocalClient
-from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, NodeInfo
+from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, NodeInfo, Reservation
 from horizon_ray.cluster.placement import default_planner
 from horizon_ray.cluster.tenants import TenantsConfig, parse_bytes
 
@@ -51,6 +56,7 @@ class FakeJob:
     exit: ExitInfo | None = None
     planned_bytes: int = 0
     rss_bytes: int = 0
+    env: dict[str, str] = field(default_factory=dict)  # what the real agent would set for its engine
 
 
 class FakeAgent:
@@ -63,6 +69,7 @@ class FakeAgent:
         *,
         gpu_count: int = 0,
         gpu_memory_bytes: int | str = 0,
+        cpu_count: int = 0,
         storage: FakeStorage | None = None,
         total_steps: int | None = None,
         steps_per_poll: int = 1,
@@ -70,7 +77,7 @@ class FakeAgent:
         auto: bool = True,
     ):
         self.node_id = node_id
-        self.ledger = Ledger(parse_bytes(ram_bytes), gpu_count, parse_bytes(gpu_memory_bytes))
+        self.ledger = Ledger(parse_bytes(ram_bytes), gpu_count, parse_bytes(gpu_memory_bytes), cpu_count=cpu_count)
         self.storage = storage or FakeStorage()
         self.total_steps = total_steps  # overrides the spec's training.max_steps (default 3) when set
         self.steps_per_poll = steps_per_poll
@@ -88,11 +95,13 @@ class FakeAgent:
         return self.ledger.node_info(self.node_id, incarnation=self.incarnation)
 
     def start(self, job_id: str, spec: dict[str, Any], output_dir: str, host_bytes: int, gpu_bytes: int,
-              metrics_offset: int = 0, attempt: int = 1) -> None:
+              metrics_offset: int = 0, attempt: int = 1, needs_gpu: bool | None = None) -> Reservation:
         self._check_alive()
         if job_id in self.jobs and self.jobs[job_id].exit is None:
-            return
-        self.ledger.reserve(job_id, host_bytes, gpu_bytes)
+            return self.ledger.entries[job_id]
+        if needs_gpu is None:
+            needs_gpu = placement.needs_gpu(spec, self.ledger.gpu_count)
+        res = self.ledger.reserve(job_id, host_bytes, gpu_bytes, needs_gpu)
         training = spec.get("training") or {}
         total = self.total_steps or training.get("max_steps") or 3
         every = self.checkpoint_every
@@ -100,10 +109,12 @@ class FakeAgent:
             every = (spec.get("checkpoint") or {}).get("every_steps") or 0
         done = self.storage.checkpoints.get(output_dir, [])
         job = FakeJob(job_id, output_dir, int(total), int(every), step=max(done, default=0),
-                      planned_bytes=int(host_bytes), rss_bytes=int(host_bytes * 0.9))
+                      planned_bytes=int(host_bytes), rss_bytes=int(host_bytes * 0.9),
+                      env=engine_env(res, [str(i) for i in range(self.ledger.gpu_count)]))
         self.jobs[job_id] = job
         self.started.append(job_id)
         self._emit(job, "start", total_steps=job.total_steps)
+        return res
 
     def cancel(self, job_id: str) -> None:
         self._check_alive()
@@ -229,11 +240,17 @@ def make_local_client(
 
     The agents are at `client.coordinator.fake_agents` (node id -> FakeAgent)."""
     from horizon_ray.cluster.coordinator import Coordinator, default_validate_spec
+    from horizon_ray.cluster.local import parse_node_value
 
     root = Path(root)
     storage = FakeStorage()
-    agents = {name: FakeAgent(name, ram, storage=storage, **agent_kwargs)
-              for name, ram in (nodes or {"a": "16GiB", "b": "64GiB", "c": "256GiB"}).items()}
+    agents = {}
+    for name, value in (nodes or {"a": "16GiB", "b": "64GiB", "c": "256GiB"}).items():
+        node = parse_node_value(name, value)
+        declared = {"gpu_count": node.gpu_count, "gpu_memory_bytes": node.gpu_memory_bytes} if node.gpu_count else {}
+        if node.cpu_count is not None:
+            declared["cpu_count"] = node.cpu_count
+        agents[name] = FakeAgent(name, node.ram_bytes, storage=storage, **{**agent_kwargs, **declared})
     if isinstance(tenants, dict):
         tenants = TenantsConfig.from_dict(tenants)
     coordinator = Coordinator(store_path=root / "jobs.sqlite", jobs_root=root / "jobs", agents=agents,

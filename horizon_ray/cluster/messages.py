@@ -145,6 +145,7 @@ class JobRecord:
     idempotency_key: str | None = None  # a second submit with the same (tenant, key) returns this job
     attempts: int = 0  # how many times an engine process was started for it (1 + recoveries)
     last_checkpoint_step: int | None = None  # step of its newest complete checkpoint
+    gpu_index: int | None = None  # GPU of `node_id` its engine holds or last held (None: a CPU job, never placed)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (enums become their values)."""
@@ -184,6 +185,8 @@ class Reservation:
     host_bytes: int  # host RAM the planner said the job needs
     gpu_bytes: int  # GPU memory the planner said the job needs (0 on CPU)
     since: float  # when it was taken
+    gpu_index: int | None = None  # the node's GPU the job holds, alone (its CUDA_VISIBLE_DEVICES); None: CPU job
+    cpu_threads: int = 0  # its share of the node's cores (OMP_NUM_THREADS, HORIZON_RAY_OPTIMIZER_THREADS)
 
 
 @dataclass
@@ -192,7 +195,7 @@ class NodeInfo:
 
     node_id: str  # logical node name (e.g. "a" in --simulate-nodes, else the Ray node id)
     ram_bytes: int  # host RAM the node offers to jobs (declared when simulated)
-    gpu_count: int = 0  # GPUs on the node
+    gpu_count: int = 0  # GPUs on the node (logical ones when simulated); one GPU job per GPU
     gpu_memory_bytes: int = 0  # memory of one GPU
     reserved_bytes: int = 0  # host RAM held by the ledger
     reserved_gpu_bytes: int = 0  # GPU memory held by the ledger
@@ -200,15 +203,28 @@ class NodeInfo:
     alive: bool = True  # false once the node or its agent is gone
     ray_node_id: str | None = None  # Ray's hex node id, when running on Ray
     incarnation: str | None = None  # changes when the agent restarts (its jobs' processes are gone)
+    cpu_count: int = 0  # cores the agent splits among its engines (0: unknown)
 
     @property
     def free_bytes(self) -> int:
         """Host RAM not held by the ledger."""
         return self.ram_bytes - self.reserved_bytes
 
+    @property
+    def busy_gpus(self) -> list[int]:
+        """Indices of the GPUs a job holds, ascending."""
+        return sorted(r.gpu_index for r in self.ledger if r.gpu_index is not None)
+
+    @property
+    def free_gpus(self) -> int:
+        """GPUs no job holds."""
+        return max(0, self.gpu_count - len(self.busy_gpus))
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["free_bytes"] = self.free_bytes
+        d["busy_gpus"] = self.busy_gpus
+        d["free_gpus"] = self.free_gpus
         return d
 
 

@@ -1,9 +1,19 @@
-"""Placement: the planner's verdict for a job on each node, and best-fit on free host RAM.
+"""Placement: the planner's verdict for a job on each node, and best-fit on free host RAM and GPUs.
 
 A planner is a function `(spec dict, NodeInfo) -> plan dict` with at least `host_bytes`, `gpu_bytes`,
 `fits` and `reason` (the planner helper's `horizon_ray.planner.plan_for_spec`, adapted by
-`default_planner`). Best fit: among alive nodes whose free RAM holds the job now, the one left with the
-least free RAM, so large nodes stay free for large jobs.
+`default_planner`). Best fit: among alive nodes that hold the job now, the one left with the least free
+RAM, so large nodes stay free for large jobs.
+
+GPUs and RAM are placed together. A node runs one engine per GPU, each on its own GPU, all drawing on the
+node's one RAM ledger. Whether a job needs a GPU (`needs_gpu`) follows its `engine.device`:
+- "cpu": never; it may run on any node, next to GPU jobs, and takes no GPU;
+- "cuda" (or "cuda:N": the agent picks the GPU, the index is ignored): always; a node without GPUs can never
+  hold it;
+- "auto" (the default): a GPU on a node that has GPUs, the CPU on a node that has none. On a GPU node whose
+  GPUs are all busy it waits for one (it does not fall back to the CPU there).
+A GPU job fits a node now when the node's free RAM holds it *and* one of its GPUs is free; otherwise it
+waits in the queue with the reason (e.g. "node b: all 2 GPUs busy").
 """
 
 from __future__ import annotations
@@ -20,12 +30,28 @@ from horizon_ray.cluster.tenants import format_bytes
 Planner = Callable[[dict[str, Any], NodeInfo], dict[str, Any]]
 
 
+def needs_gpu(spec: dict[str, Any], gpu_count: int) -> bool:
+    """Whether `spec`'s engine takes a GPU of a node that has `gpu_count` GPUs (the rule above)."""
+    engine = spec.get("engine") if isinstance(spec, dict) else None
+    device = str((engine or {}).get("device") or "auto") if isinstance(engine, dict) else "auto"
+    if device == "cpu":
+        return False
+    if device.split(":", 1)[0] == "cuda":
+        return True
+    return gpu_count > 0
+
+
 def default_planner(spec: dict[str, Any], node: NodeInfo) -> dict[str, Any]:
-    """The planner helper's `plan_for_spec` for a node described by `node`, as a plain dict."""
+    """The planner helper's `plan_for_spec` for a node described by `node`, as a plain dict.
+
+    A GPU job's step time is planned for the node full: one engine on each of its GPUs, sharing the host's
+    DRAM bandwidth and cores (`concurrent_engines` = the node's GPUs), the speed it will see at the busiest.
+    """
     from horizon_ray import planner
 
     node_spec = planner.NodeSpec(**_node_spec_kwargs(planner.NodeSpec, node))
-    return plan_to_dict(planner.plan_for_spec(spec, node_spec))
+    engines = node.gpu_count if node.gpu_count and needs_gpu(spec, node.gpu_count) else 1
+    return plan_to_dict(planner.plan_for_spec(spec, node_spec, concurrent_engines=engines))
 
 
 def _node_spec_kwargs(node_spec_cls: type, node: NodeInfo) -> dict[str, Any]:
@@ -83,11 +109,14 @@ class Candidate:
     ram_bytes: int  # its host RAM
     free_bytes: int  # its free host RAM now
     fits: bool  # it can hold the job when empty
-    fits_now: bool  # it can hold the job now
+    fits_now: bool  # it can hold the job now (free RAM, and a free GPU when it needs one)
     host_bytes: int  # host RAM the job needs there
     gpu_bytes: int  # GPU memory the job needs there
     reason: str  # why it fits or not
     plan: dict[str, Any]  # the planner's full output for that node
+    needs_gpu: bool = False  # the job takes one of the node's GPUs there (see needs_gpu)
+    gpu_count: int = 0  # GPUs of the node
+    free_gpus: int = 0  # GPUs of the node no job holds now
 
     def summary(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -109,17 +138,20 @@ def evaluate(spec: dict[str, Any], nodes: Iterable[NodeInfo], planner: Planner,
             plan = plan_to_dict(planner(spec, node))
             if cache is not None and cache_key is not None:
                 cache[key] = plan
-        out.append(_candidate(node, plan))
+        out.append(_candidate(node, plan, needs_gpu(spec, node.gpu_count)))
     return out
 
 
-def _candidate(node: NodeInfo, plan: dict[str, Any]) -> Candidate:
+def _candidate(node: NodeInfo, plan: dict[str, Any], gpu_job: bool) -> Candidate:
     host = int(plan.get("host_bytes") or 0)
-    gpu = int(plan.get("gpu_bytes") or 0) if node.gpu_count else 0
+    gpu = int(plan.get("gpu_bytes") or 0) if gpu_job else 0
     planner_fits = bool(plan.get("fits", True))
-    gpu_jobs = sum(1 for r in node.ledger if r.gpu_bytes)
+    free_gpus = node.free_gpus
     if not planner_fits:
         fits, reason = False, str(plan.get("reason") or "the planner says it does not fit")
+    elif gpu_job and not node.gpu_count:
+        fits, reason = False, (f"engine.device cuda needs a GPU; node {node.node_id} has none (set "
+                               "engine.device to auto or cpu to run on the CPU)")
     elif host > node.ram_bytes:
         fits, reason = False, (f"needs {format_bytes(host)} host RAM; node {node.node_id} has "
                                f"{format_bytes(node.ram_bytes)}")
@@ -128,14 +160,29 @@ def _candidate(node: NodeInfo, plan: dict[str, Any]) -> Candidate:
                                f"{format_bytes(node.gpu_memory_bytes)}")
     else:
         fits, reason = True, str(plan.get("reason") or "fits")
-    fits_now = fits and host <= node.free_bytes and (not gpu or gpu_jobs < node.gpu_count)
+    ram_now = host <= node.free_bytes
+    gpu_now = not gpu_job or free_gpus > 0
+    fits_now = fits and ram_now and gpu_now
     if fits and not fits_now:
-        reason = (f"needs {format_bytes(host)} host RAM; node {node.node_id} has "
-                  f"{format_bytes(node.free_bytes)} free of {format_bytes(node.ram_bytes)}")
-        if gpu and gpu_jobs >= node.gpu_count:
-            reason = f"needs a GPU; all {node.gpu_count} GPUs of node {node.node_id} are taken"
+        reason = _busy(node, host, ram_now, gpu_now)
     return Candidate(node_id=node.node_id, ram_bytes=node.ram_bytes, free_bytes=node.free_bytes, fits=fits,
-                     fits_now=fits_now, host_bytes=host, gpu_bytes=gpu, reason=reason, plan=plan)
+                     fits_now=fits_now, host_bytes=host, gpu_bytes=gpu, reason=reason, plan=plan,
+                     needs_gpu=gpu_job, gpu_count=node.gpu_count, free_gpus=free_gpus)
+
+
+def _busy(node: NodeInfo, host: int, ram_now: bool, gpu_now: bool) -> str:
+    """Why a node that can hold a job cannot take it now."""
+    ram = (f"needs {format_bytes(host)} host RAM; node {node.node_id} has {format_bytes(node.free_bytes)} free "
+           f"of {format_bytes(node.ram_bytes)}")
+    if gpu_now:
+        return ram
+    gpus = f"node {node.node_id}: {gpus_busy(node.gpu_count)}"
+    return gpus if ram_now else f"{gpus}; it {ram}"
+
+
+def gpus_busy(n: int) -> str:
+    """ "all 2 GPUs busy" (or "its 1 GPU busy")."""
+    return f"all {n} GPUs busy" if n != 1 else "its 1 GPU busy"
 
 
 def best_fit(candidates: list[Candidate]) -> Candidate | None:
@@ -146,6 +193,9 @@ def best_fit(candidates: list[Candidate]) -> Candidate | None:
 
 def never_fits_reason(candidates: list[Candidate]) -> str:
     """One sentence on why no node can ever hold the job."""
+    if candidates and all(c.needs_gpu and not c.gpu_count for c in candidates):
+        return ("no node can ever hold this job: its engine.device cuda needs a GPU and no node has one; set "
+                "engine.device to auto or cpu to train on the CPU, or add a GPU node")
     smallest = min((c.host_bytes for c in candidates), default=0)
     largest = max(candidates, key=lambda c: c.ram_bytes)
     per_node = "; ".join(f"{c.node_id}: {c.reason}" for c in candidates)
@@ -157,6 +207,16 @@ def waiting_reason(candidates: list[Candidate]) -> str:
     """One sentence on why a job that some node can hold cannot start now."""
     fitting = [c for c in candidates if c.fits]
     host = min(c.host_bytes for c in fitting)
-    most_free = max(fitting, key=lambda c: c.free_bytes)
-    return (f"waiting for {format_bytes(host)} of free host RAM on a node that can hold it "
-            f"(most free now: {most_free.node_id} with {format_bytes(most_free.free_bytes)})")
+    if not any(c.needs_gpu for c in fitting):
+        most_free = max(fitting, key=lambda c: c.free_bytes)
+        return (f"waiting for {format_bytes(host)} of free host RAM on a node that can hold it "
+                f"(most free now: {most_free.node_id} with {format_bytes(most_free.free_bytes)})")
+    per_node = []
+    for c in sorted(fitting, key=lambda c: c.node_id):
+        why = [gpus_busy(c.gpu_count)] if c.needs_gpu and not c.free_gpus else []
+        if c.host_bytes > c.free_bytes:
+            why.append(f"{format_bytes(c.free_bytes)} free host RAM")
+        per_node.append(f"node {c.node_id}: {', '.join(why)}")
+    ram_short = any(c.host_bytes > c.free_bytes for c in fitting)
+    what = f"a free GPU and {format_bytes(host)} of free host RAM on one node" if ram_short else "a free GPU"
+    return f"waiting for {what} ({'; '.join(per_node)})"

@@ -6,8 +6,9 @@
   (`max_restarts=-1`); it reloads its sqlite job table and finds the agents by name, so a restart loses
   no job. It is pinned to the head node, whose disk holds the job table.
 
-Simulated nodes (`horizon-ray serve --simulate-nodes a=16GiB,...`): every Ray node carries a custom
-resource `horizon_node_<name>` and its agent declares the given RAM to the planner.
+Simulated nodes (`horizon-ray serve --simulate-nodes a=16GiB,b=512GiB:2gpu,...`): every Ray node carries a
+custom resource `horizon_node_<name>` and its agent declares the given RAM, logical GPUs and cores to the
+planner. The agent takes no GPU from Ray: it hands the node's GPUs out to its engines itself.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from horizon_ray.cluster.agent import AgentUnavailable, NodeAgent
 from horizon_ray.cluster.client import _METHODS, COORDINATOR_NAME, NAMESPACE
 from horizon_ray.cluster.coordinator import Coordinator
 from horizon_ray.cluster.errors import HorizonError
-from horizon_ray.cluster.messages import AgentJobReport, NodeInfo
+from horizon_ray.cluster.messages import AgentJobReport, NodeInfo, Reservation
 from horizon_ray.cluster.tenants import TenantsConfig
 
 AGENT_PREFIX = "horizon-agent:"  # + logical node name
@@ -56,8 +57,9 @@ class RayAgentProxy:
         return self._call("info")
 
     def start(self, job_id: str, spec: dict[str, Any], output_dir: str, host_bytes: int, gpu_bytes: int,
-              metrics_offset: int = 0, attempt: int = 1) -> None:
-        return self._call("start", job_id, spec, output_dir, host_bytes, gpu_bytes, metrics_offset, attempt)
+              metrics_offset: int = 0, attempt: int = 1, needs_gpu: bool | None = None) -> Reservation:
+        return self._call("start", job_id, spec, output_dir, host_bytes, gpu_bytes, metrics_offset, attempt,
+                          needs_gpu)
 
     def cancel(self, job_id: str) -> None:
         return self._call("cancel", job_id)
@@ -147,21 +149,25 @@ def node_name_of(node: dict[str, Any]) -> str:
     return node["NodeID"][:12]
 
 
-def ensure_agents(ram_by_node: dict[str, int] | None = None, *, command: list[str] | None = None,
+def ensure_agents(ram_by_node: dict[str, Any] | None = None, *, command: list[str] | None = None,
                   env: dict[str, str] | None = None, only_simulated: bool = False) -> dict[str, Any]:
     """Start a NodeAgent on every alive Ray node that has none; returns node name -> handle.
 
-    `ram_by_node`: declared RAM of simulated nodes (by logical name); other nodes report their real RAM.
+    `ram_by_node`: what simulated nodes declare (by logical name): bytes of RAM or a `local.SimulatedNode`
+    (RAM, logical GPUs, cores); other nodes report their real RAM, GPUs (nvidia-smi) and cores.
     `only_simulated`: skip nodes without a `horizon_node_*` resource (the head of a simulated cluster).
     """
-    ram_by_node = ram_by_node or {}
+    from horizon_ray.cluster.local import parse_node_value
+
+    declared = {name: parse_node_value(name, value) for name, value in (ram_by_node or {}).items()}
     handles = {}
     for node in ray.nodes():
         if not node.get("Alive"):
             continue
         name = node_name_of(node)
-        if only_simulated and name not in ram_by_node:
+        if only_simulated and name not in declared:
             continue
+        sim = declared.get(name)
         handles[name] = NodeAgentActor.options(
             name=AGENT_PREFIX + name,
             namespace=NAMESPACE,
@@ -171,7 +177,8 @@ def ensure_agents(ram_by_node: dict[str, int] | None = None, *, command: list[st
             max_restarts=-1,
             max_task_retries=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
-        ).remote(name, ram_bytes=ram_by_node.get(name), gpu_count=None if name not in ram_by_node else 0,
+        ).remote(name, ram_bytes=sim.ram_bytes if sim else None, gpu_count=sim.gpu_count if sim else None,
+                 gpu_memory_bytes=sim.gpu_memory_bytes if sim else None, cpu_count=sim.cpu_count if sim else None,
                  ray_node_id=node["NodeID"], command=command, env=env)
     for handle in handles.values():
         ray.get(handle.ping.remote(), timeout=120)

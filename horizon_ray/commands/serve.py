@@ -1,6 +1,7 @@
 """``horizon-ray serve``: the service on a Ray cluster: node agents, the coordinator and the HTTP API.
 
     horizon-ray serve --simulate-nodes "a=16GiB,b=64GiB,c=256GiB"   # a local cluster of simulated nodes
+    horizon-ray serve --simulate-nodes "a=64GiB,b=512GiB:2gpu"      # b: 2 logical GPUs, one job on each
     horizon-ray serve --address 10.0.0.1:6379                        # join a running Ray cluster
 
 Starts (or joins) the cluster, a NodeAgent on every node, the detached coordinator, then the API
@@ -22,8 +23,9 @@ from pathlib import Path
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None,
                         help="join this Ray cluster (host:port, or auto); default: start a local one")
-    parser.add_argument("--simulate-nodes", default=None, metavar="a=16GiB,b=64GiB",
-                        help="start a local cluster whose nodes declare these RAM sizes to the planner")
+    parser.add_argument("--simulate-nodes", default=None, metavar="a=16GiB,b=512GiB:2gpu",
+                        help="start a local cluster whose nodes declare this RAM (and logical GPUs, cores) to "
+                             "the planner: NAME=RAM[:Ngpu[@GPU_MEMORY]][:Ncpu], comma-separated")
     parser.add_argument("--root", type=Path, default=None,
                         help="service state: job table, default job outputs (default "
                              "$HORIZON_RAY_HOME/service)")
@@ -39,10 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from horizon_ray.cluster.local import default_root, parse_simulated_nodes
+    from horizon_ray.cluster.local import default_root, parse_simulated_cluster
     from horizon_ray.cluster.tenants import TenantsConfig, format_bytes
 
-    simulated = parse_simulated_nodes(args.simulate_nodes) if args.simulate_nodes else None
+    simulated = parse_simulated_cluster(args.simulate_nodes) if args.simulate_nodes else None
     if simulated and args.address:
         raise ValueError("--simulate-nodes starts its own local cluster; drop --address, or drop "
                          "--simulate-nodes to join the cluster at --address")
@@ -73,7 +75,10 @@ def run(args: argparse.Namespace) -> int:
         address = ray.get_runtime_context().gcs_address
         print(f"horizon-ray service on Ray cluster {address} (namespace {NAMESPACE})")
         for node in client.nodes():
-            print(f"  node {node.node_id}: {format_bytes(node.ram_bytes)} RAM, {node.gpu_count} GPU(s)")
+            gpus = (f"{node.gpu_count} GPU(s) of {format_bytes(node.gpu_memory_bytes)}" if node.gpu_count
+                    else "no GPU")
+            print(f"  node {node.node_id}: {format_bytes(node.ram_bytes)} RAM, {gpus}, {node.cpu_count} cores "
+                  "split among its engines")
         print(f"  job table {service.store_path}; job outputs default to {service.jobs_root}/<tenant>/<job>")
         print(f"  clients: horizon-ray submit JOB.yaml --address {address}  (or --root {root})", flush=True)
         if not simulated:

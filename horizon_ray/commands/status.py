@@ -1,8 +1,9 @@
 """``horizon-ray status [JOB_ID]``: the service at a glance, or one job.
 
-Without a job id: the nodes (RAM, reservations, jobs), the tenant's recent jobs and the queue. With one:
-the job's state, node, progress, plan, error, checkpoints and latest events; the exit code is 1 when the
-job failed or was cancelled, else 0 (2 when it does not exist or the service is unreachable).
+Without a job id: the nodes (RAM, reservations, jobs, GPUs busy of all), the tenant's recent jobs and the
+queue. With one: the job's state, node and GPU, progress, plan, error, checkpoints and latest events; the
+exit code is 1 when the job failed or was cancelled, else 0 (2 when it does not exist or the service is
+unreachable).
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ def _overview(client, tenant: str, args) -> int:
         print(json.dumps({"nodes": [n.to_dict() for n in nodes], "jobs": [j.to_dict() for j in jobs],
                           "has_more": more, "queue": [j.to_dict() for j in queue]}, indent=2))
         return 0
-    print("NODE          RAM         RESERVED    FREE        JOBS  ALIVE")
+    print("NODE          RAM         RESERVED    FREE        JOBS  ALIVE  GPUS BUSY")
     for n in nodes:
+        gpus = f"{len(n.busy_gpus)}/{n.gpu_count}" if n.gpu_count else "-"
         print(f"{n.node_id:<13} {format_bytes(n.ram_bytes):<11} {format_bytes(n.reserved_bytes):<11} "
-              f"{format_bytes(n.free_bytes):<11} {len(n.ledger):<5} {'yes' if n.alive else 'no'}")
+              f"{format_bytes(n.free_bytes):<11} {len(n.ledger):<5} {'yes' if n.alive else 'no ':<6} {gpus}")
     print(f"\nJOBS of tenant {tenant}")
     print("ID                STATUS         NODE      STEP        CREATED              NAME")
     for j in jobs:
@@ -79,7 +81,8 @@ def _one(client, tenant: str, args) -> int:
         p = job.progress
         name = f"  name {job.name}" if job.name else ""
         print(f"{job.id}  {job.status.value}  tenant {job.tenant}{name}")
-        print(f"  node: {job.node_id or '-'}   attempts: {job.attempts}   created {_time(job.created_at)}"
+        gpu = f"   gpu: {job.gpu_index}" if job.gpu_index is not None else ""
+        print(f"  node: {job.node_id or '-'}{gpu}   attempts: {job.attempts}   created {_time(job.created_at)}"
               + (f"   finished {_time(job.finished_at)}" if job.finished_at else ""))
         total = f"/{p.total_steps}" if p.total_steps else ""
         speed = f"   {p.tokens_per_s:.0f} tokens/s" if p.tokens_per_s else ""

@@ -80,6 +80,8 @@ def engine_config(spec: JobSpec) -> Any:
         precision=spec.engine.precision,
         loss_chunk_tokens=spec.engine.loss_chunk_tokens,
         seed=t.seed,
+        # the node agent's share of the cores when several engines run on one node (0: the engine's default)
+        optimizer_threads=int(os.environ.get("HORIZON_RAY_OPTIMIZER_THREADS") or 0),
         lora=None if spec.method != "lora" else LoraConfig(
             r=spec.lora.r, alpha=spec.lora.alpha, dropout=spec.lora.dropout, targets=tuple(spec.lora.targets)),
     )

@@ -55,6 +55,10 @@ class Ceilings:
     adam_params_per_s: float = 4.33e9  # torch fused CPU AdamW, fp32, 16 threads, no copies running
     adam_params_per_s_with_copies: float = 2.70e9  # the same while full-duplex pinned copies run
     adam_bytes_per_param: float = 28.0  # bytes the measured AdamW moved per parameter (fp32 g, p, m, v)
+    # Host-memory side of the pinned copies of all the node's GPUs together. Each GPU has its own PCIe link,
+    # but every link's DMA reads and writes the same DRAM. Not measured beyond one GPU: taken as the one-GPU
+    # duplex rate, so N engines on one host get 1/N of it each (a run of two engines side by side measures it).
+    host_copy_bytes_per_s: float = 101.7e9
     cpu_flops: float = 1.0e12  # device="cpu" only: sustained fp32 FLOP/s of the host (rough, not measured)
 
 
@@ -62,7 +66,7 @@ class Ceilings:
 class NodeSpec:
     ram_bytes: int = int(125.9 * GiB)  # host RAM (ceilings.md: 125.9 GiB on the H200 box)
     gpu_mem_bytes: int = 143771 * MiB  # memory of one GPU (nvidia-smi on the H200 box: 143771 MiB)
-    gpus: int = 1  # GPUs on the node; one job uses one GPU
+    gpus: int = 1  # GPUs on the node; one job (one engine) uses one GPU, so up to `gpus` engines share the host
     reserve_fraction: float = 0.05  # share of RAM kept free for the OS, page cache and other processes
     ceilings: Ceilings = field(default_factory=Ceilings)
     name: str = "h200"

@@ -41,7 +41,7 @@ class Plan:
     reason: str  # one paragraph: the verdict with numbers, and what would fit when it does not
     breakdown: dict[str, dict[str, int]]  # {"host": {item: bytes}, "gpu": {item: bytes}}; items sum up
     bytes_per_param: float  # host bytes per parameter of the mode's state (weights, master, m, v, grads)
-    step_time_s: float  # predicted seconds per optimizer step
+    step_time_s: float  # predicted seconds per optimizer step (of one engine while concurrent_engines run)
     tokens_per_s: float  # tokens_per_step / step_time_s
     mfu: float  # model FLOPs (house convention) per second / matmul_flops
     bound: str  # what sets the step time: gpu compute, pcie, cpu optimizer
@@ -52,6 +52,12 @@ class Plan:
     lora: dict[str, Any] | None = None  # rank and targets, for method lora
     node: dict[str, Any] = field(default_factory=dict)  # the NodeSpec planned against
     pinned_pow2: bool = PINNED_POW2_ROUNDING  # pinned buffers rounded up to powers of two (torch's allocator)
+    concurrent_engines: int = 1  # engines sharing the host's DRAM bandwidth and cores (one per GPU) in the timing
+
+    @property
+    def node_tokens_per_s(self) -> float:
+        """Tokens/s of the node when concurrent_engines engines run jobs like this one side by side."""
+        return self.tokens_per_s * self.concurrent_engines
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -73,7 +79,7 @@ def plan(model, *, method: str = "full", mode: str | None = None, seq_len: int |
          gpu_budget_bytes: int | None = None, lora: LoraSpec | dict | None = None,
          loss_chunk_tokens: int | None = None, packed: bool = False, suggest: bool = True,
          pinned_pow2: bool = PINNED_POW2_ROUNDING, layer_chunk_tokens: int = LAYER_CHUNK_TOKENS,
-         offload_checkpoints: bool | str | None = None) -> Plan:
+         offload_checkpoints: bool | str | None = None, concurrent_engines: int = 1) -> Plan:
     """Plan one job on one node.
 
     ``model``: a preset name, a config.json path or model directory, an HF config dict, a ModelShape, or a
@@ -82,11 +88,14 @@ def plan(model, *, method: str = "full", mode: str | None = None, seq_len: int |
     and float32 on cpu (the job spec's rule). ``packed``: rows pack several documents (a mask per
     micro-batch). ``pinned_pow2``: how the engine pins host buffers (see memory.PINNED_POW2_ROUNDING).
     ``layer_chunk_tokens`` / ``offload_checkpoints``: the engine's knobs of the same names ("auto" or None:
-    checkpoints offloaded to the host on CUDA).
+    checkpoints offloaded to the host on CUDA). ``concurrent_engines``: how many engines (one per GPU) run at
+    once on the node and share its DRAM bandwidth and cores; the step time is that of one of them (see
+    ``timing``). On CUDA it cannot exceed the node's GPUs.
     """
     node = node or H200_NODE
     if isinstance(model, dict) and "model" in model:
-        return plan_for_spec(model, node, gpu_budget_bytes=gpu_budget_bytes, suggest=suggest)
+        return plan_for_spec(model, node, gpu_budget_bytes=gpu_budget_bytes, suggest=suggest,
+                             concurrent_engines=concurrent_engines)
     shape = load_model_shape(model)
     d = _job_defaults()
     job = Job(seq_len=_pos("seq_len", seq_len, d), micro_batch_size=_pos("micro_batch_size", micro_batch_size, d),
@@ -112,13 +121,14 @@ def plan(model, *, method: str = "full", mode: str | None = None, seq_len: int |
     if pm.needs_bf16 and compute_dtype != "bfloat16":
         raise ValueError(f"mode {mode!r} keeps its weights in bf16 and computes in bfloat16; set "
                          "compute_dtype='bfloat16' or use mode 'exact'")
+    _concurrent(concurrent_engines, device, node)
     lora_spec = None
     if method == "lora":
         lora_spec = lora if isinstance(lora, LoraSpec) else LoraSpec(**(lora or {}))
         lora_spec = replace(lora_spec, targets=tuple(lora_spec.targets))
         lora_spec.validate()
     return _plan(shape, pm.name, compute_dtype, device, job, node, gpu_budget_bytes, lora_spec, suggest,
-                 pinned_pow2)
+                 pinned_pow2, concurrent_engines)
 
 
 def _pos(name: str, value: int | None, defaults: dict[str, Any]) -> int:
@@ -126,6 +136,14 @@ def _pos(name: str, value: int | None, defaults: dict[str, Any]) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return value
+
+
+def _concurrent(n: int, device: str, node: NodeSpec) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"concurrent_engines must be an integer >= 1, got {n!r}")
+    if device == "cuda" and node.gpus and n > node.gpus:
+        raise ValueError(f"concurrent_engines is {n} but node {node.name} has {node.gpus} GPU(s) and runs one "
+                         f"engine per GPU; give at most {node.gpus}, or a node with more GPUs")
 
 
 def _device(device: str, node: NodeSpec) -> str:
@@ -138,12 +156,13 @@ def _device(device: str, node: NodeSpec) -> str:
 
 
 def _plan(shape: ModelShape, mode: str, compute_dtype: str, device: str, job: Job, node: NodeSpec,
-          gpu_budget_bytes: int | None, lora: LoraSpec | None, suggest: bool, pinned_pow2: bool) -> Plan:
+          gpu_budget_bytes: int | None, lora: LoraSpec | None, suggest: bool, pinned_pow2: bool,
+          concurrent_engines: int = 1) -> Plan:
     pm = MODES[mode]
     host, pinned = host_breakdown(shape, pm, compute_dtype, device, job, lora, pinned_pow2)
     gpu = device_items(shape, pm, compute_dtype, job, lora) if device == "cuda" else {}
     host_bytes, gpu_bytes = sum(host.values()), sum(gpu.values())
-    t = step_time(shape, pm, compute_dtype, device, job, lora, node.ceilings)
+    t = step_time(shape, pm, compute_dtype, device, job, lora, node.ceilings, concurrent_engines)
     trainable = shape.num_params if pm.method == "full" else lora.num_params(shape)
     state = host["weights"] + host["master"] + host["moments"] + host["grads"]
     gpu_limit = gpu_budget_bytes if gpu_budget_bytes is not None else node.gpu_mem_bytes
@@ -160,6 +179,7 @@ def _plan(shape: ModelShape, mode: str, compute_dtype: str, device: str, job: Jo
         mfu=t["model_flops"] / t["step_s"] / node.ceilings.matmul_flops, bound=t["bound"], timing=t,
         gives_up=pm.gives_up, engine_supported=pm.engine_supported,
         lora=dataclasses.asdict(lora) if lora else None, node=node.to_dict(), pinned_pow2=pinned_pow2,
+        concurrent_engines=concurrent_engines,
     )
     if suggest and not p.fits:
         p.alternatives = _alternatives(shape, p, job, node, gpu_budget_bytes, lora)
@@ -176,7 +196,8 @@ def _alternatives(shape, p: Plan, job, node, gpu_budget_bytes, lora) -> list[dic
         pm = MODES[name]
         dtype = "bfloat16" if pm.needs_bf16 else p.compute_dtype
         other = _plan(shape, name, dtype, p.device, job, node, gpu_budget_bytes,
-                      (lora or LoraSpec()) if pm.method == "lora" else None, False, p.pinned_pow2)
+                      (lora or LoraSpec()) if pm.method == "lora" else None, False, p.pinned_pow2,
+                      p.concurrent_engines)
         out.append({"mode": name, "compute_dtype": dtype, "host_bytes": other.host_bytes,
                     "gpu_bytes": other.gpu_bytes, "fits": other.fits, "engine_supported": pm.engine_supported,
                     "bytes_per_param": round(other.bytes_per_param, 3), "gives_up": pm.gives_up,
@@ -198,8 +219,9 @@ def _reason(p: Plan, node: NodeSpec, shape, job, gpu_budget_bytes, lora, host_ok
     caveat = "" if p.engine_supported else f" Mode {p.mode} is planned only: the engine does not implement it yet."
     if p.fits:
         gives = "" if MODES[p.mode].exact_adamw else f" It gives up {p.gives_up}."
+        shared = f" with {p.concurrent_engines} engines sharing the host" if p.concurrent_engines > 1 else ""
         return (f"fits: host {format_bytes(p.host_bytes)} of {ram_txt}" + (f", {gpu_txt}" if gpu_txt else "")
-                + f"; {mode_txt}; ~{p.step_time_s:.2f} s/step ({p.bound} bound).{gives}{caveat}")
+                + f"; {mode_txt}; ~{p.step_time_s:.2f} s/step{shared} ({p.bound} bound).{gives}{caveat}")
     parts = []
     if not host_ok:
         missing = p.host_bytes - p.host_limit_bytes
@@ -247,7 +269,8 @@ def _gpu_fix(shape, p: Plan, job: Job, node, gpu_budget_bytes, lora) -> str:
     """The first of a few job changes that fits the GPU: smaller micro-batches at the same tokens per step,
     smaller loss chunks, another checkpoint interval, then fewer tokens per step."""
     def fits(j: Job) -> bool:
-        q = _plan(shape, p.mode, p.compute_dtype, p.device, j, node, gpu_budget_bytes, lora, False, p.pinned_pow2)
+        q = _plan(shape, p.mode, p.compute_dtype, p.device, j, node, gpu_budget_bytes, lora, False, p.pinned_pow2,
+                  p.concurrent_engines)
         return q.gpu_bytes <= p.gpu_limit_bytes
 
     mb, ga = job.micro_batch_size, job.grad_accum
@@ -291,7 +314,7 @@ def _get(d: Any, dotted: str, default: Any) -> Any:
 
 
 def plan_for_spec(spec, node: NodeSpec | None = None, *, gpu_budget_bytes: int | None = None,
-                  suggest: bool = True) -> Plan:
+                  suggest: bool = True, concurrent_engines: int = 1) -> Plan:
     """Plan a job spec (``horizon_ray.jobspec.JobSpec`` or its dict form) on a node.
 
     The model is read from ``model.path``: a model directory or config.json when this machine sees it, else
@@ -324,7 +347,8 @@ def plan_for_spec(spec, node: NodeSpec | None = None, *, gpu_budget_bytes: int |
         loss_chunk_tokens=_get(spec, "engine.loss_chunk_tokens", e.loss_chunk_tokens),
         layer_chunk_tokens=_get(spec, "engine.layer_chunk_tokens", LAYER_CHUNK_TOKENS),
         offload_checkpoints=_get(spec, "engine.offload_checkpoints", None),
-        packed=bool(_get(spec, "training.packing", t.packing)), suggest=suggest)
+        packed=bool(_get(spec, "training.packing", t.packing)), suggest=suggest,
+        concurrent_engines=concurrent_engines)
 
 
 # ---- the largest model of a family --------------------------------------------------------------------------
@@ -426,5 +450,8 @@ def format_plan(p: Plan) -> str:
                     f"{t['exposed_s']:.2f} s")
     else:
         rows.append(f"STEP         {p.step_time_s:.2f} s, {p.tokens_per_s:,.0f} tokens/s (CPU, rough)")
+    if p.concurrent_engines > 1:
+        rows.append(f"  per engine, with {p.concurrent_engines} engines sharing the host's DRAM bandwidth and "
+                    f"cores; the node: {p.node_tokens_per_s:,.0f} tokens/s")
     rows += ["", ("FITS" if p.fits else "DOES NOT FIT") + f": {p.reason}"]
     return "\n".join(rows)

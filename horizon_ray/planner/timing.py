@@ -34,6 +34,14 @@ its gradient's download after the last layer. Within a phase, copies and compute
 overlap fully (double buffering); the optimizer runs at the with-copies rate while phase A's copies run.
 On device "cpu" nothing overlaps: step = compute at cpu_flops + optimizer at its no-copies rate.
 
+N engines on one host (``concurrent_engines``: one job per GPU, all drawing on the node's RAM): each GPU has
+its own PCIe link and its own compute, but the host's DRAM and cores are shared. The CPU AdamW is bound by
+DRAM bandwidth and the cores, which the agent splits evenly, so each engine's update runs at 1/N of the
+measured rates (alone and with copies). Every link's DMA reads and writes the same DRAM, so each engine's
+copies run at min(its link's rate, host_copy_bytes_per_s / N). GPU compute is not shared. On device
+"cpu", the N engines split the cores: compute and optimizer both at 1/N. The step time and tokens/s are
+those of one engine while N run; the node's throughput is N times that.
+
 Against the engine on the H200 box (2026-11-29, bf16, seq 1024, micro-batch 16): Qwen2.5-1.5B at 32k
 tokens measured 1.41 s (K=1) and 2.01 s (K=4) per step against 1.12 s and 1.27 s planned; Qwen2.5-7B at
 64k tokens, K=4, 15.5 s against 10.2 s. The gap is mostly the host update: the engine's took 9.2 s for
@@ -55,9 +63,25 @@ def model_flops(shape: ModelShape, seq_len: int, tokens: int) -> float:
             + 6.0 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len * tokens)
 
 
+def host_share(ceil: Ceilings, concurrent_engines: int = 1) -> dict[str, float]:
+    """The rates one engine sees while `concurrent_engines` engines share the host (bytes/s)."""
+    n = concurrent_engines
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"concurrent_engines must be an integer >= 1, got {n!r}")
+    host_copy = ceil.host_copy_bytes_per_s / n
+    return {"adam_bytes_per_s": ceil.adam_bytes_per_param * ceil.adam_params_per_s / n,
+            "adam_bytes_per_s_with_copies": ceil.adam_bytes_per_param * ceil.adam_params_per_s_with_copies / n,
+            "h2d_bytes_per_s": min(ceil.h2d_bytes_per_s, host_copy),
+            "d2h_bytes_per_s": min(ceil.d2h_bytes_per_s, host_copy),
+            "duplex_bytes_per_s": min(ceil.duplex_bytes_per_s, host_copy),
+            "cpu_flops": ceil.cpu_flops / n}
+
+
 def step_time(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, device: str, job: Job,
-              lora: LoraSpec | None, ceil: Ceilings) -> dict[str, float]:
-    """Seconds of each term and the predicted step, plus the name of the bound."""
+              lora: LoraSpec | None, ceil: Ceilings, concurrent_engines: int = 1) -> dict[str, float]:
+    """Seconds of each term and the predicted step of one engine while `concurrent_engines` engines share
+    the host, plus the name of the bound."""
+    share = host_share(ceil, concurrent_engines)
     c = DTYPE_BYTES[compute_dtype]
     L, H, V = shape.num_layers, shape.hidden_size, shape.vocab_size
     K = min(job.checkpoint_every, max(L, 1))
@@ -89,15 +113,16 @@ def step_time(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, device
     h2d_fwd = sum(wire.values()) + adapter_wire - wire["embed"]
     h2d_bwd = max(0, L - 2 * K) * wire.get("layer.0", 0) + checkpoints
 
-    bw_alone = ceil.adam_bytes_per_param * ceil.adam_params_per_s
-    bw_copies = ceil.adam_bytes_per_param * ceil.adam_params_per_s_with_copies
+    bw_alone, bw_copies = share["adam_bytes_per_s"], share["adam_bytes_per_s_with_copies"]
+    h2d_bw, d2h_bw, duplex_bw = share["h2d_bytes_per_s"], share["d2h_bytes_per_s"], share["duplex_bytes_per_s"]
     out = {"fwd_flops": fwd_flops, "bwd_flops": bwd_flops, "model_flops": model_flops(shape, seq_len, tokens),
            "h2d_bytes": h2d_fwd + wire["embed"] + h2d_bwd, "d2h_bytes": grads_down + checkpoints,
-           "optimizer_bytes": opt_work}
+           "optimizer_bytes": opt_work, "concurrent_engines": concurrent_engines, "host_share": share}
     if device == "cpu":
-        compute = (fwd_flops + bwd_flops) / ceil.cpu_flops
+        cpu_flops = share["cpu_flops"]
+        compute = (fwd_flops + bwd_flops) / cpu_flops
         opt = opt_work / bw_alone
-        out.update(compute_s=compute, forward_s=fwd_flops / ceil.cpu_flops, backward_s=bwd_flops / ceil.cpu_flops,
+        out.update(compute_s=compute, forward_s=fwd_flops / cpu_flops, backward_s=bwd_flops / cpu_flops,
                    pcie_s=0.0, optimizer_s=opt, exposed_s=0.0, step_s=compute + opt,
                    bound="cpu compute" if compute >= opt else "cpu optimizer")
         return out
@@ -105,17 +130,14 @@ def step_time(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, device
     rate = ceil.matmul_flops * ceil.compute_efficiency
     fwd_s, bwd_s = fwd_flops / rate, bwd_flops / rate
     # phase A: weights in, checkpoints out; phase B: the rest of the weights and checkpoints in, gradients out
-    copies_fwd_s = max(h2d_fwd / ceil.h2d_bytes_per_s, checkpoints / ceil.d2h_bytes_per_s,
-                       (h2d_fwd + checkpoints) / ceil.duplex_bytes_per_s)
-    copies_bwd_s = max(h2d_bwd / ceil.h2d_bytes_per_s, grads_down / ceil.d2h_bytes_per_s,
-                       (h2d_bwd + grads_down) / ceil.duplex_bytes_per_s)
+    copies_fwd_s = max(h2d_fwd / h2d_bw, checkpoints / d2h_bw, (h2d_fwd + checkpoints) / duplex_bw)
+    copies_bwd_s = max(h2d_bwd / h2d_bw, grads_down / d2h_bw, (h2d_bwd + grads_down) / duplex_bw)
     rest = opt_work - embed_opt_work
     if rest <= copies_fwd_s * bw_copies:
         opt_s = rest / bw_copies
     else:
         opt_s = copies_fwd_s + (rest - copies_fwd_s * bw_copies) / bw_alone
-    exposed = (embed_opt_work / bw_alone + wire["embed"] / ceil.h2d_bytes_per_s
-               + embed_grad_down / ceil.d2h_bytes_per_s)
+    exposed = embed_opt_work / bw_alone + wire["embed"] / h2d_bw + embed_grad_down / d2h_bw
     phase_a = max(fwd_s, copies_fwd_s, opt_s)
     phase_b = max(bwd_s, copies_bwd_s)
     bound_a = max((fwd_s, "gpu compute"), (copies_fwd_s, "pcie"), (opt_s, "cpu optimizer"))[1]

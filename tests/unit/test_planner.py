@@ -355,3 +355,58 @@ def test_large_pinned_buffers_are_exact():
     assert p.breakdown["host"]["pinned_padding"] < 2**20
     rounded = plan("qwen2.5-7b", mode="exact", compute_dtype="bfloat16", device="cuda", pinned_pow2=True, **JOB)
     assert rounded.breakdown["host"]["pinned_padding"] > 2**30
+
+
+# ---- N engines on one host (one per GPU) ---------------------------------------------------------------
+
+
+def test_engines_sharing_a_host_split_its_dram_bandwidth_and_cores():
+    from horizon_ray.planner import Ceilings
+    from horizon_ray.planner.timing import host_share
+
+    one, two, four = (host_share(Ceilings(), n) for n in (1, 2, 4))
+    # the CPU AdamW: 4.33 G params/s x 28 B alone, 2.70 G/s x 28 B with copies running, split N ways
+    assert one["adam_bytes_per_s"] == pytest.approx(121.24e9) and two["adam_bytes_per_s"] == pytest.approx(60.62e9)
+    assert two["adam_bytes_per_s_with_copies"] == pytest.approx(37.8e9)
+    # copies: each GPU keeps its own link (55.4 GB/s H2D); the host side, 101.7 GB/s, is split N ways
+    assert one["h2d_bytes_per_s"] == 55.4e9 and one["duplex_bytes_per_s"] == 101.7e9
+    assert two["h2d_bytes_per_s"] == two["d2h_bytes_per_s"] == two["duplex_bytes_per_s"] == pytest.approx(50.85e9)
+    assert four["h2d_bytes_per_s"] == pytest.approx(25.425e9) and four["cpu_flops"] == 0.25e12
+    with pytest.raises(ValueError, match="concurrent_engines"):
+        host_share(Ceilings(), 0)
+
+
+def test_two_7b_jobs_side_by_side_on_a_two_gpu_node():
+    node = NodeSpec(ram_bytes=1024 * GiB, gpus=2)
+    job = {"seq_len": 1024, "micro_batch_size": 16, "grad_accum": 4, "checkpoint_every": 4}
+    alone = plan("qwen2.5-7b", node=node, **job)
+    shared = plan("qwen2.5-7b", node=node, concurrent_engines=2, **job)
+    assert alone.concurrent_engines == 1 and shared.concurrent_engines == 2
+    assert shared.host_bytes == alone.host_bytes and shared.gpu_bytes == alone.gpu_bytes  # per engine
+    a, s = alone.timing, shared.timing
+    assert s["forward_s"] == a["forward_s"] and s["backward_s"] == a["backward_s"]  # GPUs are not shared
+    # The update of 213 GB (7.6 G params x 28 B): 0.26 s under the forward copies at 75.6 GB/s, the rest
+    # at 121 GB/s = 1.73 s alone; 0.34 s at 37.8 GB/s, the rest at 60.6 GB/s = 3.39 s with two engines.
+    assert a["optimizer_s"] == pytest.approx(1.729, abs=0.005)
+    assert s["optimizer_s"] == pytest.approx(3.395, abs=0.005)
+    # The backward's copies (weights in, gradients out) meet the host side's half of 101.7 GB/s: 0.28 -> 0.55 s
+    assert a["pcie_backward_s"] == pytest.approx(0.275, abs=0.002)
+    assert s["pcie_backward_s"] == pytest.approx(0.548, abs=0.002)
+    # One engine is GPU-bound at 10.20 s; with two, each update outlasts its forward: 11.72 s per step.
+    assert alone.step_time_s == pytest.approx(10.20, abs=0.01) and alone.bound == "gpu compute"
+    assert shared.step_time_s == pytest.approx(11.72, abs=0.01) and "cpu optimizer" in shared.bound
+    # Each job runs at 0.87x; the node at 1.74x the tokens/s of one job.
+    assert shared.tokens_per_s / alone.tokens_per_s == pytest.approx(0.871, abs=0.002)
+    assert shared.node_tokens_per_s / alone.tokens_per_s == pytest.approx(1.741, abs=0.004)
+    assert "with 2 engines sharing the host" in shared.reason
+    assert plan_for_spec({"model": {"path": "qwen2.5-7b"}, "training": {"seq_len": 1024, "micro_batch_size": 16,
+                                                                         "grad_accum": 4},
+                          "engine": {"activation_checkpoint_every": 4}}, node,
+                         concurrent_engines=2).step_time_s == pytest.approx(shared.step_time_s)
+    # device cpu: N engines split the cores, so compute and update both take N times as long
+    cpu1, cpu2 = (plan(TINY, device="cpu", concurrent_engines=n, **JOB) for n in (1, 2))
+    assert cpu2.step_time_s == pytest.approx(2 * cpu1.step_time_s)
+    with pytest.raises(ValueError, match="has 2 GPU"):
+        plan("qwen2.5-7b", node=node, concurrent_engines=3, **job)
+    with pytest.raises(ValueError, match="concurrent_engines must be an integer"):
+        plan("qwen2.5-7b", node=node, concurrent_engines=0, **job)
