@@ -13,13 +13,13 @@ import sys
 
 # name -> (module, one-line help). Order is the order `--help` shows.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("horizon_ray.commands.demo", "fine-tune the embedded tiny model on generated tasks, end to end"),
+    "demo": ("horizon_ray.commands.demo", "fine-tune the embedded tiny model end to end through the local service"),
     "finetune": ("horizon_ray.commands.finetune", "run one fine-tuning job (a YAML job spec) on this node"),
     "serve": ("horizon_ray.commands.serve", "run the service: Ray cluster, node agents, coordinator, API"),
     "submit": ("horizon_ray.commands.submit", "submit a job spec to the running service's coordinator"),
     "status": ("horizon_ray.commands.status", "show the service's nodes, jobs and queue, or one job"),
-    "plan": ("horizon_ray.commands.plan", "Plan host RAM, GPU memory and step time of a job on a node"),
-    "bench": ("horizon_ray.commands.bench", "benchmark the streaming engine against in-GPU training on a random-init model"),  # noqa: E501
+    "plan": ("horizon_ray.commands.plan", "plan host RAM, GPU memory and step time of a job on a node"),
+    "bench": ("horizon_ray.commands.bench", "benchmark the engine against in-GPU training on a random-init model"),
 }
 
 
