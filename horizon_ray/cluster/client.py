@@ -105,28 +105,12 @@ class CoordinatorClient(Protocol):
 _METHODS = ("submit", "get", "list", "cancel", "events", "checkpoints", "plan", "nodes", "queue", "ready")
 
 
-class LocalClient:
-    """In-process client over a `Coordinator` core. Each call first runs one scheduling pass (`tick`),
-    so tests see placements and agent reports without a background loop; `start_background(interval)`
-    adds one for long-lived use."""
-
-    def __init__(self, coordinator: Coordinator, *, tick_on_call: bool = True):
-        self.coordinator = coordinator
-        self._tick_on_call = tick_on_call
-        self._lock = threading.RLock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+class _Delegating:
+    """The protocol's methods, each one `_call(name, ...)`: the in-process and the Ray client differ only
+    in how a call reaches the coordinator."""
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            if self._tick_on_call:
-                self.coordinator.tick()
-            result = getattr(self.coordinator, method)(*args, **kwargs)
-            if method in ("submit", "cancel"):
-                self.coordinator.tick()
-                if isinstance(result, JobRecord):
-                    result = self.coordinator.get(result.tenant, result.id)
-            return result
+        raise NotImplementedError
 
     def submit(self, tenant, spec, *, idempotency_key=None, priority=0, name=None) -> JobRecord:
         return self._call("submit", tenant, spec, idempotency_key=idempotency_key, priority=priority,
@@ -155,6 +139,30 @@ class LocalClient:
 
     def queue(self, tenant=None):
         return self._call("queue", tenant)
+
+
+class LocalClient(_Delegating):
+    """In-process client over a `Coordinator` core. Each call first runs one scheduling pass (`tick`),
+    so tests see placements and agent reports without a background loop; `start_background(interval)`
+    adds one for long-lived use."""
+
+    def __init__(self, coordinator: Coordinator, *, tick_on_call: bool = True):
+        self.coordinator = coordinator
+        self._tick_on_call = tick_on_call
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            if self._tick_on_call:
+                self.coordinator.tick()
+            result = getattr(self.coordinator, method)(*args, **kwargs)
+            if method in ("submit", "cancel"):
+                self.coordinator.tick()
+                if isinstance(result, JobRecord):
+                    result = self.coordinator.get(result.tenant, result.id)
+            return result
 
     def ready(self) -> bool:
         return self._call("ready")
@@ -198,7 +206,7 @@ def connect_ray(address: str | None = None, namespace: str = NAMESPACE) -> None:
         ray.init(address=address, namespace=namespace, log_to_driver=False)
 
 
-class RayClient:
+class RayClient(_Delegating):
     """Client of the named, detached coordinator actor.
 
     Connects to Ray at `address` ("auto", "ray://...", or None for the already initialised one) in the
@@ -242,34 +250,6 @@ class RayClient:
         if "error" in reply:
             raise HorizonError.from_wire(reply["error"])
         return reply["ok"]
-
-    def submit(self, tenant, spec, *, idempotency_key=None, priority=0, name=None) -> JobRecord:
-        return self._call("submit", tenant, spec, idempotency_key=idempotency_key, priority=priority,
-                          name=name)
-
-    def get(self, tenant, job_id) -> JobRecord:
-        return self._call("get", tenant, job_id)
-
-    def list(self, tenant, *, limit=20, after=None, status=None):
-        return self._call("list", tenant, limit=limit, after=after, status=status)
-
-    def cancel(self, tenant, job_id) -> JobRecord:
-        return self._call("cancel", tenant, job_id)
-
-    def events(self, tenant, job_id, after_seq=0):
-        return self._call("events", tenant, job_id, after_seq)
-
-    def checkpoints(self, tenant, job_id):
-        return self._call("checkpoints", tenant, job_id)
-
-    def plan(self, tenant, spec):
-        return self._call("plan", tenant, spec)
-
-    def nodes(self):
-        return self._call("nodes")
-
-    def queue(self, tenant=None):
-        return self._call("queue", tenant)
 
     def ready(self) -> bool:
         try:

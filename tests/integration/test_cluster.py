@@ -303,7 +303,15 @@ def test_coordinator_killed_and_restarted_loses_no_job(service, assets):
             return None
 
     wait_for(answers, 120, what="the restarted coordinator")
-    assert ray.get(actor.pid.remote()) != pid
+
+    def new_pid():
+        # a handle taken before the kill may still report the restart as "temporarily unavailable"
+        try:
+            return ray.get(ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE).pid.remote(), timeout=30)
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
+            return None
+
+    assert wait_for(new_pid, 60, what="the restarted coordinator's pid") != pid
     job = wait_status(c, "restart", running.id, "succeeded")
     assert job.attempts == 1, "the running job should have been reattached, not restarted"
     steps = [e.data["step"] for e in c.events("restart", job.id) if e.type.value == "metrics"]
