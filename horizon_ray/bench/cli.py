@@ -41,7 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="micro-batches per optimizer step; a comma list runs each on one model")
     job.add_argument("--checkpoint-every", type=int, default=1, help="keep one layer input every K layers")
     job.add_argument("--mode", "--precision", dest="mode", default="exact",
-                     help="horizon-ray's precision mode: exact or bf16-state; a comma list runs each")
+                     help="horizon-ray's mode: exact, bf16-state or lora (frozen bf16 base, fp32 adapters); a "
+                          "comma list runs each")
+    job.add_argument("--lora-r", type=int, default=16, help="with --mode lora: adapter rank")
+    job.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                     help="with --mode lora: comma list of projections that get adapters")
     job.add_argument("--offload", default="auto",
                      help="horizon-ray's activation checkpoints on the host: auto, true, false; a comma list "
                           "runs each (auto: host on CUDA)")

@@ -26,7 +26,7 @@ from horizon_ray.bench.metrics import (
 from horizon_ray.bench.planning import planned_bytes
 from horizon_ray.bench.runtime import cap_gpu_memory, device_and_dtype, device_name, free_memory, profile_step
 from horizon_ray.bench.shapes import hf_config, model_flops_per_token, resolve_shape
-from horizon_ray.engine import Engine, EngineConfig
+from horizon_ray.engine import Engine, EngineConfig, LoraConfig
 
 OFFLOAD = {"auto": "auto", "true": True, "false": False}
 
@@ -37,10 +37,13 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
     device, dtype = device_and_dtype(args)
     t0 = time.perf_counter()
     rss0 = host_rss()
+    lora = None
+    if args.mode == "lora":  # the base is frozen; only the adapters (exact fp32 AdamW) train
+        lora = LoraConfig(r=args.lora_r, alpha=2.0 * args.lora_r, targets=tuple(args.lora_targets.split(",")))
     eng = Engine.from_config(hf_config(shape), EngineConfig(
         lr=1e-5, weight_decay=0.01, max_grad_norm=1.0, checkpoint_every=args.checkpoint_every, device=device,
-        compute_dtype=dtype, precision=args.mode, loss_chunk_tokens=args.loss_chunk,
-        offload_checkpoints=OFFLOAD[args.offload]))
+        compute_dtype=dtype, precision="exact" if lora else args.mode, loss_chunk_tokens=args.loss_chunk,
+        offload_checkpoints=OFFLOAD[args.offload], lora=lora))
     init_s = time.perf_counter() - t0
     cuda = eng.device.type == "cuda"
     budget = int(args.gpu_budget_gib * 2**30) if args.gpu_budget_gib else None
@@ -53,7 +56,8 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
                           offload_checkpoints=args.offload, flops_per_token=model_flops_per_token(shape, args.seq))
         rec.update(planned_bytes(shape, mode=args.mode, seq=args.seq, micro=args.micro, accum=accum,
                                  checkpoint_every=args.checkpoint_every, dtype=dtype, device=eng.device.type,
-                                 gpu_budget_bytes=budget, loss_chunk=args.loss_chunk, offload=args.offload))
+                                 gpu_budget_bytes=budget, loss_chunk=args.loss_chunk, offload=args.offload,
+                                 lora=(args.lora_r, args.lora_targets.split(",")) if lora else None))
         rec.update(init_s=round(init_s, 1), params=eng.num_params,
                    offload_resolved=bool(eng.streamer.offload))  # where checkpoints lived: host (True) or device
         batches = _batches(shape.vocab_size, args.micro, args.seq, accum)

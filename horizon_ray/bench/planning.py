@@ -7,24 +7,29 @@ from horizon_ray.planner import NodeSpec, max_model, plan
 
 
 def planned_bytes(shape, *, mode: str, seq: int, micro: int, accum: int, checkpoint_every: int, dtype: str,
-                  device: str, gpu_budget_bytes: int | None, loss_chunk: int, offload: str) -> dict:
+                  device: str, gpu_budget_bytes: int | None, loss_chunk: int, offload: str,
+                  lora: tuple[int, list[str]] | None = None) -> dict:
     """``planned_host_bytes``, ``planned_gpu_bytes`` and the planner's verdict for these engine settings.
     The plan reads the job spec's defaults (PyYAML); without it the run still counts, unplanned."""
     try:
         p = _plan(shape, mode, seq, micro, accum, checkpoint_every, dtype, device, gpu_budget_bytes, loss_chunk,
-                  offload)
+                  offload, lora)
     except ImportError as exc:
         return {"planned_host_bytes": None, "planned_gpu_bytes": None, "plan_error": f"ImportError: {exc}"}
     return {"planned_host_bytes": p.host_bytes, "planned_gpu_bytes": p.gpu_bytes, "plan_fits": p.fits,
             "planned_step_s": round(p.step_time_s, 3)}
 
 
-def _plan(shape, mode, seq, micro, accum, checkpoint_every, dtype, device, gpu_budget_bytes, loss_chunk, offload):
+def _plan(shape, mode, seq, micro, accum, checkpoint_every, dtype, device, gpu_budget_bytes, loss_chunk, offload,
+          lora=None):
+    extra = {}
+    if lora is not None:
+        extra = {"method": "lora", "lora": {"rank": lora[0], "targets": tuple(lora[1])}}
     return plan(shape, mode=mode, seq_len=seq, micro_batch_size=micro, grad_accum=accum,
                 checkpoint_every=checkpoint_every, compute_dtype=dtype,
                 device="cuda" if device.startswith("cuda") else "cpu", gpu_budget_bytes=gpu_budget_bytes,
                 loss_chunk_tokens=loss_chunk, suggest=False,
-                offload_checkpoints={"auto": "auto", "true": True, "false": False}[offload])
+                offload_checkpoints={"auto": "auto", "true": True, "false": False}[offload], **extra)
 
 
 def largest_shape(ram_bytes: int, *, mode: str, seq: int, micro: int, accum: int, checkpoint_every: int) -> str:
