@@ -46,3 +46,49 @@ def random_batches(steps, micro, B=2, T=12, seed=1, prompt=3):
             mbs.append((ids, labels))
         out.append(mbs)
     return out
+
+
+# A tiny Llama over the demo tokenizer's 262 ids, for end-to-end job tests.
+JOB_LLAMA = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 262, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "hidden_act": "silu", "tie_word_embeddings": False, "initializer_range": 0.02,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def job_assets(root, n_examples: int):
+    """`root/model` (JOB_LLAMA, random init, with the demo tokenizer) and `root/train.jsonl`."""
+    from horizon_ray.data import build_demo_tokenizer, make_demo_dataset
+    from horizon_ray.engine import Engine, EngineConfig
+
+    eng = Engine.from_config(JOB_LLAMA, EngineConfig(device="cpu", seed=7))
+    eng.save_pretrained(root / "model")
+    eng.close()
+    build_demo_tokenizer(root / "model")
+    make_demo_dataset(root / "train.jsonl", n_examples, seed=1)
+    return root
+
+
+def resumed_and_uninterrupted(path, cfg, batches):
+    """(uninterrupted engine, engine resumed from a state saved halfway), both run over `batches`."""
+    from horizon_ray.engine import Engine
+
+    whole = Engine.from_pretrained(path, cfg)
+    for mbs in batches:
+        whole.train_step(mbs)
+    half = len(batches) // 2
+    first = Engine.from_pretrained(path, cfg)
+    for mbs in batches[:half]:
+        first.train_step(mbs)
+    state = path.parent / "state"
+    first.save_state(state)
+    resumed = Engine.from_pretrained(path, cfg)
+    resumed.load_state(state)
+    assert resumed.step == half
+    for mbs in batches[half:]:
+        resumed.train_step(mbs)
+    whole.close()
+    resumed.close()
+    return whole, resumed

@@ -16,33 +16,18 @@ from safetensors.torch import load_file
 
 from horizon_ray.job import checkpoints as ck
 from horizon_ray.job.metrics import curves, read_metrics
+from tests.tiny import job_assets
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 TOTAL_STEPS = 8
-TINY_LLAMA = {
-    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 262, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-    "hidden_act": "silu", "tie_word_embeddings": False, "initializer_range": 0.02,
-    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
-}
 LORA = {"r": 4, "alpha": 8, "dropout": 0.1, "targets": ["q_proj", "v_proj", "gate_proj", "down_proj"], "merge": True}
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from horizon_ray.data import build_demo_tokenizer, make_demo_dataset
-    from horizon_ray.engine import Engine, EngineConfig
-
-    root = tmp_path_factory.mktemp("assets")
-    eng = Engine.from_config(TINY_LLAMA, EngineConfig(device="cpu", seed=7))
-    eng.save_pretrained(root / "model")
-    eng.close()
-    build_demo_tokenizer(root / "model")
-    make_demo_dataset(root / "train.jsonl", 300, seed=1)
-    return root
+    return job_assets(tmp_path_factory.mktemp("assets"), 300)
 
 
 def _write_spec(assets: Path, out: Path) -> Path:

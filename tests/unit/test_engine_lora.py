@@ -18,7 +18,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig
-from tests.tiny import V, random_batches, tiny_llama, tiny_qwen2
+from tests.tiny import V, random_batches, resumed_and_uninterrupted, tiny_llama, tiny_qwen2
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -230,22 +230,7 @@ def test_dropout_is_deterministic_and_active(tmp_path):
 def test_state_round_trip_continues_exactly(tmp_path):
     path, _ = tiny_llama(tmp_path, "base")
     lora = LoraConfig(r=4, alpha=8, dropout=0.1, targets=("q_proj", "v_proj", "down_proj"))
-    cfg = EngineConfig(**HP, device="cpu", lora=lora)
-    batches = random_batches(4, micro=2)
-    a = Engine.from_pretrained(path, cfg)
-    for mbs in batches:
-        a.train_step(mbs)
-    b = Engine.from_pretrained(path, cfg)
-    for mbs in batches[:2]:
-        b.train_step(mbs)
-    b.save_state(tmp_path / "state")
-    c = Engine.from_pretrained(path, cfg)
-    c.load_state(tmp_path / "state")
-    assert c.step == 2
-    for mbs in batches[2:]:
-        c.train_step(mbs)
-    a.close()
-    c.close()
+    a, c = resumed_and_uninterrupted(path, EngineConfig(**HP, device="cpu", lora=lora), random_batches(4, micro=2))
     for x, y in zip(_adapters(a).values(), _adapters(c).values()):
         assert torch.equal(x, y)
     full = Engine.from_pretrained(path, EngineConfig(**HP, device="cpu"))

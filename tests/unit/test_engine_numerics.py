@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from horizon_ray.engine import Engine, EngineConfig
-from tests.tiny import V, random_batches, save, tiny_llama, tiny_qwen2
+from tests.tiny import V, random_batches, resumed_and_uninterrupted, save, tiny_llama, tiny_qwen2
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -181,22 +181,7 @@ def test_save_pretrained_loads_in_transformers(tmp_path, shard_bytes):
 
 def test_state_round_trip_continues_exactly(tmp_path):
     path, _ = tiny_llama(tmp_path)
-    cfg = EngineConfig(**HP, device="cpu")
-    batches = random_batches(4, micro=2)
-    a = Engine.from_pretrained(path, cfg)
-    for mbs in batches:
-        a.train_step(mbs)
-    b = Engine.from_pretrained(path, cfg)
-    for mbs in batches[:2]:
-        b.train_step(mbs)
-    b.save_state(tmp_path / "state")
-    c = Engine.from_pretrained(path, cfg)
-    c.load_state(tmp_path / "state")
-    assert c.step == 2
-    for mbs in batches[2:]:
-        c.train_step(mbs)
-    a.close()
-    c.close()
+    a, c = resumed_and_uninterrupted(path, EngineConfig(**HP, device="cpu"), random_batches(4, micro=2))
     for x, y in zip(_engine_tensors(a, "master").values(), _engine_tensors(c, "master").values()):
         assert torch.equal(x, y)
 
