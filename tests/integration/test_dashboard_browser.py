@@ -46,6 +46,7 @@ def served(tmp_path):
 
 
 def test_dashboard_follows_a_job_to_succeeded_and_draws_its_loss_curve(browser, served, tmp_path):
+    expect = pytest.importorskip("playwright.sync_api").expect
     bed, url = served
     # A job that holds still on its node until the page is watching it.
     spec = {**bed.spec(max_steps=STEPS), "name": "browser run"}
@@ -65,7 +66,9 @@ def test_dashboard_follows_a_job_to_succeeded_and_draws_its_loss_curve(browser, 
     assert "API key" in page.text_content("#banner")
     page.fill("#api-key", "wrong")
     page.click("#save-key")
-    page.wait_for_function("document.querySelector('#banner').textContent.includes('refused')")
+    # A locator wait, not wait_for_function: the page's CSP (script-src 'self') forbids the eval that a
+    # string predicate falls back to once its first check comes back false.
+    expect(page.locator("#banner")).to_contain_text("refused")
     page.fill("#api-key", bed.keys["acme"])
     page.click("#save-key")
 
