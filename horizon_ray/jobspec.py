@@ -98,6 +98,9 @@ class LoraSpec:
     alpha: float = 16.0  # scaling of the adapters' output is alpha / r
     dropout: float = 0.0  # dropout on each adapter's input while training
     targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])  # projections that get an adapter
+    # norms trained beside the adapters, by PEFT's modules_to_save names: "norm" (every norm),
+    # "input_layernorm", "post_attention_layernorm", "model.norm" (the final one)
+    modules_to_save: list[str] = field(default_factory=list)
     merge: bool = False  # also write the merged full model (W + alpha/r x B A, HF format) to final/merged
 
 
@@ -241,6 +244,10 @@ class JobSpec:
             _one_of("lora.targets", t, LORA_TARGETS)
         if len(set(lo.targets)) != len(lo.targets):
             raise ValueError(f"lora.targets {lo.targets} names a projection twice; list each once")
+        for m in lo.modules_to_save:
+            if not isinstance(m, str) or not m:
+                raise ValueError(f"lora.modules_to_save entry {m!r} is not a module name; name norms: "
+                                 "norm (every norm), input_layernorm, post_attention_layernorm or model.norm")
         if self.engine.precision != "exact":
             raise ValueError(f"engine.precision {self.engine.precision} applies to full fine-tuning; with method "
                              "lora the base is frozen and the adapters are exact fp32: leave precision exact")

@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--lora-rank", type=int, default=16)
     job.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                      help="comma-separated projections that get an adapter")
+    job.add_argument("--lora-modules-to-save", default="",
+                     help="comma-separated norms trained beside the adapters (PEFT's names; norm: every norm)")
 
     node = parser.add_argument_group("node (defaults: the H200 box of ceilings.md)")
     node.add_argument("--node-ram", metavar="BYTES", help="host RAM, e.g. 125.9GiB, 1.5TiB, 512Gi")
@@ -130,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
         lora = None
         if args.method == "lora" or args.mode == "lora":
             targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-            lora = planner.LoraSpec(rank=args.lora_rank, targets=targets)
+            modules = tuple(t.strip() for t in args.lora_modules_to_save.split(",") if t.strip())
+            lora = planner.LoraSpec(rank=args.lora_rank, targets=targets, modules_to_save=modules)
         p = planner.plan(args.model, method="lora" if args.mode == "lora" else args.method, mode=args.mode,
                          node=node, lora=lora, **job)
     print(json.dumps(p.to_dict(), indent=2) if args.json else planner.format_plan(p))

@@ -85,6 +85,7 @@ class Engine:
         eng = cls(ModelConfig.load(model_dir), cfg)
         io.load_into(eng.store, model_dir, eng.model.tie_word_embeddings)
         eng.base_model_path = str(model_dir.resolve())
+        eng._base_loaded()
         return eng
 
     @classmethod
@@ -92,11 +93,12 @@ class Engine:
         lora, base = lora_io.read_adapter_config(adapter_dir)
         if cfg.lora is None:
             cfg = replace(cfg, lora=lora)
-        elif (cfg.lora.r, cfg.lora.alpha, set(cfg.lora.targets)) != (lora.r, lora.alpha, set(lora.targets)):
+        elif _shape_of(cfg.lora) != _shape_of(lora):
             raise ValueError(f"the adapter in {adapter_dir} has r={lora.r}, alpha={lora.alpha}, targets "
-                             f"{list(lora.ordered_targets)} but the engine's lora config asks for r={cfg.lora.r}, "
-                             f"alpha={cfg.lora.alpha}, targets {list(cfg.lora.ordered_targets)}; pass lora=None "
-                             "to take the adapter's")
+                             f"{list(lora.ordered_targets)}, modules_to_save {list(lora.modules_to_save)} but the "
+                             f"engine's lora config asks for r={cfg.lora.r}, alpha={cfg.lora.alpha}, targets "
+                             f"{list(cfg.lora.ordered_targets)}, modules_to_save {list(cfg.lora.modules_to_save)}; "
+                             "pass lora=None to take the adapter's")
         if not base or lora_io.is_adapter_dir(Path(base)) or not (Path(base) / "config.json").is_file():
             raise ValueError(f"the adapter in {adapter_dir} names base model {base!r}, which is not an HF model "
                              "directory here; load the base with from_pretrained and call load_adapter")
@@ -122,7 +124,12 @@ class Engine:
                 else:
                     v.zero_()
             eng.store.refresh_wire(unit)
+        eng._base_loaded()
         return eng
+
+    def _base_loaded(self) -> None:
+        if self.lora is not None:
+            lora_io.copy_base_norms(self.store)  # trained norms start from the base's
 
     # ---- public API ----------------------------------------------------------------------------------
 
@@ -361,10 +368,14 @@ class Engine:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         dhs, tied_acc = [], None
         trains_head = backward and self.lora is None
+        trains_norm = backward and st.head_adapter is not None  # LoRA with the final norm selected
         if backward:
             # d(sum CE / n)/d(sum CE): the step's token-weighted mean, across micro-batches
             scale = torch.tensor(1.0 / n_targets, dtype=torch.float32, device=self.device)
             leaves = {k: w[k] for k in ("norm", "lm_head")}
+        if trains_norm:
+            g_norm = st.adapter_grads(st.head_adapter)["norm"]
+            leaves["norm"] = w["norm"].detach().requires_grad_()
         if trains_head:
             acc = st.accumulator(head_u)
             g = self.store.units[head_u].layout.views(acc)
@@ -388,6 +399,9 @@ class Engine:
                     d_h, d_norm, d_lm = torch.autograd.grad(loss, [hc, leaves["norm"], leaves["lm_head"]], scale)
                     g["norm"].add_(d_norm)
                     g["lm_head"].add_(d_lm)
+                elif trains_norm:
+                    d_h, d_norm = torch.autograd.grad(loss, [hc, leaves["norm"]], scale)
+                    g_norm.add_(d_norm)
                 else:
                     (d_h,) = torch.autograd.grad(loss, [hc], scale)
                 loss_sum += loss.detach()
@@ -397,6 +411,8 @@ class Engine:
         st.release_head()
         if trains_head:
             st.flush(head_u, acc)
+        if trains_norm:
+            st.flush_adapter(st.head_adapter)
         return loss_sum, dhs, tied_acc
 
     def _backward(self, dhs, mbs):
@@ -468,6 +484,11 @@ class Engine:
         for dh, mb in zip(dhs, mbs):
             g.index_add_(0, mb.input_ids_BT.reshape(-1), dh.reshape(-1, dh.shape[-1]).to(g.dtype))
         st.flush(0, acc)
+
+
+def _shape_of(lora):
+    """What must agree between an adapter on disk and the engine's LoRA config (dropout may differ)."""
+    return lora.r, lora.alpha, set(lora.targets), set(lora.modules_to_save)
 
 
 def _to(t, device):

@@ -95,7 +95,8 @@ def attention_mask(position_ids_BT: torch.Tensor | None, T: int, sliding_window:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    # the weight in x's dtype: a trained norm (LoRA's modules_to_save) keeps an fp32 master
+    return weight.to(x.dtype) * x32.to(x.dtype)
 
 
 def _rotate_half(x):

@@ -12,9 +12,15 @@ The math is PEFT's, fused into the layer template (``layers.decoder_layer``), no
 
     y = x W^T (+ b) + (dropout(x) A^T) B^T * alpha / r       computed in fp32, added, cast to y's dtype
 
+Norms can train beside the adapters, as PEFT's ``modules_to_save`` does (``LoraConfig.modules_to_save``,
+PEFT's matching rule: "norm" selects every norm, "input_layernorm" each layer's first). A selected norm is
+an fp32 copy of the base's, trained with AdamW like the adapters: a layer's selected norms sit in its
+adapter unit under the base's keys ("ln1", "ln2"), so the layer template reads them in place of the base's;
+the final norm, when selected, is one more adapter unit (``lora.head``) after the layers'.
+
 Supported: targets among q/k/v/o/gate/up/down_proj, one rank and alpha for all, ``use_rslora=False``
-(scaling alpha / r), no DoRA, no bias training, no trainable norms or embeddings (``modules_to_save``):
-such adapters are refused on load with the reason.
+(scaling alpha / r), no DoRA, no bias training, no trainable embeddings or LM head: such adapters are
+refused on load with the reason.
 
 Initialisation is PEFT's default: A kaiming-uniform with a = sqrt(5) (uniform in +-1/sqrt(in)), B zero,
 so the adapted model starts as the base; drawn from a generator seeded by ``EngineConfig.seed``.
@@ -38,6 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from horizon_ray.engine.model import ModelConfig, UnitLayout, _unit
+from horizon_ray.planner.shapes import LAYER_NORMS, modules_to_save_norms
 
 # Target name (PEFT's target_modules) -> (key of the projection in a layer unit, its HF module path).
 TARGETS = {
@@ -52,6 +59,7 @@ TARGETS = {
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
+NORM_KEYS = {"input_layernorm": "ln1", "post_attention_layernorm": "ln2"}  # HF layer norm -> layer key
 _MASK64 = (1 << 64) - 1
 
 
@@ -65,6 +73,8 @@ class LoraConfig:
     dropout: float = 0.0
     # Projections of every decoder layer that get an adapter (PEFT's target_modules).
     targets: tuple[str, ...] = ("q_proj", "v_proj")
+    # Norms trained beside the adapters, by PEFT's modules_to_save names ("norm": every norm).
+    modules_to_save: tuple[str, ...] = ()
 
     def validate(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
@@ -80,6 +90,13 @@ class LoraConfig:
                              f"{', '.join(TARGETS)}")
         if len(set(targets)) != len(targets):
             raise ValueError(f"lora targets {list(targets)} name a projection twice; list each once")
+        if isinstance(self.modules_to_save, str):
+            raise ValueError(f"lora modules_to_save must be a list of module names, got the string "
+                             f"{self.modules_to_save!r}; write [{self.modules_to_save!r}]")
+        bad = [m for m in self.modules_to_save if not isinstance(m, str) or not m]
+        if bad:
+            raise ValueError(f"lora modules_to_save entries {bad} are not module names; name norms, e.g. "
+                             f"{', '.join(LAYER_NORMS)}, or norm (every norm)")
 
     @property
     def scaling(self) -> float:
@@ -100,9 +117,12 @@ def _projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def adapter_layouts(cfg: ModelConfig, lora: LoraConfig) -> list[UnitLayout]:
-    """One adapter unit per decoder layer, ``lora.{i}``: A [r, in] then B [out, r] of each target. The
-    tensor names are PEFT's saved names; the keys ("q.lora_A", ...) are what the layer template reads."""
+    """One adapter unit per decoder layer, ``lora.{i}``: A [r, in] then B [out, r] of each target, then the
+    layer's selected norms; and ``lora.head`` with the final norm when it is selected. The tensor names are
+    PEFT's saved names; the keys ("q.lora_A", "ln1", ...) are what the layer template reads."""
     shapes = _projection_shapes(cfg)
+    norms, final = modules_to_save_norms(cfg.num_layers, lora.modules_to_save)
+    H = cfg.hidden_size
     units = []
     for i in range(cfg.num_layers):
         entries = []
@@ -112,8 +132,28 @@ def adapter_layouts(cfg: ModelConfig, lora: LoraConfig) -> list[UnitLayout]:
             name = f"{_PEFT_PREFIX}model.layers.{i}.{module}"
             entries.append((f"{name}.lora_A.weight", f"{key}.lora_A", (lora.r, fan_in)))
             entries.append((f"{name}.lora_B.weight", f"{key}.lora_B", (fan_out, lora.r)))
+        for n in norms[i]:
+            entries.append((f"{_PEFT_PREFIX}model.layers.{i}.{n}.weight", NORM_KEYS[n], (H,)))
         units.append(_unit(f"lora.{i}", entries))
+    if final:
+        units.append(_unit("lora.head", [(f"{_PEFT_PREFIX}model.norm.weight", "norm", (H,))]))
     return units
+
+
+def _base_tensor(name: str) -> str:
+    """A trained norm's PEFT name -> the base model's tensor it starts from and replaces."""
+    return name.removeprefix(_PEFT_PREFIX)
+
+
+def copy_base_norms(store) -> None:
+    """Start every trained norm from the base's weights (once the base is loaded)."""
+    base = {t.name: (u, t.key) for u in store.units for t in u.layout.tensors}
+    for unit in store.adapters:
+        views = unit.layout.views(unit.master)
+        for t in unit.layout.tensors:
+            if not t.key.endswith((".lora_A", ".lora_B")):
+                src, key = base[_base_tensor(t.name)]
+                views[t.key].copy_(src.layout.views(src.wire)[key])
 
 
 def init_adapters(adapters, seed: int) -> None:
@@ -126,8 +166,10 @@ def init_adapters(adapters, seed: int) -> None:
             if t.key.endswith(".lora_A"):
                 bound = 1.0 / math.sqrt(t.shape[1])
                 views[t.key].copy_(torch.empty(t.shape).uniform_(-bound, bound, generator=gen))
-            else:
+            elif t.key.endswith(".lora_B"):
                 views[t.key].zero_()
+            else:  # a trained norm: HF's initial value until copy_base_norms takes the base's
+                views[t.key].fill_(1.0)
 
 
 def mix_seed(*parts: int) -> int:
@@ -142,14 +184,20 @@ def mix_seed(*parts: int) -> int:
 
 
 def merge_fn(adapters, lora: LoraConfig):
-    """For saving a merged model: HF base tensor name, tensor -> W + scaling x B A in fp32 (others as is)."""
-    where = {}
-    for i, unit in enumerate(adapters):
-        for t in lora.ordered_targets:
-            key, module = TARGETS[t]
-            where[f"model.layers.{i}.{module}.weight"] = (unit, key)
+    """For saving a merged model: HF base tensor name, tensor -> W + scaling x B A in fp32, a trained norm
+    in place of the base's (others as is)."""
+    where, norms = {}, {}
+    for unit in adapters:
+        for t in unit.layout.tensors:
+            if t.key.endswith(".lora_A"):
+                where[_base_tensor(t.name).replace(".lora_A.", ".")] = (unit, t.key.removesuffix(".lora_A"))
+            elif not t.key.endswith(".lora_B"):
+                norms[_base_tensor(t.name)] = (unit, t.key)
 
     def merge(name: str, w: torch.Tensor) -> torch.Tensor:
+        if name in norms:
+            unit, key = norms[name]
+            return unit.layout.views(unit.master)[key].clone()
         if name not in where:
             return w
         unit, key = where[name]
@@ -178,7 +226,7 @@ def adapter_config_json(lora: LoraConfig, base_model: str | None) -> dict:
         "fan_in_fan_out": False,
         "init_lora_weights": True,
         "inference_mode": True,
-        "modules_to_save": None,
+        "modules_to_save": list(lora.modules_to_save) or None,
         "layers_to_transform": None,
         "layers_pattern": None,
         "rank_pattern": {},
@@ -231,7 +279,6 @@ def read_adapter_config(adapter_dir: Path) -> tuple[LoraConfig, str | None]:
         "use_dora": "DoRA is not supported",
         "fan_in_fan_out": "fan_in_fan_out (Conv1D-style weights) is not supported",
         "lora_bias": "lora_bias is not supported",
-        "modules_to_save": "modules_to_save (trainable norms, embeddings or heads) is not supported",
         "layers_to_transform": "adapters on a subset of layers (layers_to_transform) are not supported",
         "layer_replication": "layer_replication is not supported",
         "rank_pattern": "per-module ranks (rank_pattern) are not supported",
@@ -250,7 +297,8 @@ def read_adapter_config(adapter_dir: Path) -> tuple[LoraConfig, str | None]:
         raise ValueError(f"{path}: target_modules is the pattern {targets!r}; give a list of projection names "
                          f"among {', '.join(TARGETS)}")
     lora = LoraConfig(r=int(raw.get("r", 8)), alpha=float(raw.get("lora_alpha", 8)),
-                      dropout=float(raw.get("lora_dropout", 0.0)), targets=tuple(targets or ()))
+                      dropout=float(raw.get("lora_dropout", 0.0)), targets=tuple(targets or ()),
+                      modules_to_save=tuple(raw.get("modules_to_save") or ()))
     try:
         lora.validate()
     except ValueError as exc:

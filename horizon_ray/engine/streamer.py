@@ -49,6 +49,9 @@ class Streamer:
         self.version = [0] * len(units)  # bumped by the optimizer each time a unit's weights change
         self.adapter_version = [0] * len(store.adapters)  # the same for each layer's adapters
         self._adapter_held: dict[int, int] = {}  # adapter -> version on the device (CPU: last one waited for)
+        # LoRA with the final norm trained: its adapter unit (after the layers'), read with the head's weights
+        heads = [j for j, a in enumerate(store.adapters) if a.layout.name == "lora.head"]
+        self.head_adapter: int | None = heads[0] if heads else None
         dtype = store.compute_dtype
         self.norm_sq = torch.zeros((), dtype=torch.float32, device=device)  # sum of squared grads of the step
         # untied on CUDA: the embedding never needs the whole table on the device; its rows are gathered
@@ -120,6 +123,14 @@ class Streamer:
 
     # ---- weights -------------------------------------------------------------------------------------
 
+    def _adapter_of(self, u: int) -> int | None:
+        """The adapter unit read with unit u's weights (LoRA): layer u's, or the head's trained final norm."""
+        if not self.lora:
+            return None
+        if 1 <= u <= self.L:
+            return u - 1
+        return self.head_adapter if u == self.L + 1 else None
+
     def _slot_of(self, u: int):
         if u == 0:
             assert not (self.cuda and self.host_embed), "untied embeddings are gathered on the host"
@@ -133,8 +144,8 @@ class Streamer:
         """Start bringing unit u's current weights to its slot (no-op if they are there already)."""
         slot = self._slot_of(u)
         if self.lora:
-            if 1 <= u <= self.L:
-                self._prefetch_adapter(u - 1)
+            if self._adapter_of(u) is not None:
+                self._prefetch_adapter(self._adapter_of(u))
         else:
             self.wait_updated(u)
         want = (u, self.version[u])
@@ -188,8 +199,9 @@ class Streamer:
             # read-after-write: compute must not read the slot before its copy has landed
             self.compute.wait_event(self._copied[slot])
             w = unit.layout.views(self._slots[slot])
-        if self.lora and 1 <= u <= self.L:
-            w.update(self._adapter_views(u - 1))
+        if self._adapter_of(u) is not None:
+            # the adapters, and trained norms under the base's keys, which they replace
+            w.update(self._adapter_views(self._adapter_of(u)))
         return w
 
     def _adapter_views(self, j: int) -> dict[str, torch.Tensor]:
@@ -230,8 +242,8 @@ class Streamer:
             ev = torch.cuda.Event()
             ev.record(self.compute)
             self._read[self._slot_of(u)] = ev
-            if self.lora and 1 <= u <= self.L:
-                self._adapter_read[u - 1] = ev  # the layer's adapters were read by the same work
+            if self._adapter_of(u) is not None:
+                self._adapter_read[self._adapter_of(u)] = ev  # the unit's adapters were read by the same work
 
     def head_weights(self) -> dict[str, torch.Tensor]:
         w = self.weights(self.L + 1)

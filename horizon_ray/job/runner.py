@@ -83,7 +83,8 @@ def engine_config(spec: JobSpec) -> Any:
         # the node agent's share of the cores when several engines run on one node (0: the engine's default)
         optimizer_threads=int(os.environ.get("HORIZON_RAY_OPTIMIZER_THREADS") or 0),
         lora=None if spec.method != "lora" else LoraConfig(
-            r=spec.lora.r, alpha=spec.lora.alpha, dropout=spec.lora.dropout, targets=tuple(spec.lora.targets)),
+            r=spec.lora.r, alpha=spec.lora.alpha, dropout=spec.lora.dropout, targets=tuple(spec.lora.targets),
+            modules_to_save=tuple(spec.lora.modules_to_save)),
     )
 
 

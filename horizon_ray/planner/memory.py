@@ -168,8 +168,8 @@ def host_breakdown(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, d
     for _, n in shape.units():
         add(n, kinds[0])
     if mode.method == "lora":
-        for _ in range(shape.num_layers):
-            add(lora.layer_params(shape), mode.adapter())
+        for n in lora.unit_params(shape):
+            add(n, mode.adapter())
             kinds.append(mode.adapter())
     widening = [pb for pb in kinds if pb.widens]
     if widening:
@@ -208,7 +208,7 @@ def device_items(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, job
     T, m = job.tokens_per_step, job.group_tokens
     layer = shape.layer_params
     full = mode.method == "full"
-    trained_layer = layer if full else lora.layer_params(shape)
+    trained_layer = layer if full else max(lora.unit_params(shape))
     out: dict[str, int] = {}
     if cuda:
         out["weight_slots"] = 2 * K * layer * c
@@ -221,8 +221,8 @@ def device_items(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, job
             if c != 4:
                 out["grad_staging"] = 2 * layer * c
         else:  # the frozen base has no gradient; the fp32 adapters and their gradients stay resident
-            out["adapter_weights"] = 4 * L * trained_layer
-            out["adapter_grads"] = 4 * L * trained_layer
+            out["adapter_weights"] = 4 * lora.num_params(shape)
+            out["adapter_grads"] = 4 * lora.num_params(shape)
     elif full and c != 4:
         # on the CPU an fp32 gradient is accumulated in its host buffer; a bf16 layer's in a temporary
         # fp32 buffer, one at a time

@@ -125,8 +125,10 @@ def plan(model, *, method: str = "full", mode: str | None = None, seq_len: int |
     lora_spec = None
     if method == "lora":
         lora_spec = lora if isinstance(lora, LoraSpec) else LoraSpec(**(lora or {}))
-        lora_spec = replace(lora_spec, targets=tuple(lora_spec.targets))
+        lora_spec = replace(lora_spec, targets=tuple(lora_spec.targets),
+                            modules_to_save=tuple(lora_spec.modules_to_save))
         lora_spec.validate()
+        lora_spec.unit_params(shape)  # refuses modules_to_save entries that select no norm
     return _plan(shape, pm.name, compute_dtype, device, job, node, gpu_budget_bytes, lora_spec, suggest,
                  pinned_pow2, concurrent_engines)
 
@@ -335,7 +337,8 @@ def plan_for_spec(spec, node: NodeSpec | None = None, *, gpu_budget_bytes: int |
     if method == "lora" and not isinstance(lora, LoraSpec):
         # the job spec's lora section (dataclass or dict; absent: its defaults), as the runner reads it
         d = SpecLora()
-        lora = LoraSpec(rank=_get(lora, "r", d.r), targets=tuple(_get(lora, "targets", None) or d.targets))
+        lora = LoraSpec(rank=_get(lora, "r", d.r), targets=tuple(_get(lora, "targets", None) or d.targets),
+                        modules_to_save=tuple(_get(lora, "modules_to_save", None) or ()))
     return plan(
         model, method=method, mode=_get(spec, "engine.precision", e.precision) if method == "full" else "lora",
         seq_len=_get(spec, "training.seq_len", t.seq_len),

@@ -18,6 +18,47 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mist
 
 # LoRA target names -> which projection of a decoder layer they adapt.
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The norms that LoRA may train beside its adapters (PEFT's modules_to_save): those of each layer, then the
+# final one (HF module "model.norm").
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def modules_to_save_norms(num_layers: int, entries) -> tuple[list[tuple[str, ...]], bool]:
+    """Which norms PEFT's ``modules_to_save`` entries select on a decoder-only HF model, by PEFT's rule (a
+    module is selected when its dotted name ends with an entry, so "norm" selects every norm): per layer,
+    the selected names among LAYER_NORMS, and whether the final norm is selected. Refuses an entry that
+    selects nothing, or a module other than a norm, naming it and the fix."""
+    per_layer: list[tuple[str, ...]] = [() for _ in range(num_layers)]
+    final = False
+    if not entries:
+        return per_layer, final
+    layer_children = ("self_attn", "mlp", "act_fn", *(f"self_attn.{t}" for t in LINEAR_NAMES[:4]),
+                      *(f"mlp.{t}" for t in LINEAR_NAMES[4:]))
+    others = ["model", "model.embed_tokens", "model.layers", "model.rotary_emb", "lm_head"]
+    for i in range(num_layers):
+        others.append(f"model.layers.{i}")
+        others += [f"model.layers.{i}.{c}" for c in layer_children]
+    for entry in entries:
+        if not isinstance(entry, str) or not entry:
+            raise ValueError(f"lora modules_to_save entry {entry!r} is not a module name; name norms, e.g. "
+                             "input_layernorm, post_attention_layernorm, or norm (every norm)")
+        hit = [o for o in others if o.endswith(entry)]
+        if hit:
+            what = "the embeddings or the LM head" if hit[0] in ("model.embed_tokens", "lm_head") else "it"
+            raise ValueError(f"lora modules_to_save entry {entry!r} selects {hit[0]}: only norms train beside "
+                             f"the adapters ({', '.join(LAYER_NORMS)}, norm); to train {what}, use method full")
+        found = "model.norm".endswith(entry)
+        final = final or found
+        for i in range(num_layers):
+            chosen = [n for n in LAYER_NORMS if f"model.layers.{i}.{n}".endswith(entry)]
+            if chosen:
+                found = True
+                per_layer[i] = tuple(n for n in LAYER_NORMS if n in chosen or n in per_layer[i])
+        if not found:
+            raise ValueError(f"lora modules_to_save entry {entry!r} selects no module of this model; name norms: "
+                             f"{', '.join(LAYER_NORMS)}, norm (every norm), or one layer's as "
+                             "'layers.3.input_layernorm'")
+    return per_layer, final
 
 
 @dataclass(frozen=True)
@@ -219,6 +260,7 @@ def load_model_shape(model: str | Path | dict | ModelShape) -> ModelShape:
 class LoraSpec:
     rank: int = 16  # r of every adapter
     targets: tuple[str, ...] = LINEAR_NAMES  # projections of each layer that get an adapter
+    modules_to_save: tuple[str, ...] = ()  # norms trained beside the adapters (PEFT's modules_to_save)
 
     def validate(self) -> None:
         if self.rank < 1:
@@ -233,8 +275,15 @@ class LoraSpec:
         lin = shape.linear_shapes()
         return sum(self.rank * (lin[t][0] + lin[t][1]) for t in self.targets)
 
+    def unit_params(self, shape: ModelShape) -> list[int]:
+        """Trained parameters of each adapter unit, as the engine lays them out: one per layer (its adapters
+        and its selected norms), then one for the final norm when it is selected."""
+        per_layer, final = modules_to_save_norms(shape.num_layers, self.modules_to_save)
+        units = [self.layer_params(shape) + len(norms) * shape.hidden_size for norms in per_layer]
+        return units + [shape.hidden_size] if final else units
+
     def num_params(self, shape: ModelShape) -> int:
-        return shape.num_layers * self.layer_params(shape)
+        return sum(self.unit_params(shape))
 
 
 def ceil_div(a: int, b: int) -> int:

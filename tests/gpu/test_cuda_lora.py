@@ -71,6 +71,18 @@ def test_cuda_lora_matches_cpu_fp32(K, tied, offload):
     _assert_same(cpu, _run("cuda", cfg, checkpoint_every=K, offload_checkpoints=offload), rtol=1e-4)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_cuda_trained_norms_match_cpu(tied):
+    """modules_to_save=["norm"]: each layer's norms sit in its resident adapter range, the final norm in the
+    head's own adapter unit (read with the head slot, flushed after the loss)."""
+    cfg = _config(4, tied=tied)
+    lora = LoraConfig(r=4, alpha=8, targets=("q_proj", "v_proj"), modules_to_save=("norm",))
+    cpu = _run("cpu", cfg, lora=lora, checkpoint_every=2)
+    cuda = _run("cuda", cfg, lora=lora, checkpoint_every=2)
+    _assert_same(cpu, cuda, rtol=1e-4)
+    assert cuda[3].store.adapters[-1].layout.name == "lora.head"
+
+
 def test_many_thin_layers_expose_missing_adapter_events():
     """K=1, 48 tiny layers, every step's update re-copies each resident adapter: copies race far ahead of
     compute, so an adapter overwritten before its reader finished, or read before its copy landed, or a

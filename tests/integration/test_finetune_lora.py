@@ -1,6 +1,6 @@
 """`horizon-ray finetune` with `method: lora` end to end on a tiny model on the CPU: the adapter in final/
-(PEFT format, with the tokenizer), the merged model in final/merged/, and exact resume after SIGKILL with
-dropout on (the masks are a function of the step, not of the process)."""
+(PEFT format, with the tokenizer; every norm trained too), the merged model in final/merged/, and exact
+resume after SIGKILL with dropout on (the masks are a function of the step, not of the process)."""
 
 import os
 import signal
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 TOTAL_STEPS = 8
-LORA = {"r": 4, "alpha": 8, "dropout": 0.1, "targets": ["q_proj", "v_proj", "gate_proj", "down_proj"], "merge": True}
+LORA = {"r": 4, "alpha": 8, "dropout": 0.1, "targets": ["q_proj", "v_proj", "gate_proj", "down_proj"],
+        "modules_to_save": ["norm"], "merge": True}
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,9 @@ def test_lora_job_writes_an_adapter_and_a_merged_model(assets, baseline):
     assert (final / "adapter_config.json").is_file() and (final / "adapter_model.safetensors").is_file()
     assert (final / "tokenizer.json").is_file() and (final / "merged" / "tokenizer.json").is_file()
     assert not (final / "model.safetensors").exists()  # the adapter, not a full model
+    saved = load_file(final / "adapter_model.safetensors")
+    prefix = "base_model.model.model."
+    assert {prefix + "norm.weight", prefix + "layers.0.input_layernorm.weight"} <= set(saved)
     start = read_metrics(baseline / "metrics.jsonl")[0]
     assert start["method"] == "lora" and 0 < start["trainable_params"] < start["num_params"]
     evals = [r for r in read_metrics(baseline / "metrics.jsonl") if r["type"] == "eval"]

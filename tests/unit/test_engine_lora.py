@@ -18,23 +18,18 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig
-from tests.tiny import V, random_batches, resumed_and_uninterrupted, tiny_llama, tiny_qwen2
+from tests.tiny import V, random_batches, resumed_and_uninterrupted, save, tiny_llama, tiny_qwen2
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-
-
-
-
 
 
 def _peft(cls, path, lora: LoraConfig, tmp_path, random_b=True):
     """The reference PEFT model, and its initial adapter saved for the engine to load."""
     base = cls.from_pretrained(path).float()
     cfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                         target_modules=list(lora.targets), task_type="CAUSAL_LM")
+                         target_modules=list(lora.targets), modules_to_save=list(lora.modules_to_save) or None,
+                         task_type="CAUSAL_LM")
     model = get_peft_model(base, cfg)
     if random_b:
         g = torch.Generator().manual_seed(5)
@@ -45,8 +40,6 @@ def _peft(cls, path, lora: LoraConfig, tmp_path, random_b=True):
     model.save_pretrained(tmp_path / "init")
     model.train()
     return model, tmp_path / "init"
-
-
 
 
 def _reference_step(model, params, opt, mbs, max_norm):
@@ -76,16 +69,25 @@ def _adapters(eng, kind="master"):
 
 
 def _trainable(model):
-    """PEFT's trainable parameters by their saved names (the adapter name dropped)."""
-    return {n.replace(".default", ""): p for n, p in model.named_parameters() if p.requires_grad}
+    """PEFT's trainable parameters by their saved names (the adapter name, and for a module to save its
+    wrapper, dropped)."""
+    return {n.replace(".modules_to_save.default", "").replace(".default", ""): p
+            for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("family, targets", [("llama", ("q_proj", "v_proj")), ("llama", ALL), ("qwen2", ALL)])
-@pytest.mark.parametrize("K", [1, 2])
-def test_matches_peft_and_adamw_fp32(tmp_path, family, targets, K):
-    path, cls = (tiny_llama if family == "llama" else tiny_qwen2)(tmp_path, "base")
-    lora = LoraConfig(r=4, alpha=8, dropout=0.0, targets=targets)
-    ref, init = _peft(cls, path, lora, tmp_path)
+def _with_varied_norms(path, cls, tmp_path):
+    """The base with its norms away from 1, so that a trained norm's start and gradients are tested."""
+    model = cls.from_pretrained(path).float()
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+    return save(model, tmp_path, "base_norms")[0]
+
+
+def _train_against_peft(path, lora, ref, init, K):
+    """3 steps of the engine and of PEFT + AdamW from the same adapter, compared at every step; the engine."""
     params = _trainable(ref)
     max_norm = 0.05  # small enough that clipping is active on every step
     eng = Engine.from_pretrained(path, EngineConfig(**HP, max_grad_norm=max_norm, checkpoint_every=K, device="cpu",
@@ -107,11 +109,64 @@ def test_matches_peft_and_adamw_fp32(tmp_path, family, targets, K):
     assert eng.step == 3
     for name, p in _adapters(eng).items():
         torch.testing.assert_close(p, params[name].detach(), rtol=1e-4, atol=1e-5, msg=f"weight {name}")
+    return eng
+
+
+@pytest.mark.parametrize("family, targets", [("llama", ("q_proj", "v_proj")), ("llama", ALL), ("qwen2", ALL)])
+@pytest.mark.parametrize("K", [1, 2])
+def test_matches_peft_and_adamw_fp32(tmp_path, family, targets, K):
+    path, cls = (tiny_llama if family == "llama" else tiny_qwen2)(tmp_path, "base")
+    lora = LoraConfig(r=4, alpha=8, dropout=0.0, targets=targets)
+    ref, init = _peft(cls, path, lora, tmp_path)
+    eng = _train_against_peft(path, lora, ref, init, K)
     # the base did not move, and the saved adapter gives PEFT the engine's logits
     ids = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(9))
     out = eng.save_pretrained(tmp_path / "adapter")
     loaded = PeftModel.from_pretrained(cls.from_pretrained(path).float(), out).eval()
     torch.testing.assert_close(eng.forward_logits(ids), loaded(input_ids=ids).logits.float(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family, modules, trained", [
+    ("llama", ("norm",), 2 * 4 + 1),  # PEFT's rule: every module whose name ends with "norm"
+    ("qwen2", ("input_layernorm",), 3),
+    ("llama", ("layers.1.post_attention_layernorm", "model.norm"), 2),
+])
+def test_trained_norms_match_peft_modules_to_save(tmp_path, family, modules, trained):
+    path, cls = (tiny_llama if family == "llama" else tiny_qwen2)(tmp_path, "base")
+    path = _with_varied_norms(path, cls, tmp_path)
+    lora = LoraConfig(r=4, alpha=8, targets=("q_proj", "v_proj"), modules_to_save=modules)
+    fresh = Engine.from_pretrained(path, EngineConfig(device="cpu", compute_dtype="float32", lora=lora))
+    base = cls.from_pretrained(path).float().state_dict()
+    norms = {n: w for n, w in _adapters(fresh).items() if "lora_" not in n}
+    assert len(norms) == trained
+    for name, w in norms.items():  # a trained norm starts as the base's
+        assert torch.equal(w, base[name.removeprefix("base_model.model.")]), name
+    ref, init = _peft(cls, path, lora, tmp_path)
+    eng = _train_against_peft(path, lora, ref, init, K=2)
+    for name, w in _adapters(eng).items():  # the norms learned, the base's stayed
+        if "lora_" not in name:
+            assert not torch.allclose(w, base[name.removeprefix("base_model.model.")], atol=1e-4), name
+
+    ids = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(9))
+    mine = eng.forward_logits(ids)
+    out = eng.save_pretrained(tmp_path / "adapter")
+    assert json.loads((out / "adapter_config.json").read_text())["modules_to_save"] == list(modules)
+    loaded = PeftModel.from_pretrained(cls.from_pretrained(path).float(), out).eval()
+    torch.testing.assert_close(mine, loaded(input_ids=ids).logits.float(), rtol=1e-4, atol=1e-5)
+    merged = cls.from_pretrained(eng.save_merged(tmp_path / "merged")).float()
+    torch.testing.assert_close(mine, merged(input_ids=ids).logits.float(), rtol=1e-4, atol=1e-5)
+    again = Engine.from_pretrained(out, EngineConfig(device="cpu", compute_dtype="float32"))
+    assert again.lora.modules_to_save == modules
+    torch.testing.assert_close(again.forward_logits(ids), mine, rtol=0, atol=0)
+
+
+def test_modules_to_save_other_than_norms_are_refused(tmp_path):
+    path, _ = tiny_llama(tmp_path, "base")
+    for modules, match in ((("embed_tokens",), "embeddings or the LM head"), (("lm_head",), "use method full"),
+                           (("mlp",), "selects model.layers.0.mlp"), (("ln_f",), "selects no module"),
+                           ("norm", "write \\['norm'\\]")):
+        with pytest.raises(ValueError, match=match):
+            Engine.from_pretrained(path, EngineConfig(device="cpu", lora=LoraConfig(modules_to_save=modules)))
 
 
 def test_peft_default_init_and_untouched_base(tmp_path):
@@ -229,7 +284,7 @@ def test_dropout_is_deterministic_and_active(tmp_path):
 
 def test_state_round_trip_continues_exactly(tmp_path):
     path, _ = tiny_llama(tmp_path, "base")
-    lora = LoraConfig(r=4, alpha=8, dropout=0.1, targets=("q_proj", "v_proj", "down_proj"))
+    lora = LoraConfig(r=4, alpha=8, dropout=0.1, targets=("q_proj", "v_proj", "down_proj"), modules_to_save=("norm",))
     a, c = resumed_and_uninterrupted(path, EngineConfig(**HP, device="cpu", lora=lora), random_batches(4, micro=2))
     for x, y in zip(_adapters(a).values(), _adapters(c).values()):
         assert torch.equal(x, y)
@@ -264,11 +319,12 @@ def test_host_bytes_equal_the_plan(tied):
     config = {"model_type": "qwen2" if tied else "llama", "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
               "tie_word_embeddings": tied}
-    for dtype, targets in (("float32", ("q_proj", "v_proj")), ("bfloat16", ALL)):
-        lora = LoraConfig(r=4, targets=targets)
+    for dtype, targets, modules in (("float32", ("q_proj", "v_proj"), ()), ("bfloat16", ALL, ("norm",)),
+                                    ("float32", ALL, ("layers.2.input_layernorm",))):
+        lora = LoraConfig(r=4, targets=targets, modules_to_save=modules)
         eng = Engine.from_config(config, EngineConfig(device="cpu", compute_dtype=dtype, lora=lora))
-        p = plan(config, method="lora", lora=LoraSpec(rank=4, targets=targets), compute_dtype=dtype, device="cpu",
-                 seq_len=16, micro_batch_size=2, grad_accum=1, checkpoint_every=1)
+        p = plan(config, method="lora", lora=LoraSpec(rank=4, targets=targets, modules_to_save=modules),
+                 compute_dtype=dtype, device="cpu", seq_len=16, micro_batch_size=2, grad_accum=1, checkpoint_every=1)
         got, want = eng.store.bytes_by_kind(), p.breakdown["host"]
         assert got == {"master": want["master"], "moments": want["moments"], "grads": want["grads"],
                        "wire": want["weights"]}

@@ -147,7 +147,8 @@ def test_lora_defaults_match_the_engine():
     from horizon_ray.jobspec import LORA_TARGETS, LoraSpec
 
     spec, eng = LoraSpec(), LoraConfig()
-    assert (spec.r, spec.alpha, spec.dropout, tuple(spec.targets)) == (eng.r, eng.alpha, eng.dropout, eng.targets)
+    assert (spec.r, spec.alpha, spec.dropout, tuple(spec.targets), tuple(spec.modules_to_save)) == (
+        eng.r, eng.alpha, eng.dropout, eng.targets, eng.modules_to_save)
     assert LORA_TARGETS == tuple(TARGETS)
 
 
