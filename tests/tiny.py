@@ -33,19 +33,46 @@ def save(model, tmp_path, name="model"):
     return path, type(model)
 
 
-def random_batches(steps, micro, B=2, T=12, seed=1, prompt=3):
+def llama_config(layers, hidden=64, inter=96, vocab=V, heads=4, kv=2, tied=False) -> dict:
+    """An HF config.json (as a dict) of a Llama shape, for Engine.from_config."""
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv, "vocab_size": vocab, "tie_word_embeddings": tied, "rms_norm_eps": 1e-6}
+
+
+def random_batches(steps, micro, B=2, T=12, seed=1, prompt=3, vocab=V):
     """`steps` lists of `micro` (input_ids, labels) pairs; the first `prompt` labels of a row are ignored."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
         mbs = []
         for _ in range(micro):
-            ids = torch.randint(0, V, (B, T), generator=g)
+            ids = torch.randint(0, vocab, (B, T), generator=g)
             labels = ids.clone()
             labels[:, :prompt] = -100
             mbs.append((ids, labels))
         out.append(mbs)
     return out
+
+
+def reference_step(model, params: dict, opt, mbs, max_norm):
+    """One step of the HF reference: summed token CE / the step's target count, backward per micro-batch,
+    clip_grad_norm_ over ``params`` (name -> parameter), opt.step(). Returns (loss, norm, clipped grads)."""
+    import torch.nn.functional as F
+
+    n = sum(int((lab[:, 1:] != -100).sum()) for _, lab in mbs)
+    opt.zero_grad()
+    total = 0.0
+    for ids, lab in mbs:
+        logits = model(input_ids=ids).logits.float()
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), lab[:, 1:].reshape(-1),
+                               ignore_index=-100, reduction="sum") / n
+        loss.backward()
+        total += loss.item()
+    norm = float(torch.nn.utils.clip_grad_norm_(params.values(), max_norm))
+    grads = {k: p.grad.clone() for k, p in params.items()}  # clipped, as the engine leaves them
+    opt.step()
+    return total, norm, grads
 
 
 # A tiny Llama over the demo tokenizer's 262 ids, for end-to-end job tests.

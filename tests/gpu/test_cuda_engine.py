@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from horizon_ray.engine import Engine, EngineConfig
+from tests.tiny import llama_config, random_batches
 
 pytestmark = pytest.mark.gpu
 
@@ -13,31 +14,12 @@ if not torch.cuda.is_available():  # collected on CPU machines only to be desele
     pytest.skip("needs CUDA", allow_module_level=True)
 
 
-def _config(layers, hidden=64, inter=96, vocab=97, heads=4, kv=2, tied=False):
-    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
-            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-            "num_key_value_heads": kv, "vocab_size": vocab, "tie_word_embeddings": tied, "rms_norm_eps": 1e-6}
-
-
-def _batches(steps, micro, vocab, B=2, T=32, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        mbs = []
-        for _ in range(micro):
-            ids = torch.randint(0, vocab, (B, T), generator=g)
-            labels = ids.clone()
-            labels[:, :4] = -100
-            mbs.append((ids, labels))
-        out.append(mbs)
-    return out
-
-
 def _run(device, config, steps=3, micro=2, dtype="float32", **kw):
     torch.backends.cuda.matmul.allow_tf32 = False
     eng = Engine.from_config(config, EngineConfig(lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, device=device,
                                                   compute_dtype=dtype, seed=0, **kw))
-    losses = [eng.train_step(mbs) for mbs in _batches(steps, micro, config["vocab_size"])]
+    batches = random_batches(steps, micro, T=32, prompt=4, vocab=config["vocab_size"])
+    losses = [eng.train_step(mbs) for mbs in batches]
     eng.close()
     masters = torch.cat([u.master.float() for u in eng.store.units])
     return losses, masters, eng
@@ -53,13 +35,13 @@ def _assert_same(cpu, cuda, rtol):
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("offload", [True, False])
 def test_cuda_matches_cpu_fp32(K, tied, offload):
-    cfg = _config(4, tied=tied)
+    cfg = llama_config(4, tied=tied)
     cpu = _run("cpu", cfg, checkpoint_every=K)
     _assert_same(cpu, _run("cuda", cfg, checkpoint_every=K, offload_checkpoints=offload), rtol=1e-4)
 
 
 def test_row_chunks_and_loss_chunks_do_not_change_the_step():
-    cfg = _config(3)
+    cfg = llama_config(3)
     whole = _run("cuda", cfg, micro=2, layer_chunk_tokens=1 << 20, loss_chunk_tokens=1 << 20)
     split = _run("cuda", cfg, micro=2, layer_chunk_tokens=32, loss_chunk_tokens=7)
     _assert_same(whole, split, rtol=1e-4)
@@ -68,7 +50,7 @@ def test_row_chunks_and_loss_chunks_do_not_change_the_step():
 def test_many_thin_layers_expose_missing_events():
     """K=1 and 48 layers of tiny compute: copies race far ahead of compute, so a slot reused before its
     reader finished, or read before its copy landed, gives other weights and another result."""
-    cfg = _config(48, hidden=32, inter=48, heads=2, kv=1)
+    cfg = llama_config(48, hidden=32, inter=48, heads=2, kv=1)
     cpu = _run("cpu", cfg, steps=4, micro=3, checkpoint_every=1)
     for offload in (True, False):
         _assert_same(cpu, _run("cuda", cfg, steps=4, micro=3, checkpoint_every=1, offload_checkpoints=offload),
@@ -76,7 +58,7 @@ def test_many_thin_layers_expose_missing_events():
 
 
 def test_bf16_cuda_close_to_fp32_cpu():
-    cfg = _config(4)
+    cfg = llama_config(4)
     lc, _, _ = _run("cpu", cfg)
     lg, _, _ = _run("cuda", cfg, dtype="bfloat16")
     for a, b in zip(lg, lc):
@@ -84,7 +66,7 @@ def test_bf16_cuda_close_to_fp32_cpu():
 
 
 def test_host_buffers_are_pinned_at_their_exact_size():
-    cfg = _config(2, hidden=512, inter=1024, vocab=4096)
+    cfg = llama_config(2, hidden=512, inter=1024, vocab=4096)
     eng = Engine.from_config(cfg, EngineConfig(device="cuda", compute_dtype="bfloat16"))
     for u in eng.store.units:
         assert u.wire.is_pinned() and u.grad is u.wire
@@ -99,7 +81,7 @@ def test_peak_gpu_memory_flat_when_layers_double():
         gc.collect()  # the previous engine's device buffers must not count
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        cfg = _config(layers, hidden=1024, inter=2816, vocab=8192, heads=16, kv=4)
+        cfg = llama_config(layers, hidden=1024, inter=2816, vocab=8192, heads=16, kv=4)
         _run("cuda", cfg, steps=2, micro=2, dtype="bfloat16", checkpoint_every=1)
         peaks.append(torch.cuda.max_memory_allocated())
     # checkpoints are offloaded to the host; weights slots, accumulators and workspace do not depend on L

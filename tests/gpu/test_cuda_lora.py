@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig
+from tests.tiny import llama_config, random_batches
 
 pytestmark = pytest.mark.gpu
 
@@ -21,26 +22,6 @@ if not torch.cuda.is_available():  # collected on CPU machines only to be desele
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _config(layers, hidden=64, inter=96, vocab=97, heads=4, kv=2, tied=False):
-    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
-            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-            "num_key_value_heads": kv, "vocab_size": vocab, "tie_word_embeddings": tied, "rms_norm_eps": 1e-6}
-
-
-def _batches(steps, micro, vocab, B=2, T=32, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        mbs = []
-        for _ in range(micro):
-            ids = torch.randint(0, vocab, (B, T), generator=g)
-            labels = ids.clone()
-            labels[:, :4] = -100
-            mbs.append((ids, labels))
-        out.append(mbs)
-    return out
-
-
 def _run(device, config, steps=3, micro=2, dtype="float32", lora=None, B=2, T=32, **kw):
     """Same base (from_config's seed) and same initial adapters on both devices; returns the losses, the
     adapters after the last update, the last gradient norm and the engine."""
@@ -48,7 +29,8 @@ def _run(device, config, steps=3, micro=2, dtype="float32", lora=None, B=2, T=32
     lora = lora or LoraConfig(r=4, alpha=8, targets=ALL)
     eng = Engine.from_config(config, EngineConfig(lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, device=device,
                                                   compute_dtype=dtype, seed=0, lora=lora, **kw))
-    losses = [eng.train_step(mbs) for mbs in _batches(steps, micro, config["vocab_size"], B=B, T=T)]
+    batches = random_batches(steps, micro, B=B, T=T, prompt=4, vocab=config["vocab_size"])
+    losses = [eng.train_step(mbs) for mbs in batches]
     norms = eng.last_grad_norm
     eng.close()
     adapters = torch.cat([u.master for u in eng.store.adapters])
@@ -66,7 +48,7 @@ def _assert_same(cpu, cuda, rtol):
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("offload", [True, False])
 def test_cuda_lora_matches_cpu_fp32(K, tied, offload):
-    cfg = _config(4, tied=tied)
+    cfg = llama_config(4, tied=tied)
     cpu = _run("cpu", cfg, checkpoint_every=K)
     _assert_same(cpu, _run("cuda", cfg, checkpoint_every=K, offload_checkpoints=offload), rtol=1e-4)
 
@@ -75,7 +57,7 @@ def test_cuda_lora_matches_cpu_fp32(K, tied, offload):
 def test_cuda_trained_norms_match_cpu(tied):
     """modules_to_save=["norm"]: each layer's norms sit in its resident adapter range, the final norm in the
     head's own adapter unit (read with the head slot, flushed after the loss)."""
-    cfg = _config(4, tied=tied)
+    cfg = llama_config(4, tied=tied)
     lora = LoraConfig(r=4, alpha=8, targets=("q_proj", "v_proj"), modules_to_save=("norm",))
     cpu = _run("cpu", cfg, lora=lora, checkpoint_every=2)
     cuda = _run("cuda", cfg, lora=lora, checkpoint_every=2)
@@ -87,7 +69,7 @@ def test_many_thin_layers_expose_missing_adapter_events():
     """K=1, 48 tiny layers, every step's update re-copies each resident adapter: copies race far ahead of
     compute, so an adapter overwritten before its reader finished, or read before its copy landed, or a
     gradient copied out before it was complete, gives another result."""
-    cfg = _config(48, hidden=32, inter=48, heads=2, kv=1)
+    cfg = llama_config(48, hidden=32, inter=48, heads=2, kv=1)
     lora = LoraConfig(r=2, alpha=4, targets=("q_proj", "v_proj", "down_proj"))
     cpu = _run("cpu", cfg, steps=5, micro=3, lora=lora, checkpoint_every=1)
     for offload in (True, False):
@@ -97,14 +79,14 @@ def test_many_thin_layers_expose_missing_adapter_events():
 
 def test_eval_between_steps_sees_each_update():
     """forward_logits between steps reads the adapters the host optimizer just wrote, on both devices."""
-    cfg = _config(3)
+    cfg = llama_config(3)
     ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
     logits = {}
     for device in ("cpu", "cuda"):
         eng = Engine.from_config(cfg, EngineConfig(lr=1e-2, device=device, seed=0,
                                                    lora=LoraConfig(r=4, targets=ALL)))
         logits[device] = []
-        for mbs in _batches(3, 2, 97):
+        for mbs in random_batches(3, 2, T=32, prompt=4):
             eng.train_step(mbs)
             logits[device].append(eng.forward_logits(ids))
         eng.close()
@@ -114,7 +96,7 @@ def test_eval_between_steps_sees_each_update():
 
 
 def test_bf16_cuda_lora_close_to_fp32_cpu():
-    cfg = _config(4)
+    cfg = llama_config(4)
     lc, _, _, _ = _run("cpu", cfg)
     lg, _, _, eng = _run("cuda", cfg, dtype="bfloat16")
     assert all(u.wire.dtype == torch.bfloat16 for u in eng.store.units)  # 2 bytes a base parameter
@@ -123,7 +105,7 @@ def test_bf16_cuda_lora_close_to_fp32_cpu():
 
 
 def test_dropout_is_deterministic_on_cuda():
-    cfg = _config(4)
+    cfg = llama_config(4)
     lora = LoraConfig(r=4, alpha=8, dropout=0.2, targets=ALL)
     a = _run("cuda", cfg, lora=lora, checkpoint_every=1)
     b = _run("cuda", cfg, lora=lora, checkpoint_every=1)
@@ -135,7 +117,7 @@ def test_dropout_is_deterministic_on_cuda():
 
 
 def test_host_and_device_buffers():
-    cfg = _config(2, hidden=512, inter=1024, vocab=4096)
+    cfg = llama_config(2, hidden=512, inter=1024, vocab=4096)
     eng = Engine.from_config(cfg, EngineConfig(device="cuda", compute_dtype="bfloat16",
                                                lora=LoraConfig(r=8, targets=ALL)))
     for u in eng.store.units:
@@ -156,7 +138,7 @@ def test_peak_gpu_memory_flat_when_layers_double():
         gc.collect()  # the previous engine's device buffers must not count
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        cfg = _config(layers, hidden=1024, inter=2816, vocab=8192, heads=16, kv=4)
+        cfg = llama_config(layers, hidden=1024, inter=2816, vocab=8192, heads=16, kv=4)
         _run("cuda", cfg, steps=2, micro=2, dtype="bfloat16", lora=LoraConfig(r=16, targets=ALL),
              checkpoint_every=1)
         peaks.append(torch.cuda.max_memory_allocated())
@@ -168,7 +150,7 @@ def test_peak_gpu_memory_flat_when_layers_double():
 def test_peak_gpu_memory_within_the_plan():
     from horizon_ray.planner import CUDA_CONTEXT_BYTES, LoraSpec, plan
 
-    cfg = _config(8, hidden=1024, inter=2816, vocab=8192, heads=16, kv=4)
+    cfg = llama_config(8, hidden=1024, inter=2816, vocab=8192, heads=16, kv=4)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -185,7 +167,7 @@ def test_peak_gpu_memory_within_the_plan():
 
 
 def test_adapter_trained_on_cuda_loads_on_cpu(tmp_path):
-    cfg = _config(3)
+    cfg = llama_config(3)
     _, _, _, eng = _run("cuda", cfg)
     base = Engine.from_config(cfg, EngineConfig(device="cpu", seed=0))
     base.save_pretrained(tmp_path / "base")

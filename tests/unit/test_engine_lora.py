@@ -13,12 +13,11 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig
-from tests.tiny import V, random_batches, resumed_and_uninterrupted, save, tiny_llama, tiny_qwen2
+from tests.tiny import V, random_batches, reference_step, resumed_and_uninterrupted, save, tiny_llama, tiny_qwen2
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -40,22 +39,6 @@ def _peft(cls, path, lora: LoraConfig, tmp_path, random_b=True):
     model.save_pretrained(tmp_path / "init")
     model.train()
     return model, tmp_path / "init"
-
-
-def _reference_step(model, params, opt, mbs, max_norm):
-    n = sum(int((lab[:, 1:] != -100).sum()) for _, lab in mbs)
-    opt.zero_grad()
-    total = 0.0
-    for ids, lab in mbs:
-        logits = model(input_ids=ids).logits.float()
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), lab[:, 1:].reshape(-1), ignore_index=-100,
-                               reduction="sum") / n
-        loss.backward()
-        total += loss.item()
-    norm = float(torch.nn.utils.clip_grad_norm_(params.values(), max_norm))
-    grads = {k: p.grad.clone() for k, p in params.items()}  # clipped, as the engine leaves them
-    opt.step()
-    return total, norm, grads
 
 
 def _adapters(eng, kind="master"):
@@ -98,7 +81,7 @@ def _train_against_peft(path, lora, ref, init, K):
     clipped = 0
     for step, mbs in enumerate(random_batches(3, micro=2)):
         loss = eng.train_step(mbs)
-        ref_loss, ref_norm, ref_grads = _reference_step(ref, params, opt, mbs, max_norm)
+        ref_loss, ref_norm, ref_grads = reference_step(ref, params, opt, mbs, max_norm)
         assert loss == pytest.approx(ref_loss, rel=1e-4)
         assert eng.last_grad_norm == pytest.approx(ref_norm, rel=1e-4)
         clipped += ref_norm > max_norm

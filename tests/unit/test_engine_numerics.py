@@ -12,40 +12,15 @@ mantissa and the errors of 2-4 layers add up).
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import (
     MistralConfig,
     MistralForCausalLM,
 )
 
 from horizon_ray.engine import Engine, EngineConfig
-from tests.tiny import V, random_batches, resumed_and_uninterrupted, save, tiny_llama, tiny_qwen2
+from tests.tiny import V, random_batches, reference_step, resumed_and_uninterrupted, save, tiny_llama, tiny_qwen2
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-
-
-
-
-
-
-
-
-
-
-def _reference_step(model, opt, mbs, max_norm):
-    n = sum(int((lab[:, 1:] != -100).sum()) for _, lab in mbs)
-    opt.zero_grad()
-    total = 0.0
-    for ids, lab in mbs:
-        logits = model(input_ids=ids).logits.float()
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), lab[:, 1:].reshape(-1), ignore_index=-100,
-                               reduction="sum") / n
-        loss.backward()
-        total += loss.item()
-    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-    grads = {k: p.grad.clone() for k, p in model.named_parameters()}  # clipped, as the engine leaves them
-    opt.step()
-    return total, norm, grads
 
 
 def _engine_tensors(eng, kind):
@@ -70,7 +45,7 @@ def test_matches_hf_and_adamw_fp32(tmp_path, family, K):
     clipped = 0
     for step, mbs in enumerate(random_batches(3, micro=2)):
         loss = eng.train_step(mbs)
-        ref_loss, ref_norm, ref_grads = _reference_step(ref, opt, mbs, max_norm)
+        ref_loss, ref_norm, ref_grads = reference_step(ref, dict(ref.named_parameters()), opt, mbs, max_norm)
         assert loss == pytest.approx(ref_loss, rel=1e-4)
         assert eng.last_grad_norm == pytest.approx(ref_norm, rel=1e-4)
         clipped += ref_norm > max_norm
@@ -99,7 +74,7 @@ def test_bf16_compute_close_to_fp32_reference(tmp_path):
     opt = torch.optim.AdamW(ref.parameters(), **HP)
     for mbs in random_batches(3, micro=2):
         loss = eng.train_step(mbs)
-        ref_loss, ref_norm, _ = _reference_step(ref, opt, mbs, 1.0)
+        ref_loss, ref_norm, _ = reference_step(ref, dict(ref.named_parameters()), opt, mbs, 1.0)
         assert loss == pytest.approx(ref_loss, rel=3e-2)
         assert eng.last_grad_norm == pytest.approx(ref_norm, rel=5e-2)
 
