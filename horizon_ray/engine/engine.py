@@ -267,11 +267,16 @@ class Engine:
 
     def _abandon_step(self) -> None:
         """A step that failed after its backward began may have left gradients in wire buffers."""
-        self.streamer.reset()
-        if self.store.grad_is_wire:
-            self.store.refresh_all_wires()
-            for u in range(len(self.store.units)):
-                self._on_updated(u)
+        try:
+            # the previous step's update may still be reading its gradients from the wires: let it finish
+            # before the wires are rebuilt (its own failure, if any, is raised from here)
+            self.optimizer.wait_all()
+        finally:
+            self.streamer.reset()
+            if self.store.grad_is_wire:
+                self.store.refresh_all_wires()
+                for u in range(len(self.store.units)):
+                    self._on_updated(u)
 
     def _lora_call(self, j: int, i: int, train: bool) -> LoraCall | None:
         """How layer j applies its adapters to row group i: dropout only while training, with masks seeded

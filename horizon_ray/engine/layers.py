@@ -95,8 +95,11 @@ def attention_mask(position_ids_BT: torch.Tensor | None, T: int, sliding_window:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    # the weight in x's dtype: a trained norm (LoRA's modules_to_save) keeps an fp32 master
-    return weight.to(x.dtype) * x32.to(x.dtype)
+    if weight.dtype == x.dtype:
+        return weight * x32.to(x.dtype)  # HF's arithmetic
+    # a trained fp32 norm (LoRA's modules_to_save) on narrower activations: the product in fp32, so that the
+    # weight is used, and its gradient accumulated, at full precision; the same bits as HF's for a bf16 weight
+    return (weight * x32.to(x.dtype).float()).to(x.dtype)
 
 
 def _rotate_half(x):

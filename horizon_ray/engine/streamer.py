@@ -62,6 +62,7 @@ class Streamer:
         self._returning: dict = {}  # checkpoint key -> (device tensors, event: their H2D copy landed)
         self._host_pool: dict = {}  # (checkpoint key, micro-batch) -> pinned host buffer, reused each step
         self._stash_events: list = []  # events: a checkpoint's copy to the host finished, oldest first
+        self._sent: dict = {}  # checkpoint key -> event: its copy to the host finished (read by its return)
 
         if not self.cuda:
             self._slot_unit: dict[int, tuple[int, int]] = {}
@@ -283,6 +284,7 @@ class Streamer:
             sent = torch.cuda.Event()
             sent.record(self.d2h)
         self._stash_events.append(sent)
+        self._sent[key] = sent
         self._stashed[key] = host
 
     def prefetch_stash(self, key) -> None:
@@ -291,6 +293,9 @@ class Streamer:
             return
         host = self._stashed[key]
         with torch.cuda.stream(self.h2d):
+            # read-after-write across the copy streams: the pinned buffers hold this checkpoint only once
+            # its copy to the host has finished (the top blocks' come back while theirs may be queued)
+            self.h2d.wait_event(self._sent.pop(key))
             # allocated on the copy stream, released to the allocator only after compute has used it
             dev = [torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in host]
             for d, h in zip(dev, host):
@@ -443,6 +448,7 @@ class Streamer:
         self._stashed.clear()
         self._returning.clear()
         self._stash_events.clear()
+        self._sent.clear()
         self.norm_sq.zero_()
 
     def host_checkpoint_bytes(self) -> int:

@@ -119,3 +119,41 @@ def test_non_finite_gradient_skips_the_update_and_restores_the_wire(model_dir, m
     monkeypatch.setattr(eng.streamer, "finish_backward", real)
     fresh = Engine.from_pretrained(model_dir, EngineConfig(compute_dtype="bfloat16"))
     assert eng.train_step([(ids, ids)]) == fresh.train_step([(ids, ids)])
+
+
+def test_a_step_failing_while_the_last_update_runs_leaves_that_update_whole(model_dir, monkeypatch):
+    """With bf16 compute the previous step's gradients wait in the wires until the background optimizer
+    reaches each unit. A step that fails early (an OOM, Ctrl-C) must let that update finish before it
+    rebuilds the wires from the masters, or the late units would be updated with weights as gradients."""
+    import time
+
+    import horizon_ray.engine.engine as engine_module
+
+    cfg = EngineConfig(lr=1e-2, compute_dtype="bfloat16", checkpoint_every=2)
+    g = torch.Generator().manual_seed(0)
+    b1, b2 = ([(ids, ids.clone())] for ids in (torch.randint(0, V, (2, 16), generator=g) for _ in range(2)))
+    ref = Engine.from_pretrained(model_dir, cfg)
+    ref.train_step(b1)
+    ref.close()
+
+    eng = Engine.from_pretrained(model_dir, cfg)
+    update = eng.optimizer.update
+
+    def slow(unit, lr, coef):  # the head and the top layer are updated late
+        if eng.store.units.index(unit) >= 2:
+            time.sleep(0.3)
+        update(unit, lr, coef)
+
+    monkeypatch.setattr(eng.optimizer, "update", slow)
+    eng.train_step(b1)
+
+    def oom(*args, **kwargs):
+        raise RuntimeError("simulated out of memory in layer 0")
+
+    monkeypatch.setattr(engine_module, "decoder_layer", oom)
+    with pytest.raises(RuntimeError, match="simulated out of memory"):
+        eng.train_step(b2)
+    eng.close()
+    for a, b in zip(ref.store.units, eng.store.units):
+        assert torch.equal(a.master, b.master), a.layout.name
+        assert torch.equal(b.wire, b.master.to(torch.bfloat16)), b.layout.name

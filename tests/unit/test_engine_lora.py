@@ -278,7 +278,7 @@ def test_state_round_trip_continues_exactly(tmp_path):
 
 def test_bf16_base_is_two_bytes_a_parameter_and_close_to_fp32(tmp_path):
     path, _ = tiny_llama(tmp_path, "base")
-    lora = LoraConfig(r=4, alpha=8, targets=ALL)
+    lora = LoraConfig(r=4, alpha=8, targets=ALL, modules_to_save=("norm",))  # fp32 norms on bf16 activations
     runs = {}
     for dtype in ("float32", "bfloat16"):
         eng = Engine.from_pretrained(path, EngineConfig(**HP, device="cpu", compute_dtype=dtype, lora=lora))
