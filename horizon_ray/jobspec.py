@@ -162,6 +162,8 @@ class JobSpec:
             d.pop("lora")  # full fine-tuning hashes as it did before LoRA existed
         else:
             d["lora"].pop("merge")  # an output option: the trained adapters do not depend on it
+            if not d["lora"]["modules_to_save"]:
+                d["lora"].pop("modules_to_save")  # LoRA without trained norms hashes as it did before them
         blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -201,7 +203,7 @@ class JobSpec:
         if t.epochs is None and t.max_steps is None:
             raise ValueError("neither training.epochs nor training.max_steps is set; set one "
                              "(e.g. training.epochs=1 or training.max_steps=1000)")
-        if t.epochs is not None and not t.epochs > 0:
+        if t.epochs is not None and not (t.epochs > 0 and math.isfinite(t.epochs)):
             raise ValueError(f"training.epochs is {t.epochs}; set it > 0 or remove it and set max_steps")
         if t.max_steps is not None:
             _at_least("training.max_steps", t.max_steps, 1)
@@ -211,11 +213,15 @@ class JobSpec:
         if t.max_steps is not None and t.schedule.warmup_steps >= t.max_steps:
             raise ValueError(f"training.schedule.warmup_steps ({t.schedule.warmup_steps}) must be smaller "
                              f"than training.max_steps ({t.max_steps}); lower the warmup")
-        if not 0.0 <= t.schedule.min_lr_ratio <= 1.0:
+        if not 0.0 <= t.schedule.min_lr_ratio <= 1.0:  # NaN fails this too
             raise ValueError(f"training.schedule.min_lr_ratio is {t.schedule.min_lr_ratio}; set it in [0, 1]")
-        if t.weight_decay < 0:
+        if not (t.weight_decay >= 0 and math.isfinite(t.weight_decay)):
             raise ValueError(f"training.weight_decay is {t.weight_decay}; set it >= 0 (0 disables it)")
-        if t.max_grad_norm is not None and not t.max_grad_norm > 0:
+        if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in t.betas):
+            raise ValueError(f"training.betas is {t.betas}; give two numbers in [0, 1) (e.g. [0.9, 0.999])")
+        if not (t.eps > 0 and math.isfinite(t.eps)):
+            raise ValueError(f"training.eps is {t.eps}; set a small positive number (e.g. 1e-8)")
+        if t.max_grad_norm is not None and not (t.max_grad_norm > 0 and math.isfinite(t.max_grad_norm)):
             raise ValueError(f"training.max_grad_norm is {t.max_grad_norm}; set it > 0, or null for "
                              "no clipping")
         if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from horizon_ray import exit_codes
 from horizon_ray.cluster.agent import Agent, AgentUnavailable, ReservationRefused
 from horizon_ray.cluster.errors import (
     IdempotencyConflict,
@@ -75,6 +76,7 @@ WAITING = (JobStatus.RECOVERING, JobStatus.QUEUED)
 ACTIVE = (JobStatus.RUNNING, JobStatus.CHECKPOINTING, JobStatus.CANCELLING)
 _NOT_TRAINING_KEYS = ("output_dir",)  # spec keys that may differ between two submits of one job
 _LIVE = tuple(s for s in JobStatus if not s.is_terminal())
+RETRY_AFTER_S = 10.0  # a job whose engine was stopped from outside is placed again no sooner than this
 
 
 def default_validate_spec(spec: dict[str, Any]) -> dict[str, Any]:
@@ -135,6 +137,7 @@ class Coordinator:
         self._lock = threading.RLock()
         self._nodes: dict[str, _NodeState] = {}
         self._plan_cache: dict = {}
+        self._not_before: dict[str, float] = {}  # job -> earliest time to place it again (after a stop)
         self._memory: dict[str, _MemoryMark] = {}
         self._last_created = 0.0
         self._started = clock()
@@ -183,8 +186,8 @@ class Coordinator:
                 self.store.add_event(job.id, now, EventType.STATUS, {"from": None, "to": "validating"})
             try:
                 self._admit(job)
-            except (JobRejected, QuotaExceeded):
-                self.store.delete_job(job.id)
+            except BaseException:
+                self.store.delete_job(job.id)  # a refused or failed submit leaves no job, key or directory behind
                 raise
             return job
 
@@ -217,10 +220,7 @@ class Coordinator:
                 self._move(job, JobStatus.CANCELLING, reason="cancel requested")
                 agent = self._agents().get(job.node_id or "")
                 if agent is not None:
-                    try:
-                        agent.cancel(job.id)
-                    except Exception:  # noqa: BLE001 - an unreachable node ends in _lost(): CANCELLED
-                        pass
+                    self._send_cancel(agent, job)
             else:
                 self._move(job, JobStatus.CANCELLED, reason="cancel requested")
             return job
@@ -323,8 +323,19 @@ class Coordinator:
             if report.exit is not None:
                 self._finish(job, report.exit)
                 agent.forget(job.id)
+            elif job.status is JobStatus.CANCELLING:
+                self._send_cancel(agent, job)  # again each pass until the engine exits: a lost call is retried
         for job_id, report in reports.items():
             self._stray(node_id, agent, job_id, report)
+
+    @staticmethod
+    def _send_cancel(agent: Agent, job: JobRecord) -> None:
+        """Ask the agent to stop the job's engine (idempotent there). A failed call is retried by the next
+        pass over the node; an unreachable node ends in _lost(), which finishes the cancel."""
+        try:
+            agent.cancel(job.id)
+        except Exception:  # noqa: BLE001 - retried next pass, see above
+            pass
 
     def _stray(self, node_id: str, agent: Agent, job_id: str, report: AgentJobReport) -> None:
         """A job the agent runs but the table does not place there: adopt it or stop it."""
@@ -354,11 +365,14 @@ class Coordinator:
             if job.node_id == st.node_id:
                 self._lost(job, f"node {st.node_id} was lost ({why})")
 
-    def _lost(self, job: JobRecord, why: str) -> None:
-        """Its engine process is gone without an exit report: recover it (or finish a cancel)."""
+    def _lost(self, job: JobRecord, why: str, retry_after_s: float = 0.0) -> None:
+        """Its engine process is gone without an exit report, or stopped resumably: recover it (or finish a
+        cancel), not sooner than `retry_after_s` from now."""
         if job.status is JobStatus.CANCELLING:
             self._move(job, JobStatus.CANCELLED, reason=f"cancelled; {why}")
             return
+        if retry_after_s:
+            self._not_before[job.id] = self._clock() + retry_after_s
         ckpt = job.last_checkpoint_step
         job.queue_reason = f"{why}; resumes from " + (f"checkpoint step {ckpt}" if ckpt is not None
                                                         else "the start (no checkpoint yet)")
@@ -405,7 +419,7 @@ class Coordinator:
                 self.store.add_event(job.id, t, kind, data)
             if report.exit is None and job.status is JobStatus.RUNNING and report.checkpointing:
                 self._move(job, JobStatus.CHECKPOINTING, reason="writing a checkpoint")
-            elif job.status is JobStatus.CHECKPOINTING and not report.checkpointing:
+            elif job.status is JobStatus.CHECKPOINTING and not report.checkpointing and report.exit is None:
                 self._move(job, JobStatus.RUNNING, reason="checkpoint written")
             job.updated_at = now
             self.store.put_job(job, metrics_offset=report.next_offset)
@@ -413,14 +427,23 @@ class Coordinator:
     def _finish(self, job: JobRecord, ex: ExitInfo) -> None:
         planned = int((job.plan or {}).get("host_bytes") or 0)
         data = {"returncode": ex.returncode, "peak_rss_bytes": ex.peak_rss_bytes, "planned_bytes": planned}
-        if job.status is JobStatus.CANCELLING or ex.cancelled:
-            if ex.returncode == 0 and job.status is not JobStatus.CANCELLING:
-                self._move(job, JobStatus.SUCCEEDED, reason="engine exited 0", data=data)
-            else:
-                self._move(job, JobStatus.CANCELLED, reason="engine stopped after cancel", data=data)
+        if ex.returncode == 0 and not ex.cancelled:
+            # also when a cancel was asked for but never reached the engine: it finished, its model is written
+            why = "engine exited 0" + (" before the cancel reached it" if job.status is JobStatus.CANCELLING else "")
+            self._move(job, JobStatus.SUCCEEDED, reason=why, data=data)
             return
-        if ex.returncode == 0:
-            self._move(job, JobStatus.SUCCEEDED, reason="engine exited 0", data=data)
+        if job.status is JobStatus.CANCELLING or ex.cancelled:
+            self._move(job, JobStatus.CANCELLED, reason="engine stopped after cancel", data=data)
+            return
+        if ex.returncode in (exit_codes.TERMINATED, exit_codes.INTERRUPTED, -signal.SIGTERM):
+            # stopped from outside (node drain, pod eviction, shutdown), not by a cancel: resumable
+            self._lost(job, f"its engine was stopped by a signal (exit {ex.returncode}) on node {job.node_id}",
+                       retry_after_s=RETRY_AFTER_S)
+            return
+        if ex.returncode == exit_codes.OUTPUT_DIR_BUSY:
+            # an earlier engine of this job (a node that was cut off, now back) still holds output_dir
+            self._lost(job, f"its output directory was still held by an earlier engine ({_last_line(ex.stderr_tail)})",
+                       retry_after_s=RETRY_AFTER_S)
             return
         if ex.returncode < 0:
             sig = _signal_name(-ex.returncode)
@@ -432,7 +455,7 @@ class Coordinator:
                 err = JobError(ErrorCode.KILLED.value, f"engine killed by {sig} ({seen})")
         else:
             last = _last_line(ex.stderr_tail)
-            code = ErrorCode.BAD_INPUT if ex.returncode == 2 else ErrorCode.ENGINE_CRASHED
+            code = ErrorCode.BAD_INPUT if ex.returncode == exit_codes.BAD_INPUT else ErrorCode.ENGINE_CRASHED
             message = f"engine exited with code {ex.returncode}" + (f": {last}" if last else "")
             err = JobError(code.value, message)
         job.error = err
@@ -469,21 +492,35 @@ class Coordinator:
         quota = self.tenants.quota(job.tenant)
         if job.status is JobStatus.QUEUED and u.blocked_by is not None:
             return f"behind job {u.blocked_by} of the same tenant"
-        cands = evaluate(job.spec, infos.values(), self._planner, self._plan_cache, job.id)
+        not_before = self._not_before.get(job.id)
+        if not_before is not None:
+            if self._clock() < not_before:
+                return f"{job.queue_reason or 'recovering'}; retrying in {not_before - self._clock():.0f} s"
+            del self._not_before[job.id]
+        try:
+            cands = evaluate(job.spec, infos.values(), self._planner, self._plan_cache, job.id)
+        except InvalidSpec as exc:  # e.g. the model path is gone: no node will ever plan it
+            self._fail(job, ErrorCode.INVALID_SPEC, exc.message)
+            return None
         if not cands:
             return "no node is available"
         fitting = [c for c in cands if c.fits]
         if not fitting:
-            return never_fits_reason(cands) if job.status is JobStatus.QUEUED else (
-                f"{job.queue_reason or 'recovering'}; no alive node can hold it now")
+            if job.status is JobStatus.QUEUED:
+                # queued while no node was known; now the nodes are known and none can ever hold it
+                self._fail(job, ErrorCode.REJECTED, never_fits_reason(cands))
+                return None
+            return f"{job.queue_reason or 'recovering'}; no alive node can hold it now"
         if job.status is JobStatus.QUEUED:
-            need = min(c.host_bytes for c in fitting)
             if u.jobs >= quota.max_concurrent_jobs:
                 return (f"tenant {job.tenant} is at its quota of {quota.max_concurrent_jobs} concurrent "
                         "jobs")
-            if u.bytes + need > quota.max_reserved_bytes:
+            within = [c for c in cands if not c.fits or u.bytes + c.host_bytes <= quota.max_reserved_bytes]
+            if not any(c.fits for c in within):
+                need = min(c.host_bytes for c in fitting)
                 return (f"tenant {job.tenant} would hold {format_bytes(u.bytes + need)} of host RAM; "
                         f"its quota is {format_bytes(quota.max_reserved_bytes)}")
+            cands = within  # the plan on each node differs: place only where the quota still holds
         best = best_fit(cands)
         if best is None:
             base = waiting_reason(cands)
@@ -497,8 +534,17 @@ class Coordinator:
                               needs_gpu=best.needs_gpu)
         except (ReservationRefused, AgentUnavailable) as exc:
             return f"node {best.node_id} refused it: {exc}"
+        except Exception as exc:  # noqa: BLE001 - the agent failed to launch it (e.g. output_dir not writable)
+            self._fail(job, ErrorCode.START_FAILED, f"node {best.node_id} could not start it: "
+                                                     f"{type(exc).__name__}: {_last_line(str(exc))}")
+            return None
         self._placed(job, best, u, infos, res)
         return None
+
+    def _fail(self, job: JobRecord, code: ErrorCode, message: str) -> None:
+        job.error = JobError(code.value, message)
+        job.queue_reason = job.queue_position = None
+        self._move(job, JobStatus.FAILED, reason=message, data={"error": {"code": code.value, "message": message}})
 
     def _placed(self, job: JobRecord, best: Candidate, u: _Usage, infos: dict[str, NodeInfo],
                 res: Reservation) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from horizon_ray.cluster.errors import InvalidSpec
 from horizon_ray.cluster.messages import NodeInfo
 from horizon_ray.cluster.tenants import format_bytes
 
@@ -126,7 +127,8 @@ class Candidate:
 
 def evaluate(spec: dict[str, Any], nodes: Iterable[NodeInfo], planner: Planner,
              cache: dict | None = None, cache_key: str | None = None) -> list[Candidate]:
-    """The planner's verdict on every alive node, using each node's free RAM and GPUs now."""
+    """The planner's verdict on every alive node, using each node's free RAM and GPUs now. InvalidSpec
+    when the planner cannot plan the spec at all (it names the problem)."""
     out = []
     for node in nodes:
         if not node.alive:
@@ -135,7 +137,10 @@ def evaluate(spec: dict[str, Any], nodes: Iterable[NodeInfo], planner: Planner,
         if cache is not None and cache_key is not None and key in cache:
             plan = cache[key]
         else:
-            plan = plan_to_dict(planner(spec, node))
+            try:
+                plan = plan_to_dict(planner(spec, node))
+            except ValueError as exc:  # the planner names what it cannot plan (model path, lora names, ...)
+                raise InvalidSpec(f"cannot plan the job: {exc}") from None
             if cache is not None and cache_key is not None:
                 cache[key] = plan
         out.append(_candidate(node, plan, needs_gpu(spec, node.gpu_count)))

@@ -72,7 +72,11 @@ class JobStore:
     def _begin(self) -> None:
         self._lock.acquire()
         if self._depth == 0:
-            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+            except BaseException:
+                self._lock.release()  # a failed BEGIN (database locked) must not keep every other caller out
+                raise
         self._depth += 1
 
     def _end(self, ok: bool) -> None:

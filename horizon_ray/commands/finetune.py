@@ -2,7 +2,8 @@
 
 Exit codes (the cluster's node agent relies on them): 0 done, 2 bad input (a one-line message, nothing
 trained or the job refused to start), 1 crash (the traceback, then a one-line message), 143 stopped by
-SIGTERM and 130 by Ctrl-C (both resumable with --resume). Outputs are described in docs/CONTRACTS.md.
+SIGTERM and 130 by Ctrl-C (both resumable with --resume), 75 another runner holds the output directory
+(nothing done; retry once it has stopped). Outputs are described in docs/CONTRACTS.md.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     if should_submit_to_coordinator():
         return submit_and_follow(spec.to_dict())
 
-    from horizon_ray.job import JobTerminated, run_job
+    from horizon_ray import exit_codes
+    from horizon_ray.job import JobTerminated, OutputDirBusy, run_job
 
     def on_sigterm(signum: int, frame: object) -> None:
         raise JobTerminated("stopped by SIGTERM; rerun with --resume to continue from the last checkpoint")
@@ -49,16 +51,19 @@ def run(args: argparse.Namespace) -> int:
         result = run_job(spec, resume=args.resume, progress=not args.no_progress)
     except ValueError:
         raise  # the CLI prints the one-line message and exits 2
+    except OutputDirBusy as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exit_codes.OUTPUT_DIR_BUSY
     except JobTerminated as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return exit_codes.TERMINATED
     except KeyboardInterrupt:
         print("error: interrupted; rerun with --resume to continue from the last checkpoint", file=sys.stderr)
-        return 130
+        return exit_codes.INTERRUPTED
     except Exception as exc:
         traceback.print_exc()
         print(f"error: the job crashed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return exit_codes.CRASHED
     finally:
         signal.signal(signal.SIGTERM, previous)
     if result.start_step == result.total_steps:

@@ -8,6 +8,6 @@ Modules: ``runner`` (the step loop), ``checkpoints`` (atomic, resumable training
 progress), ``demo`` (the embedded demo model, tokenizer and dataset).
 """
 
-from horizon_ray.job.runner import JobResult, JobTerminated, run_job
+from horizon_ray.job.runner import JobResult, JobTerminated, OutputDirBusy, run_job
 
-__all__ = ["JobResult", "JobTerminated", "run_job"]
+__all__ = ["JobResult", "JobTerminated", "OutputDirBusy", "run_job"]

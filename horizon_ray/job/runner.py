@@ -35,6 +35,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 
 
+class OutputDirBusy(RuntimeError):
+    """Another runner holds the job's output directory (its flock): exit_codes.OUTPUT_DIR_BUSY."""
+
+
 class JobTerminated(BaseException):
     """Raised in the job's thread when the process is asked to stop (SIGTERM from the node agent or Ray).
     A BaseException, like KeyboardInterrupt, so that no ``except Exception`` swallows it."""
@@ -282,8 +286,8 @@ class _Job:
         """final/ appears whole or not at all: written under a temporary name, fsynced, renamed."""
         final = self.out / "final"
         tmp = self.out / f"final.tmp-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        for stale in self.out.glob("final.tmp-*"):  # ours from before, or a crashed attempt's (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
         eng.save_pretrained(str(tmp))  # with LoRA: the adapter
         dirs = [tmp]
         if self.spec.method == "lora" and self.spec.lora.merge:
@@ -343,8 +347,8 @@ class _exclusive:
         except BlockingIOError:
             os.close(self.fd)
             self.fd = None
-            raise ValueError(f"another job is running in {self.path.parent}; wait for it or choose another "
-                             "output_dir") from None
+            raise OutputDirBusy(f"another job is running in {self.path.parent}; wait for it or choose "
+                                "another output_dir") from None
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -320,6 +320,172 @@ def test_cancel_of_a_job_caught_validating_by_a_restart(tmp_path):
 # ---- failures, recovery, restart --------------------------------------------------------------------
 
 
+def test_a_spec_the_planner_cannot_plan_is_refused_and_leaves_nothing(client):
+    unplannable = {**spec(), "model": {"path": "/nowhere/model"}}  # neither a directory nor a preset
+    with pytest.raises(InvalidSpec, match="cannot plan the job: unknown model '/nowhere/model'"):
+        client.submit("acme", unplannable, idempotency_key="k1")
+    with pytest.raises(InvalidSpec, match="cannot plan the job"):
+        client.plan("acme", unplannable)
+    assert client.list("acme")[0] == [] and all(n.reserved_bytes == 0 for n in client.nodes())
+    assert client.submit("acme", spec("10GiB"), idempotency_key="k1").status is JobStatus.RUNNING  # key free
+
+
+def test_jobs_queued_before_any_node_was_known_fail_alone_when_they_cannot_run(tmp_path):
+    """Accepted while no node was known (just after a restart): one that no node can plan and one that no
+    node can hold end FAILED with the reason once nodes report; other tenants' work and the same tenant's
+    later jobs run."""
+    agents_: dict = {}
+    core = Coordinator(store_path=tmp_path / "jobs.sqlite", jobs_root=tmp_path / "jobs", agents=lambda: agents_,
+                       planner=size_planner)
+    unplannable = core.submit("acme", {**spec(), "model": {"path": "/nowhere/model"}})
+    huge = core.submit("acme", spec("1TiB"))
+    assert unplannable.status is huge.status is JobStatus.QUEUED
+    agents_["a"] = FakeAgent("a", "16GiB", auto=False)
+    other = core.submit("beta", spec("10GiB"))
+    core.tick()
+    failed = core.get("acme", unplannable.id)
+    assert failed.status is JobStatus.FAILED and failed.error.code == "invalid_spec"
+    assert "unknown model '/nowhere/model'" in failed.error.message
+    rejected = core.get("acme", huge.id)
+    assert rejected.status is JobStatus.FAILED and rejected.error.code == "rejected"
+    assert core.get("beta", other.id).status is JobStatus.RUNNING
+    later = core.submit("acme", spec("1GiB"))
+    core.tick()
+    assert core.get("acme", later.id).status is JobStatus.RUNNING
+    core.close()
+
+
+def test_an_agent_that_cannot_start_a_job_fails_that_job_only(client, monkeypatch):
+    a = agents(client)["a"]
+    real = a.start
+
+    def start(job_id, spec_, output_dir, *args, **kwargs):
+        if output_dir.endswith("unwritable"):
+            raise PermissionError(13, "Permission denied", output_dir)
+        return real(job_id, spec_, output_dir, *args, **kwargs)
+
+    monkeypatch.setattr(a, "start", start)
+    bad = client.submit("acme", {**spec("10GiB"), "output_dir": "/tmp/unwritable"})
+    bad = client.get("acme", bad.id)
+    assert bad.status is JobStatus.FAILED and bad.error.code == "start_failed"
+    assert bad.error.message.startswith("node a could not start it: PermissionError") and "Permission denied" in \
+        bad.error.message
+    good = client.submit("beta", spec("10GiB"))
+    assert good.status is JobStatus.RUNNING and good.node_id == "a"
+    assert [n.reserved_bytes for n in client.nodes() if n.node_id == "a"] == [10 * GiB]
+
+
+def test_an_engine_stopped_from_outside_resumes_after_a_pause(tmp_path):
+    """SIGTERM that no cancel sent (a node drain, a pod eviction), and exit 75 (an earlier engine of the job
+    still held the output directory), are resumable: the job recovers from its checkpoint after a pause."""
+    now = [1000.0]
+    c = make_local_client(tmp_path, {"a": "16GiB"}, auto=False, clock=lambda: now[0])
+    job = c.submit("acme", spec("10GiB", steps=6, every=2))
+    agents(c)["a"].advance(job.id, 3)
+    for code, message in ((143, "error: stopped by SIGTERM; rerun with --resume"),
+                          (75, "error: another job is running in /x; wait for it or choose another output_dir")):
+        agents(c)["a"].crash(job.id, code, message)
+        c.tick()
+        rec = c.get("acme", job.id)
+        assert rec.status is JobStatus.RECOVERING and rec.error is None
+        assert "retrying in 10 s" in rec.queue_reason and "resumes from checkpoint step 2" in rec.queue_reason
+        now[0] += 11
+        c.tick()
+        rec = c.get("acme", job.id)
+        assert rec.status is JobStatus.RUNNING and agents(c)["a"].jobs[job.id].step == 2
+    assert rec.attempts == 3
+    agents(c)["a"].advance(job.id, 4)
+    assert c.get("acme", job.id).status is JobStatus.SUCCEEDED
+    c.close()
+
+
+def test_a_lost_cancel_is_sent_again_and_a_job_that_finished_first_succeeds(client, monkeypatch):
+    core = client.coordinator
+    job = client.submit("acme", spec("10GiB", steps=5))
+    a = agents(client)[job.node_id]
+    real, calls = a.cancel, []
+
+    def flaky(job_id):
+        calls.append(job_id)
+        if len(calls) == 1:
+            raise RuntimeError("connection reset by peer")
+        real(job_id)
+
+    monkeypatch.setattr(a, "cancel", flaky)
+    assert core.cancel("acme", job.id).status is JobStatus.CANCELLING
+    core.tick()  # sends it again
+    core.tick()  # the engine stopped
+    assert core.get("acme", job.id).status is JobStatus.CANCELLED and len(calls) == 2
+
+    done = client.submit("acme", spec("10GiB", steps=2))
+    b = agents(client)[done.node_id]
+    monkeypatch.setattr(b, "cancel", lambda job_id: (_ for _ in ()).throw(RuntimeError("unreachable")))
+    assert core.cancel("acme", done.id).status is JobStatus.CANCELLING
+    b.advance(done.id, 2)  # it finished, final model written, before any cancel reached it
+    core.tick()
+    done = core.get("acme", done.id)
+    assert done.status is JobStatus.SUCCEEDED
+    assert [e.data.get("reason") for e in core.events("acme", done.id)][-1] == \
+        "engine exited 0 before the cancel reached it"
+
+
+def test_the_ram_quota_holds_on_the_node_the_job_lands_on(tmp_path):
+    def planner(spec_, node):  # the plan differs by node (e.g. pinned staging on a GPU node)
+        return {"host_bytes": (10 if node.node_id == "a" else 30) * GiB, "gpu_bytes": 0, "fits": True,
+                "reason": "fits"}
+
+    agents_ = {"a": FakeAgent("a", "100GiB", auto=False), "b": FakeAgent("b", "31GiB", auto=False)}
+    core = Coordinator(store_path=tmp_path / "s.sqlite", jobs_root=tmp_path / "jobs", agents=agents_,
+                       planner=planner, tenants=TenantsConfig.from_dict({"default": {"max_reserved_bytes": "20GiB"}}))
+    core.tick()
+    job = core.submit("acme", spec())
+    core.tick()
+    job = core.get("acme", job.id)
+    # best fit alone would pick b (1 GiB left), whose plan (30 GiB) is over the tenant's 20 GiB
+    assert job.status is JobStatus.RUNNING and job.node_id == "a" and job.plan["host_bytes"] == 10 * GiB
+    core.close()
+
+
+def test_an_engine_dying_mid_checkpoint_is_not_logged_as_checkpoint_written(client):
+    job = client.submit("acme", spec("10GiB", steps=100))
+    a = agents(client)[job.node_id]
+    a.set_checkpointing(job.id)
+    client.tick()
+    assert client.get("acme", job.id).status is JobStatus.CHECKPOINTING
+    a.oom(job.id)
+    client.tick()
+    reasons = [e.data.get("reason") for e in client.events("acme", job.id) if e.type is EventType.STATUS]
+    assert "checkpoint written" not in reasons and client.get("acme", job.id).status is JobStatus.FAILED
+
+
+def test_a_failed_begin_releases_the_store_lock(tmp_path):
+    import sqlite3
+    import threading
+
+    from horizon_ray.cluster.store import JobStore
+
+    store = JobStore(tmp_path / "jobs.sqlite")
+    real_db = store._db
+
+    class Locked:
+        def execute(self, sql, *args):
+            if sql == "BEGIN IMMEDIATE":
+                raise sqlite3.OperationalError("database is locked")
+            return real_db.execute(sql, *args)
+
+    store._db = Locked()
+    with pytest.raises(sqlite3.OperationalError), store.transaction():
+        pass
+    store._db = real_db
+    other = threading.Thread(target=lambda: store.set_meta("k", 1))
+    other.start()
+    other.join(timeout=5)
+    assert not other.is_alive() and store.get_meta("k", 0) == 1  # another thread is not locked out
+    store.close()
+
+
+
+
 def test_engine_crash_and_oom_fail_the_job_with_the_cause(client):
     crash = client.submit("acme", spec("10GiB", steps=100))
     oom = client.submit("acme", spec("40GiB", steps=100))

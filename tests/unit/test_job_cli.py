@@ -81,7 +81,7 @@ def test_a_second_runner_on_the_same_output_dir_is_refused(job, capsys, tmp_path
     out = tmp_path / "out"
     out.mkdir()
     with _exclusive(out):
-        assert main(["finetune", "--config", str(job)]) == 2
+        assert main(["finetune", "--config", str(job)]) == 75  # EX_TEMPFAIL: the coordinator retries later
     assert "another job is running" in _one_line_error(capsys.readouterr().err)
 
 
