@@ -146,6 +146,11 @@ def follow(client: CoordinatorClient, tenant: str, job_id: str, *, poll_s: float
         restore()
 
 
+def format_loss(value: Any) -> str:
+    """A loss for a terminal; metrics.jsonl writes a non-finite one as null, shown as nan."""
+    return f"{value:.4f}" if isinstance(value, (int, float)) else "nan"
+
+
 def format_event(event: JobEvent) -> str | None:
     """One line for a terminal, or None for events not worth a line."""
     d = event.data
@@ -154,10 +159,10 @@ def format_event(event: JobEvent) -> str | None:
         return f"[{event.job_id}] {d.get('from') or '-'} -> {d.get('to')}{reason}"
     if event.type is EventType.METRICS:
         if "eval_loss" in d:
-            return f"[{event.job_id}] step {d.get('step')}: eval loss {d['eval_loss']:.4f}"
+            return f"[{event.job_id}] step {d.get('step')}: eval loss {format_loss(d['eval_loss'])}"
         if "loss" in d:
             total = f"/{d['total_steps']}" if d.get("total_steps") else ""
-            return f"[{event.job_id}] step {d.get('step')}{total}: loss {d['loss']:.4f}"
+            return f"[{event.job_id}] step {d.get('step')}{total}: loss {format_loss(d['loss'])}"
         return None
     if event.type is EventType.CHECKPOINT:
         return f"[{event.job_id}] checkpoint at step {d.get('step')}: {d.get('path')}"

@@ -68,7 +68,7 @@ def _overview(client, tenant: str, args) -> int:
 
 
 def _one(client, tenant: str, args) -> int:
-    from horizon_ray.cluster.follow import format_event
+    from horizon_ray.cluster.follow import format_event, format_loss
     from horizon_ray.cluster.tenants import format_bytes
 
     job = client.get(tenant, args.job_id)
@@ -89,7 +89,7 @@ def _one(client, tenant: str, args) -> int:
         eta = f"   eta {p.eta_s:.0f} s" if p.eta_s is not None and not job.status.is_terminal() else ""
         print(f"  step: {p.step}{total}{speed}{eta}")
         if "loss" in job.metrics:
-            print(f"  loss: {job.metrics['loss']:.4f}")
+            print(f"  loss: {format_loss(job.metrics['loss'])}")
         if job.plan:
             print(f"  plan: {format_bytes(job.plan.get('host_bytes'))} host RAM, "
                   f"{format_bytes(job.plan.get('gpu_bytes') or 0)} GPU memory")

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     from horizon_ray.cluster.errors import HorizonError
     from horizon_ray.cluster.follow import follow
-    from horizon_ray.jobspec import apply_overrides
+    from horizon_ray.jobspec import JobSpec, apply_overrides
 
     path = args.config.expanduser()
     if not path.is_file():
@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         spec = apply_overrides(yaml.safe_load(path.read_text()) or {}, args.overrides)
     except yaml.YAMLError as exc:
         raise ValueError(f"{path}: not valid YAML ({exc}); fix the syntax") from None
+    JobSpec.from_dict(spec)  # its shape, strictly (names the section that is not a mapping, a misspelt key)
     for section, key in (("model", "path"), ("data", "path"), ("data", "eval_path"),
                          ("model", "tokenizer_path")):
         value = (spec.get(section) or {}).get(key)

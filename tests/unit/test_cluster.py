@@ -742,3 +742,10 @@ def test_serve_refuses_conflicting_flags():
     with pytest.raises(ValueError, match="drop --address"):
         serve.run(parser.parse_args(["--simulate-nodes", "a=1GiB", "--address", "auto"]))
     assert main(["serve", "--simulate-nodes", "a=nope"]) == 2
+
+
+def test_a_diverged_loss_prints_as_nan():
+    # metrics.jsonl writes a non-finite loss as null; following or showing such a job must not crash
+    for key in ("loss", "eval_loss"):
+        event = JobEvent(seq=1, job_id="j", time=0.0, type=EventType.METRICS, data={"step": 3, key: None})
+        assert format_event(event).endswith(" nan")

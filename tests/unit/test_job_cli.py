@@ -109,3 +109,10 @@ def test_exit_code_2_through_the_console_script(tmp_path):
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2
     _one_line_error(proc.stderr)
+
+
+def test_submit_of_a_misshapen_spec_exits_2_naming_the_section(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: /models/x\ndata: {path: /d.jsonl}\n")
+    assert main(["submit", str(bad)]) == 2  # refused before any connection is made
+    assert _one_line_error(capsys.readouterr().err) == "error: model must be a mapping of keys to values, not str"
