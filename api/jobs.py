@@ -125,7 +125,7 @@ def job_routes(base: str) -> APIRouter:
     ):
         if SSE_MEDIA in request.headers.get("accept", ""):
             start = after
-            if last_event_id and last_event_id.strip().isdigit():
+            if last_event_id and last_event_id.strip().isascii() and last_event_id.strip().isdecimal():
                 start = max(start, min(int(last_event_id.strip()), MAX_SEQ))
             await tenant.call("get", job_id)  # 404 as JSON before the stream starts
             return StreamingResponse(

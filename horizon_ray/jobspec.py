@@ -25,6 +25,8 @@ from typing import Any
 import yaml
 
 DATA_FORMATS = ("auto", "alpaca", "messages", "text")
+# Spec keys that hold paths: the only strings in which a leading ~ means the home directory.
+PATH_KEYS = ("model.path", "model.tokenizer_path", "data.path", "data.eval_path", "output_dir")
 METHODS = ("full", "lora")
 SCHEDULES = ("constant", "linear", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
@@ -195,6 +197,10 @@ class JobSpec:
         if not 0.0 <= self.data.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction is {self.data.eval_fraction}; set it in [0, 1) "
                              "(e.g. 0.05), or give data.eval_path")
+        if self.data.eval_path and Path(self.data.eval_path).expanduser().resolve() == \
+                Path(self.data.path).expanduser().resolve():
+            raise ValueError("data.eval_path is the training file itself: its eval loss would measure "
+                             "memorisation; give a separate file, or drop eval_path to hold out eval_fraction")
         t = self.training
         if t.seq_len < 8:
             raise ValueError(f"training.seq_len is {t.seq_len}; set it to at least 8 (e.g. 512)")
@@ -353,7 +359,9 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         raise ValueError(f"{key} must be a number; got {value!r}")
     if tp is str:
         if isinstance(value, str):
-            return os.path.expanduser(value) if value.startswith("~") else value
+            if key in PATH_KEYS and value.startswith("~"):
+                return os.path.expanduser(value)
+            return value
         raise ValueError(f"{key} must be a string; got {value!r}")
     raise AssertionError(f"unhandled spec type {tp!r} for {key}")
 

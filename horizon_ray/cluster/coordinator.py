@@ -172,11 +172,16 @@ class Coordinator:
                     limit="max_queued_jobs")
             job_id = f"job-{uuid.uuid4().hex[:12]}"
             full = self._normalise(spec, tenant, job_id)
+            mine = Path(full["output_dir"])
             for other in self.store.jobs(statuses=_LIVE):
-                if other.output_dir == full["output_dir"]:
+                theirs = Path(other.output_dir)
+                if mine == theirs or mine.is_relative_to(theirs) or theirs.is_relative_to(mine):
                     who = f"job {other.id}" if other.tenant == tenant else "another job"
-                    raise InvalidSpec(f"output_dir {full['output_dir']} is in use by {who}, which has not "
-                                      "ended; give this job its own output_dir")
+                    raise InvalidSpec(f"output_dir {full['output_dir']} is, holds or lies inside the output_dir of "
+                                      f"{who}, which has not ended; give this job a directory of its own")
+            if (mine / "DONE").exists():
+                raise InvalidSpec(f"output_dir {full['output_dir']} holds a finished run (its DONE marker); a job "
+                                  "there would only report that run; give this job a new output_dir")
             now = self._created_time()
             job = JobRecord(id=job_id, tenant=tenant, name=name if name is not None else full.get("name"),
                             status=JobStatus.VALIDATING, priority=priority, created_at=now, updated_at=now,

@@ -80,6 +80,8 @@ def _read_lines(path: Path):
                 raise ValueError(
                     f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); fix the line"
                 ) from None
+            except RecursionError:
+                raise ValueError(f"{where}: JSON nested too deeply to read; fix the line") from None
             if not isinstance(record, dict):
                 raise ValueError(
                     f"{where}: expected a JSON object per line, got {type(record).__name__}; fix the line"
@@ -95,6 +97,16 @@ def detect_format(path: str | Path) -> str:
     raise ValueError(f"{p}: file holds no example (empty or only blank lines); add examples or drop the file")
 
 
+def _encodable(value: str, where: str, what: str) -> None:
+    """Text the tokenizer can take: JSON escapes can spell a lone UTF-16 surrogate, which is not text."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = value[exc.start]
+        raise ValueError(f"{where}: {what} holds an unpaired UTF-16 surrogate (\\u{ord(bad):04x} at character "
+                         f"{exc.start}); fix the text") from None
+
+
 def _string(
     record: dict[str, Any], key: str, where: str, required: bool = True, nonempty: bool = True
 ) -> str:
@@ -105,6 +117,7 @@ def _string(
         raise ValueError(f"{where}: missing '{key}'; every line of this file needs it")
     if not isinstance(value, str):
         raise ValueError(f"{where}: '{key}' must be a string, got {type(value).__name__}")
+    _encodable(value, where, f"'{key}'")
     if nonempty and not value.strip():
         raise ValueError(f"{where}: '{key}' is empty; give it text or remove the line")
     return value
@@ -132,6 +145,7 @@ def _parse_messages(record: dict[str, Any], where: str) -> Example:
         content = turn.get("content")
         if not isinstance(content, str):
             raise ValueError(f"{where}: messages[{i}] content must be a string, got {type(content).__name__}")
+        _encodable(content, where, f"messages[{i}] content")
         messages.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"{where}: no assistant message, so nothing to train on; add the assistant's answer")

@@ -99,7 +99,7 @@ def ray_head():
 def _wait_for_dashboard(url: str, head: subprocess.Popen, temp: Path) -> None:
     import httpx
 
-    deadline = time.time() + 120
+    deadline = time.time() + 300  # a loaded 2-core machine has taken over 2 minutes
     while time.time() < deadline:
         assert head.poll() is None, (temp / "ray-start.log").read_text()
         try:

@@ -712,14 +712,25 @@ def test_given_output_dir_is_kept_and_two_live_jobs_cannot_share_one(client, tmp
     out = tmp_path / "mine"
     job = client.submit("acme", spec(output_dir=str(out)))
     assert job.output_dir == str(out) and job.spec["output_dir"] == str(out)
-    with pytest.raises(InvalidSpec, match="in use by job"):
+    with pytest.raises(InvalidSpec, match=f"output_dir of job {job.id}, which has not ended"):
         client.submit("acme", spec(output_dir=str(out)))
-    with pytest.raises(InvalidSpec, match="in use by another job"):
+    with pytest.raises(InvalidSpec, match="output_dir of another job"):
         client.submit("beta", spec(output_dir=str(out)))
+    # nested either way: the outer job's final/ or checkpoints/ pruning would delete the inner one's files
+    for nested in (out / "final", tmp_path):
+        with pytest.raises(InvalidSpec, match="is, holds or lies inside"):
+            client.submit("acme", spec(output_dir=str(nested)))
     default = client.submit("acme", spec())
     assert default.output_dir.endswith(f"/jobs/acme/{default.id}")
     client.cancel("acme", job.id)
-    assert client.submit("acme", spec(output_dir=str(out))).output_dir == str(out)
+    again = client.submit("acme", spec(output_dir=str(out)))
+    assert again.output_dir == str(out)
+    client.cancel("acme", again.id)
+    # a finished run there: a new job would only report it
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "DONE").write_text("")
+    with pytest.raises(InvalidSpec, match="holds a finished run"):
+        client.submit("acme", spec(output_dir=str(out)))
 
 
 def test_simulated_nodes_parse_strictly():

@@ -79,6 +79,9 @@ def test_auto_detects_each_file_of_a_folder(tmp_path):
         ({"text": "ok", "id": 1, "meta": {"k": "v"}}, "text", None),
         ({"prompt": "x", "completion": "y"}, "auto", "cannot tell the format"),
         ({"text": "a text line in an alpaca file"}, "auto", "keep one format per file"),
+        ('{"text": "a \\ud800 b"}', "text", "unpaired UTF-16 surrogate \\(\\\\ud800 at character 2\\)"),
+        ('{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages", "messages\\[0\\] content holds"),
+        ('{"text": ' + "[" * 3000 + "]" * 3000 + "}", "text", "nested too deeply"),
     ],
 )
 def test_malformed_line_names_file_and_line(tmp_path, line, fmt, problem):

@@ -375,48 +375,25 @@ def test_adapters_keep_no_fp32_copy_of_their_input():
 
 @pytest.mark.slow
 def test_cpu_rss_of_a_lora_step_is_within_10_percent_of_the_plan():
-    """As test_planner_rss does for full fine-tuning: a ~220M-parameter base, all seven targets at r=16."""
-    import threading
-    import time
-
-    psutil = pytest.importorskip("psutil")
+    """As test_planner_rss does for full fine-tuning: a ~220M-parameter base, all seven targets at r=16 and every
+    norm trained, in a fresh process (tests/rss_probe.py)."""
+    pytest.importorskip("psutil")
     from horizon_ray.planner import PROCESS_BASELINE_BYTES, LoraSpec, NodeSpec, plan
+    from tests.rss_probe import measure
 
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 1024,
               "intermediate_size": 2816, "num_hidden_layers": 12, "num_attention_heads": 16,
               "num_key_value_heads": 16, "vocab_size": 32000, "tie_word_embeddings": False}
     seq, micro, accum = 64, 2, 2
-    g = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(accum):
-        ids = torch.randint(0, 32000, (micro, seq), generator=g)
-        batches.append((ids, ids.clone()))
-    cfg = EngineConfig(device="cpu", compute_dtype="float32", checkpoint_every=1, lora=LoraConfig(r=16, targets=ALL))
-    proc = psutil.Process()
-    peak, stop = [0], threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.005)
-
-    rss0 = proc.memory_info().rss
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        eng = Engine.from_config(config, cfg)
-        eng.train_step(batches)
-        eng.close()
-        grown = proc.memory_info().rss - rss0
-    finally:
-        stop.set()
-        sampler.join()
-    p = plan(config, method="lora", lora=LoraSpec(rank=16, targets=ALL), device="cpu", compute_dtype="float32",
-             seq_len=seq, micro_batch_size=micro, grad_accum=accum, checkpoint_every=1,
-             loss_chunk_tokens=cfg.loss_chunk_tokens, node=NodeSpec(gpus=0, gpu_mem_bytes=0))
+    lora = {"r": 16, "targets": ALL, "modules_to_save": ["norm"]}
+    r = measure(config, {"device": "cpu", "compute_dtype": "float32", "checkpoint_every": 1}, seq, micro, accum,
+                lora=lora)
+    p = plan(config, method="lora", lora=LoraSpec(rank=16, targets=ALL, modules_to_save=("norm",)), device="cpu",
+             compute_dtype="float32", seq_len=seq, micro_batch_size=micro, grad_accum=accum, checkpoint_every=1,
+             loss_chunk_tokens=r["loss_chunk_tokens"], node=NodeSpec(gpus=0, gpu_mem_bytes=0))
     predicted = p.host_bytes - PROCESS_BASELINE_BYTES["cpu"]
-    msg = (f"RSS grew {grown / 2**20:.0f} MiB (peak {(peak[0] - rss0) / 2**20:.0f} MiB); the plan says "
+    assert r["trainable_params"] == p.trainable_params
+    msg = (f"RSS grew {r['grown'] / 2**20:.0f} MiB (peak {r['peak'] / 2**20:.0f} MiB); the plan says "
            f"{predicted / 2**20:.0f} MiB: {p.breakdown['host']}")
-    assert abs(grown / predicted - 1) <= 0.10, msg
-    assert peak[0] - rss0 <= 1.10 * predicted, msg
-    del eng
+    assert abs(r["grown"] / predicted - 1) <= 0.10, msg
+    assert r["peak"] <= 1.10 * predicted, msg

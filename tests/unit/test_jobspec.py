@@ -230,3 +230,15 @@ def test_demo_example_matches_the_embedded_demo_job():
     for section in ("training", "eval", "checkpoint"):
         for key, value in DEMO_JOB[section].items():
             assert spec[section][key] == value, f"examples/demo.yaml {section}.{key} drifted from DEMO_JOB"
+
+
+def test_tilde_is_expanded_in_paths_only(monkeypatch):
+    monkeypatch.setenv("HOME", "/home/someone")
+    spec = JobSpec.from_dict({**_with(**{"output_dir": "~/runs/x", "data.path": "~/d.jsonl"}), "name": "~"})
+    assert spec.output_dir == "/home/someone/runs/x" and spec.data.path == "/home/someone/d.jsonl"
+    assert spec.name == "~"  # a label, not a path
+
+
+def test_eval_on_the_training_file_is_refused():
+    with pytest.raises(ValueError, match="data.eval_path is the training file itself"):
+        JobSpec.from_dict(_with(**{"data.eval_path": "/data/../data/train.jsonl"})).validate()

@@ -1,0 +1,74 @@
+"""Host RSS of one CPU training step, measured in a fresh interpreter.
+
+A pytest process that ran other tests holds freed heap the allocator hands out again, so RSS growth
+measured there undercounts (by 10 % and more, depending on which tests ran before). The planner tests run
+this module in a child process instead:
+
+    python -m tests.rss_probe '{"config": {...}, "engine": {...}, "lora": {...} | null,
+                                 "seq": 64, "micro": 2, "accum": 2}'
+
+and read one JSON line: RSS growth after the step, its peak, the loss and the engine's host bytes by kind.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def measure(config: dict, engine: dict, seq: int, micro: int, accum: int, lora: dict | None = None) -> dict:
+    """Run the probe in a child process; its JSON result."""
+    arg = json.dumps({"config": config, "engine": engine, "lora": lora, "seq": seq, "micro": micro, "accum": accum})
+    proc = subprocess.run([sys.executable, "-m", "tests.rss_probe", arg], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _main(arg: str) -> None:
+    import psutil
+    import torch
+
+    from horizon_ray.engine import Engine, EngineConfig, LoraConfig
+
+    a = json.loads(arg)
+    gen = torch.Generator().manual_seed(0)
+    vocab = a["config"]["vocab_size"]
+    batches = []
+    for _ in range(a["accum"]):
+        ids = torch.randint(0, vocab, (a["micro"], a["seq"]), generator=gen)
+        batches.append((ids, ids.clone()))
+    lora = LoraConfig(**{**a["lora"], "targets": tuple(a["lora"]["targets"])}) if a["lora"] else None
+    cfg = EngineConfig(**a["engine"], lora=lora)
+    proc = psutil.Process()
+    peak, stop = [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.005)
+
+    rss0 = proc.memory_info().rss  # torch and the engine imported: the process baseline is behind us
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        eng = Engine.from_config(a["config"], cfg)
+        loss = eng.train_step(batches)
+        eng.close()  # the update runs in the background
+        grown = proc.memory_info().rss - rss0
+    finally:
+        stop.set()
+        sampler.join()
+    print(json.dumps({"grown": grown, "peak": peak[0] - rss0, "loss": loss, "num_params": eng.num_params,
+                      "trainable_params": eng.trainable_params, "host": eng.memory_report()["host"],
+                      "loss_chunk_tokens": cfg.loss_chunk_tokens}))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
