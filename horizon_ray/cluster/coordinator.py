@@ -400,6 +400,7 @@ class Coordinator:
             elif kind == "checkpoint":
                 step = int(line.get("step") or 0)
                 self.store.add_checkpoint(job.id, Checkpoint(step=step, path=str(line.get("path")), time=t))
+                self.store.delete_checkpoints(job.id, [s for s in line.get("pruned") or [] if isinstance(s, int)])
                 job.last_checkpoint_step = step
                 events.append((t, EventType.CHECKPOINT, {"step": step, "path": line.get("path")}))
             elif kind == "error":

@@ -50,6 +50,7 @@ class FakeJob:
     total_steps: int
     checkpoint_every: int
     step: int = 0
+    keep: int = 2  # the spec's checkpoint.keep: older checkpoints are pruned, as the runner does
     held: bool = False  # no progress while held
     checkpointing: bool = False  # reported as writing a checkpoint
     cancel_requested: bool = False
@@ -108,7 +109,8 @@ class FakeAgent:
         if every is None:
             every = (spec.get("checkpoint") or {}).get("every_steps") or 0
         done = self.storage.checkpoints.get(output_dir, [])
-        job = FakeJob(job_id, output_dir, int(total), int(every), step=max(done, default=0),
+        keep = int((spec.get("checkpoint") or {}).get("keep") or 2)
+        job = FakeJob(job_id, output_dir, int(total), int(every), step=max(done, default=0), keep=keep,
                       planned_bytes=int(host_bytes), rss_bytes=int(host_bytes * 0.9),
                       env=engine_env(res, [str(i) for i in range(self.ledger.gpu_count)]))
         self.jobs[job_id] = job
@@ -158,8 +160,11 @@ class FakeAgent:
                        host_rss_bytes=job.rss_bytes, total_steps=job.total_steps,
                        eta_s=float(job.total_steps - job.step))
             if job.checkpoint_every and job.step % job.checkpoint_every == 0:
-                self.storage.checkpoints.setdefault(job.output_dir, []).append(job.step)
-                self._emit(job, "checkpoint", path=f"{job.output_dir}/checkpoints/step-{job.step:08d}")
+                kept = self.storage.checkpoints.setdefault(job.output_dir, [])
+                kept.append(job.step)
+                pruned, kept[:] = kept[:-job.keep], kept[-job.keep:]
+                self._emit(job, "checkpoint", path=f"{job.output_dir}/checkpoints/step-{job.step:08d}",
+                           pruned=pruned)
             if job.step >= job.total_steps:
                 self._emit(job, "done", final_dir=f"{job.output_dir}/final")
                 self._exit(job, 0)

@@ -182,6 +182,12 @@ class JobStore:
             self._db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?)",
                              (job_id, ckpt.step, ckpt.path, ckpt.time))
 
+    def delete_checkpoints(self, job_id: str, steps: list[int]) -> None:
+        """Forget checkpoints the job's runner deleted (it keeps the newest checkpoint.keep)."""
+        with self.transaction():
+            self._db.executemany("DELETE FROM checkpoints WHERE job_id=? AND step=?",
+                                 [(job_id, int(s)) for s in steps])
+
     def checkpoints(self, job_id: str) -> list[Checkpoint]:
         with self._lock:
             rows = self._db.execute(

@@ -450,6 +450,9 @@ class Streamer:
         self._stash_events.clear()
         self._sent.clear()
         self.norm_sq.zero_()
+        # what the device is believed to hold: a copy cut short by the failure may not have been queued
+        self._slot_unit.clear()
+        self._adapter_held.clear()
 
     def host_checkpoint_bytes(self) -> int:
         return sum(b.nbytes for b in self._host_pool.values())

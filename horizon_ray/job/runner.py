@@ -259,8 +259,8 @@ class _Job:
 
                 if _due(spec.checkpoint.every_steps, done, total):
                     saved = _save_checkpoint(eng, self.ckpt_root, done, spec)
-                    ckpt_io.prune(self.ckpt_root, spec.checkpoint.keep)
-                    self.metrics.write("checkpoint", done, path=str(saved.path))
+                    pruned = ckpt_io.prune(self.ckpt_root, spec.checkpoint.keep)
+                    self.metrics.write("checkpoint", done, path=str(saved.path), pruned=[c.step for c in pruned])
                 if self.evals and _due(spec.eval.every_steps, done, total):
                     loss = self._evaluate(eng)
                     first_eval = loss if first_eval is None else first_eval

@@ -520,6 +520,12 @@ def test_progress_metrics_checkpoints_and_memory_are_recorded(client):
     assert [e.seq for e in client.events("acme", job.id, after_seq=3)] == seqs[3:]
 
 
+def test_checkpoints_the_runner_pruned_are_no_longer_listed(client):
+    job = client.submit("acme", {**spec("10GiB", steps=5, every=1), "checkpoint": {"every_steps": 1, "keep": 2}})
+    agents(client)["a"].advance(job.id, 4)
+    assert [ck.step for ck in client.checkpoints("acme", job.id)] == [3, 4]
+
+
 def test_node_loss_recovers_the_job_from_its_last_checkpoint_elsewhere(tmp_path):
     c = make_local_client(tmp_path, {"small": "16GiB", "big": "64GiB"}, auto=False)
     job = c.submit("acme", spec("10GiB", steps=6, every=2))
