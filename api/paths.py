@@ -13,6 +13,7 @@ Anything else is refused with a 422 that names the field: absolute paths elsewhe
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path, PurePosixPath
@@ -74,6 +75,16 @@ class PathPolicy:
                 raise ApiError(422, "file_not_found", f"{field}: no uploaded file {value!r}", field=field)
             return str(path)
         return str(self._under_roots(field, value, self.settings.data_roots, "data", want_dir=False))
+
+    def upload(self, value: Any) -> dict[str, Any] | None:
+        """What POST /files recorded about an uploaded dataset (its checked format and example count), when
+        `value` is a file id of this tenant's."""
+        if not isinstance(value, str) or not FILE_ID_RE.fullmatch(value):
+            return None
+        try:
+            return json.loads((self.files_dir / f"{value}.json").read_text())
+        except (OSError, ValueError):
+            return None
 
     def model(self, field: str, value: str) -> str:
         """Absolute path of a base-model (or tokenizer) directory named by `value`."""
@@ -147,6 +158,7 @@ def confine_spec(spec: dict[str, Any], policy: PathPolicy) -> dict[str, Any]:
     out = dict(spec)
     model = _section(out, "model")
     data = _section(out, "data")
+    _check_uploads(data, policy)
     for section, key, resolve, required in (
         (model, "path", policy.model, True),
         (model, "tokenizer_path", policy.model, False),
@@ -170,6 +182,35 @@ def confine_spec(spec: dict[str, Any], policy: PathPolicy) -> dict[str, Any]:
     else:
         out.pop("output_dir", None)
     return out
+
+
+def _check_uploads(data: dict[str, Any], policy: PathPolicy) -> None:
+    """An uploaded dataset was checked in one format when it came: the job reads it in that format (auto
+    takes it; another is refused), and a held-out eval split must leave examples to train on."""
+    from horizon_ray.jobspec import DataSpec
+
+    train = policy.upload(data.get("path"))
+    if train is None:
+        return
+    fmt = data.get("format") or "auto"
+    if fmt == "auto":
+        data["format"] = fmt = train["format"]
+    elif fmt != train["format"]:
+        raise ApiError(422, "validation_error", f"data.format is {fmt!r} but file {data['path']} was checked as "
+                       f"{train['format']!r} when it was uploaded; set data.format to {train['format']!r} or auto",
+                       field="data.format")
+    held = policy.upload(data.get("eval_path"))
+    if held is not None and held["format"] != fmt:
+        raise ApiError(422, "validation_error", f"data.eval_path {data['eval_path']} holds {held['format']!r} "
+                       f"examples but data.path holds {fmt!r}; give both files in one format",
+                       field="data.eval_path")
+    fraction = data.get("eval_fraction", DataSpec().eval_fraction)
+    n = int(train.get("num_examples") or 0)
+    if not data.get("eval_path") and isinstance(fraction, (int, float)) and 0 < fraction < 1 and n and \
+            max(1, round(fraction * n)) >= n:
+        raise ApiError(422, "validation_error", f"data.eval_fraction {fraction} of the {n} examples of "
+                       f"{data['path']} leaves nothing to train on; upload more examples, lower eval_fraction "
+                       "(0: no eval) or give an eval_path", field="data.eval_fraction")
 
 
 def _section(spec: dict[str, Any], key: str) -> dict[str, Any]:

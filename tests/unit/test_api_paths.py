@@ -127,6 +127,32 @@ def test_uploaded_file_ids_resolve_only_in_the_owners_namespace(roots):
     assert refused(PathPolicy(settings, "globex").dataset, "data.path", fid).code == "file_not_found"
 
 
+def test_an_upload_is_read_in_the_format_it_was_checked_in_and_keeps_examples_to_train_on(roots):
+    import json
+
+    _, settings = roots
+    files = settings.files_dir("acme")
+    files.mkdir(parents=True)
+    ids = {}
+    for i, (name, fmt, n) in enumerate((("text", "text", 40), ("alpaca", "alpaca", 40), ("one", "text", 1))):
+        fid = ids[name] = f"file-{i:024x}"
+        (files / f"{fid}.jsonl").write_text('{"text": "x"}\n' * n)
+        (files / f"{fid}.json").write_text(json.dumps({"id": fid, "format": fmt, "num_examples": n}))
+    policy = PathPolicy(settings, "acme")
+
+    def spec(**data):
+        return {"model": {"path": "tiny"}, "data": data}
+
+    assert confine_spec(spec(path=ids["text"]), policy)["data"]["format"] == "text"  # auto takes the upload's
+    err = refused(confine_spec, spec(path=ids["text"], format="alpaca"), policy)
+    assert err.field == "data.format" and "was checked as 'text'" in err.message
+    err = refused(confine_spec, spec(path=ids["text"], eval_path=ids["alpaca"]), policy)
+    assert err.field == "data.eval_path"
+    err = refused(confine_spec, spec(path=ids["one"]), policy)  # the default 5 % holds out its only example
+    assert err.field == "data.eval_fraction" and "leaves nothing to train on" in err.message
+    assert confine_spec(spec(path=ids["one"], eval_fraction=0), policy)["data"]["path"].endswith(".jsonl")
+
+
 def test_confine_spec_rewrites_paths_and_confines_output_dir(roots):
     tmp, settings = roots
     spec = {"model": {"path": "tiny"}, "data": {"path": "train.jsonl"}, "training": {"max_steps": 1}}
