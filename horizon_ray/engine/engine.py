@@ -251,10 +251,13 @@ class Engine:
         return {"host": self.store.bytes_by_kind(), "device": self.streamer.device_bytes()}
 
     def close(self) -> None:
-        """Wait for the last update, stop the optimizer's worker and unlock the pinned host memory."""
-        self.optimizer.shutdown()
-        self._sync_device()
-        self.store.pool.close()
+        """Wait for the last update, stop the optimizer's worker and unlock the pinned host memory (also when
+        that update failed, whose error is raised after)."""
+        try:
+            self.optimizer.shutdown()
+        finally:
+            self._sync_device()
+            self.store.pool.close()
 
     # ---- the step's parts ----------------------------------------------------------------------------
 

@@ -70,19 +70,24 @@ class HostAdamW:
         self.wait_unit(len(self.store.trained) - 1)
 
     def _raise(self) -> None:
+        # An update that failed partway left some units updated and others not (with LoRA, device copies
+        # of adapters that no longer match the host): every later wait fails too, so that no step trains
+        # on that state. The job resumes from its last checkpoint.
         if self._error is not None:
-            err, self._error = self._error, None
-            raise RuntimeError("the host optimizer failed") from err
+            raise RuntimeError("the host optimizer failed partway through an update; the weights and AdamW "
+                               "state are inconsistent: restart from the last checkpoint") from self._error
 
     def shutdown(self) -> None:
         """Finish the pending update and stop the worker (a later launch starts a new one)."""
-        self.wait_all()
-        if self._worker is not None:
-            with self._cv:
-                self._todo = _STOP
-                self._cv.notify_all()
-            self._worker.join()
-            self._worker = None
+        try:
+            self.wait_all()
+        finally:
+            if self._worker is not None:
+                with self._cv:
+                    self._todo = _STOP
+                    self._cv.notify_all()
+                self._worker.join()
+                self._worker = None
 
     def _serve(self) -> None:
         if self.threads:

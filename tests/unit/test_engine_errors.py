@@ -157,3 +157,26 @@ def test_a_step_failing_while_the_last_update_runs_leaves_that_update_whole(mode
     for a, b in zip(ref.store.units, eng.store.units):
         assert torch.equal(a.master, b.master), a.layout.name
         assert torch.equal(b.wire, b.master.to(torch.bfloat16)), b.layout.name
+
+
+def test_an_update_that_failed_partway_refuses_every_later_step(model_dir, monkeypatch):
+    """Some units updated, others not: no later step may train on that state, and close() still frees it."""
+    eng = Engine.from_pretrained(model_dir, EngineConfig(compute_dtype="float32"))
+    update, calls = eng.optimizer.update, [0]
+
+    def failing(unit, lr, coef):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise MemoryError("simulated failure in the second unit's update")
+        update(unit, lr, coef)
+
+    monkeypatch.setattr(eng.optimizer, "update", failing)
+    ids = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(0))
+    eng.train_step([(ids, ids)])  # the update runs in the background and fails there
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="inconsistent: restart from the last checkpoint") as err:
+            eng.train_step([(ids, ids)])
+        assert isinstance(err.value.__cause__, MemoryError)
+    with pytest.raises(RuntimeError, match="inconsistent"):
+        eng.close()
+    assert eng.optimizer._worker is None  # the worker is stopped all the same
