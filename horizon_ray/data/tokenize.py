@@ -158,8 +158,9 @@ def _chat_mask_from_prefixes(
         spans.append((len(before), len(through.rstrip())))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
-    # A token is a target when it starts inside an assistant span.
-    mask = [any(s <= start < e for s, e in spans) for start, _ in enc["offset_mapping"]]
+    # A token is a target when it holds a character of an assistant span (HF's assistant_masks rule): a token
+    # that merges the prompt's trailing space with the answer's first word (" Hello") is the answer's start.
+    mask = [any(start < e and end > s for s, e in spans) for start, end in enc["offset_mapping"]]
     return ids, mask
 
 

@@ -150,3 +150,26 @@ def test_template_that_is_not_prefix_stable_refused(tok_dir):
     tricky = NO_GENERATION_TEMPLATE.replace("{{- bos_token -}}", "{{- bos_token -}}{{ messages | length }}")
     with pytest.raises(ValueError, match="prefix-stable"):
         tokenize_example(Example(MULTI_TURN, None, "d.jsonl:1"), _tok(tok_dir, tricky))
+
+
+def test_a_token_spanning_the_prompt_and_the_answer_is_trained(tmp_path):
+    """A byte-level BPE merges the generation prompt's trailing space into the answer's first word
+    (" Hello"): that token starts before the assistant span, and it is the first thing the answer trains."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = ["User: say hi\nAssistant: Hello there", "Assistant: Hello again", "User: ok"] * 50
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["</s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>")
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}User: {{ m['content'] }}\n"
+                         "{% else %}Assistant: {{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}Assistant: {% endif %}")
+    messages = [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "Hello there"}]
+    te = tokenize_example(Example(messages, None, "x:1"), tok)
+    trained = [t for t in te.labels if t != IGNORE_INDEX]
+    assert tok.convert_ids_to_tokens(trained)[0] == "ĠHello"  # the merged space-and-word token
+    assert tok.decode(trained) == " Hello there</s>"
