@@ -24,6 +24,7 @@ This module imports no Ray; `ray_actors` turns `NodeAgent` into a Ray actor pinn
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import re
@@ -209,10 +210,19 @@ def read_metrics_lines(path: Path, offset: int) -> tuple[list[dict[str, Any]], i
     return lines, offset
 
 
-def _set_pdeathsig() -> None:
-    # Runs in the child between fork and exec: ask the kernel to SIGKILL it when its parent dies.
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+try:  # loaded once here: a dlopen between fork and exec in a threaded process can deadlock
+    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:  # not glibc Linux: no parent-death signal
+    _LIBC = None
+
+
+def _set_pdeathsig(parent: int) -> None:
+    # Runs in the child between fork and exec: ask the kernel to SIGKILL it when its parent dies, and exit if
+    # the parent already died before the request took effect (then it would never come).
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def detect_gpus(environ: dict[str, str] | None = None) -> tuple[list[str], int]:
@@ -270,6 +280,7 @@ class _Job:
     peak_rss_bytes: int = 0
     cancel_at: float | None = None  # when the cancel was asked (SIGTERM sent)
     exit: ExitInfo | None = None
+    forgotten: bool = False  # killed by forget(): dropped (and its reservation released) once it is reaped
 
 
 def node_ram_bytes(env: dict[str, str]) -> int:
@@ -361,6 +372,7 @@ class NodeAgent:
 
     def cancel(self, job_id: str) -> None:
         with self._lock:
+            self._reap()  # a job that already exited (0: its model is written) is not cancelled after the fact
             job = self._jobs.get(job_id)
             if job is None or job.exit is not None or job.cancel_at is not None:
                 return
@@ -373,6 +385,8 @@ class NodeAgent:
             self._reap()
             reports = {}
             for job_id, job in self._jobs.items():
+                if job.forgotten:
+                    continue
                 lines, next_offset = read_metrics_lines(job.output_dir / METRICS_FILE,
                                                         int(offsets.get(job_id, 0)))
                 reports[job_id] = AgentJobReport(
@@ -387,26 +401,37 @@ class NodeAgent:
             return reports
 
     def forget(self, job_id: str) -> None:
-        """Drop an exited job (the coordinator has recorded its end). A running job is killed first."""
+        """Drop an exited job (the coordinator has recorded its end). A running job is killed and dropped
+        once it is reaped, its reservation held until then; the call does not wait for it (tearing down a
+        large engine can take longer than a call may)."""
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None:
                 return
             if job.exit is None:
+                job.forgotten = True
                 _signal_group(job.proc, signal.SIGKILL)
-                job.proc.wait()
                 self._reap()
+                if job.exit is None:
+                    return
             self._jobs.pop(job_id, None)
             self._ledger.release(job_id)
 
-    def shutdown(self) -> None:
-        """Kill every job (used when the service stops) and stop the monitor."""
+    def shutdown(self, grace_s: float | None = None) -> None:
+        """Stop every job (the service is stopping) and the monitor: SIGTERM, then SIGKILL after the grace
+        period, so that engines exit as interrupted (143, resumable) where they can."""
+        grace_s = self._kill_grace_s if grace_s is None else grace_s
         with self._lock:
-            for job in self._jobs.values():
-                if job.exit is None:
+            running = [job for job in self._jobs.values() if job.exit is None]
+            for job in running:
+                job.cancel_at = job.cancel_at or time.time()
+                _signal_group(job.proc, signal.SIGTERM)
+            deadline = time.time() + grace_s
+            for job in running:
+                try:
+                    job.proc.wait(timeout=max(0.0, deadline - time.time()))
+                except subprocess.TimeoutExpired:
                     _signal_group(job.proc, signal.SIGKILL)
-            for job in self._jobs.values():
-                if job.exit is None:
                     job.proc.wait()
             self._reap()
         self._stop.set()
@@ -442,24 +467,32 @@ class NodeAgent:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     env=env, cwd=str(output_dir), start_new_session=True,
-                                    preexec_fn=_set_pdeathsig)
+                                    preexec_fn=functools.partial(_set_pdeathsig, os.getpid()))
         return _Job(job_id=job_id, proc=proc, output_dir=output_dir, log_path=log_path,
                     planned_bytes=res.host_bytes, started=time.time(), env=mine)
 
     def _reap(self) -> None:
         """Record the exit of finished children and free their reservations. Caller holds the lock."""
         now = time.time()
-        for job in self._jobs.values():
+        for job in list(self._jobs.values()):
             if job.exit is not None:
                 continue
-            rc = job.proc.poll()
-            if rc is None:
+            try:  # has the leader exited? (left a zombie, so that its group id cannot be reused yet)
+                exited = os.waitid(os.P_PID, job.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+            except ChildProcessError:
+                exited = True
+            if not exited:
                 if job.cancel_at is not None and now - job.cancel_at > self._kill_grace_s:
                     _signal_group(job.proc, signal.SIGKILL)
                 continue
-            job.exit = ExitInfo(returncode=rc, cancelled=job.cancel_at is not None,
+            # whatever the engine started in its session dies with it: nothing may outlive the reservation
+            _signal_group(job.proc, signal.SIGKILL)
+            rc = job.proc.wait()
+            job.exit = ExitInfo(returncode=rc, cancelled=job.cancel_at is not None and rc != 0,
                                 peak_rss_bytes=job.peak_rss_bytes, stderr_tail=_tail(job.log_path), time=now)
             self._ledger.release(job.job_id)
+            if job.forgotten:
+                self._jobs.pop(job.job_id, None)
 
     def _sample(self) -> None:
         for job in list(self._jobs.values()):
@@ -467,9 +500,16 @@ class NodeAgent:
                 continue
             try:
                 p = psutil.Process(job.proc.pid)
-                rss = p.memory_info().rss + sum(c.memory_info().rss for c in p.children(recursive=True))
+                rss = p.memory_info().rss
+                children = p.children(recursive=True)
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
+            for c in children:
+                try:
+                    # a forked child's pages are the engine's until written: only its own (USS) count
+                    rss += c.memory_full_info().uss
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    pass
             job.rss_bytes = rss
             job.peak_rss_bytes = max(job.peak_rss_bytes, rss)
 

@@ -184,6 +184,9 @@ def stop_service(timeout_s: float = 30.0) -> None:
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a.get("namespace") == NAMESPACE
              and (a["name"] == COORDINATOR_NAME or a["name"].startswith(AGENT_PREFIX))]
+    # the coordinator first: were it still ticking, it would record the engines the agents stop as ended
+    # (a later `serve` on the same store resumes them instead)
+    names.sort(key=lambda n: n != COORDINATOR_NAME)
     for name in names:
         try:
             handle = ray.get_actor(name, namespace=NAMESPACE)

@@ -24,6 +24,13 @@ class MetricsWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: TextIO | None = open(self.path, "a", encoding="utf-8")
+        if self._file.tell() > 0:
+            with open(self.path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+            if torn:  # a killed writer's last line: end it, so that the next line is read whole
+                self._file.write("\n")
+                self._file.flush()
 
     def write(self, type: str, step: int, **fields: Any) -> dict[str, Any]:
         assert type in EVENT_TYPES, type

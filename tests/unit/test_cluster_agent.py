@@ -41,6 +41,12 @@ STAND_IN = textwrap.dedent("""
             time.sleep(0.05)
         os.rename(tmp, os.path.join(out, "checkpoints", "step-00000001"))
         line(type="checkpoint", step=1, path=os.path.join(out, "checkpoints", "step-00000001"))
+    if cfg.get("leave_child"):  # a helper it started that ignores SIGTERM, still running when it exits
+        import subprocess
+        helper = subprocess.Popen([sys.executable, "-c",
+                                   "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+        with open(os.path.join(out, "helper.pid"), "w") as f:
+            f.write(str(helper.pid))
     if cfg.get("hang"):
         time.sleep(600)
     if cfg.get("exit", 0):
@@ -134,8 +140,42 @@ def test_ledger_refuses_what_does_not_fit_and_forget_kills(agent, tmp_path):
     with pytest.raises(ReservationRefused):
         start(agent, tmp_path, "j7", host=10 * GiB)
     proc = agent._jobs["j6"].proc
-    agent.forget("j6")
-    assert proc.poll() is not None and agent.info().reserved_bytes == 0
+    agent.forget("j6")  # kills it and returns at once; the reservation is held until it is reaped
+    assert agent.poll({}) == {}  # a forgotten job is no longer reported
+    deadline = time.time() + 20
+    while agent.info().reserved_bytes:
+        assert time.time() < deadline, "the forgotten job was never reaped"
+        time.sleep(0.05)
+    assert proc.poll() is not None and "j6" not in agent._jobs
+
+
+def test_nothing_the_engine_started_outlives_it(agent, tmp_path):
+    out = start(agent, tmp_path, "j8", steps=1, leave_child=True)
+    report, _ = wait_exit(agent, "j8")
+    assert report.exit.returncode == 0 and not report.exit.cancelled
+    helper = psutil.Process(int((out / "helper.pid").read_text()))
+    deadline = time.time() + 10
+    while helper.is_running() and helper.status() != psutil.STATUS_ZOMBIE:
+        assert time.time() < deadline, "the engine's helper outlived it (and its reservation)"
+        time.sleep(0.05)
+
+
+def test_a_cancel_after_a_clean_exit_is_not_a_cancel(tmp_path):
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    # no monitor pass in the window: the exit is seen first by the cancel itself
+    agent = NodeAgent("n1", ram_bytes=16 * GiB, gpu_count=0, command=[sys.executable, str(script)],
+                      sample_interval_s=600, kill_grace_s=2.0)
+    start(agent, tmp_path, "j9", steps=1)
+    proc = agent._jobs["j9"].proc
+    proc_deadline = time.time() + 20
+    while psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE:  # exited 0, not reaped yet
+        assert time.time() < proc_deadline
+        time.sleep(0.01)
+    agent.cancel("j9")
+    report, _ = wait_exit(agent, "j9")
+    assert report.exit.returncode == 0 and not report.exit.cancelled
+    agent.shutdown()
 
 
 def test_metrics_reader_skips_torn_and_garbage_lines(tmp_path):

@@ -47,3 +47,15 @@ def test_loss_curve_png(tmp_path):
     png = plot_loss_curve(path, tmp_path / "loss.png", title="t")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_a_writer_after_a_torn_line_starts_on_a_line_of_its_own(tmp_path):
+    from horizon_ray.cluster.agent import read_metrics_lines
+    from horizon_ray.job.metrics import MetricsWriter
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"type": "metrics", "step": 1}\n{"type": "metrics", "st')  # the killed writer's last line
+    with MetricsWriter(path) as w:
+        w.write("start", 1, resumed_from=1)
+    lines, _ = read_metrics_lines(path, 0)
+    assert [(ln["type"], ln["step"]) for ln in lines] == [("metrics", 1), ("start", 1)]
