@@ -43,8 +43,8 @@ STAND_IN = textwrap.dedent("""
         line(type="checkpoint", step=1, path=os.path.join(out, "checkpoints", "step-00000001"))
     if cfg.get("leave_child"):  # a helper it started that ignores SIGTERM, still running when it exits
         import subprocess
-        helper = subprocess.Popen([sys.executable, "-c",
-                                   "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+        code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+        helper = subprocess.Popen([sys.executable, "-c", code])
         with open(os.path.join(out, "helper.pid"), "w") as f:
             f.write(str(helper.pid))
     if cfg.get("hang"):
