@@ -259,8 +259,10 @@ class _Job:
 
                 if _due(spec.checkpoint.every_steps, done, total):
                     saved = _save_checkpoint(eng, self.ckpt_root, done, spec)
-                    pruned = ckpt_io.prune(self.ckpt_root, spec.checkpoint.keep)
-                    self.metrics.write("checkpoint", done, path=str(saved.path), pruned=[c.step for c in pruned])
+                    # announced before they go: a kill in between leaves checkpoints unlisted, never listed gone
+                    stale = ckpt_io.complete_checkpoints(self.ckpt_root)[:-spec.checkpoint.keep]
+                    self.metrics.write("checkpoint", done, path=str(saved.path), pruned=[c.step for c in stale])
+                    ckpt_io.prune(self.ckpt_root, spec.checkpoint.keep)
                 if self.evals and _due(spec.eval.every_steps, done, total):
                     loss = self._evaluate(eng)
                     first_eval = loss if first_eval is None else first_eval
