@@ -22,9 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def measure(config: dict, engine: dict, seq: int, micro: int, accum: int, lora: dict | None = None) -> dict:
-    """Run the probe in a child process; its JSON result."""
-    arg = json.dumps({"config": config, "engine": engine, "lora": lora, "seq": seq, "micro": micro, "accum": accum})
+def measure(config: dict, engine: dict, seq: int, micro: int, accum: int, lora: dict | None = None,
+            steps: int = 1) -> dict:
+    """Run the probe in a child process; its JSON result (with `steps` > 1 also the RSS after each step)."""
+    arg = json.dumps({"config": config, "engine": engine, "lora": lora, "seq": seq, "micro": micro, "accum": accum,
+                      "steps": steps})
     proc = subprocess.run([sys.executable, "-m", "tests.rss_probe", arg], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -57,15 +59,20 @@ def _main(arg: str) -> None:
     rss0 = proc.memory_info().rss  # torch and the engine imported: the process baseline is behind us
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    after = []  # RSS after each step (its update finished)
     try:
         eng = Engine.from_config(a["config"], cfg)
-        loss = eng.train_step(batches)
-        eng.close()  # the update runs in the background
+        for _ in range(a.get("steps", 1)):
+            loss = eng.train_step(batches)
+            eng.optimizer.wait_all()  # the update runs in the background
+            after.append(proc.memory_info().rss - rss0)
+        eng.close()
         grown = proc.memory_info().rss - rss0
     finally:
         stop.set()
         sampler.join()
-    print(json.dumps({"grown": grown, "peak": peak[0] - rss0, "loss": loss, "num_params": eng.num_params,
+    print(json.dumps({"grown": grown, "peak": peak[0] - rss0, "after_each_step": after, "loss": loss,
+                      "num_params": eng.num_params,
                       "trainable_params": eng.trainable_params, "host": eng.memory_report()["host"],
                       "loss_chunk_tokens": cfg.loss_chunk_tokens}))
 
