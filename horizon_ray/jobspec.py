@@ -131,6 +131,12 @@ class JobSpec:
         return spec
 
     @classmethod
+    def check_shape(cls, data: Any) -> None:
+        """The strict parse of from_dict without its validation: every section a mapping, every key known,
+        every value of its type. For a spec that another side completes (the coordinator names output_dir)."""
+        _build(cls, data, prefix="")
+
+    @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
         """Load a YAML file, apply ``key.sub=value`` overrides (values parsed as YAML), validate."""
         p = Path(path).expanduser()

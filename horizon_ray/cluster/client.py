@@ -203,7 +203,29 @@ def connect_ray(address: str | None = None, namespace: str = NAMESPACE) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=address, namespace=namespace, log_to_driver=False)
+        try:
+            ray.init(address=address, namespace=namespace, log_to_driver=False)
+        except ConnectionError:
+            if not _enable_ray_token_auth():
+                raise
+            ray.init(address=address, namespace=namespace, log_to_driver=False)
+
+
+def _enable_ray_token_auth() -> bool:
+    """Switch this process to Ray's token authentication when a token is at hand and no mode is set.
+
+    `ray start` turns token authentication on for a cluster once ~/.ray/auth_token exists (a local
+    `ray.init()` writes one), but `ray.init(address=...)` with an explicit address does not read it unless
+    RAY_AUTH_MODE=token: it then cannot connect. Ray's own check (its CLI's) decides."""
+    if os.environ.get("RAY_AUTH_MODE") is not None:
+        return False
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return False
+    return maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 class RayClient(_Delegating):

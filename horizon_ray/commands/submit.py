@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         spec = apply_overrides(yaml.safe_load(path.read_text()) or {}, args.overrides)
     except yaml.YAMLError as exc:
         raise ValueError(f"{path}: not valid YAML ({exc}); fix the syntax") from None
-    JobSpec.from_dict(spec)  # its shape, strictly (names the section that is not a mapping, a misspelt key)
+    JobSpec.check_shape(spec)  # strictly: names a section that is not a mapping, a misspelt key
     for section, key in (("model", "path"), ("data", "path"), ("data", "eval_path"),
                          ("model", "tokenizer_path")):
         value = (spec.get(section) or {}).get(key)

@@ -76,7 +76,7 @@ def ray_head():
     try:
         address = f"127.0.0.1:{ports['--port']}"
         dashboard = f"http://127.0.0.1:{ports['--dashboard-port']}"
-        _wait_for_dashboard(dashboard, head, temp)
+        token_auth = _wait_for_dashboard(dashboard, head, temp)
         root = temp / "service"
         serve_log = temp / "serve.log"
         with open(serve_log, "w") as f:
@@ -87,7 +87,10 @@ def ray_head():
         while "coordinator and agents running" not in serve_log.read_text():
             assert serve.poll() is None and time.time() < deadline, serve_log.read_text()
             time.sleep(0.5)
-        yield {"address": address, "dashboard": dashboard, "env": env, "temp": temp}
+        # `serve` found the token on its own (connect_ray); Ray's own CLI, given an explicit address, reads it
+        # only with RAY_AUTH_MODE=token, as Ray's documentation tells its users
+        cli_env = {**env, "RAY_AUTH_MODE": "token"} if token_auth else env
+        yield {"address": address, "dashboard": dashboard, "env": cli_env, "temp": temp}
     finally:
         if serve is not None:
             stop_group(serve)
@@ -96,15 +99,19 @@ def ray_head():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def _wait_for_dashboard(url: str, head: subprocess.Popen, temp: Path) -> None:
+def _wait_for_dashboard(url: str, head: subprocess.Popen, temp: Path) -> bool:
+    """Wait until the dashboard answers; whether it asks for Ray's token authentication."""
     import httpx
 
     deadline = time.time() + 300  # a loaded 2-core machine has taken over 2 minutes
     while time.time() < deadline:
         assert head.poll() is None, (temp / "ray-start.log").read_text()
         try:
-            if httpx.get(f"{url}/api/version", timeout=2).status_code == 200:
-                return
+            # 401: up, with token authentication (Ray turns it on once ~/.ray/auth_token exists, which a
+            # local ray.init() elsewhere in the suite creates); the Ray CLI and ray.init read that token
+            status = httpx.get(f"{url}/api/version", timeout=2).status_code
+            if status in (200, 401):
+                return status == 401
         except httpx.HTTPError:
             pass
         time.sleep(1)
