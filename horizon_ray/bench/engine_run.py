@@ -1,6 +1,9 @@
 """The horizon-ray system: the streaming engine on a random-init model, warm-up plus timed steps.
 
-One engine serves every accumulation of the list (building a 7B store and pinning it takes a minute).
+One engine serves every accumulation of the list (building a 7B store and pinning it takes a minute),
+smallest first: the host buffers a step grows (offloaded checkpoints) stay resident for the later ones, so
+the host RSS after a step is compared with the plan of the largest step the process has run so far
+(``rss_plan_host_bytes``, ``rss_plan_tokens_per_step``), which smallest first makes its own.
 Each step is timed on the host around ``train_step``; the engine's optimizer runs in the background, so a
 step's time includes what it had to wait for the previous update (``exposed_optimizer_s``).
 """
@@ -23,7 +26,7 @@ from horizon_ray.bench.metrics import (
     is_out_of_memory,
     timed_summary,
 )
-from horizon_ray.bench.planning import planned_bytes
+from horizon_ray.bench.planning import lora_settings, planned_bytes
 from horizon_ray.bench.runtime import cap_gpu_memory, device_and_dtype, device_name, free_memory, profile_step
 from horizon_ray.bench.shapes import hf_config, model_flops_per_token, resolve_shape
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig
@@ -38,8 +41,9 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
     t0 = time.perf_counter()
     rss0 = host_rss()
     lora = None
-    if args.mode == "lora":  # the base is frozen; only the adapters (exact fp32 AdamW) train
-        lora = LoraConfig(r=args.lora_r, alpha=2.0 * args.lora_r, targets=tuple(args.lora_targets.split(",")))
+    planned_lora = lora_settings(args, args.mode)
+    if planned_lora is not None:  # the base is frozen; only the adapters (exact fp32 AdamW) train
+        lora = LoraConfig(r=planned_lora.rank, alpha=2.0 * planned_lora.rank, targets=planned_lora.targets)
     eng = Engine.from_config(hf_config(shape), EngineConfig(
         lr=1e-5, weight_decay=0.01, max_grad_norm=1.0, checkpoint_every=args.checkpoint_every, device=device,
         compute_dtype=dtype, precision="exact" if lora else args.mode, loss_chunk_tokens=args.loss_chunk,
@@ -49,15 +53,18 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
     budget = int(args.gpu_budget_gib * 2**30) if args.gpu_budget_gib else None
     cap_gpu_memory(budget, eng.device)
     results = []
-    for accum in [int(a) for a in str(args.accum).split(",")]:
+    largest: dict | None = None  # the record of the largest plan run so far in this process
+    for accum in accumulations(args.accum):
         rec = base_record("horizon-ray", shape, mode=args.mode, dtype=dtype, device=eng.device.type,
                           device_name=device_name(eng.device), seq=args.seq, micro=args.micro, accum=accum,
                           checkpoint_every=args.checkpoint_every, gpu_budget_bytes=budget,
-                          offload_checkpoints=args.offload, flops_per_token=model_flops_per_token(shape, args.seq))
+                          offload_checkpoints=args.offload, flops_per_token=model_flops_per_token(shape, args.seq),
+                          trainable_params=eng.trainable_params)
         rec.update(planned_bytes(shape, mode=args.mode, seq=args.seq, micro=args.micro, accum=accum,
                                  checkpoint_every=args.checkpoint_every, dtype=dtype, device=eng.device.type,
                                  gpu_budget_bytes=budget, loss_chunk=args.loss_chunk, offload=args.offload,
-                                 lora=(args.lora_r, args.lora_targets.split(",")) if lora else None))
+                                 lora=planned_lora))
+        largest = rss_plan(rec, largest)
         rec.update(init_s=round(init_s, 1), params=eng.num_params,
                    offload_resolved=bool(eng.streamer.offload))  # where checkpoints lived: host (True) or device
         batches = _batches(shape.vocab_size, args.micro, args.seq, accum)
@@ -75,6 +82,23 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
             emit(_profiled(eng, rec, batches))
     eng.close()
     return results
+
+
+def accumulations(spec) -> list[int]:
+    """--accum's list, smallest first (see the module's docstring)."""
+    return sorted(int(a) for a in str(spec).split(","))
+
+
+def rss_plan(rec: dict, largest: dict | None) -> dict | None:
+    """Set the plan the record's host RSS is compared with: the largest planned host bytes of the steps this
+    process has run, this one included. Returns the record that holds it."""
+    if rec.get("planned_host_bytes") is not None and (
+            largest is None or rec["planned_host_bytes"] >= largest["planned_host_bytes"]):
+        largest = rec
+    if largest is not None:
+        rec.update(rss_plan_host_bytes=largest["planned_host_bytes"],
+                   rss_plan_tokens_per_step=largest["tokens_per_step"])
+    return largest
 
 
 def _batches(vocab: int, micro: int, seq: int, accum: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:

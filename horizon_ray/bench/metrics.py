@@ -154,13 +154,17 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 def base_record(system: str, shape, *, mode: str, dtype: str, device: str, device_name: str, seq: int,
                 micro: int, accum: int, checkpoint_every: int, gpu_budget_bytes: int | None,
-                offload_checkpoints: str | None = None, flops_per_token: float) -> dict:
-    """A record with every key a run reports, before it is measured (REQUIRED_KEYS first)."""
+                offload_checkpoints: str | None = None, flops_per_token: float,
+                trainable_params: int | None = None) -> dict:
+    """A record with every key a run reports, before it is measured (REQUIRED_KEYS first).
+    ``trainable_params``: what the optimizer updates (default: every parameter, full fine-tuning)."""
     rec = {k: None for k in REQUIRED_KEYS}
     rec.update(system=system, status="ok", shape=shape.name, mode=mode, seq_len=seq,
                tokens_per_step=seq * micro * accum, gpu_budget_bytes=gpu_budget_bytes)
     rec.update(
         params=shape.num_params,  # parameters of the model (embedding, layers, head)
+        # parameters the optimizer updates: all of them, or the adapters (and any trained norms) in mode lora
+        trainable_params=shape.num_params if trainable_params is None and mode != "lora" else trainable_params,
         layers=shape.num_layers,
         dtype=dtype,  # compute dtype
         device=device,  # cuda | cpu: where the step ran

@@ -3,41 +3,50 @@ holds. Pure Python: the parent process uses it without importing torch."""
 
 from __future__ import annotations
 
-from horizon_ray.planner import NodeSpec, max_model, plan
+from horizon_ray.planner import LoraSpec, NodeSpec, max_model, plan
+
+
+def lora_settings(args, mode: str | None) -> LoraSpec | None:
+    """The run's LoRA settings (--lora-r, --lora-targets) when its mode is lora, else None."""
+    if mode != "lora":
+        return None
+    return LoraSpec.of({"r": args.lora_r, "targets": args.lora_targets})
 
 
 def planned_bytes(shape, *, mode: str, seq: int, micro: int, accum: int, checkpoint_every: int, dtype: str,
                   device: str, gpu_budget_bytes: int | None, loss_chunk: int, offload: str,
-                  lora: tuple[int, list[str]] | None = None) -> dict:
-    """``planned_host_bytes``, ``planned_gpu_bytes`` and the planner's verdict for these engine settings.
-    The plan reads the job spec's defaults (PyYAML); without it the run still counts, unplanned."""
+                  lora: LoraSpec | None = None) -> dict:
+    """``planned_host_bytes``, ``planned_gpu_bytes`` and the planner's verdict for these engine settings
+    (``lora``: the adapters of a mode-lora run; absent, the planner's defaults). The plan reads the job spec's
+    defaults (PyYAML); without it, or when the planner refuses the settings, the run still counts, unplanned,
+    with ``plan_error`` saying why."""
     try:
         p = _plan(shape, mode, seq, micro, accum, checkpoint_every, dtype, device, gpu_budget_bytes, loss_chunk,
                   offload, lora)
-    except ImportError as exc:
-        return {"planned_host_bytes": None, "planned_gpu_bytes": None, "plan_error": f"ImportError: {exc}"}
+    except Exception as exc:  # a plan is context for the measurement: its failure must not lose the run
+        return {"planned_host_bytes": None, "planned_gpu_bytes": None,
+                "plan_error": f"{type(exc).__name__}: {exc}"[:500]}
     return {"planned_host_bytes": p.host_bytes, "planned_gpu_bytes": p.gpu_bytes, "plan_fits": p.fits,
             "planned_step_s": round(p.step_time_s, 3)}
 
 
 def _plan(shape, mode, seq, micro, accum, checkpoint_every, dtype, device, gpu_budget_bytes, loss_chunk, offload,
           lora=None):
-    extra = {}
-    if lora is not None:
-        extra = {"method": "lora", "lora": {"rank": lora[0], "targets": tuple(lora[1])}}
-    return plan(shape, mode=mode, seq_len=seq, micro_batch_size=micro, grad_accum=accum,
-                checkpoint_every=checkpoint_every, compute_dtype=dtype,
+    return plan(shape, method="lora" if mode == "lora" else "full", mode=mode, seq_len=seq,
+                micro_batch_size=micro, grad_accum=accum, checkpoint_every=checkpoint_every, compute_dtype=dtype,
                 device="cuda" if device.startswith("cuda") else "cpu", gpu_budget_bytes=gpu_budget_bytes,
-                loss_chunk_tokens=loss_chunk, suggest=False,
-                offload_checkpoints={"auto": "auto", "true": True, "false": False}[offload], **extra)
+                loss_chunk_tokens=loss_chunk, suggest=False, lora=lora,
+                offload_checkpoints={"auto": "auto", "true": True, "false": False}[offload])
 
 
-def largest_shape(ram_bytes: int, *, mode: str, seq: int, micro: int, accum: int, checkpoint_every: int) -> str:
+def largest_shape(ram_bytes: int, *, mode: str, seq: int, micro: int, accum: int, checkpoint_every: int,
+                  lora: LoraSpec | None = None) -> str:
     """The largest Qwen2.5 preset, or deeper stack of the next preset's layer, whose plan fits the host RAM
     of a node with this much (planner.max_model, depth scan on). The GPU is the H200's whole memory: the
     question is what the host holds; a GPU budget applies to the run, not to the choice."""
+    extra = {"lora": lora} if lora is not None else {}
     best = max_model("qwen2.5", NodeSpec(ram_bytes=ram_bytes), mode=mode, scan_depth=True, seq_len=seq,
-                     micro_batch_size=micro, grad_accum=accum, checkpoint_every=checkpoint_every)
+                     micro_batch_size=micro, grad_accum=accum, checkpoint_every=checkpoint_every, **extra)
     if best.shape is None:
         raise ValueError(f"no shape fits a host of {ram_bytes / 2**30:.1f} GiB in mode {mode}")
     return best.shape.name

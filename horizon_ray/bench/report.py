@@ -129,6 +129,14 @@ def _sorted(items: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
     return out
 
 
+def _trainable(r: dict) -> int | None:
+    """Parameters the run's optimizer updated. Records before ``trainable_params`` existed: every parameter
+    when the run fine-tuned fully, unknown for LoRA."""
+    if r.get("trainable_params") is not None:
+        return r["trainable_params"]
+    return None if r.get("mode") == "lora" else r.get("params")
+
+
 def _bound(r: dict, base: dict | None) -> str:
     """One paragraph: what sets this row's step time, from its measured fields."""
     step, upd, exp = r.get("step_s"), r.get("optimizer_update_s"), r.get("exposed_optimizer_s")
@@ -141,10 +149,12 @@ def _bound(r: dict, base: dict | None) -> str:
             parts.append(f"the fused AdamW takes {upd:.2f} s of the {step:.2f} s step")
     else:
         if upd is not None and exp is not None and step:
-            rate = (r.get("params") or 0) / upd / 1e9 if upd else 0
+            n = _trainable(r)
             overlap = "the next step's forward waits for it" if r["system"] == "horizon-ray" else "not overlapped"
-            parts.append(f"the host AdamW updates {(r.get('params') or 0) / 1e9:.2f} G params in {upd:.2f} s "
-                         f"({rate:.2f} G params/s); {exp:.2f} s of the {step:.2f} s step is exposed ({overlap})")
+            what = f"{n / 1e9:.2f} G params in {upd:.2f} s ({n / upd / 1e9 if upd else 0:.2f} G params/s)" \
+                if n is not None else f"the adapters in {upd:.2f} s"
+            parts.append(f"the host AdamW updates {what}; {exp:.2f} s of the {step:.2f} s step is exposed "
+                         f"({overlap})")
             if exp >= 0.25 * step:
                 bound = "the host optimizer"
             if base and base.get("step_s"):
@@ -164,8 +174,15 @@ def _bound(r: dict, base: dict | None) -> str:
                      f"{MEASURED_TFLOPS})")
     if r.get("planned_host_bytes") and r.get("host_rss_bytes"):
         rss, planned = r["host_rss_bytes"], r["planned_host_bytes"]
-        parts.append(f"host RSS {rss / GiB:.1f} GiB against {planned / GiB:.1f} GiB planned "
-                     f"({rss / planned - 1:+.1%})")
+        against = r.get("rss_plan_host_bytes") or planned
+        if against == planned:
+            parts.append(f"host RSS {rss / GiB:.1f} GiB against {planned / GiB:.1f} GiB planned "
+                         f"({rss / planned - 1:+.1%})")
+        else:  # a larger step ran before in the same process and its buffers stayed resident
+            tokens = r.get("rss_plan_tokens_per_step") or 0
+            parts.append(f"host RSS {rss / GiB:.1f} GiB against {against / GiB:.1f} GiB planned for the "
+                         f"{tokens:,}-token step that ran before it in the same process "
+                         f"({rss / against - 1:+.1%}; this step's own plan: {planned / GiB:.1f} GiB)")
     if r.get("planned_gpu_bytes") and r.get("peak_gpu_bytes"):
         parts.append(f"peak GPU {r['peak_gpu_bytes'] / GiB:.1f} GiB allocated against "
                      f"{r['planned_gpu_bytes'] / GiB:.1f} GiB planned")

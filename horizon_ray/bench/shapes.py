@@ -8,9 +8,13 @@ both read ``ModelShape.to_hf_config()``.
 
 from __future__ import annotations
 
-import re
-
 from horizon_ray.planner import PRESETS, ModelShape
+from horizon_ray.planner.shapes import split_depth
+from horizon_ray.planner.timing import flops_params, model_flops_per_token
+
+# The house convention's FLOPs live with the planner (one definition for its MFU and the benchmark's).
+__all__ = ["FIND_LARGEST_SHAPES", "SHAPES", "TINY", "flops_params", "hf_config", "model_flops_per_token",
+           "resolve_shape"]
 
 TINY = ModelShape(
     name="tiny", arch="qwen2", hidden_size=256, intermediate_size=768, num_layers=8, num_heads=4,
@@ -26,16 +30,12 @@ FIND_LARGEST_SHAPES = ("qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b"
 
 def resolve_shape(name: str, layers: int | None = None) -> ModelShape:
     """``qwen2.5-7b``, ``tiny``, ``qwen2.5-14b@20L``; ``layers`` restacks the shape to that depth."""
-    base, _, depth = name.partition("@")
+    base, depth = split_depth(name)
     if base not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)} (optionally NAME@<layers>L), "
                          "or 'largest' for the largest shape the host holds")
     shape = SHAPES[base]
-    if depth:
-        m = re.fullmatch(r"(\d+)L", depth)
-        if not m or int(m.group(1)) < 1:
-            raise ValueError(f"shape {name!r}: write the depth as NAME@<layers>L, e.g. {base}@20L")
-        layers = layers or int(m.group(1))
+    layers = layers or depth
     if layers is not None:
         if layers < 1:
             raise ValueError(f"--layers must be >= 1, got {layers}")
@@ -51,15 +51,3 @@ def hf_config(shape: ModelShape) -> dict:
     if shape.arch == "mistral":
         cfg["sliding_window"] = None  # the engine attends to the whole sequence; the peers must too
     return cfg
-
-
-def flops_params(shape: ModelShape) -> int:
-    """N of the house convention: the weights a token's matmuls multiply by, i.e. the seven projections of
-    every layer and the LM head. The embedding is a lookup, norms and biases are elementwise (no matmul)."""
-    return shape.num_layers * shape.layer_matmul_params + shape.vocab_size * shape.hidden_size
-
-
-def model_flops_per_token(shape: ModelShape, seq: int) -> float:
-    """House convention (DESIGN.md, Measuring): 6 N + 6 L heads head_dim seq per token, forward and
-    backward, causal attention, recompute not counted."""
-    return 6 * flops_params(shape) + 6 * shape.num_layers * shape.num_heads * shape.head_dim * seq

@@ -24,7 +24,7 @@ from pathlib import Path
 import horizon_ray
 from horizon_ray.bench.child import parse_output
 from horizon_ray.bench.metrics import BASELINE, SYSTEMS, base_record, host_ram_bytes
-from horizon_ray.bench.planning import largest_shape, planned_bytes
+from horizon_ray.bench.planning import largest_shape, lora_settings, planned_bytes
 from horizon_ray.bench.report import compute_ratios, write_json, write_report
 from horizon_ray.bench.shapes import FIND_LARGEST_SHAPES, model_flops_per_token, resolve_shape
 
@@ -124,7 +124,7 @@ def _shapes(args) -> list[str]:
         accum = max(int(a) for a in str(args.accum).split(","))
         modes = args.mode.split(",")
         name = largest_shape(host_ram_bytes(), mode=modes[0], seq=args.seq, micro=args.micro, accum=accum,
-                             checkpoint_every=args.checkpoint_every)
+                             checkpoint_every=args.checkpoint_every, lora=lora_settings(args, modes[0]))
         print(f"bench: the largest shape this host holds in mode {modes[0]} (planner): {name}", flush=True)
         return [name]
     return [resolve_shape(args.shape, args.layers).name]
@@ -160,6 +160,8 @@ def child_argv(system: str, shape: str, args, device: str, dtype: str, mode: str
             "--loss-chunk", str(args.loss_chunk), "--warmup", str(args.warmup), "--steps", str(args.steps)]
     if system == "horizon-ray":
         argv += ["--mode", mode, "--offload", offload]
+        if mode == "lora":
+            argv += ["--lora-r", str(args.lora_r), "--lora-targets", args.lora_targets]
         if args.gpu_budget_gib:
             argv += ["--gpu-budget-gib", f"{args.gpu_budget_gib:g}"]
     if system == "fsdp2-offload":
@@ -245,17 +247,32 @@ def _placeholders(system, shape_name, args, device, dtype, mode, offload, status
         elif system == "fsdp2-offload" and args.fsdp_gpu_budget_gib:
             budget = int(args.fsdp_gpu_budget_gib * 2**30)
         peer_mode = "exact" if system == "fsdp2-offload" or dtype != "bfloat16" else "bf16-state"
+        lora = lora_settings(args, mode) if system == "horizon-ray" else None
         rec = base_record(system, shape, mode=mode or peer_mode, dtype=dtype, device=device.split(":")[0],
                           device_name="", seq=args.seq, micro=args.micro, accum=accum,
                           checkpoint_every=args.checkpoint_every, gpu_budget_bytes=budget,
-                          offload_checkpoints=offload, flops_per_token=model_flops_per_token(shape, args.seq))
+                          offload_checkpoints=offload, flops_per_token=model_flops_per_token(shape, args.seq),
+                          trainable_params=_trainable(shape, lora))
         rec.update(status=status, reason=reason)
         if system == "horizon-ray":
             rec.update(planned_bytes(shape, mode=mode, seq=args.seq, micro=args.micro, accum=accum,
                                      checkpoint_every=args.checkpoint_every, dtype=dtype, device=device,
-                                     gpu_budget_bytes=budget, loss_chunk=args.loss_chunk, offload=offload))
+                                     gpu_budget_bytes=budget, loss_chunk=args.loss_chunk, offload=offload,
+                                     lora=lora))
         out.append(rec)
     return out
+
+
+def _trainable(shape, lora) -> int | None:
+    """Parameters the run's optimizer updates: the adapters in mode lora (as the planner counts them), else
+    all of them."""
+    if lora is None:
+        return shape.num_params
+    try:
+        lora.validate()
+        return lora.num_params(shape)
+    except ValueError:  # settings the engine refuses too: the record says why it did not run
+        return None
 
 
 # ---- the machine --------------------------------------------------------------------------------------------

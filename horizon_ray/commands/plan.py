@@ -3,7 +3,7 @@
     horizon-ray plan --model qwen2.5-7b [--mode exact] [--seq-len 1024 --micro-batch-size 16 ...]
                      [--node-ram 125.9GiB --gpu-mem 141GB] [--json]
     horizon-ray plan --config job.yaml            # a job spec, as `horizon-ray finetune` would run it
-    horizon-ray plan --max-model qwen2.5 --node-ram 512GiB [--mode exact]
+    horizon-ray plan --max-model qwen2.5 --node-ram 512GiB [--mode exact | --method lora --lora-rank 16]
     horizon-ray plan --list-presets
 
 Exit codes: 0 the job fits (or the listing worked), 1 it does not fit (or no model of the family fits),
@@ -17,17 +17,22 @@ import json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from horizon_ray.planner import LoraSpec
+
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", metavar="NAME|PATH",
-                      help="a preset (see --list-presets), an HF model directory or a config.json")
+                      help="a preset (see --list-presets), one stacked to another depth (qwen2.5-72b@64L, as "
+                           "--max-model --scan-depth names it), an HF model directory or a config.json")
     what.add_argument("--config", metavar="JOB.yaml", help="plan a job spec (model, training and engine fields)")
     what.add_argument("--max-model", metavar="FAMILY",
                       help="the largest model of a family (qwen2.5, llama-3, dense, all) that fits the node")
     what.add_argument("--list-presets", action="store_true", help="list the known model shapes")
 
     job = parser.add_argument_group("job (defaults: the job spec's)")
-    job.add_argument("--method", choices=("full", "lora"), default="full")
-    job.add_argument("--mode", help="precision mode: exact (default), bf16-weights, bf16-state, lora")
+    job.add_argument("--method", choices=("full", "lora"), default=None,
+                     help="full (default) or lora (mode lora: adapters on the frozen base)")
+    job.add_argument("--mode", help="precision mode: exact (default), bf16-state, lora, or bf16-weights (planned "
+                                    "only: the engine does not implement it)")
     job.add_argument("--seq-len", type=int)
     job.add_argument("--micro-batch-size", type=int)
     job.add_argument("--grad-accum", type=int)
@@ -36,22 +41,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--packed", action="store_true", help="packed rows (an attention mask per micro-batch)")
     job.add_argument("--compute-dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     job.add_argument("--device", default="auto", help="auto (cuda when the node has a GPU), cuda, cpu")
-    job.add_argument("--lora-rank", type=int, default=16)
-    job.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-                     help="comma-separated projections that get an adapter")
+    lora = LoraSpec()  # the job spec's defaults
+    job.add_argument("--lora-rank", type=int, default=lora.rank, help=f"adapter rank r (default {lora.rank})")
+    job.add_argument("--lora-targets", default=",".join(lora.targets),
+                     help=f"comma-separated projections that get an adapter (default {','.join(lora.targets)})")
     job.add_argument("--lora-modules-to-save", default="",
-                     help="comma-separated norms trained beside the adapters (PEFT's names; norm: every norm)")
+                     help="comma-separated norms trained beside the adapters (PEFT's names; norm: every norm; "
+                          "default none)")
 
     node = parser.add_argument_group("node (defaults: the H200 box of ceilings.md)")
     node.add_argument("--node-ram", metavar="BYTES", help="host RAM, e.g. 125.9GiB, 1.5TiB, 512Gi")
     node.add_argument("--gpu-mem", metavar="BYTES", help="memory of one GPU, e.g. 141GB, 80GiB")
     node.add_argument("--gpus", type=int, help="GPUs on the node (0: a CPU node)")
-    node.add_argument("--gpu-budget", metavar="BYTES", help="GPU memory the job may use (default: all of it)")
+    node.add_argument("--gpu-budget", metavar="BYTES",
+                      help="GPU memory the job may use (default: all of it; a larger budget is capped at the GPU's)")
     node.add_argument("--reserve", type=float, help="share of RAM kept free (default 0.05)")
     node.add_argument("--efficiency", type=float, help="share of the 786.5 TFLOP/s a layer sustains (0.55)")
     node.add_argument("--pinned", choices=("pow2", "exact"),
-                      help="how pinned buffers are sized: pow2 (torch's caching host allocator, the engine "
-                           "today) or exact (cudaHostRegister)")
+                      help="how pinned buffers are sized: exact (the default and what the engine does: "
+                           "cudaHostRegister at the exact size for buffers of 1 MiB and more) or pow2 (every "
+                           "buffer through torch's caching host allocator, rounded up to a power of two)")
 
     parser.add_argument("--scan-depth", action="store_true",
                         help="with --max-model: also stack the next larger preset's layer as deep as fits")
@@ -82,6 +91,16 @@ def _node(args):
     return node
 
 
+def _method_and_mode(args) -> tuple[str, str]:
+    """--method and --mode, each defaulting from the other: lora goes with mode lora, full with exact."""
+    method = args.method or ("lora" if args.mode == "lora" else "full")
+    mode = args.mode or ("lora" if method == "lora" else "exact")
+    if (method == "lora") != (mode == "lora"):
+        raise ValueError(f"--method {method} does not go with --mode {mode}: LoRA is --method lora (mode lora); "
+                         "full fine-tuning takes --mode exact, bf16-state or bf16-weights")
+    return method, mode
+
+
 def run(args: argparse.Namespace) -> int:
     from horizon_ray import planner
 
@@ -107,8 +126,15 @@ def run(args: argparse.Namespace) -> int:
            "compute_dtype": args.compute_dtype, "device": args.device, "packed": args.packed,
            "gpu_budget_bytes": budget, **pinned}
 
+    method, mode = _method_and_mode(args)
+    if method == "lora":
+        job["lora"] = planner.LoraSpec.of({"r": args.lora_rank, "targets": args.lora_targets,
+                                           "modules_to_save": args.lora_modules_to_save})
+
     if args.max_model:
-        found = planner.max_model(args.max_model, node, args.mode or "exact", scan_depth=args.scan_depth, **job)
+        found = planner.max_model(args.max_model, node, mode, scan_depth=args.scan_depth, **job)
+        planned_only = "" if planner.get_mode(mode).engine_supported else \
+            f" (mode {mode} is planned only: the engine does not implement it yet)"
         if args.json:
             print(json.dumps(found.to_dict(), indent=2))
         else:
@@ -116,11 +142,13 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{t['model']:<26} {planner.human_params(t['params']):>8}  host "
                       f"{planner.format_bytes(t['host_bytes']):>11}  gpu {planner.format_bytes(t['gpu_bytes']):>10}"
                       f"  {'fits' if t['fits'] else 'does not fit'}")
+            lora = job.get("lora")
+            what = f"mode {found.mode}" + (f" (rank {lora.rank}, targets {','.join(lora.targets)})" if lora else "")
             if found.shape is None:
-                print(f"\nno model of family {found.family} fits this node in mode {found.mode}")
+                print(f"\nno model of family {found.family} fits this node in {what}")
             else:
-                print(f"\nlargest that fits in mode {found.mode}: {found.shape.name} "
-                      f"({planner.human_params(found.shape.num_params)} params)")
+                print(f"\nlargest that fits in {what}: {found.shape.name} "
+                      f"({planner.human_params(found.shape.num_params)} params){planned_only}")
         return 0 if found.shape is not None else 1
 
     if args.config:
@@ -129,12 +157,6 @@ def run(args: argparse.Namespace) -> int:
         spec = JobSpec.from_yaml(args.config)
         p = planner.plan_for_spec(spec, node, gpu_budget_bytes=budget)
     else:
-        lora = None
-        if args.method == "lora" or args.mode == "lora":
-            targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-            modules = tuple(t.strip() for t in args.lora_modules_to_save.split(",") if t.strip())
-            lora = planner.LoraSpec(rank=args.lora_rank, targets=targets, modules_to_save=modules)
-        p = planner.plan(args.model, method="lora" if args.mode == "lora" else args.method, mode=args.mode,
-                         node=node, lora=lora, **job)
+        p = planner.plan(args.model, method=method, mode=mode, node=node, **job)
     print(json.dumps(p.to_dict(), indent=2) if args.json else planner.format_plan(p))
     return 0 if p.fits else 1

@@ -47,7 +47,8 @@ def format_bytes(n: float) -> str:
 class Ceilings:
     """Measured rates of the box (ceilings.md, 2026-11-29, one run each: take them as +-5 %)."""
 
-    matmul_flops: float = 786.5e12  # bf16 dense matmul, FLOP/s (datasheet 989.5e12)
+    matmul_flops: float = 786.5e12  # bf16 dense matmul, FLOP/s: the rate MFU is against (DESIGN.md, Measuring)
+    datasheet_matmul_flops: float = 989.5e12  # the GPU's datasheet bf16 dense rate (MFU is printed against it too)
     compute_efficiency: float = 0.55  # assumed share of matmul_flops a streamed layer sustains (see timing)
     h2d_bytes_per_s: float = 55.4e9  # pinned host -> device
     d2h_bytes_per_s: float = 55.3e9  # pinned device -> host

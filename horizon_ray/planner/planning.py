@@ -36,14 +36,15 @@ class Plan:
     gpu_bytes: int  # GPU memory the job needs at its peak (0 on device cpu)
     pinned_bytes: int  # part of host_bytes that is page-locked (CUDA)
     host_limit_bytes: int  # usable RAM of the node (RAM less the reserve)
-    gpu_limit_bytes: int  # GPU memory of the node, or the budget given
+    gpu_limit_bytes: int  # GPU memory of the node, or the budget given when it is smaller
     fits: bool  # host_bytes <= host_limit_bytes and gpu_bytes <= gpu_limit_bytes
     reason: str  # one paragraph: the verdict with numbers, and what would fit when it does not
     breakdown: dict[str, dict[str, int]]  # {"host": {item: bytes}, "gpu": {item: bytes}}; items sum up
     bytes_per_param: float  # host bytes per parameter of the mode's state (weights, master, m, v, grads)
     step_time_s: float  # predicted seconds per optimizer step (of one engine while concurrent_engines run)
     tokens_per_s: float  # tokens_per_step / step_time_s
-    mfu: float  # model FLOPs (house convention) per second / matmul_flops
+    mfu: float  # model FLOPs (house convention, timing.model_flops_per_token) per second / measured matmul_flops
+    mfu_datasheet: float  # the same against the datasheet rate (ceilings.datasheet_matmul_flops)
     bound: str  # what sets the step time: gpu compute, pcie, cpu optimizer
     timing: dict[str, Any]  # the terms of the roofline, seconds and FLOPs
     gives_up: str  # what the mode costs against exact AdamW
@@ -73,7 +74,7 @@ def _job_defaults() -> dict[str, Any]:
             "layer_chunk_tokens": LAYER_CHUNK_TOKENS}
 
 
-def plan(model, *, method: str = "full", mode: str | None = None, seq_len: int | None = None,
+def plan(model, *, method: str | None = None, mode: str | None = None, seq_len: int | None = None,
          micro_batch_size: int | None = None, grad_accum: int | None = None, checkpoint_every: int | None = None,
          compute_dtype: str = "auto", device: str = "cuda", node: NodeSpec | None = None,
          gpu_budget_bytes: int | None = None, lora: LoraSpec | dict | None = None,
@@ -90,7 +91,9 @@ def plan(model, *, method: str = "full", mode: str | None = None, seq_len: int |
     ``layer_chunk_tokens`` / ``offload_checkpoints``: the engine's knobs of the same names ("auto" or None:
     checkpoints offloaded to the host on CUDA). ``concurrent_engines``: how many engines (one per GPU) run at
     once on the node and share its DRAM bandwidth and cores; the step time is that of one of them (see
-    ``timing``). On CUDA it cannot exceed the node's GPUs.
+    ``timing``). On CUDA it cannot exceed the node's GPUs. ``method``: full or lora (None: lora when
+    ``mode`` is lora, else full). ``lora``: a LoraSpec or the job spec's section as a dict
+    (``{"r": 16, "targets": ["q_proj", "v_proj"]}``); absent, the job spec's defaults.
     """
     node = node or H200_NODE
     if isinstance(model, dict) and "model" in model:
@@ -109,6 +112,8 @@ def plan(model, *, method: str = "full", mode: str | None = None, seq_len: int |
         compute_dtype = "bfloat16" if device == "cuda" else "float32"
     if compute_dtype not in DTYPE_BYTES:
         raise ValueError(f"compute_dtype must be one of auto, {', '.join(DTYPE_BYTES)}; got {compute_dtype!r}")
+    if method is None:
+        method = "lora" if mode == "lora" else "full"
     if method not in ("full", "lora"):
         raise ValueError(f"method must be 'full' or 'lora', got {method!r}")
     mode = mode or ("lora" if method == "lora" else "exact")
@@ -124,7 +129,7 @@ def plan(model, *, method: str = "full", mode: str | None = None, seq_len: int |
     _concurrent(concurrent_engines, device, node)
     lora_spec = None
     if method == "lora":
-        lora_spec = lora if isinstance(lora, LoraSpec) else LoraSpec(**(lora or {}))
+        lora_spec = LoraSpec.of(lora)
         lora_spec = replace(lora_spec, targets=tuple(lora_spec.targets),
                             modules_to_save=tuple(lora_spec.modules_to_save))
         lora_spec.validate()
@@ -167,7 +172,8 @@ def _plan(shape: ModelShape, mode: str, compute_dtype: str, device: str, job: Jo
     t = step_time(shape, pm, compute_dtype, device, job, lora, node.ceilings, concurrent_engines)
     trainable = shape.num_params if pm.method == "full" else lora.num_params(shape)
     state = host["weights"] + host["master"] + host["moments"] + host["grads"]
-    gpu_limit = gpu_budget_bytes if gpu_budget_bytes is not None else node.gpu_mem_bytes
+    # a budget caps what the job may take of the GPU; it cannot add memory the GPU does not have
+    gpu_limit = node.gpu_mem_bytes if gpu_budget_bytes is None else min(gpu_budget_bytes, node.gpu_mem_bytes)
     host_ok = host_bytes <= node.usable_ram_bytes
     gpu_ok = device == "cpu" or (node.gpus > 0 and gpu_bytes <= gpu_limit)
     p = Plan(
@@ -178,7 +184,9 @@ def _plan(shape: ModelShape, mode: str, compute_dtype: str, device: str, job: Jo
         gpu_limit_bytes=gpu_limit if device == "cuda" else 0, fits=host_ok and gpu_ok, reason="",
         breakdown={"host": host, "gpu": gpu}, bytes_per_param=state / shape.num_params,
         step_time_s=t["step_s"], tokens_per_s=job.tokens_per_step / t["step_s"],
-        mfu=t["model_flops"] / t["step_s"] / node.ceilings.matmul_flops, bound=t["bound"], timing=t,
+        mfu=t["model_flops"] / t["step_s"] / node.ceilings.matmul_flops,
+        mfu_datasheet=t["model_flops"] / t["step_s"] / node.ceilings.datasheet_matmul_flops, bound=t["bound"],
+        timing=t,
         gives_up=pm.gives_up, engine_supported=pm.engine_supported,
         lora=dataclasses.asdict(lora) if lora else None, node=node.to_dict(), pinned_pow2=pinned_pow2,
         concurrent_engines=concurrent_engines,
@@ -261,6 +269,9 @@ def _reason(p: Plan, node: NodeSpec, shape, job, gpu_budget_bytes, lora, host_ok
             parts.append(f"does not fit: GPU memory needs {format_bytes(p.gpu_bytes)} but "
                          f"{format_bytes(p.gpu_limit_bytes)} are available: {format_bytes(missing)} missing "
                          f"(activations of the {p.tokens_per_step}-token step: {format_bytes(acts)}).")
+            if gpu_budget_bytes is not None and gpu_budget_bytes > node.gpu_mem_bytes:
+                parts.append(f"The GPU budget of {format_bytes(gpu_budget_bytes)} is more than the GPU has "
+                             f"({format_bytes(node.gpu_mem_bytes)}): the GPU's memory is the limit.")
             fix = _gpu_fix(shape, p, job, node, gpu_budget_bytes, lora) if suggest else ""
             if fix:
                 parts.append(fix)
@@ -276,11 +287,12 @@ def _gpu_fix(shape, p: Plan, job: Job, node, gpu_budget_bytes, lora) -> str:
         return q.gpu_bytes <= p.gpu_limit_bytes
 
     mb, ga = job.micro_batch_size, job.grad_accum
-    while mb > 1:
-        mb, ga = (mb + 1) // 2, ga * 2
-        j = replace(job, micro_batch_size=mb, grad_accum=ga)
+    # only divisors of the micro-batch keep micro x accum, i.e. the tokens of a step, the same
+    divisors = {d for i in range(1, math.isqrt(mb) + 1) if mb % i == 0 for d in (i, mb // i)}
+    for smaller in sorted(divisors - {mb}, reverse=True):
+        j = replace(job, micro_batch_size=smaller, grad_accum=ga * (mb // smaller))
         if fits(j):
-            return (f"It fits with micro_batch_size={mb} and grad_accum={ga} (same tokens per step, "
+            return (f"It fits with micro_batch_size={smaller} and grad_accum={j.grad_accum} (same tokens per step, "
                     "fewer at once through a layer).")
     chunk = job.loss_chunk_tokens
     while chunk > 256:
@@ -324,7 +336,6 @@ def plan_for_spec(spec, node: NodeSpec | None = None, *, gpu_budget_bytes: int |
     "auto" resolve as the job runner does: cuda and bfloat16 when the node has a GPU.
     """
     from horizon_ray.jobspec import EngineSpec, ModelSpec, TrainingSpec
-    from horizon_ray.jobspec import LoraSpec as SpecLora
 
     node = node or H200_NODE
     model = _get(spec, "model.path", ModelSpec().path) if not isinstance(_get(spec, "model", None), str) \
@@ -333,12 +344,8 @@ def plan_for_spec(spec, node: NodeSpec | None = None, *, gpu_budget_bytes: int |
         raise ValueError("the job spec has no model.path; set it to an HF model directory or a preset name")
     t, e = TrainingSpec(), EngineSpec()
     method = _get(spec, "method", "full")
-    lora = _get(spec, "lora", None)
-    if method == "lora" and not isinstance(lora, LoraSpec):
-        # the job spec's lora section (dataclass or dict; absent: its defaults), as the runner reads it
-        d = SpecLora()
-        lora = LoraSpec(rank=_get(lora, "r", d.r), targets=tuple(_get(lora, "targets", None) or d.targets),
-                        modules_to_save=tuple(_get(lora, "modules_to_save", None) or ()))
+    # the job spec's lora section (dataclass or dict; absent: its defaults, which LoraSpec's equal)
+    lora = LoraSpec.of(_get(spec, "lora", None)) if method == "lora" else None
     return plan(
         model, method=method, mode=_get(spec, "engine.precision", e.precision) if method == "full" else "lora",
         seq_len=_get(spec, "training.seq_len", t.seq_len),
@@ -368,7 +375,8 @@ class MaxModel:
     tried: list[dict[str, Any]]  # every shape planned: name, params, host_bytes, gpu_bytes, fits
 
     def to_dict(self) -> dict[str, Any]:
-        return {"family": self.family, "mode": self.mode, "model": self.shape.name if self.shape else None,
+        return {"family": self.family, "mode": self.mode, "engine_supported": MODES[self.mode].engine_supported,
+                "model": self.shape.name if self.shape else None,
                 "params": self.shape.num_params if self.shape else None, "tried": self.tried,
                 "plan": self.plan.to_dict() if self.plan else None}
 
@@ -446,8 +454,11 @@ def format_plan(p: Plan) -> str:
         rows.append("")
     if p.device == "cuda":
         t = p.timing
-        rows.append(f"STEP         {p.step_time_s:.2f} s, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%} "
-                    f"({p.bound} bound)")
+        c = p.node.get("ceilings", {})
+        rows.append(f"STEP         {p.step_time_s:.2f} s, {p.tokens_per_s:,.0f} tokens/s ({p.bound} bound)")
+        rows.append(f"  MFU {p.mfu:.1%} of {c.get('matmul_flops', 0) / 1e12:.1f} TFLOP/s measured, "
+                    f"{p.mfu_datasheet:.1%} of {c.get('datasheet_matmul_flops', 0) / 1e12:.1f} datasheet "
+                    "(model FLOPs: DESIGN.md's convention)")
         rows.append(f"  compute {t['compute_s']:.2f} s (fwd {t['forward_s']:.2f}, bwd {t['backward_s']:.2f}); "
                     f"pcie {t['pcie_s']:.2f} s; cpu optimizer {t['optimizer_s']:.2f} s; exposed "
                     f"{t['exposed_s']:.2f} s")

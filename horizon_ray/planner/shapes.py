@@ -10,7 +10,8 @@ stays cheap for the coordinator and the API.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+import re
+from dataclasses import asdict, dataclass, is_dataclass, replace
 from pathlib import Path
 
 # model_type -> HF architecture class (the engine trains exactly these).
@@ -232,9 +233,21 @@ def _preset_key(name: str) -> str | None:
     return key if key in PRESETS else None
 
 
+def split_depth(name: str) -> tuple[str, int | None]:
+    """``qwen2.5-14b@20L`` -> (``qwen2.5-14b``, 20); a name without ``@`` -> (name, None). The depth suffix is
+    the name ``ModelShape.with_layers`` gives a stacked shape (what ``max_model(scan_depth=True)`` prints)."""
+    base, at, depth = name.partition("@")
+    if not at:
+        return name, None
+    m = re.fullmatch(r"(\d+)L", depth)
+    if not m or int(m.group(1)) < 1:
+        raise ValueError(f"shape {name!r}: write the depth as NAME@<layers>L, e.g. {base}@20L")
+    return base, int(m.group(1))
+
+
 def load_model_shape(model: str | Path | dict | ModelShape) -> ModelShape:
-    """A preset name (``qwen2.5-7b``, ``Qwen/Qwen2.5-7B-Instruct``), a config.json path, a model directory
-    holding one, or an HF config dict."""
+    """A preset name (``qwen2.5-7b``, ``Qwen/Qwen2.5-7B-Instruct``), a preset stacked to another depth
+    (``qwen2.5-72b@64L``), a config.json path, a model directory holding one, or an HF config dict."""
     if isinstance(model, ModelShape):
         return model
     if isinstance(model, dict):
@@ -249,22 +262,55 @@ def load_model_shape(model: str | Path | dict | ModelShape) -> ModelShape:
         if not isinstance(hf, dict):
             raise ValueError(f"{config} is not a JSON object; give an HF config.json")
         return ModelShape.from_hf(hf, name=str(path))
-    key = _preset_key(str(model))
+    base, layers = split_depth(str(model))
+    key = _preset_key(base)
     if key is not None:
-        return PRESETS[key]
+        shape = PRESETS[key]
+        return shape if layers is None or layers == shape.num_layers else shape.with_layers(layers)
     raise ValueError(f"unknown model {str(model)!r}: not a known preset and no config.json at that path; "
-                     f"known presets: {', '.join(PRESETS)}; or pass an HF model directory / config.json")
+                     f"known presets: {', '.join(PRESETS)} (or one stacked to another depth, NAME@<layers>L); "
+                     "or pass an HF model directory / config.json")
 
 
 @dataclass(frozen=True)
 class LoraSpec:
-    rank: int = 16  # r of every adapter
-    targets: tuple[str, ...] = LINEAR_NAMES  # projections of each layer that get an adapter
+    """The LoRA settings that change a plan. Defaults: the job spec's (``horizon_ray.jobspec.LoraSpec``; a
+    unit test keeps them equal), so a plan without them plans what a LoRA job runs by default."""
+
+    rank: int = 8  # r of every adapter
+    targets: tuple[str, ...] = ("q_proj", "v_proj")  # projections of each layer that get an adapter
     modules_to_save: tuple[str, ...] = ()  # norms trained beside the adapters (PEFT's modules_to_save)
 
+    # The job spec's keys (and the engine's LoraConfig fields) that change no byte and no FLOP of a plan.
+    IGNORED_KEYS = ("alpha", "dropout", "merge")
+
+    @classmethod
+    def of(cls, lora) -> LoraSpec:
+        """From a LoraSpec, None (the defaults), or the job spec's section as a dict or dataclass
+        (``{"r": 16, "targets": [...]}``; ``rank`` is taken for ``r`` too)."""
+        if lora is None or isinstance(lora, cls):
+            return lora or cls()
+        if is_dataclass(lora) and not isinstance(lora, type):
+            lora = asdict(lora)
+        if not isinstance(lora, dict):
+            raise ValueError(f"lora must be a LoraSpec or a dict like {{'r': 8, 'targets': ['q_proj', 'v_proj']}}, "
+                             f"got {type(lora).__name__}")
+        unknown = sorted(set(lora) - {"r", "rank", "targets", "modules_to_save", *cls.IGNORED_KEYS})
+        if unknown:
+            raise ValueError(f"lora keys {unknown} are not known; give r (or rank), targets, modules_to_save "
+                             f"({', '.join(cls.IGNORED_KEYS)} change nothing the plan counts)")
+        if "r" in lora and "rank" in lora and lora["r"] != lora["rank"]:
+            raise ValueError(f"lora gives r={lora['r']!r} and rank={lora['rank']!r}; give one of them")
+        d = cls()
+        rank = lora.get("r", lora.get("rank"))
+        targets, modules = lora.get("targets"), lora.get("modules_to_save")
+        return cls(rank=d.rank if rank is None else rank,
+                   targets=d.targets if targets is None else _names(targets),
+                   modules_to_save=d.modules_to_save if modules is None else _names(modules))
+
     def validate(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"lora rank must be >= 1, got {self.rank}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"lora rank (r) must be an integer >= 1 (e.g. 8), got {self.rank!r}")
         bad = [t for t in self.targets if t not in LINEAR_NAMES]
         if bad or not self.targets:
             raise ValueError(f"lora targets {list(bad or self.targets)} are not valid; choose among "
@@ -284,6 +330,13 @@ class LoraSpec:
 
     def num_params(self, shape: ModelShape) -> int:
         return sum(self.unit_params(shape))
+
+
+def _names(value) -> tuple[str, ...]:
+    """A list of module names, or one comma-separated string of them."""
+    if isinstance(value, str):
+        return tuple(v.strip() for v in value.split(",") if v.strip())
+    return tuple(value)
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -57,10 +57,21 @@ from horizon_ray.planner.node import Ceilings
 from horizon_ray.planner.shapes import LoraSpec, ModelShape, ceil_div
 
 
+def flops_params(shape: ModelShape) -> int:
+    """N of the house convention: the weights a token's matmuls multiply by, i.e. the seven projections of
+    every layer and the LM head. The embedding is a lookup, norms and biases are elementwise (no matmul)."""
+    return shape.num_layers * shape.layer_matmul_params + shape.vocab_size * shape.hidden_size
+
+
+def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    """House convention (DESIGN.md, Measuring): 6 N + 6 L heads head_dim S per token, forward and backward,
+    causal attention, recompute not counted. The planner's MFU and the benchmark's both use it."""
+    return 6 * flops_params(shape) + 6 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len
+
+
 def model_flops(shape: ModelShape, seq_len: int, tokens: int) -> float:
-    """House convention (DESIGN.md): 6 N T + 6 L heads head_dim S T; recompute not counted."""
-    return (6.0 * shape.num_params * tokens
-            + 6.0 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len * tokens)
+    """Model FLOPs of a step of ``tokens`` tokens (house convention)."""
+    return model_flops_per_token(shape, seq_len) * tokens
 
 
 def host_share(ceil: Ceilings, concurrent_engines: int = 1) -> dict[str, float]:

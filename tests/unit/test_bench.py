@@ -296,3 +296,72 @@ def test_the_parent_imports_no_torch_and_no_module_the_gpu_box_lacks():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# ---- review fixes: LoRA placeholders, trainable parameters, RSS against the right plan, run9's baseline ---------
+
+
+def test_a_failed_lora_child_is_recorded_with_its_plan():
+    from horizon_ray.bench.suite import _placeholders
+    from horizon_ray.planner import LoraSpec, plan
+
+    args = _args(shape="tiny", accum="1,2", device="cpu", mode="lora", lora_r=4, lora_targets="q_proj,v_proj")
+    got = collect(Child(lines=["Traceback", "RuntimeError: boom"], returncode=1), "horizon-ray", "tiny", args,
+                  "cpu", "float32", "lora", "auto")
+    assert [(r["status"], r["accum"]) for r in got] == [("error", 1), ("error", 2)]
+    lora = LoraSpec(rank=4, targets=("q_proj", "v_proj"))
+    want = plan(TINY, method="lora", lora=lora, seq_len=1024, micro_batch_size=16, grad_accum=1, checkpoint_every=1,
+                compute_dtype="float32", device="cpu", loss_chunk_tokens=1024)
+    assert got[0]["planned_host_bytes"] == want.host_bytes  # the run's rank and targets, not the defaults
+    assert got[0]["trainable_params"] == want.trainable_params == lora.num_params(TINY)
+    # settings the planner refuses are recorded, not raised
+    bad = _placeholders("horizon-ray", "tiny", _args(shape="tiny", device="cpu", mode="lora", lora_targets="qkv"),
+                        "cpu", "float32", "lora", "auto", "error", "x")
+    assert bad[0]["planned_host_bytes"] is None and "lora targets ['qkv'] are not valid" in bad[0]["plan_error"]
+
+
+def test_child_argv_passes_the_lora_settings():
+    args = _args(shape="tiny", mode="lora", lora_r=4, lora_targets="q_proj,v_proj")
+    argv = child_argv("horizon-ray", "tiny", args, "cpu", "float32", "lora", "auto")
+    assert argv[argv.index("--lora-r") + 1] == "4" and argv[argv.index("--lora-targets") + 1] == "q_proj,v_proj"
+    assert "--lora-r" not in child_argv("horizon-ray", "tiny", args, "cpu", "float32", "exact", "auto")
+
+
+def test_what_bounds_a_lora_row_counts_the_adapters():
+    from horizon_ray.bench.report import _bound
+
+    shape = resolve_shape("qwen2.5-7b")
+    rec = base_record("horizon-ray", shape, mode="lora", dtype="bfloat16", device="cuda", device_name="", seq=1024,
+                      micro=16, accum=1, checkpoint_every=1, gpu_budget_bytes=None, flops_per_token=1.0,
+                      trainable_params=20_185_088)
+    rec.update(step_s=2.0, optimizer_update_s=0.01, exposed_optimizer_s=0.0)
+    assert "the host AdamW updates 0.02 G params in 0.01 s" in _bound(rec, None)
+    del rec["trainable_params"]  # a record from before the field: LoRA's count is unknown, not the base's
+    assert "the host AdamW updates the adapters in 0.01 s" in _bound(rec, None)
+    full = base_record("horizon-ray", shape, mode="exact", dtype="bfloat16", device="cuda", device_name="", seq=1024,
+                       micro=16, accum=1, checkpoint_every=1, gpu_budget_bytes=None, flops_per_token=1.0)
+    assert full["trainable_params"] == full["params"] == 7_615_616_512
+
+
+def test_host_rss_is_compared_with_the_largest_plan_the_process_ran():
+    pytest.importorskip("torch")
+    from horizon_ray.bench.engine_run import accumulations, rss_plan
+    from horizon_ray.bench.report import _bound
+
+    assert accumulations("4,1") == [1, 4]
+    big = _run("horizon-ray", 6640.5, tokens=65536, planned_host_bytes=121869120512)
+    small = _run("horizon-ray", 4204.2, tokens=16384, planned_host_bytes=111651795968, host_rss_bytes=121586847744)
+    largest = rss_plan(big, None)  # run9's order: 65,536 tokens, then 16,384 in the same engine
+    assert rss_plan(small, largest) is big
+    assert (small["rss_plan_host_bytes"], small["rss_plan_tokens_per_step"]) == (121869120512, 65536)
+    assert (big["rss_plan_host_bytes"], big["rss_plan_tokens_per_step"]) == (121869120512, 65536)
+    assert ("host RSS 113.2 GiB against 113.5 GiB planned for the 65,536-token step that ran before it in the same "
+            "process (-0.2%; this step's own plan: 104.0 GiB)") in _bound(small, None)
+
+
+def test_run9_reuses_run8s_baseline_and_says_so():
+    runs = json.loads((RESULTS / "2026-11-29-h200-qwen2.5-7b-run9.json").read_text())
+    base = [r for r in runs if r["system"] == "in-gpu-baseline"]
+    assert base and all(r["commit"] == "59969c9" and "reused" in r["note"] for r in base)
+    small = next(r for r in runs if r["system"] == "horizon-ray" and r["accum"] == 1)
+    assert "against that step's plan, 113.5 GiB, it is -0.2%" in small["note"]

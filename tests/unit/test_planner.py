@@ -17,6 +17,7 @@ from horizon_ray.planner import (
     plan_for_spec,
 )
 from horizon_ray.planner.node import GiB, TiB
+from horizon_ray.planner.shapes import LINEAR_NAMES
 
 # A tiny untied Llama: H=64, I=128, L=2, 4 heads of 16, 2 KV heads, V=100.
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -118,7 +119,7 @@ def test_units_and_store_match_the_engine(config):
     # LoRA: the frozen base is its wire alone, the fp32 adapters have master, m, v and gradient
     from horizon_ray.engine.lora import LoraConfig, adapter_layouts
 
-    for dtype, targets in (("bfloat16", ("q_proj", "v_proj")), ("float32", LoraSpec().targets)):
+    for dtype, targets in (("bfloat16", ("q_proj", "v_proj")), ("float32", LINEAR_NAMES)):
         lora = LoraConfig(r=4, targets=targets)
         store = HostStore(unit_layouts(mc), DTYPES[dtype], torch.float32, pin=False,
                           adapter_layouts=adapter_layouts(mc, lora))
@@ -410,3 +411,104 @@ def test_two_7b_jobs_side_by_side_on_a_two_gpu_node():
         plan("qwen2.5-7b", node=node, concurrent_engines=3, **job)
     with pytest.raises(ValueError, match="concurrent_engines must be an integer"):
         plan("qwen2.5-7b", node=node, concurrent_engines=0, **job)
+
+
+# ---- review fixes: FLOPs, GPU limit, GPU fixes, LoRA settings, stacked presets, the CLI ----------------------
+
+
+def test_mfu_uses_the_benchmarks_flops_convention():
+    from horizon_ray.bench import shapes as bench_shapes
+    from horizon_ray.planner import format_plan
+    from horizon_ray.planner.timing import flops_params, model_flops_per_token
+
+    assert bench_shapes.model_flops_per_token is model_flops_per_token  # one definition
+    shape = PRESETS["qwen2.5-7b"]
+    # N: the layers' projections and the LM head; not the embedding (a lookup), norms or biases
+    assert flops_params(shape) == shape.num_layers * shape.layer_matmul_params + shape.vocab_size * shape.hidden_size
+    assert flops_params(shape) < shape.num_params - shape.embed_params
+    p = plan(shape, seq_len=1024, micro_batch_size=16, grad_accum=4, checkpoint_every=1)
+    flops = model_flops_per_token(shape, 1024) * p.tokens_per_step
+    assert p.timing["model_flops"] == flops
+    assert p.mfu == pytest.approx(flops / p.step_time_s / 786.5e12)
+    assert p.mfu_datasheet == pytest.approx(flops / p.step_time_s / 989.5e12)
+    text = format_plan(p)
+    assert f"MFU {p.mfu:.1%} of 786.5 TFLOP/s measured, {p.mfu_datasheet:.1%} of 989.5 datasheet" in text
+
+
+def test_a_gpu_budget_cannot_exceed_the_gpu():
+    small_gpu = NodeSpec(gpu_mem_bytes=8 * GiB)
+    p = plan("qwen2.5-7b", node=small_gpu, gpu_budget_bytes=1024 * GiB, seq_len=1024, micro_batch_size=16,
+             grad_accum=4, checkpoint_every=1)
+    assert p.gpu_bytes > 8 * GiB and p.gpu_limit_bytes == 8 * GiB
+    assert not p.fits
+    assert "more than the GPU has" in p.reason
+    assert plan("qwen2.5-7b", node=small_gpu, gpu_budget_bytes=4 * GiB).gpu_limit_bytes == 4 * GiB
+
+
+def test_gpu_fix_keeps_the_tokens_per_step():
+    # 3 x 1 sequences of 4096 need 10.48 GiB of GPU, 1 x 3 need 10.29; halving (2 x 2, then 1 x 4: 10.40 GiB)
+    # would propose 4 sequences a step; only a divisor of the micro-batch keeps 3
+    p = plan("qwen2.5-7b", mode="bf16-state", seq_len=4096, micro_batch_size=3, grad_accum=1, checkpoint_every=1,
+             gpu_budget_bytes=int(10.45 * GiB), node=NODE_512G)
+    assert not p.fits
+    assert "It fits with micro_batch_size=1 and grad_accum=3 (same tokens per step" in p.reason
+
+
+def test_lora_settings_take_the_job_specs_keys_and_defaults():
+    from horizon_ray.jobspec import LoraSpec as SpecLora
+
+    spec = SpecLora()
+    assert (LoraSpec().rank, list(LoraSpec().targets), list(LoraSpec().modules_to_save)) == \
+        (spec.r, spec.targets, spec.modules_to_save)
+    r16 = plan(TINY, method="lora", lora={"r": 16}, **JOB)
+    assert r16.lora["rank"] == 16 and r16.lora["targets"] == ("q_proj", "v_proj")
+    assert r16.trainable_params == 2 * 16 * ((64 + 64) + (64 + 32))
+    assert plan(TINY, method="lora", lora={"rank": 16}, **JOB).host_bytes == r16.host_bytes
+    default = plan(TINY, method="lora", **JOB)
+    assert plan(TINY, method="lora", lora=spec, **JOB).trainable_params == default.trainable_params
+    assert plan(TINY, mode="lora", lora={"r": 16, "alpha": 32, "dropout": 0.1}, **JOB).host_bytes == r16.host_bytes
+    with pytest.raises(ValueError, match="lora keys \\['rnk'\\] are not known; give r"):
+        plan(TINY, method="lora", lora={"rnk": 16})
+    with pytest.raises(ValueError, match="integer >= 1"):
+        plan(TINY, method="lora", lora={"r": "16"})
+
+
+def test_engine_lora_defaults_equal_the_planners():
+    pytest.importorskip("torch")
+    from horizon_ray.engine import LoraConfig
+
+    assert (LoraConfig().r, tuple(LoraConfig().targets)) == (LoraSpec().rank, LoraSpec().targets)
+
+
+def test_stacked_preset_names_plan():
+    shape = load_model_shape("qwen2.5-72b@64L")
+    assert shape.num_layers == 64 and shape.name == "qwen2.5-72b@64L"
+    assert shape == PRESETS["qwen2.5-72b"].with_layers(64)
+    assert load_model_shape("Qwen/Qwen2.5-7B@28L") is PRESETS["qwen2.5-7b"]
+    with pytest.raises(ValueError, match="NAME@<layers>L"):
+        load_model_shape("qwen2.5-72b@64")
+    # what max_model's depth scan names, plan accepts
+    deep = max_model("qwen2.5", H200_NODE, "lora", scan_depth=True, **BIG_JOB)
+    assert "@" in deep.shape.name
+    assert plan(deep.shape.name, mode="lora", **BIG_JOB).host_bytes == deep.plan.host_bytes
+
+
+def test_cli_max_model_takes_the_method_and_the_lora_flags(capsys):
+    from horizon_ray.cli import main
+
+    assert main(["plan", "--max-model", "qwen2.5", "--method", "lora", "--scan-depth", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mode"] == "lora" and out["model"].startswith("qwen2.5-72b@")
+    assert out["plan"]["lora"]["rank"] == 8  # the job spec's default
+    all7 = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    assert main(["plan", "--max-model", "qwen2.5", "--method", "lora", "--scan-depth", "--lora-rank", "16",
+                 "--lora-targets", all7]) == 0
+    text = capsys.readouterr().out
+    # benchmarks/README.md's ~59B
+    assert "largest that fits in mode lora (rank 16, targets " + all7 + "): qwen2.5-72b@64L (58.66B params)" in text
+    assert main(["plan", "--max-model", "qwen2.5", "--mode", "bf16-weights"]) == 0
+    assert "planned only: the engine does not implement it" in capsys.readouterr().out
+    assert main(["plan", "--max-model", "qwen2.5", "--method", "lora", "--mode", "exact"]) == 2
+    assert "--method lora does not go with --mode exact" in capsys.readouterr().err
+    assert main(["plan", "--model", "qwen2.5-72b@64L", "--mode", "lora", "--lora-rank", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["lora"]["rank"] == 4
