@@ -7,9 +7,24 @@
     eng = Engine.from_pretrained(model_dir, EngineConfig(lora=LoraConfig(r=8, alpha=16, targets=("q_proj", "v_proj"))))
 """
 
-from horizon_ray.engine.config import EngineConfig
-from horizon_ray.engine.engine import Engine
-from horizon_ray.engine.lora import LoraConfig
-from horizon_ray.engine.model import ModelConfig
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from horizon_ray.engine.config import EngineConfig
+    from horizon_ray.engine.engine import Engine
+    from horizon_ray.engine.lora import LoraConfig
+    from horizon_ray.engine.model import ModelConfig
+
+# Imported on first use, so that horizon_ray.engine.model (plain Python: what the engine accepts) loads
+# without torch for the planner.
+_EXPORTS = {"Engine": "engine", "EngineConfig": "config", "LoraConfig": "lora", "ModelConfig": "model"}
 __all__ = ["Engine", "EngineConfig", "LoraConfig", "ModelConfig"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"horizon_ray.engine.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'horizon_ray.engine' has no attribute {name!r}")

@@ -153,6 +153,14 @@ class ModelShape:
         if model_type not in ARCHITECTURES:
             raise ValueError(f"{name}: model_type {model_type!r} is not supported; supported: "
                              f"{sorted(ARCHITECTURES)} (decoder-only Llama / Qwen2 / Mistral family)")
+        from horizon_ray.engine.model import ModelConfig  # plain Python, no torch
+
+        try:
+            ModelConfig.from_hf(hf)  # what the engine refuses (MLP biases, other rope types, ...) is not planned
+        except (KeyError, TypeError):
+            pass  # a missing or malformed size: named below
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
         try:
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])

@@ -512,3 +512,28 @@ def test_cli_max_model_takes_the_method_and_the_lora_flags(capsys):
     assert "--method lora does not go with --mode exact" in capsys.readouterr().err
     assert main(["plan", "--model", "qwen2.5-72b@64L", "--mode", "lora", "--lora-rank", "4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["lora"]["rank"] == 4
+
+
+def test_the_planner_refuses_what_the_engine_refuses_without_importing_torch():
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from horizon_ray.planner import plan
+base = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 100}
+for extra in ({"mlp_bias": True}, {"hidden_act": "gelu"}, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+              {"num_key_value_heads": 3}):
+    try:
+        plan({**base, **extra})
+        print("planned", extra)
+    except ValueError as exc:
+        print("refused:", exc)
+print("torch imported:", "torch" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "planned" not in out, out
+    assert "MLP biases are not supported" in out and "hidden_act='silu'" in out and "'yarn'" in out
+    assert "not a multiple of num_key_value_heads=3" in out
+    assert out.strip().endswith("torch imported: False")
