@@ -187,13 +187,32 @@ async def get_file_content(file_id: str, tenant: Annotated[Tenant, Depends(curre
     return FileResponse(path, media_type=NDJSON, filename=meta["filename"])
 
 
+async def _live_jobs(tenant: Tenant) -> list:
+    """Every job of the tenant that has not ended (all pages)."""
+    out, after = [], None
+    while True:
+        jobs, more = await tenant.call("list", limit=1000, after=after)
+        out += [j for j in jobs if not j.status.is_terminal()]
+        if not more or not jobs:
+            return out
+        after = jobs[-1].id
+
+
 @router.delete("/files/{file_id}", response_model=FileObject, summary="Delete an uploaded dataset",
-               responses=ERROR_RESPONSES)
+               responses={**ERROR_RESPONSES, 409: {**ERROR_RESPONSES[422],
+                                                   "description": "a job that has not ended uses the file"}})
 async def delete_file(file_id: str, tenant: Annotated[Tenant, Depends(current_tenant)]) -> FileObject:
     files_dir = tenant.files_dir
     meta = _read_meta(files_dir, _file_id_or_404(file_id))
     if meta is None:
         raise ApiError(404, "not_found", f"no file {file_id!r}")
+    path = str(_data_path(files_dir, file_id))
+    for job in await _live_jobs(tenant):
+        data = (job.spec or {}).get("data") or {}
+        if path in (data.get("path"), data.get("eval_path")):
+            # a queued job reads it when it starts, a running one again when it resumes after a failure
+            raise ApiError(409, "file_in_use", f"file {file_id} is the dataset of job {job.id}, which has not "
+                           f"ended ({job.status.value}); cancel the job or wait for it to end, then delete")
     _data_path(files_dir, file_id).unlink(missing_ok=True)
     _meta_path(files_dir, file_id).unlink(missing_ok=True)
     return FileObject(**{**meta, "deleted": True})

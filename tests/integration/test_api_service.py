@@ -472,6 +472,12 @@ def test_files_upload_list_use_delete(http, bed):
 
     job = submit(http, bed, "files", bed.spec(data=f["id"], max_steps=2))
     assert job["spec"]["data"]["path"] == str(stored)
+    if job["node_id"]:
+        bed.agent(job["node_id"]).hold(job["id"])  # a job that has not ended reads the file (again on resume)
+    err = error_of(http.delete(f"/files/{f['id']}", headers=bed.auth("files")), 409, "file_in_use")
+    assert job["id"] in err["message"] and stored.exists()
+    if job["node_id"]:
+        bed.agent(job["node_id"]).hold(job["id"], False)
     wait_for(lambda: finished(http, bed, "files", job["id"]))
 
     r = http.delete(f"/files/{f['id']}", headers=bed.auth("files"))
