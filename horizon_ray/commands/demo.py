@@ -167,10 +167,10 @@ def _follow(console, http, job_id: str, quiet: bool) -> tuple[float | None, floa
 
 
 def _brief(event: str | None, data: dict) -> str:
-    keys = {"status": ("status", "node_id", "reason"), "metrics": ("step", "loss", "eval_loss", "tokens_per_s"),
-            "checkpoint": ("step", "path"), "memory": ("rss_bytes", "planned_host_bytes"),
+    keys = {"status": ("node_id", "reason"), "metrics": ("step", "loss", "eval_loss", "tokens_per_s"),
+            "checkpoint": ("step", "path"), "memory": ("rss_bytes", "planned_bytes"),
             "error": ("code", "message")}.get(event or "", tuple(data))
-    parts = []
+    parts = [f"-> {data['to']}"] if event == "status" and data.get("to") else []
     for k in keys:
         if data.get(k) is not None:
             v = data[k]
