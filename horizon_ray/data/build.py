@@ -67,7 +67,13 @@ def build_datasets(
     elif eval_fraction > 0:
         examples, eval_examples = split_examples(examples, eval_fraction, seed)
     train = tokenize_examples(examples, tok, seq_len)
-    evals = tokenize_examples(eval_examples, tok, seq_len) if eval_examples is not None else None
+    evals = None
+    if eval_examples is not None:
+        try:
+            evals = tokenize_examples(eval_examples, tok, seq_len)
+        except ValueError as exc:
+            where = f"data.eval_path {eval_path}" if eval_path is not None else "the held-out eval split"
+            raise ValueError(f"{where}: {exc}") from None
     log.info(
         "dataset: %d train examples (%d tokens), %s eval examples",
         len(train),

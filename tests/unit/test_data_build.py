@@ -73,3 +73,11 @@ def test_empty_dataset_and_missing_tokenizer_refused(tmp_path, tok_dir):
         build_datasets(f, "auto", tmp_path / "nowhere", 64)
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         build_datasets(f, "auto", tmp_path, 64)
+
+
+def test_an_eval_set_with_nothing_to_score_names_the_eval_set(data, tok_dir, tmp_path):
+    # prompts so long that no answer token fits seq_len: the error says which set it is
+    other = tmp_path / "eval.jsonl"
+    other.write_text(json.dumps({"instruction": "x " * 200, "output": "y"}) + "\n")
+    with pytest.raises(ValueError, match=r"data.eval_path .*eval.jsonl: none of the 1 examples has a target token"):
+        build_datasets(data, "auto", tok_dir, 64, eval_path=other)
