@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import Tenant, current_tenant
 from api.errors import ApiError
-from api.paths import FILE_ID_RE
+from api.paths import FILE_ID_RE, read_upload_meta, upload_meta_path
 from api.schemas import ERROR_RESPONSES, ErrorBody, FileList, FileObject
 
 router = APIRouter(tags=["files"])
@@ -37,10 +37,6 @@ def _clean_filename(name: str) -> str:
     base = name.replace("\\", "/").rsplit("/", 1)[-1]
     base = _SAFE_NAME.sub("_", base).strip(" .") or "upload.jsonl"
     return base[:128]
-
-
-def _meta_path(files_dir: Path, file_id: str) -> Path:
-    return files_dir / f"{file_id}.json"
 
 
 def _data_path(files_dir: Path, file_id: str) -> Path:
@@ -62,13 +58,6 @@ def _check_dataset(path: Path, fmt: str, filename: str) -> tuple[str, int]:
     if not examples:
         raise ValueError(f"{filename}: holds no example; add JSONL lines in alpaca, messages or text format")
     return detected, len(examples)
-
-
-def _read_meta(files_dir: Path, file_id: str) -> dict[str, Any] | None:
-    try:
-        return json.loads(_meta_path(files_dir, file_id).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _file_id_or_404(file_id: str) -> str:
@@ -139,7 +128,7 @@ async def upload_file(
             "sha256": sha.hexdigest(),
         }
         os.replace(part, _data_path(files_dir, file_id))
-        _meta_path(files_dir, file_id).write_text(json.dumps(meta))
+        upload_meta_path(files_dir, file_id).write_text(json.dumps(meta))
         ok = True
     finally:
         if not ok:
@@ -158,7 +147,7 @@ async def list_files(tenant: Annotated[Tenant, Depends(current_tenant)]) -> File
             return []
         metas = []
         for p in files_dir.glob("file-*.json"):
-            meta = _read_meta(files_dir, p.stem)
+            meta = read_upload_meta(files_dir, p.stem)
             if meta is not None and _data_path(files_dir, p.stem).is_file():
                 metas.append(meta)
         return sorted(metas, key=lambda m: (-m["created_at"], m["id"]))
@@ -169,7 +158,7 @@ async def list_files(tenant: Annotated[Tenant, Depends(current_tenant)]) -> File
 @router.get("/files/{file_id}", response_model=FileObject, summary="One uploaded dataset",
             responses=ERROR_RESPONSES)
 async def get_file(file_id: str, tenant: Annotated[Tenant, Depends(current_tenant)]) -> FileObject:
-    meta = _read_meta(tenant.files_dir, _file_id_or_404(file_id))
+    meta = read_upload_meta(tenant.files_dir, _file_id_or_404(file_id))
     if meta is None:
         raise ApiError(404, "not_found", f"no file {file_id!r}")
     return FileObject(**meta)
@@ -180,7 +169,7 @@ async def get_file(file_id: str, tenant: Annotated[Tenant, Depends(current_tenan
                                                 "description": "the JSONL file as uploaded"}})
 async def get_file_content(file_id: str, tenant: Annotated[Tenant, Depends(current_tenant)]) -> FileResponse:
     files_dir = tenant.files_dir
-    meta = _read_meta(files_dir, _file_id_or_404(file_id))
+    meta = read_upload_meta(files_dir, _file_id_or_404(file_id))
     path = _data_path(files_dir, file_id)
     if meta is None or not path.is_file():
         raise ApiError(404, "not_found", f"no file {file_id!r}")
@@ -203,7 +192,7 @@ async def _live_jobs(tenant: Tenant) -> list:
                                                    "description": "a job that has not ended uses the file"}})
 async def delete_file(file_id: str, tenant: Annotated[Tenant, Depends(current_tenant)]) -> FileObject:
     files_dir = tenant.files_dir
-    meta = _read_meta(files_dir, _file_id_or_404(file_id))
+    meta = read_upload_meta(files_dir, _file_id_or_404(file_id))
     if meta is None:
         raise ApiError(404, "not_found", f"no file {file_id!r}")
     path = str(_data_path(files_dir, file_id))
@@ -214,5 +203,5 @@ async def delete_file(file_id: str, tenant: Annotated[Tenant, Depends(current_te
             raise ApiError(409, "file_in_use", f"file {file_id} is the dataset of job {job.id}, which has not "
                            f"ended ({job.status.value}); cancel the job or wait for it to end, then delete")
     _data_path(files_dir, file_id).unlink(missing_ok=True)
-    _meta_path(files_dir, file_id).unlink(missing_ok=True)
+    upload_meta_path(files_dir, file_id).unlink(missing_ok=True)
     return FileObject(**{**meta, "deleted": True})

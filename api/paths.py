@@ -25,6 +25,18 @@ from api.settings import ApiSettings
 FILE_ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
 
 
+def upload_meta_path(files_dir: Path, file_id: str) -> Path:
+    """Where POST /files records an upload's metadata (its checked format, example count, ...)."""
+    return files_dir / f"{file_id}.json"
+
+
+def read_upload_meta(files_dir: Path, file_id: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(upload_meta_path(files_dir, file_id).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def refuse(field: str, message: str) -> ApiError:
     return ApiError(422, "path_not_allowed", f"{field}: {message}", field=field)
 
@@ -81,10 +93,7 @@ class PathPolicy:
         `value` is a file id of this tenant's."""
         if not isinstance(value, str) or not FILE_ID_RE.fullmatch(value):
             return None
-        try:
-            return json.loads((self.files_dir / f"{value}.json").read_text())
-        except (OSError, ValueError):
-            return None
+        return read_upload_meta(self.files_dir, value)
 
     def model(self, field: str, value: str) -> str:
         """Absolute path of a base-model (or tokenizer) directory named by `value`."""

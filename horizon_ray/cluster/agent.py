@@ -423,8 +423,7 @@ class NodeAgent:
         grace_s = self._kill_grace_s if grace_s is None else grace_s
         with self._lock:
             running = [job for job in self._jobs.values() if job.exit is None]
-            for job in running:
-                job.cancel_at = job.cancel_at or time.time()
+            for job in running:  # not a cancel: the engines stop resumably and their jobs resume elsewhere
                 _signal_group(job.proc, signal.SIGTERM)
             deadline = time.time() + grace_s
             for job in running:

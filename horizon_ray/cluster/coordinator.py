@@ -455,19 +455,14 @@ class Coordinator:
             sig = _signal_name(-ex.returncode)
             seen = (f"peak RSS {format_bytes(ex.peak_rss_bytes)} against {format_bytes(planned)} planned")
             if -ex.returncode == signal.SIGKILL:
-                err = JobError(ErrorCode.OOM_KILLED.value,
-                               f"engine killed by {sig}, most likely out of memory ({seen})")
+                code, message = ErrorCode.OOM_KILLED, f"engine killed by {sig}, most likely out of memory ({seen})"
             else:
-                err = JobError(ErrorCode.KILLED.value, f"engine killed by {sig} ({seen})")
+                code, message = ErrorCode.KILLED, f"engine killed by {sig} ({seen})"
         else:
             last = _last_line(ex.stderr_tail)
             code = ErrorCode.BAD_INPUT if ex.returncode == exit_codes.BAD_INPUT else ErrorCode.ENGINE_CRASHED
             message = f"engine exited with code {ex.returncode}" + (f": {last}" if last else "")
-            err = JobError(code.value, message)
-        job.error = err
-        self._move(job, JobStatus.FAILED, reason=err.message,
-                   data={**data, "error": {"code": err.code, "message": err.message},
-                         "stderr_tail": ex.stderr_tail[-2000:]})
+        self._fail(job, code, message, **data, stderr_tail=ex.stderr_tail[-2000:])
 
     # ---- queue ---------------------------------------------------------------------------------------
 
@@ -547,10 +542,11 @@ class Coordinator:
         self._placed(job, best, u, infos, res)
         return None
 
-    def _fail(self, job: JobRecord, code: ErrorCode, message: str) -> None:
+    def _fail(self, job: JobRecord, code: ErrorCode, message: str, **data: Any) -> None:
+        """The job ends FAILED with this cause; `data` goes into its status event beside the error."""
         job.error = JobError(code.value, message)
-        job.queue_reason = job.queue_position = None
-        self._move(job, JobStatus.FAILED, reason=message, data={"error": {"code": code.value, "message": message}})
+        self._move(job, JobStatus.FAILED, reason=message,
+                   data={**data, "error": {"code": code.value, "message": message}})
 
     def _placed(self, job: JobRecord, best: Candidate, u: _Usage, infos: dict[str, NodeInfo],
                 res: Reservation) -> None:
@@ -612,11 +608,9 @@ class Coordinator:
                 job.spec = self._validate_spec(job.spec)
                 self._admit(job)
             except (ValueError, InvalidSpec) as exc:
-                job.error = JobError(ErrorCode.INVALID_SPEC.value, str(exc))
-                self._move(job, JobStatus.FAILED, reason=str(exc))
+                self._fail(job, ErrorCode.INVALID_SPEC, str(exc))
             except (JobRejected, QuotaExceeded) as exc:
-                job.error = JobError(ErrorCode.REJECTED.value, exc.message)
-                self._move(job, JobStatus.FAILED, reason=exc.message)
+                self._fail(job, ErrorCode.REJECTED, exc.message)
         for job in self.store.jobs():
             self._last_created = max(self._last_created, job.created_at)
 
@@ -633,6 +627,7 @@ class Coordinator:
             job.finished_at = now
             job.queue_reason = job.queue_position = None
             self._memory.pop(job.id, None)
+            self._not_before.pop(job.id, None)
         with self.store.transaction():
             self.store.put_job(job)
             self.store.add_event(job.id, now, EventType.STATUS,

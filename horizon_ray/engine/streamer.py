@@ -145,8 +145,9 @@ class Streamer:
         """Start bringing unit u's current weights to its slot (no-op if they are there already)."""
         slot = self._slot_of(u)
         if self.lora:
-            if self._adapter_of(u) is not None:
-                self._prefetch_adapter(self._adapter_of(u))
+            j = self._adapter_of(u)
+            if j is not None:
+                self._prefetch_adapter(j)
         else:
             self.wait_updated(u)
         want = (u, self.version[u])
@@ -200,9 +201,10 @@ class Streamer:
             # read-after-write: compute must not read the slot before its copy has landed
             self.compute.wait_event(self._copied[slot])
             w = unit.layout.views(self._slots[slot])
-        if self._adapter_of(u) is not None:
+        j = self._adapter_of(u)
+        if j is not None:
             # the adapters, and trained norms under the base's keys, which they replace
-            w.update(self._adapter_views(self._adapter_of(u)))
+            w.update(self._adapter_views(j))
         return w
 
     def _adapter_views(self, j: int) -> dict[str, torch.Tensor]:
@@ -243,8 +245,9 @@ class Streamer:
             ev = torch.cuda.Event()
             ev.record(self.compute)
             self._read[self._slot_of(u)] = ev
-            if self._adapter_of(u) is not None:
-                self._adapter_read[self._adapter_of(u)] = ev  # the unit's adapters were read by the same work
+            j = self._adapter_of(u)
+            if j is not None:
+                self._adapter_read[j] = ev  # the unit's adapters were read by the same work
 
     def head_weights(self) -> dict[str, torch.Tensor]:
         w = self.weights(self.L + 1)

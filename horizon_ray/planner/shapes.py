@@ -148,7 +148,8 @@ class ModelShape:
 
     @staticmethod
     def from_hf(hf: dict, name: str = "config") -> ModelShape:
-        """From an HF config dict, with ``ModelConfig.from_hf``'s reading of each field."""
+        """From an HF config dict, read by the engine's own ``ModelConfig.from_hf`` (so that what the engine
+        refuses, MLP biases, other rope types, ..., is not planned either)."""
         model_type = hf.get("model_type")
         if model_type not in ARCHITECTURES:
             raise ValueError(f"{name}: model_type {model_type!r} is not supported; supported: "
@@ -156,30 +157,18 @@ class ModelShape:
         from horizon_ray.engine.model import ModelConfig  # plain Python, no torch
 
         try:
-            ModelConfig.from_hf(hf)  # what the engine refuses (MLP biases, other rope types, ...) is not planned
-        except (KeyError, TypeError):
-            pass  # a missing or malformed size: named below
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
-        try:
-            hidden = int(hf["hidden_size"])
-            heads = int(hf["num_attention_heads"])
-            shape = ModelShape(
-                name=name,
-                arch=model_type,
-                hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_layers=int(hf["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
-                vocab_size=int(hf["vocab_size"]),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-                o_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
-            )
+            cfg = ModelConfig.from_hf(hf)
         except KeyError as exc:
             raise ValueError(f"{name}: config lacks {exc.args[0]!r}; give a complete HF config.json") from None
+        except ZeroDivisionError:
+            raise ValueError(f"{name}: every size in the config must be >= 1") from None
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        shape = ModelShape(name=name, arch=cfg.arch, hidden_size=cfg.hidden_size,
+                           intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
+                           num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                           vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
+                           qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias)
         if min(shape.hidden_size, shape.intermediate_size, shape.num_layers, shape.num_heads,
                shape.num_kv_heads, shape.head_dim, shape.vocab_size) < 1:
             raise ValueError(f"{name}: every size in the config must be >= 1")
