@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from horizon_ray.engine.kernels import KERNELS
 from horizon_ray.engine.lora import LoraConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -48,6 +49,9 @@ class EngineConfig:
     optimizer_threads: int = 0
     # LoRA on the frozen, streamed base (see lora.py): only the adapters train; None: full fine-tuning.
     lora: LoraConfig | None = None
+    # The layer template's kernels: "torch" ops everywhere, "liger" (Liger-Kernel's fused Triton kernels, CUDA
+    # only), or "auto": liger on CUDA when the package is installed, torch otherwise (kernels.py).
+    kernels: str = "auto"
 
     def validate(self) -> None:
         if not self.lr > 0:
@@ -87,6 +91,8 @@ class EngineConfig:
                 raise ValueError(f"precision {self.precision!r} applies to full fine-tuning; with lora the base is "
                                  "frozen in the compute dtype and the adapters are always exact fp32: leave "
                                  "precision='exact'")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         resolve_device(self.device)
 
     @property

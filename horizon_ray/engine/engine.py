@@ -29,16 +29,8 @@ import torch.nn.functional as F
 from horizon_ray.engine import io
 from horizon_ray.engine import lora as lora_io
 from horizon_ray.engine.config import EngineConfig, resolve_device
-from horizon_ray.engine.layers import (
-    LoraCall,
-    MicroBatch,
-    attention_mask,
-    decoder_layer,
-    head_loss_chunk,
-    inv_frequencies,
-    rms_norm,
-    rope_tables,
-)
+from horizon_ray.engine.kernels import Kernels, resolve_kernels
+from horizon_ray.engine.layers import LoraCall, MicroBatch, Template, attention_mask, inv_frequencies, rope_tables
 from horizon_ray.engine.model import ModelConfig, unit_layouts
 from horizon_ray.engine.optimizer import HostAdamW
 from horizon_ray.engine.store import HostStore
@@ -71,6 +63,7 @@ class Engine:
         self.streamer = Streamer(self.store, self.device, self.K, model.tie_word_embeddings,
                                  wait_updated=self.optimizer.wait_unit, offload_checkpoints=offload)
         self.inv_freq = inv_frequencies(model)
+        self.template = Template(model, Kernels(resolve_kernels(cfg.kernels, self.device)))
 
     # ---- construction --------------------------------------------------------------------------------
 
@@ -164,13 +157,13 @@ class Engine:
         try:
             hs = self._forward(mbs, train=True)
             self.streamer.prefetch_stash(self.K * ((self.L - 1) // self.K))  # the top block's checkpoint
-            loss_sum, dhs, tied_acc = self._loss(hs, mbs, n_targets, backward=True)
+            mean_loss, dhs, tied_acc = self._loss(hs, mbs, n_targets, backward=True)
             del hs
             dhs = self._backward(dhs, mbs)
             if self.lora is None:  # with LoRA the embedding is frozen
                 self._embedding_backward(dhs, mbs, tied_acc)
             norm = self.streamer.finish_backward()  # the step's one host sync
-            loss = float(loss_sum) / n_targets
+            loss = float(mean_loss)
             self.last_grad_norm = norm
             if not math.isfinite(norm):
                 raise FloatingPointError(f"gradient norm is {norm} at step {self.step + 1}: the update was "
@@ -200,7 +193,7 @@ class Engine:
         mbs, _ = self._prepare([batch])
         h = torch.cat(self._forward(mbs, train=False))
         w = self.streamer.head_weights()
-        logits = F.linear(rms_norm(h, w["norm"], self.model.rms_norm_eps), w["lm_head"]).float().cpu()
+        logits = F.linear(self.template.final_norm(h, w["norm"]), w["lm_head"]).float().cpu()
         self.streamer.release_head()
         return logits
 
@@ -360,68 +353,42 @@ class Engine:
             if train and j % self.K == 0:
                 st.stash(j, hs)
             with torch.no_grad():
-                hs = [decoder_layer(h, w, mb, self.model, self._lora_call(j, i, train))
+                hs = [self.template.layer(h, w, mb, self._lora_call(j, i, train))
                       for i, (h, mb) in enumerate(zip(hs, mbs))]
             st.release(j + 1)
         return hs
 
     def _loss(self, hs, mbs, n_targets: int, backward: bool):
-        """Summed CE over the step (a device scalar) and, with backward, dL/dh of the last layer's output
-        (and the head's gradient, unless it is frozen under LoRA)."""
+        """The step's mean CE (a device scalar; the plain sum without backward) and, with backward, dL/dh of
+        the last layer's output, the head's gradient sent to the host (unless it is frozen under LoRA), and
+        the tied embedding's accumulator holding the LM head's share of its gradient."""
         st = self.streamer
         head_u = self.L + 1
         w = st.head_weights()
-        chunk = self.cfg.loss_chunk_tokens
-        eps = self.model.rms_norm_eps
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        dhs, tied_acc = [], None
-        trains_head = backward and self.lora is None
-        trains_norm = backward and st.head_adapter is not None  # LoRA with the final norm selected
-        if backward:
-            # d(sum CE / n)/d(sum CE): the step's token-weighted mean, across micro-batches
-            scale = torch.tensor(1.0 / n_targets, dtype=torch.float32, device=self.device)
-            leaves = {k: w[k] for k in ("norm", "lm_head")}
-        if trains_norm:
-            g_norm = st.adapter_grads(st.head_adapter)["norm"]
-            leaves["norm"] = w["norm"].detach().requires_grad_()
-        if trains_head:
+        scale = 1.0 / n_targets if backward else 1.0
+        sinks, tied_acc = {}, None
+        if backward and self.lora is None:
             acc = st.accumulator(head_u)
-            g = self.store.units[head_u].layout.views(acc)
+            sinks = self.store.units[head_u].layout.views(acc)
             if self.model.tie_word_embeddings:
                 tied_acc = st.accumulator(0)
-                g["lm_head"] = self.store.units[0].layout.views(tied_acc)["embed"]
-            leaves = {k: w[k].detach().requires_grad_() for k in ("norm", "lm_head")}
+                sinks["lm_head"] = self.store.units[0].layout.views(tied_acc)["embed"]
+        elif backward and st.head_adapter is not None:  # LoRA with the final norm trained
+            sinks = {"norm": st.adapter_grads(st.head_adapter)["norm"]}
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        dhs = []
         for h, mb in zip(hs, mbs):
-            h_ND = h.reshape(-1, h.shape[-1])
-            t_N = mb.targets_BT.reshape(-1)
-            dh_ND = torch.empty_like(h_ND) if backward else None
-            for lo in range(0, h_ND.shape[0], chunk):
-                hi = min(lo + chunk, h_ND.shape[0])
-                if not backward:
-                    loss_sum += head_loss_chunk(h_ND[lo:hi], w["norm"], w["lm_head"], t_N[lo:hi], eps)
-                    continue
-                hc = h_ND[lo:hi].detach().requires_grad_()
-                with torch.enable_grad():
-                    loss = head_loss_chunk(hc, leaves["norm"], leaves["lm_head"], t_N[lo:hi], eps)
-                if trains_head:
-                    d_h, d_norm, d_lm = torch.autograd.grad(loss, [hc, leaves["norm"], leaves["lm_head"]], scale)
-                    g["norm"].add_(d_norm)
-                    g["lm_head"].add_(d_lm)
-                elif trains_norm:
-                    d_h, d_norm = torch.autograd.grad(loss, [hc, leaves["norm"]], scale)
-                    g_norm.add_(d_norm)
-                else:
-                    (d_h,) = torch.autograd.grad(loss, [hc], scale)
-                loss_sum += loss.detach()
-                dh_ND[lo:hi] = d_h
+            part, dh = self.template.head_loss(h.reshape(-1, h.shape[-1]), w, mb.targets_BT.reshape(-1), scale,
+                                               self.cfg.loss_chunk_tokens, sinks, need_dh=backward)
+            loss += part
             if backward:
-                dhs.append(dh_ND.view_as(h))
+                dhs.append(dh.view_as(h))
         st.release_head()
-        if trains_head:
+        if backward and self.lora is None:
             st.flush(head_u, acc)
-        if trains_norm:
+        elif backward and st.head_adapter is not None:
             st.flush_adapter(st.head_adapter)
-        return loss_sum, dhs, tied_acc
+        return loss, dhs, tied_acc
 
     def _backward(self, dhs, mbs):
         st = self.streamer
@@ -436,7 +403,7 @@ class Engine:
                 st.prefetch_stash(blocks[b - 1][0])
             with torch.no_grad():  # recompute the inputs of the block's other layers
                 for j in range(s, e - 1):
-                    inputs[j + 1] = [decoder_layer(x, ws[j], mb, self.model, self._lora_call(j, i, True))
+                    inputs[j + 1] = [self.template.layer(x, ws[j], mb, self._lora_call(j, i, True))
                                      for i, (x, mb) in enumerate(zip(inputs[j], mbs))]
             for j in reversed(range(s, e)):
                 dhs = self._layer_backward(j, ws[j], inputs.pop(j), dhs, mbs)
@@ -448,18 +415,19 @@ class Engine:
             return self._adapter_backward(j, w, xs, dys, mbs)
         st = self.streamer
         acc = st.accumulator(j + 1)
-        g = self.store.units[j + 1].layout.views(acc)
-        leaves = {k: v.detach().requires_grad_() for k, v in w.items()}
-        keys = list(leaves)
+        sinks = self.store.units[j + 1].layout.views(acc, fused=True)
+        leaves = {k: w[k].detach().requires_grad_() for k in self.template.leaf_keys(w)}
+        w = {**w, **leaves}
         dxs = []
         for x, dy, mb in zip(xs, dys, mbs):
             x = x.detach().requires_grad_()
             with torch.enable_grad():
-                y = decoder_layer(x, leaves, mb, self.model)
+                y = self.template.layer(x, w, mb, sinks=sinks)
+            # the projections' weight gradients land in their sinks during this call
             grads = torch.autograd.grad(y, [x, *leaves.values()], dy)
             dxs.append(grads[0])
-            for k, gk in zip(keys, grads[1:]):
-                g[k].add_(gk)
+            for k, gk in zip(leaves, grads[1:]):
+                sinks[k].add_(gk)
         st.flush(j + 1, acc)
         return dxs
 
@@ -475,7 +443,7 @@ class Engine:
         for i, (x, dy, mb) in enumerate(zip(xs, dys, mbs)):
             x = x.detach().requires_grad_(need_dx)
             with torch.enable_grad():
-                y = decoder_layer(x, w, mb, self.model, self._lora_call(j, i, True))
+                y = self.template.layer(x, w, mb, self._lora_call(j, i, True))
             grads = torch.autograd.grad(y, [x, *leaves.values()] if need_dx else list(leaves.values()), dy)
             if need_dx:
                 dxs.append(grads[0])

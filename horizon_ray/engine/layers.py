@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from horizon_ray.engine.kernels import Kernels, accumulate_mm, linear
 from horizon_ray.engine.lora import mix_seed
-from horizon_ray.engine.model import ModelConfig
+from horizon_ray.engine.model import LEAF_KEYS, ModelConfig
 
 
 @dataclass
@@ -92,21 +93,6 @@ def attention_mask(position_ids_BT: torch.Tensor | None, T: int, sliding_window:
     return mask[:, None]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    if weight.dtype == x.dtype:
-        return weight * x32.to(x.dtype)  # HF's arithmetic
-    # a trained fp32 norm (LoRA's modules_to_save) on narrower activations: the product in fp32, so that the
-    # weight is used, and its gradient accumulated, at full precision; the same bits as HF's for a bf16 weight
-    return (weight * x32.to(x.dtype).float()).to(x.dtype)
-
-
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 _PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
@@ -153,9 +139,8 @@ class _LoraAdd(torch.autograd.Function):
         return grad_x, grad if need_y else None, grad_a, grad_b, None, None, None
 
 
-def _proj(x: torch.Tensor, w: dict, key: str, lora: LoraCall | None) -> torch.Tensor:
-    """Projection ``key`` of the layer (its bias under key + "_b"), plus its adapter when it has one."""
-    y = F.linear(x, w[key], w.get(key + "_b"))
+def _lora_add(x: torch.Tensor, y: torch.Tensor, w: dict, key: str, lora: LoraCall | None) -> torch.Tensor:
+    """y plus projection ``key``'s adapter applied to x, when the layer has one."""
     a = w.get(key + ".lora_A")
     if a is None:
         return y
@@ -164,32 +149,94 @@ def _proj(x: torch.Tensor, w: dict, key: str, lora: LoraCall | None) -> torch.Te
     return _LoraAdd.apply(x, y, a, w[key + ".lora_B"], lora.scaling, lora.dropout, seed)
 
 
-def decoder_layer(x_BTD: torch.Tensor, w: dict, mb: MicroBatch, cfg: ModelConfig,
-                  lora: LoraCall | None = None) -> torch.Tensor:
-    B, T, D = x_BTD.shape
-    hd = cfg.head_dim
-    h = rms_norm(x_BTD, w["ln1"], cfg.rms_norm_eps)
-    q = _proj(h, w, "q", lora).view(B, T, cfg.num_heads, hd).transpose(1, 2)
-    k = _proj(h, w, "k", lora).view(B, T, cfg.num_kv_heads, hd).transpose(1, 2)
-    v = _proj(h, w, "v", lora).view(B, T, cfg.num_kv_heads, hd).transpose(1, 2)
-    cos, sin = mb.cos_BTd[:, None], mb.sin_BTd[:, None]
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    # grouped-query attention without materialising repeated k/v heads
-    gqa = cfg.num_kv_heads != cfg.num_heads
-    if mb.mask_B1TT is None:
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5, enable_gqa=gqa)
-    else:
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mb.mask_B1TT, scale=hd**-0.5, enable_gqa=gqa)
-    attn = attn.transpose(1, 2).reshape(B, T, cfg.q_dim)
-    x_BTD = x_BTD + _proj(attn, w, "o", lora)
-    h = rms_norm(x_BTD, w["ln2"], cfg.rms_norm_eps)
-    mlp = F.silu(_proj(h, w, "gate", lora)) * _proj(h, w, "up", lora)
-    return x_BTD + _proj(mlp, w, "down", lora)
+class Template:
+    """The decoder layer and the LM head of one model, as pure functions of weight views.
 
+    ``layer`` computes what HF's decoder layer computes. With ``sinks`` (the fp32 gradient accumulators of
+    the unit's weights, by the same keys) every projection's weight gradient is added there by the
+    backward; the other weights of the unit (the norms) are the autograd leaves that ``leaf_keys`` names.
+    A unit's fused keys (``qkv``, ``gate_up``: members adjacent in its flat buffer) run as one GEMM.
+    """
 
-def head_loss_chunk(h_ND: torch.Tensor, norm_w: torch.Tensor, lm_w: torch.Tensor, targets_N: torch.Tensor,
-                    eps: float) -> torch.Tensor:
-    """Summed cross-entropy of one chunk of tokens: final norm, LM head, CE in float32 (as HF does)."""
-    logits = F.linear(rms_norm(h_ND, norm_w, eps), lm_w).float()
-    return F.cross_entropy(logits, targets_N, ignore_index=-100, reduction="sum")
+    def __init__(self, cfg: ModelConfig, kernels: Kernels | None = None):
+        self.cfg = cfg
+        self.ops = kernels or Kernels()
+
+    @staticmethod
+    def leaf_keys(w: dict) -> list[str]:
+        """Keys of a layer's weights whose gradient autograd returns (the rest go to sinks)."""
+        return [k for k in w if k in LEAF_KEYS]
+
+    def _proj(self, x, w, key, lora, sinks):
+        sink = sinks or {}
+        y = linear(x, w[key], w.get(key + "_b"), sink.get(key), sink.get(key + "_b"))
+        return _lora_add(x, y, w, key, lora)
+
+    def layer(self, x_BTD: torch.Tensor, w: dict, mb: MicroBatch, lora: LoraCall | None = None,
+              sinks: dict | None = None) -> torch.Tensor:
+        cfg, ops = self.cfg, self.ops
+        B, T, D = x_BTD.shape
+        hd = cfg.head_dim
+        h = ops.rms_norm(x_BTD, w["ln1"], cfg.rms_norm_eps)
+        if "qkv" in w:
+            q, k, v = self._proj(h, w, "qkv", lora, sinks).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
+        else:
+            q, k, v = (self._proj(h, w, key, lora, sinks) for key in ("q", "k", "v"))
+        q = q.view(B, T, cfg.num_heads, hd).transpose(1, 2)
+        k = k.view(B, T, cfg.num_kv_heads, hd).transpose(1, 2)
+        v = v.view(B, T, cfg.num_kv_heads, hd).transpose(1, 2)
+        q, k = ops.rope(q, k, mb.cos_BTd, mb.sin_BTd)
+        # grouped-query attention without materialising repeated k/v heads
+        gqa = cfg.num_kv_heads != cfg.num_heads
+        if mb.mask_B1TT is None:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5, enable_gqa=gqa)
+        else:
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mb.mask_B1TT, scale=hd**-0.5, enable_gqa=gqa)
+        attn = attn.transpose(1, 2).reshape(B, T, cfg.q_dim)
+        x_BTD = x_BTD + self._proj(attn, w, "o", lora, sinks)
+        h = ops.rms_norm(x_BTD, w["ln2"], cfg.rms_norm_eps)
+        if "gate_up" in w:
+            mlp = ops.swiglu(self._proj(h, w, "gate_up", lora, sinks))
+        else:
+            mlp = F.silu(self._proj(h, w, "gate", lora, sinks)) * self._proj(h, w, "up", lora, sinks)
+        return x_BTD + self._proj(mlp, w, "down", lora, sinks)
+
+    def final_norm(self, h: torch.Tensor, norm_w: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(h, norm_w, self.cfg.rms_norm_eps)
+
+    def head_loss(self, h_ND: torch.Tensor, w: dict, targets_N: torch.Tensor, scale: float, chunk: int,
+                  sinks: dict | None = None, need_dh: bool = False):
+        """scale x the summed cross-entropy of these tokens (float32 scalar) through the final norm and the LM
+        head, in chunks of tokens so that full logits never exist. Training (``need_dh`` or ``sinks``): also
+        dL/dh (or None), with the LM head's gradient added into ``sinks["lm_head"]`` and the final norm's into
+        ``sinks["norm"]``, for whichever of the two the sinks hold."""
+        sinks = sinks or {}
+        train = need_dh or bool(sinks)
+        norm_w, lm_w = w["norm"], w["lm_head"]
+        if not train:
+            hn = self.final_norm(h_ND, norm_w)
+            total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+            for lo in range(0, hn.shape[0], chunk):
+                total += self.ops.cross_entropy_(F.linear(hn[lo:lo + chunk], lm_w), targets_N[lo:lo + chunk], scale,
+                                                 grad=False)
+            return total, None
+        h_leaf = h_ND.detach().requires_grad_(need_dh)
+        norm_leaf = norm_w.detach().requires_grad_("norm" in sinks)
+        with torch.enable_grad():
+            hn = self.final_norm(h_leaf, norm_leaf)
+        hn_d = hn.detach()
+        d_hn = torch.empty_like(hn_d)
+        total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+        for lo in range(0, hn_d.shape[0], chunk):
+            hi = min(lo + chunk, hn_d.shape[0])
+            logits = F.linear(hn_d[lo:hi], lm_w)
+            total += self.ops.cross_entropy_(logits, targets_N[lo:hi], scale, grad=True)
+            # the logits now hold dL/dlogits: back through the LM head's matmul
+            torch.mm(logits, lm_w, out=d_hn[lo:hi])
+            if "lm_head" in sinks:
+                accumulate_mm(sinks["lm_head"], logits.t(), hn_d[lo:hi])
+        wanted = [t for t in (h_leaf, norm_leaf) if t.requires_grad]
+        grads = dict(zip([id(t) for t in wanted], torch.autograd.grad(hn, wanted, d_hn)))
+        if norm_leaf.requires_grad:
+            sinks["norm"].add_(grads[id(norm_leaf)])
+        return total, grads.get(id(h_leaf))

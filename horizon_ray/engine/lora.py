@@ -8,7 +8,7 @@ layer and targeted projection W [out, in], the pair A [r, in] and B [out, r], on
 on the host with torch.optim.AdamW's semantics, global-norm clipping over the adapters only (what
 ``clip_grad_norm_`` over a PEFT model's trainable parameters does).
 
-The math is PEFT's, fused into the layer template (``layers.decoder_layer``), no module objects:
+The math is PEFT's, fused into the layer template (``layers.Template.layer``), no module objects:
 
     y = x W^T (+ b) + (dropout(x) A^T) B^T * alpha / r       computed in fp32, added, cast to y's dtype
 

@@ -131,6 +131,13 @@ class ModelConfig:
         )
 
 
+# Weights a layer unit may run as one GEMM: fused key -> member keys, in buffer order (rows stacked).
+FUSED = {"qkv": ("q", "k", "v"), "qkv_b": ("q_b", "k_b", "v_b"), "gate_up": ("gate", "up")}
+# Keys of a layer unit that are not projections: their gradients come back from autograd as leaves, where
+# every projection's weight gradient is added into its accumulator by the backward itself.
+LEAF_KEYS = ("ln1", "ln2")
+
+
 @dataclass(frozen=True)
 class TensorSlot:
     name: str  # HF tensor name, e.g. "model.layers.3.mlp.up_proj.weight"
@@ -153,9 +160,24 @@ class UnitLayout:
         last = self.tensors[-1]
         return last.offset + last.numel
 
-    def views(self, flat):
-        """Tensor views into a flat buffer of this unit, by key."""
-        return {t.key: flat[t.offset:t.offset + t.numel].view(t.shape) for t in self.tensors}
+    def views(self, flat, fused: bool = False):
+        """Tensor views into a flat buffer of this unit, by key. With ``fused``, the members of each group of
+        FUSED that sit next to each other in the buffer are replaced by one view of all their rows (the
+        layer template then runs one GEMM for q, k and v, and one for gate and up)."""
+        out = {t.key: flat[t.offset:t.offset + t.numel].view(t.shape) for t in self.tensors}
+        if not fused:
+            return out
+        by_key = {t.key: t for t in self.tensors}
+        for name, members in FUSED.items():
+            ts = [by_key.get(m) for m in members]
+            if None in ts or any(a.offset + a.numel != b.offset or a.shape[1:] != b.shape[1:]
+                                 for a, b in zip(ts, ts[1:])):
+                continue
+            rows = sum(t.shape[0] for t in ts)
+            out[name] = flat[ts[0].offset:ts[-1].offset + ts[-1].numel].view(rows, *ts[0].shape[1:])
+            for m in members:
+                del out[m]
+        return out
 
 
 def _unit(name: str, entries: list[tuple[str, str, tuple[int, ...]]]) -> UnitLayout:

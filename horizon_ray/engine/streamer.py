@@ -194,13 +194,15 @@ class Streamer:
         a layer's views include its adapters ("q.lora_A", "q.lora_B", ...)."""
         self.prefetch(u)
         unit = self.store.units[u]
+        # fused views (one GEMM for q, k, v and one for gate, up) unless LoRA adapts the projections one by one
+        fused = not self.lora
         if not self.cuda:
-            w = unit.layout.views(unit.wire)
+            w = unit.layout.views(unit.wire, fused)
         else:
             slot = self._slot_of(u)
             # read-after-write: compute must not read the slot before its copy has landed
             self.compute.wait_event(self._copied[slot])
-            w = unit.layout.views(self._slots[slot])
+            w = unit.layout.views(self._slots[slot], fused)
         j = self._adapter_of(u)
         if j is not None:
             # the adapters, and trained norms under the base's keys, which they replace

@@ -35,7 +35,7 @@ interval, L = layers:
     allocator_slack    ALLOCATOR_SLACK x the items above: caching-allocator rounding and fragmentation
     cuda_context       CUDA_CONTEXT_BYTES: context, cuBLAS and SDPA workspaces (outside torch's allocator)
 
-The activation coefficients are a model of what ``layers.decoder_layer`` keeps for its backward. On the
+The activation coefficients are a model of what ``layers.Template.layer`` keeps for its backward. On the
 H200 box (2026-11-29, seq 1024, micro-batch 16, bf16) torch's peak reserved memory was 95 % (Qwen2.5-1.5B,
 32k tokens, K=1), 93 % (same, K=4) and 85 % (Qwen2.5-7B, 64k tokens, K=4) of the plan without the CUDA
 context; the host's pinned bytes (torch.cuda.host_memory_stats) equalled the plan's pinned bytes exactly.

@@ -127,8 +127,6 @@ def test_a_step_failing_while_the_last_update_runs_leaves_that_update_whole(mode
     rebuilds the wires from the masters, or the late units would be updated with weights as gradients."""
     import time
 
-    import horizon_ray.engine.engine as engine_module
-
     cfg = EngineConfig(lr=1e-2, compute_dtype="bfloat16", checkpoint_every=2)
     g = torch.Generator().manual_seed(0)
     b1, b2 = ([(ids, ids.clone())] for ids in (torch.randint(0, V, (2, 16), generator=g) for _ in range(2)))
@@ -150,7 +148,7 @@ def test_a_step_failing_while_the_last_update_runs_leaves_that_update_whole(mode
     def oom(*args, **kwargs):
         raise RuntimeError("simulated out of memory in layer 0")
 
-    monkeypatch.setattr(engine_module, "decoder_layer", oom)
+    monkeypatch.setattr(eng.template, "layer", oom)
     with pytest.raises(RuntimeError, match="simulated out of memory"):
         eng.train_step(b2)
     eng.close()

@@ -339,8 +339,6 @@ def test_bad_lora_configs_name_the_fix(tmp_path):
 def test_adapters_keep_no_fp32_copy_of_their_input():
     """The adapter's autograd function keeps x (in the compute dtype, what full fine-tuning's projections
     keep too, so the planner's activation model covers it) and [tokens, r]: no fp32 cast of x per target."""
-    from horizon_ray.engine.layers import decoder_layer
-
     H, I, r, tokens = 256, 768, 8, 4 * 64
     config = {"model_type": "llama", "hidden_size": H, "intermediate_size": I, "num_hidden_layers": 1,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}
@@ -361,7 +359,7 @@ def test_adapters_keep_no_fp32_copy_of_their_input():
 
         x = torch.randn(4, 64, H, dtype=torch.bfloat16, requires_grad=True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            decoder_layer(x, {**w, **leaves}, mbs[0], eng.model, eng._lora_call(0, 0, True))
+            eng.template.layer(x, {**w, **leaves}, mbs[0], eng._lora_call(0, 0, True))
         return kept.values()
 
     for dropout in (0.0, 0.1):
