@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,6 +36,9 @@ from horizon_ray.engine.model import ModelConfig, unit_layouts
 from horizon_ray.engine.optimizer import HostAdamW
 from horizon_ray.engine.store import HostStore
 from horizon_ray.engine.streamer import Streamer
+
+# from_config draws its random matrices in chunks of this many elements, in parallel
+_INIT_CHUNK = 1 << 22
 
 
 class Engine:
@@ -104,18 +108,26 @@ class Engine:
         """Random initialisation with HF's conventions: N(0, initializer_range) matrices, zero biases,
         unit norms."""
         eng = cls(ModelConfig.load(config), cfg)
-        gen = torch.Generator().manual_seed(cfg.seed)
         std = eng.model.initializer_range
-        for unit in eng.store.units:
-            views = unit.layout.views(unit.master)
-            for t in unit.layout.tensors:
-                v = views[t.key]
+        normal = []  # (flat view, seed): matrices drawn in chunks on all cores, each chunk from its own seed
+        for u, unit in enumerate(eng.store.units):
+            for i, t in enumerate(unit.layout.tensors):
+                flat = unit.master[t.offset:t.offset + t.numel]
                 if len(t.shape) == 2:
-                    v.copy_(torch.randn(t.shape, generator=gen) * std)
+                    normal += [(flat[lo:lo + _INIT_CHUNK], lora_io.mix_seed(cfg.seed, u, i, lo))
+                               for lo in range(0, t.numel, _INIT_CHUNK)]
                 elif t.key.startswith(("ln", "norm")):
-                    v.fill_(1.0)
+                    flat.fill_(1.0)
                 else:
-                    v.zero_()
+                    flat.zero_()
+
+        def draw(item):
+            view, seed = item
+            view.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(draw, normal))
+        for unit in eng.store.units:
             eng.store.refresh_wire(unit)
         eng._base_loaded()
         return eng
