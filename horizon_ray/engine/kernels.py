@@ -145,7 +145,9 @@ class Kernels:
         if self.fused:
             from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
 
-            return LigerFusedGateUpSiLUMulFunction.apply(gate_up)
+            # on a 2-D view: the kernel's backward returns its gradient as [rows, 2 x ffn]
+            rows = gate_up.view(-1, gate_up.shape[-1])
+            return LigerFusedGateUpSiLUMulFunction.apply(rows).view(*gate_up.shape[:-1], -1)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
