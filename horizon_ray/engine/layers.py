@@ -187,12 +187,7 @@ class Template:
         v = v.view(B, T, cfg.num_kv_heads, hd).transpose(1, 2)
         q, k = ops.rope(q, k, mb.cos_BTd, mb.sin_BTd)
         # grouped-query attention without materialising repeated k/v heads
-        gqa = cfg.num_kv_heads != cfg.num_heads
-        if mb.mask_B1TT is None:
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5, enable_gqa=gqa)
-        else:
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mb.mask_B1TT, scale=hd**-0.5, enable_gqa=gqa)
-        attn = attn.transpose(1, 2).reshape(B, T, cfg.q_dim)
+        attn = ops.attention(q, k, v, mb.mask_B1TT, hd**-0.5).transpose(1, 2).reshape(B, T, cfg.q_dim)
         x_BTD = x_BTD + self._proj(attn, w, "o", lora, sinks)
         h = ops.rms_norm(x_BTD, w["ln2"], cfg.rms_norm_eps)
         if "gate_up" in w:
