@@ -215,7 +215,7 @@ def adam_probe(params: int = 1 << 30, units: int = 4):
     for u in store.units:
         u.master.normal_()
         u.wire.normal_()
-    opt = HostAdamW(store, (0.9, 0.95), 1e-8, 0.01, on_updated=lambda u: None)
+    opt = HostAdamW(store, (0.9, 0.95), 1e-8, 0.01)
     t0 = time.perf_counter()
     opt.update(store.units[0], 1e-5, 1.0)
     emit(what="adam", case="first call (kernel build)", s=round(time.perf_counter() - t0, 2))

@@ -64,7 +64,7 @@ def _main(arg: str) -> None:
         eng = Engine.from_config(a["config"], cfg)
         for _ in range(a.get("steps", 1)):
             loss = eng.train_step(batches)
-            eng.optimizer.wait_all()  # the update runs in the background
+            eng.synchronize()  # the update runs in the background
             after.append(proc.memory_info().rss - rss0)
         eng.close()
         grown = proc.memory_info().rss - rss0

@@ -66,7 +66,7 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
                                  lora=planned_lora))
         largest = rss_plan(rec, largest)
         rec.update(init_s=round(init_s, 1), params=eng.num_params,
-                   offload_resolved=bool(eng.streamer.offload))  # where checkpoints lived: host (True) or device
+                   offload_resolved=eng.offload_checkpoints)  # where checkpoints lived: host (True) or device
         batches = _batches(shape.vocab_size, args.micro, args.seq, accum)
         try:
             _measure(eng, rec, batches, args, rss0)
@@ -116,12 +116,13 @@ def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
     for step in range(args.warmup + args.steps):
         if cuda:
             torch.cuda.synchronize()
-        eng.optimizer.waited_s = 0.0
+        waited = eng.stats().waited_s
         s = time.perf_counter()
         eng.train_step(batches[step % 2])
         times.append(time.perf_counter() - s)
-        waits.append(eng.optimizer.waited_s)
-        updates.append(eng.optimizer.update_s)
+        stats = eng.stats()
+        waits.append(stats.waited_s - waited)
+        updates.append(stats.last_update_s)
     # no wait for the last update here: a profiled step that follows must find it running, as any step does
     w = args.warmup
     mem = eng.memory_report()
@@ -134,7 +135,7 @@ def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
         peak_gpu_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else 0,
         host_rss_bytes=host_rss(), host_rss_growth_bytes=host_rss() - rss0, host_peak_rss_bytes=host_peak_rss(),
         store_bytes=mem["host"], device_bytes=mem["device"],
-        host_checkpoint_bytes=eng.streamer.host_checkpoint_bytes(),
+        host_checkpoint_bytes=eng.stats().host_checkpoint_bytes,
     )
 
 
@@ -143,9 +144,9 @@ def _profiled(eng: Engine, rec: dict, batches) -> dict:
     steps at once, so it waits for the previous update as they did (counted in gpu_idle_s)."""
     out = dict(rec)
     try:
-        eng.optimizer.waited_s = 0.0
+        waited = eng.stats().waited_s
         out.update(profile_step(lambda: eng.train_step(batches[0])))
-        out["profiled_exposed_optimizer_s"] = round(eng.optimizer.waited_s, 4)
+        out["profiled_exposed_optimizer_s"] = round(eng.stats().waited_s - waited, 4)
     except Exception as exc:  # the split is a bonus: a profiler failure must not lose the measured run
         out["split_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return out
@@ -166,7 +167,7 @@ def optimizer_probe(params: int = 1 << 30, units: int = 4) -> list[dict]:
     for u in store.units:
         u.master.normal_()
         u.wire.normal_()
-    opt = HostAdamW(store, (0.9, 0.95), 1e-8, 0.01, on_updated=lambda u: None)
+    opt = HostAdamW(store, (0.9, 0.95), 1e-8, 0.01)
     out = []
     for where in ("main", "thread"):
         for threads in (0, max(1, (os.cpu_count() or 4) - 2)):

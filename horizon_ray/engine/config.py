@@ -8,6 +8,7 @@ import torch
 
 from horizon_ray.engine.kernels import KERNELS
 from horizon_ray.engine.lora import LoraConfig
+from horizon_ray.engine.optimizer import UPDATE_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PRECISIONS = ("exact", "bf16-state")
@@ -52,6 +53,14 @@ class EngineConfig:
     # The layer template's kernels: "torch" ops everywhere, "liger" (Liger-Kernel's fused Triton kernels, CUDA
     # only), or "auto": liger on CUDA when the package is installed, torch otherwise (kernels.py).
     kernels: str = "auto"
+    # When the host AdamW of a step runs (optimizer.py): "exact" after the step's global norm is known,
+    # overlapping the next forward; "speculative" each unit as soon as its gradient is on the host, assuming
+    # no clipping, rolled back and redone when clipping triggers (exact whenever it does not); "delayed"
+    # overlapping all of the next step, which then trains on weights one update old (not exact).
+    update: str = "exact"
+    # Speculative: how many units (head first, then layers from the top) may be updated during the backward;
+    # None: all but the embedding. Each costs a bf16 gradient buffer of its own (2 bytes a parameter).
+    speculate_units: int | None = None
 
     def validate(self) -> None:
         if not self.lr > 0:
@@ -91,6 +100,13 @@ class EngineConfig:
                 raise ValueError(f"precision {self.precision!r} applies to full fine-tuning; with lora the base is "
                                  "frozen in the compute dtype and the adapters are always exact fp32: leave "
                                  "precision='exact'")
+        if self.update not in UPDATE_MODES:
+            raise ValueError(f"update must be one of {UPDATE_MODES}, got {self.update!r}")
+        if self.speculate_units is not None and (isinstance(self.speculate_units, bool) or self.speculate_units < 0):
+            raise ValueError(f"speculate_units must be an integer >= 0 or None, got {self.speculate_units!r}")
+        if self.lora is not None and self.update != "exact":
+            raise ValueError(f"update {self.update!r} hides the host update of full fine-tuning; with lora the "
+                             "adapters' update takes milliseconds: leave update='exact'")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         resolve_device(self.device)

@@ -1,14 +1,21 @@
-"""One-pass CPU AdamW for the bf16 wire: the update DRAM traffic can't go below.
+"""One-pass CPU AdamW kernels: the update's DRAM traffic can't go below what they move.
 
-With bf16 compute, each parameter's step reads its bf16 gradient (from the buffer that is also its wire
-copy), its fp32 master and moments, and writes the master, the moments and the new bf16 wire: 28 bytes.
-torch's fused CPU AdamW needs an fp32 gradient and leaves the narrowing to another op, so the torch path
-moves the chunk three times through the cores (widen, update, narrow). This kernel does it in one loop,
-with torch.optim.AdamW's arithmetic (decoupled decay, lerp for m, bias corrections as torch computes them)
-and the clip coefficient applied to the gradient first, as clip_grad_norm_ does.
+The host update is bound by memory bandwidth (every byte of the master and moments is read and written
+once a step), so each kernel does a unit's chunk in one loop through the cores:
+- ``adamw_f32``: fp32 master and moments with a bf16 gradient and a bf16 wire, which may be one buffer
+  (exact mode: the gradient is read before the new wire is written over it). Reads the bf16 gradient and
+  the master and moments, writes them and the new bf16 wire: 28 bytes a parameter. torch's fused CPU AdamW
+  needs an fp32 gradient and leaves the narrowing to another op, so the torch path moves the chunk three
+  times through the cores (widen, update, narrow).
+- ``adamw_bf16``: "bf16-state": master (which is the wire), moments and gradient in bf16, the arithmetic in
+  fp32 as torch's fused kernel does for bf16 tensors: 14 bytes a parameter, half of exact's.
+Both follow torch.optim.AdamW's arithmetic (decoupled decay, lerp for m, bias corrections as torch computes
+them) with the clip coefficient applied to the gradient first, as clip_grad_norm_ does (rounded to bf16 in
+bf16-state, where clip_grad_norm_ scales the bf16 gradient in place).
 
-It is compiled on first use with torch.utils.cpp_extension (needs a C++ compiler and ninja); where that is
-not possible the optimizer falls back to the torch path and says so once.
+They are compiled on first use with torch.utils.cpp_extension (needs a C++ compiler and ninja) into the
+torch extensions cache, so a later process loads the build; where that is not possible the optimizer falls
+back to the torch path and says so once.
 """
 
 from __future__ import annotations
@@ -41,42 +48,83 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torc
     return static_cast<uint16_t>(bits >> 16);
 }
 
-void adamw_bf16_wire(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
-                     torch::Tensor grad_wire, double lr, double beta1, double beta2, double eps,
-                     double weight_decay, double step, double clip) {
+struct Hyper {
+    float step_size, bc2_sqrt, decay, w1, b2, w2, e, c;
+    Hyper(double lr, double beta1, double beta2, double eps, double weight_decay, double step, double clip) {
+        const double bc1 = 1.0 - std::pow(beta1, step);
+        const double bc2 = 1.0 - std::pow(beta2, step);
+        step_size = static_cast<float>(lr / bc1);
+        bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+        decay = static_cast<float>(1.0 - lr * weight_decay);
+        w1 = static_cast<float>(1.0 - beta1);
+        b2 = static_cast<float>(beta2);
+        w2 = static_cast<float>(1.0 - beta2);
+        e = static_cast<float>(eps);
+        c = static_cast<float>(clip);
+    }
+};
+
+// fp32 master and moments; bf16 gradient and bf16 wire (which may be the same buffer)
+void adamw_f32(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor exp_avg_sq, torch::Tensor grad,
+               torch::Tensor wire, double lr, double beta1, double beta2, double eps, double weight_decay,
+               double step, double clip) {
     TORCH_CHECK(param.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous() &&
-                grad_wire.is_contiguous(), "contiguous tensors expected");
-    TORCH_CHECK(param.scalar_type() == at::kFloat && grad_wire.scalar_type() == at::kBFloat16, "dtypes");
+                grad.is_contiguous() && wire.is_contiguous(), "contiguous tensors expected");
+    TORCH_CHECK(param.scalar_type() == at::kFloat && grad.scalar_type() == at::kBFloat16 &&
+                wire.scalar_type() == at::kBFloat16, "dtypes");
     // the training thread must keep launching device work while this runs: drop the GIL
     pybind11::gil_scoped_release no_gil;
     float* p = param.data_ptr<float>();
     float* m = exp_avg.data_ptr<float>();
     float* v = exp_avg_sq.data_ptr<float>();
-    uint16_t* gw = reinterpret_cast<uint16_t*>(grad_wire.data_ptr<at::BFloat16>());
-    const int64_t n = param.numel();
-    const double bc1 = 1.0 - std::pow(beta1, step);
-    const double bc2 = 1.0 - std::pow(beta2, step);
-    const float step_size = static_cast<float>(lr / bc1);
-    const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-    const float decay = static_cast<float>(1.0 - lr * weight_decay);
-    const float w1 = static_cast<float>(1.0 - beta1);
-    const float b2 = static_cast<float>(beta2);
-    const float w2 = static_cast<float>(1.0 - beta2);
-    const float e = static_cast<float>(eps);
-    const float c = static_cast<float>(clip);
-    at::parallel_for(0, n, 1 << 15, [&](int64_t begin, int64_t end) {
+    const uint16_t* g = reinterpret_cast<const uint16_t*>(grad.data_ptr<at::BFloat16>());
+    uint16_t* w = reinterpret_cast<uint16_t*>(wire.data_ptr<at::BFloat16>());
+    const Hyper h(lr, beta1, beta2, eps, weight_decay, step, clip);
+    at::parallel_for(0, param.numel(), 1 << 15, [&](int64_t begin, int64_t end) {
         #pragma omp simd
         for (int64_t i = begin; i < end; ++i) {
-            const float g = bf16_to_f32(gw[i]) * c;
-            const float pi = p[i] * decay;
-            const float mi = m[i] + w1 * (g - m[i]);
-            const float vi = b2 * v[i] + w2 * g * g;
-            const float denom = std::sqrt(vi) / bc2_sqrt + e;
-            const float pn = pi - step_size * mi / denom;
+            const float gi = bf16_to_f32(g[i]) * h.c;  // read before w[i] is written: g and w may alias
+            const float pi = p[i] * h.decay;
+            const float mi = m[i] + h.w1 * (gi - m[i]);
+            const float vi = h.b2 * v[i] + h.w2 * gi * gi;
+            const float denom = std::sqrt(vi) / h.bc2_sqrt + h.e;
+            const float pn = pi - h.step_size * mi / denom;
             m[i] = mi;
             v[i] = vi;
             p[i] = pn;
-            gw[i] = f32_to_bf16(pn);
+            w[i] = f32_to_bf16(pn);
+        }
+    });
+}
+
+// bf16 master (the wire), bf16 moments and gradient; fp32 arithmetic
+void adamw_bf16(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor exp_avg_sq, torch::Tensor grad,
+                double lr, double beta1, double beta2, double eps, double weight_decay, double step,
+                double clip) {
+    TORCH_CHECK(param.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous() &&
+                grad.is_contiguous(), "contiguous tensors expected");
+    TORCH_CHECK(param.scalar_type() == at::kBFloat16 && exp_avg.scalar_type() == at::kBFloat16 &&
+                exp_avg_sq.scalar_type() == at::kBFloat16 && grad.scalar_type() == at::kBFloat16, "dtypes");
+    pybind11::gil_scoped_release no_gil;
+    uint16_t* p = reinterpret_cast<uint16_t*>(param.data_ptr<at::BFloat16>());
+    uint16_t* m = reinterpret_cast<uint16_t*>(exp_avg.data_ptr<at::BFloat16>());
+    uint16_t* v = reinterpret_cast<uint16_t*>(exp_avg_sq.data_ptr<at::BFloat16>());
+    const uint16_t* g = reinterpret_cast<const uint16_t*>(grad.data_ptr<at::BFloat16>());
+    const Hyper h(lr, beta1, beta2, eps, weight_decay, step, clip);
+    const bool clipped = clip < 1.0;
+    at::parallel_for(0, param.numel(), 1 << 15, [&](int64_t begin, int64_t end) {
+        #pragma omp simd
+        for (int64_t i = begin; i < end; ++i) {
+            float gi = bf16_to_f32(g[i]);
+            if (clipped) gi = bf16_to_f32(f32_to_bf16(gi * h.c));  // clip_grad_norm_ scales the bf16 gradient
+            const float m0 = bf16_to_f32(m[i]);
+            const float pi = bf16_to_f32(p[i]) * h.decay;
+            const float mi = m0 + h.w1 * (gi - m0);
+            const float vi = h.b2 * bf16_to_f32(v[i]) + h.w2 * gi * gi;
+            const float denom = std::sqrt(vi) / h.bc2_sqrt + h.e;
+            p[i] = f32_to_bf16(pi - h.step_size * mi / denom);
+            m[i] = f32_to_bf16(mi);
+            v[i] = f32_to_bf16(vi);
         }
     });
 }
@@ -101,7 +149,7 @@ def kernel():
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name="horizon_ray_adamw_v3", cpp_sources=[_SOURCE], functions=["adamw_bf16_wire"],
+                    name="horizon_ray_adamw_v4", cpp_sources=[_SOURCE], functions=["adamw_f32", "adamw_bf16"],
                     # -fno-math-errno lets the compiler vectorise sqrt
                     extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],
@@ -109,17 +157,34 @@ def kernel():
                 )
             except Exception as exc:  # no compiler or ninja: the torch path is correct, only slower
                 _failed = f"{type(exc).__name__}: {exc}"
-                log.warning("one-pass CPU AdamW unavailable (%s); using torch's fused AdamW in three passes",
+                log.warning("one-pass CPU AdamW unavailable (%s); using torch's fused AdamW in several passes",
                             _failed.splitlines()[0][:200])
     return _module
 
 
-def adamw_bf16_wire(master, exp_avg, exp_avg_sq, grad_wire, *, lr, betas, eps, weight_decay, step: float,
-                    clip: float) -> bool:
-    """Update one chunk in place; False when the kernel is unavailable (nothing was touched)."""
+def adamw_f32(master, exp_avg, exp_avg_sq, grad, wire, *, lr, betas, eps, weight_decay, step: float,
+              clip: float) -> bool:
+    """Update one chunk in place (fp32 master, bf16 gradient and wire); False when the kernel is unavailable
+    (nothing was touched)."""
     mod = kernel()
     if mod is None:
         return False
-    mod.adamw_bf16_wire(master, exp_avg, exp_avg_sq, grad_wire, lr, betas[0], betas[1], eps, weight_decay,
-                        float(step), float(clip))
+    mod.adamw_f32(master, exp_avg, exp_avg_sq, grad, wire, lr, betas[0], betas[1], eps, weight_decay, float(step),
+                  float(clip))
     return True
+
+
+def adamw_bf16(master, exp_avg, exp_avg_sq, grad, *, lr, betas, eps, weight_decay, step: float,
+               clip: float) -> bool:
+    """Update one chunk in place (bf16 master, moments and gradient); False when the kernel is unavailable."""
+    mod = kernel()
+    if mod is None:
+        return False
+    mod.adamw_bf16(master, exp_avg, exp_avg_sq, grad, lr, betas[0], betas[1], eps, weight_decay, float(step),
+                   float(clip))
+    return True
+
+
+def adamw_bf16_wire(master, exp_avg, exp_avg_sq, grad_wire, **kw) -> bool:
+    """``adamw_f32`` with the gradient and the wire in one buffer (exact mode's layout)."""
+    return adamw_f32(master, exp_avg, exp_avg_sq, grad_wire, grad_wire, **kw)

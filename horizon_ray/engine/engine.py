@@ -5,8 +5,13 @@ A step, in layer-major order (every micro-batch passes a layer while its weights
   loss      final norm + LM head + cross-entropy in chunks of tokens, fused with its own backward
   backward  block by block from the top: recompute the block's inputs from its checkpoint, then each
             layer's forward under autograd and torch.autograd.grad with the incoming dL/dy
-  optimizer the global norm is known once the sweep ends; AdamW runs on the host in the background and
-            the next step's forward streams each unit as soon as its update is written
+  update    the global norm is known once the sweep ends; AdamW runs on the host in the background
+            (optimizer.py: exact, delayed or speculative) and the next step's forward streams each unit as
+            soon as the update it needs is committed
+
+The parts: ``weights`` (slots.py: units on the device), ``stash`` (stash.py: activation checkpoints),
+``grad_sink`` (grads.py: accumulators, copies to the host, the norm) and the host optimizer; the training
+thread and the optimizer's worker meet only at the two fences (fence.py): ``updates`` and ``grads``.
 
 With ``EngineConfig(lora=LoraConfig(...))`` the same step trains only the adapters (see lora.py): the
 base streams as above but is frozen, each layer's backward asks autograd for dL/d(input) and the adapter
@@ -21,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,15 +35,35 @@ import torch.nn.functional as F
 from horizon_ray.engine import io
 from horizon_ray.engine import lora as lora_io
 from horizon_ray.engine.config import EngineConfig, resolve_device
+from horizon_ray.engine.fence import Fence
+from horizon_ray.engine.grads import DeviceGrads, HostGrads
 from horizon_ray.engine.kernels import Kernels, resolve_kernels
 from horizon_ray.engine.layers import LoraCall, MicroBatch, Template, attention_mask, inv_frequencies, rope_tables
 from horizon_ray.engine.model import ModelConfig, unit_layouts
 from horizon_ray.engine.optimizer import HostAdamW
+from horizon_ray.engine.pinned import HostBuffers
+from horizon_ray.engine.slots import DeviceWeights, HostWeights
+from horizon_ray.engine.stash import KeptStash, OffloadStash
 from horizon_ray.engine.store import HostStore
-from horizon_ray.engine.streamer import Streamer
+from horizon_ray.engine.units import Units
 
 # from_config draws its random matrices in chunks of this many elements, in parallel
 _INIT_CHUNK = 1 << 22
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What a benchmark or a job reports about the engine, read between steps."""
+
+    step: int  # optimizer steps done
+    update: str  # "exact" | "delayed" | "speculative"
+    waited_s: float  # time the training thread has spent blocked on the host update, summed over the run
+    last_update_s: float  # wall time of the last step's whole host update
+    rollbacks: int  # speculative steps rolled back and redone because clipping triggered
+    speculated_units: int  # units the last step updated during its backward (speculative)
+    host_checkpoint_bytes: int  # pinned host buffers of offloaded checkpoints and gathered embedding rows
+    host_bytes: dict  # the store's bytes by kind
+    device_bytes: dict  # the device buffers the engine holds, by kind
 
 
 class Engine:
@@ -49,23 +74,43 @@ class Engine:
         self.device = resolve_device(cfg.device)
         self.dtype = cfg.dtype
         self.L = model.num_layers
-        self.K = min(cfg.checkpoint_every, max(self.L, 1))
+        self.units = Units(self.L, min(cfg.checkpoint_every, max(self.L, 1)))
+        self.K = self.units.K
         self.lr = cfg.lr
         self.last_grad_norm = math.nan
         self.lora = cfg.lora
+        self.update_mode = cfg.update
         self.base_model_path: str | None = None  # the model directory the base came from (from_pretrained)
-        self._steps_begun = 0  # optimizer steps launched: the step index of the dropout seeds
+        self._steps = 0  # optimizer steps launched: the index k of the next step, and of its dropout seeds
         cuda = self.device.type == "cuda"
         adapters = lora_io.adapter_layouts(model, cfg.lora) if cfg.lora is not None else None
-        self.store = HostStore(unit_layouts(model), cfg.dtype, cfg.master_dtype, pin=cuda, adapter_layouts=adapters)
+        n_trained = len(adapters) if adapters is not None else self.units.count
+        # speculative: the units updated during the backward, head first; never the embedding (its gradient
+        # comes last, when the norm is known anyway)
+        self._spec_order = self.units.backward_order(n_trained)[:-1][:cfg.speculate_units] \
+            if cfg.update == "speculative" else []
+        self.store = HostStore(unit_layouts(model), cfg.dtype, cfg.master_dtype, pin=cuda, adapter_layouts=adapters,
+                               wires=2 if cfg.update == "delayed" else 1, own_grads=frozenset(self._spec_order))
         if cfg.lora is not None:
             lora_io.init_adapters(self.store.adapters, cfg.seed)
+        self._updates = Fence(n_trained, "updates")  # the optimizer marks: a unit's update is committed
+        self._grads = Fence(n_trained, "grads")  # the training thread marks: a unit's gradient is on the host
         threads = cfg.optimizer_threads or (max(1, (os.cpu_count() or 4) - 2) if cuda else 0)
-        self.optimizer = HostAdamW(self.store, cfg.betas, cfg.eps, cfg.weight_decay,
-                                   on_updated=self._on_updated, threads=threads)
+        self._optimizer = HostAdamW(self.store, cfg.betas, cfg.eps, cfg.weight_decay, self._updates, self._grads,
+                                    threads=threads)
         offload = cfg.offload_checkpoints if cfg.offload_checkpoints != "auto" else cuda
-        self.streamer = Streamer(self.store, self.device, self.K, model.tie_word_embeddings,
-                                 wait_updated=self.optimizer.wait_unit, offload_checkpoints=offload)
+        lag = 1 if cfg.update == "delayed" else 0
+        self._buffers = HostBuffers(self.store.pool)
+        if cuda:
+            h2d, d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+            self._weights = DeviceWeights(self.store, self.units, self._updates, lag, self.device, self._buffers, h2d)
+            self._stash = OffloadStash(self.device, self._buffers, h2d, d2h) if offload else KeptStash()
+            self._grad_sink = DeviceGrads(self.store, self.units, self._grads, self.device, self._buffers, d2h)
+        else:
+            self._weights = HostWeights(self.store, self.units, self._updates, lag)
+            self._stash = KeptStash()
+            self._grad_sink = HostGrads(self.store, self.units, self._grads, self.device)
+        self.offload_checkpoints = isinstance(self._stash, OffloadStash)
         self.inv_freq = inv_frequencies(model)
         self.template = Template(model, Kernels(resolve_kernels(cfg.kernels, self.device)))
 
@@ -154,7 +199,8 @@ class Engine:
 
     @property
     def step(self) -> int:
-        return int(self.store.trained[0].step)
+        """Optimizer steps done (launched: the update of the last one may still run in the background)."""
+        return self._steps
 
     def set_lr(self, lr: float) -> None:
         if not lr >= 0:
@@ -162,39 +208,44 @@ class Engine:
         self.lr = float(lr)
 
     def train_step(self, micro_batches) -> float:
+        """One optimizer step over the micro-batches; the mean loss over their non-ignored tokens."""
         mbs, n_targets = self._prepare(micro_batches)
         if n_targets == 0:
             raise ValueError("every label of this step is -100 (ignored): nothing to train on; check the "
                              "loss mask and that sequences are longer than their prompt")
+        self._optimizer.check()  # a failed update leaves inconsistent weights: no step may train on them
+        k = self._steps
         try:
-            hs = self._forward(mbs, train=True)
-            self.streamer.prefetch_stash(self.K * ((self.L - 1) // self.K))  # the top block's checkpoint
-            mean_loss, dhs, tied_acc = self._loss(hs, mbs, n_targets, backward=True)
+            if self._spec_order:  # the worker updates units as their gradients land
+                self._optimizer.speculate(k, self.lr, self._spec_order, self._max_norm())
+            hs = self._forward(mbs, k, train=True)
+            self._stash.prefetch(self.K * ((self.L - 1) // self.K))  # the top block's checkpoint
+            loss, dhs, tied_acc = self._loss(hs, mbs, n_targets, k, backward=True)
             del hs
-            dhs = self._backward(dhs, mbs)
+            dhs = self._backward(dhs, mbs, k)
             if self.lora is None:  # with LoRA the embedding is frozen
-                self._embedding_backward(dhs, mbs, tied_acc)
-            norm = self.streamer.finish_backward()  # the step's one host sync
-            loss = float(mean_loss)
+                self._embedding_backward(dhs, mbs, tied_acc, k)
+            norm = self._grad_sink.finish()  # the step's one host sync
+            loss = float(loss)
             self.last_grad_norm = norm
             if not math.isfinite(norm):
-                raise FloatingPointError(f"gradient norm is {norm} at step {self.step + 1}: the update was "
-                                         "skipped; lower the learning rate or check the data")
+                raise FloatingPointError(f"gradient norm is {norm} at step {k + 1}: the update was skipped; "
+                                         "lower the learning rate or check the data")
         except BaseException:
-            self._abandon_step()
+            self._abandon_step(k)
             raise
-        coef = 1.0
-        if self.cfg.clipping:
-            coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6))
-        self.optimizer.launch(self.lr, coef)
-        self._steps_begun += 1
+        coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6)) if self.cfg.clipping else 1.0
+        self._optimizer.launch(k, self.lr, coef)
+        self._steps += 1
         return loss
 
     @torch.no_grad()
     def eval_loss(self, micro_batches) -> tuple[float, int]:
+        """Summed CE over the non-ignored tokens of the micro-batches, and their count, on the newest weights."""
         mbs, n_targets = self._prepare(micro_batches)
-        hs = self._forward(mbs, train=False)
-        loss_sum, _, _ = self._loss(hs, mbs, max(n_targets, 1), backward=False)
+        k = self._newest()
+        hs = self._forward(mbs, k, train=False)
+        loss_sum, _, _ = self._loss(hs, mbs, max(n_targets, 1), k, backward=False)
         return float(loss_sum), n_targets
 
     @torch.no_grad()
@@ -203,16 +254,17 @@ class Engine:
         if position_ids is not None:
             batch = (*batch, position_ids)
         mbs, _ = self._prepare([batch])
-        h = torch.cat(self._forward(mbs, train=False))
-        w = self.streamer.head_weights()
+        k = self._newest()
+        h = torch.cat(self._forward(mbs, k, train=False))
+        w = self._weights.head_weights(k)
         logits = F.linear(self.template.final_norm(h, w["norm"]), w["lm_head"]).float().cpu()
-        self.streamer.release_head()
+        self._weights.release_head()
         return logits
 
     def save_pretrained(self, out_dir: str | Path) -> Path:
         """The model in HF format; with LoRA the adapter in PEFT's format (adapter_config.json +
         adapter_model.safetensors, fp32), which peft.PeftModel.from_pretrained loads onto the base."""
-        self.optimizer.wait_all()
+        self._optimizer.wait_all()
         if self.lora is not None:
             return lora_io.save_adapter(self.store.adapters, self.lora, self.base_model_path, Path(out_dir))
         return io.save_pretrained(self.store, self.model.hf, Path(out_dir), getattr(torch, self.cfg.save_dtype),
@@ -224,7 +276,7 @@ class Engine:
         if self.lora is None:
             raise ValueError("save_merged merges LoRA adapters; this engine fine-tunes the whole model, whose "
                              "save_pretrained already writes the full model")
-        self.optimizer.wait_all()
+        self._optimizer.wait_all()
         return io.save_pretrained(self.store, self.model.hf, Path(out_dir), getattr(torch, self.cfg.save_dtype),
                                   self.cfg.max_shard_bytes, self.model.tie_word_embeddings,
                                   merge=lora_io.merge_fn(self.store.adapters, self.lora))
@@ -234,57 +286,88 @@ class Engine:
         AdamW state is left as it is: to resume training exactly, use load_state."""
         if self.lora is None:
             raise ValueError("load_adapter needs an engine built with EngineConfig(lora=LoraConfig(...))")
-        self.optimizer.wait_all()
+        self._optimizer.wait_all()
         self._sync_device()  # no copy of the adapters to the device may still read them
         lora_io.load_adapter(self.store.adapters, Path(adapter_dir))
-        for u in range(len(self.store.trained)):
-            self._on_updated(u)
+        for a in self.store.adapters:
+            a.wire_written(0)  # the device copies are stale
 
     def save_state(self, out_dir: str | Path) -> None:
-        self.optimizer.wait_all()
+        self._optimizer.wait_all()
         io.save_state(self.store, Path(out_dir))
 
     def load_state(self, state_dir: str | Path) -> None:
-        self.optimizer.wait_all()
+        self._optimizer.wait_all()
         self._sync_device()  # no copy to the device may still read the host buffers about to change
         io.load_state(self.store, Path(state_dir))
-        for u in range(len(self.store.trained)):
-            self._on_updated(u)
-        self._steps_begun = self.step
+        self._steps = int(self.store.trained[0].step)
+        self._restart_fences()
+
+    def synchronize(self) -> None:
+        """Wait until the last step's update is on the host (the weights, moments and wires are final)."""
+        self._optimizer.wait_all()
 
     def memory_report(self) -> dict[str, dict[str, int]]:
-        return {"host": self.store.bytes_by_kind(), "device": self.streamer.device_bytes()}
+        return {"host": self.store.bytes_by_kind(), "device": self._device_bytes()}
+
+    def stats(self) -> EngineStats:
+        opt = self._optimizer
+        return EngineStats(step=self._steps, update=self.update_mode, waited_s=self._updates.waited_s,
+                           last_update_s=opt.last_update_s, rollbacks=opt.rollbacks,
+                           speculated_units=opt.speculated_units, host_checkpoint_bytes=self._buffers.nbytes,
+                           host_bytes=self.store.bytes_by_kind(), device_bytes=self._device_bytes())
 
     def close(self) -> None:
         """Wait for the last update, stop the optimizer's worker and unlock the pinned host memory (also when
         that update failed, whose error is raised after)."""
         try:
-            self.optimizer.shutdown()
+            self._optimizer.shutdown()
         finally:
             self._sync_device()
             self.store.pool.close()
 
     # ---- the step's parts ----------------------------------------------------------------------------
 
+    def _max_norm(self) -> float:
+        return self.cfg.max_grad_norm if self.cfg.clipping else math.inf
+
+    def _newest(self) -> int:
+        """The step index whose reads see the newest weights (evaluation): under the delayed update the wire
+        of the last update, once it has finished."""
+        if self.update_mode != "delayed":
+            return self._steps
+        self._optimizer.wait_all()
+        return self._steps + 1
+
+    def _device_bytes(self) -> dict[str, int]:
+        return {**self._weights.device_bytes(), **self._grad_sink.device_bytes()}
+
     def _sync_device(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _on_updated(self, u: int) -> None:
-        self.streamer.updated(u)
+    def _restart_fences(self) -> None:
+        """Every trained unit's weights are those of step ``self._steps``; the device copies are stale."""
+        for unit in self.store.trained:
+            self.store.refresh_wire(unit)
+        n = len(self.store.trained)
+        self._updates.reset([self._steps] * n)
+        self._grads.reset([self._steps] * n)
+        self._weights.reset()
 
-    def _abandon_step(self) -> None:
-        """A step that failed after its backward began may have left gradients in wire buffers."""
+    def _abandon_step(self, k: int) -> None:
+        """Step k failed after it began: gradients may sit in wire buffers, and units may have been updated
+        speculatively."""
         try:
             # the previous step's update may still be reading its gradients from the wires: let it finish
-            # before the wires are rebuilt (its own failure, if any, is raised from here)
-            self.optimizer.wait_all()
+            # before the wires are rebuilt (its own failure, if any, is raised from here); roll back what
+            # this step speculated
+            self._optimizer.abandon(k)
         finally:
-            self.streamer.reset()
-            if self.store.grad_is_wire:
-                self.store.refresh_all_wires()
-                for u in range(len(self.store.units)):
-                    self._on_updated(u)
+            self._sync_device()
+            self._stash.reset()
+            self._grad_sink.reset()
+            self._restart_fences()
 
     def _lora_call(self, j: int, i: int, train: bool) -> LoraCall | None:
         """How layer j applies its adapters to row group i: dropout only while training, with masks seeded
@@ -293,7 +376,7 @@ class Engine:
             return None
         if not (train and self.lora.dropout > 0):
             return LoraCall(self.lora.scaling, 0.0)
-        seed = lora_io.mix_seed(self.cfg.seed, self._steps_begun, j, i)
+        seed = lora_io.mix_seed(self.cfg.seed, self._steps, j, i)
         return LoraCall(self.lora.scaling, self.lora.dropout, seed)
 
     def _prepare(self, micro_batches) -> tuple[list[MicroBatch], int]:
@@ -348,45 +431,48 @@ class Engine:
             n_targets=int((targets != -100).sum()),
         )
 
-    def _forward(self, mbs: list[MicroBatch], train: bool):
-        """The layers' forward without autograd; with train, the checkpoints are kept and dropout is on."""
-        st = self.streamer
-        if st.host_embed:
-            st.prefetch(1)  # the first layer's copy overlaps the gather of the embedding rows
-            hs = [st.embed_rows(i, mb.input_ids_host) for i, mb in enumerate(mbs)]
+    def _forward(self, mbs: list[MicroBatch], k: int, train: bool):
+        """The layers' forward of step k without autograd; with train, the checkpoints are kept and dropout
+        is on."""
+        W = self._weights
+        if W.host_embed:
+            W.prefetch(1, k)  # the first layer's copy overlaps the gather of the embedding rows
+            hs = [W.embed_rows(i, mb.input_ids_host, k) for i, mb in enumerate(mbs)]
         else:
-            embed = st.weights(0)["embed"]
-            st.prefetch(1)  # the first layer's copy overlaps the embedding lookup
+            embed = W.weights(0, k)["embed"]
+            W.prefetch(1, k)  # the first layer's copy overlaps the embedding lookup
             hs = [F.embedding(mb.input_ids_BT, embed) for mb in mbs]
-            st.release(0)
+            W.release(0)
         for j in range(self.L):
-            w = st.weights(j + 1)
-            st.prefetch(j + 2)  # the next layer (or the head) streams in while this one computes
+            u = self.units.of_layer(j)
+            w = W.weights(u, k)
+            W.prefetch(u + 1, k)  # the next layer (or the head) streams in while this one computes
             if train and j % self.K == 0:
-                st.stash(j, hs)
+                self._stash.stash(j, hs)
             with torch.no_grad():
                 hs = [self.template.layer(h, w, mb, self._lora_call(j, i, train))
                       for i, (h, mb) in enumerate(zip(hs, mbs))]
-            st.release(j + 1)
+            W.release(u)
         return hs
 
-    def _loss(self, hs, mbs, n_targets: int, backward: bool):
+    def _loss(self, hs, mbs, n_targets: int, k: int, backward: bool):
         """The step's mean CE (a device scalar; the plain sum without backward) and, with backward, dL/dh of
         the last layer's output, the head's gradient sent to the host (unless it is frozen under LoRA), and
         the tied embedding's accumulator holding the LM head's share of its gradient."""
-        st = self.streamer
-        head_u = self.L + 1
-        w = st.head_weights()
+        G = self._grad_sink
+        head_u = self.units.head
+        w = self._weights.head_weights(k)
+        head_adapter = self._weights.head_adapter
         scale = 1.0 / n_targets if backward else 1.0
         sinks, tied_acc = {}, None
         if backward and self.lora is None:
-            acc = st.accumulator(head_u)
+            acc = G.accumulator(head_u, k)
             sinks = self.store.units[head_u].layout.views(acc)
             if self.model.tie_word_embeddings:
-                tied_acc = st.accumulator(0)
+                tied_acc = G.accumulator(self.units.embed, k)
                 sinks["lm_head"] = self.store.units[0].layout.views(tied_acc)["embed"]
-        elif backward and st.head_adapter is not None:  # LoRA with the final norm trained
-            sinks = {"norm": st.adapter_grads(st.head_adapter)["norm"]}
+        elif backward and head_adapter is not None:  # LoRA with the final norm trained
+            sinks = {"norm": G.adapter_grads(head_adapter, k)["norm"]}
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         dhs = []
         for h, mb in zip(hs, mbs):
@@ -395,60 +481,63 @@ class Engine:
             loss += part
             if backward:
                 dhs.append(dh.view_as(h))
-        st.release_head()
+        self._weights.release_head()
         if backward and self.lora is None:
-            st.flush(head_u, acc)
-        elif backward and st.head_adapter is not None:
-            st.flush_adapter(st.head_adapter)
+            G.flush(head_u, acc, k)
+        elif backward and head_adapter is not None:
+            G.flush_adapter(head_adapter, k)
         return loss, dhs, tied_acc
 
-    def _backward(self, dhs, mbs):
-        st = self.streamer
-        blocks = [(s, min(s + self.K, self.L)) for s in range(0, self.L, self.K)]
+    def _backward(self, dhs, mbs, k: int):
+        W = self._weights
+        blocks = self.units.blocks()
         for b in reversed(range(len(blocks))):
             s, e = blocks[b]
-            ws = {j: st.weights(j + 1) for j in range(s, e)}
-            inputs = {s: st.unstash(s)}
+            ws = {j: W.weights(self.units.of_layer(j), k) for j in range(s, e)}
+            inputs = {s: self._stash.unstash(s)}
             if b > 0:  # the block below streams into the other slot group during this block's work
                 for j in range(*blocks[b - 1]):
-                    st.prefetch(j + 1)
-                st.prefetch_stash(blocks[b - 1][0])
+                    W.prefetch(self.units.of_layer(j), k)
+                self._stash.prefetch(blocks[b - 1][0])
             with torch.no_grad():  # recompute the inputs of the block's other layers
                 for j in range(s, e - 1):
                     inputs[j + 1] = [self.template.layer(x, ws[j], mb, self._lora_call(j, i, True))
                                      for i, (x, mb) in enumerate(zip(inputs[j], mbs))]
             for j in reversed(range(s, e)):
-                dhs = self._layer_backward(j, ws[j], inputs.pop(j), dhs, mbs)
-                st.release(j + 1)
+                if self.lora is None:
+                    dhs = self._layer_backward(j, ws[j], inputs.pop(j), dhs, mbs, k)
+                else:
+                    dhs = self._adapter_backward(j, ws[j], inputs.pop(j), dhs, mbs, k)
+                W.release(self.units.of_layer(j))
         return dhs
 
-    def _layer_backward(self, j, w, xs, dys, mbs):
-        if self.lora is not None:
-            return self._adapter_backward(j, w, xs, dys, mbs)
-        st = self.streamer
-        acc = st.accumulator(j + 1)
-        sinks = self.store.units[j + 1].layout.views(acc, fused=True)
-        leaves = {k: w[k].detach().requires_grad_() for k in self.template.leaf_keys(w)}
+    def _layer_backward(self, j, w, xs, dys, mbs, k: int):
+        """Layer j: dL/dx, with every weight's gradient summed over the micro-batches into the unit's fp32
+        accumulator (the projections' backward adds into it; the norms come back as autograd leaves)."""
+        G = self._grad_sink
+        u = self.units.of_layer(j)
+        acc = G.accumulator(u, k)
+        sinks = self.store.units[u].layout.views(acc, fused=True)
+        leaves = {key: w[key].detach().requires_grad_() for key in self.template.leaf_keys(w)}
         w = {**w, **leaves}
         dxs = []
         for x, dy, mb in zip(xs, dys, mbs):
             x = x.detach().requires_grad_()
             with torch.enable_grad():
                 y = self.template.layer(x, w, mb, sinks=sinks)
-            # the projections' weight gradients land in their sinks during this call
             grads = torch.autograd.grad(y, [x, *leaves.values()], dy)
             dxs.append(grads[0])
-            for k, gk in zip(leaves, grads[1:]):
-                sinks[k].add_(gk)
-        st.flush(j + 1, acc)
+            for key, g in zip(leaves, grads[1:]):
+                sinks[key].add_(g)
+        G.flush(u, acc, k)
         return dxs
 
-    def _adapter_backward(self, j, w, xs, dys, mbs):
+    def _adapter_backward(self, j, w, xs, dys, mbs, k: int):
         """Layer j under LoRA: dL/dx and the adapters' gradients. The frozen base weights are no leaves, so
         autograd computes no gradient for them; the bottom layer's dL/dx is skipped (nothing uses it)."""
-        st = self.streamer
-        g = st.adapter_grads(j)
-        leaves = {k: w[k].detach().requires_grad_() for k in g}
+        G = self._grad_sink
+        g = G.adapter_grads(j, k)
+        leaves = {key: w[key].detach().requires_grad_() for key in g}
         w = {**w, **leaves}
         need_dx = j > 0
         dxs = []
@@ -460,18 +549,18 @@ class Engine:
             if need_dx:
                 dxs.append(grads[0])
                 grads = grads[1:]
-            for k, gk in zip(leaves, grads):
-                g[k].add_(gk)
-        st.flush_adapter(j)
+            for key, gk in zip(leaves, grads):
+                g[key].add_(gk)
+        G.flush_adapter(j, k)
         return dxs
 
-    def _embedding_backward(self, dhs, mbs, tied_acc):
-        st = self.streamer
-        acc = tied_acc if tied_acc is not None else st.accumulator(0)
+    def _embedding_backward(self, dhs, mbs, tied_acc, k: int):
+        G = self._grad_sink
+        acc = tied_acc if tied_acc is not None else G.accumulator(self.units.embed, k)
         g = self.store.units[0].layout.views(acc)["embed"]
         for dh, mb in zip(dhs, mbs):
             g.index_add_(0, mb.input_ids_BT.reshape(-1), dh.reshape(-1, dh.shape[-1]).to(g.dtype))
-        st.flush(0, acc)
+        G.flush(self.units.embed, acc, k)
 
 
 def _shape_of(lora):

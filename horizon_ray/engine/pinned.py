@@ -60,3 +60,24 @@ def _unregister_all(pointers: list[int]) -> None:
     for ptr in pointers:
         torch.cuda.cudart().cudaHostUnregister(ptr)
     pointers.clear()
+
+
+class HostBuffers:
+    """Pinned host buffers reused step after step under a key (pinning costs far more than the copy)."""
+
+    def __init__(self, pool: PinnedPool):
+        self.pool = pool
+        self._bufs: dict = {}
+
+    def get(self, key, shape, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape != tuple(shape) or buf.dtype != dtype:
+            if buf is not None:
+                self.pool.free(buf)
+            buf = self.pool.empty(tuple(shape), dtype)
+            self._bufs[key] = buf
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._bufs.values())

@@ -42,7 +42,7 @@ def test_optimizer_one_pass_equals_three_passes():
         u = store.units[0]
         u.master.copy_(torch.linspace(-1, 1, n))
         store.refresh_wire(u)
-        opt = HostAdamW(store, HP["betas"], HP["eps"], HP["weight_decay"], on_updated=lambda i: None)
+        opt = HostAdamW(store, HP["betas"], HP["eps"], HP["weight_decay"])
         opt.one_pass = one_pass
         for step in range(3):
             u.grad.copy_(torch.sin(torch.arange(n) * (step + 1.0)) * 0.01)

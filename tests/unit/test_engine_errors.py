@@ -107,8 +107,8 @@ def test_non_finite_gradient_skips_the_update_and_restores_the_wire(model_dir, m
     eng = Engine.from_pretrained(model_dir, EngineConfig(compute_dtype="bfloat16"))
     assert eng.store.grad_is_wire
     before = [u.master.clone() for u in eng.store.units]
-    real = eng.streamer.finish_backward
-    monkeypatch.setattr(eng.streamer, "finish_backward", lambda: real() * float("inf"))
+    real = eng._grad_sink.finish
+    monkeypatch.setattr(eng._grad_sink, "finish", lambda: real() * float("inf"))
     ids = torch.randint(0, V, (2, 8))
     with pytest.raises(FloatingPointError, match="update was skipped"):
         eng.train_step([(ids, ids)])
@@ -116,7 +116,7 @@ def test_non_finite_gradient_skips_the_update_and_restores_the_wire(model_dir, m
     for u, m in zip(eng.store.units, before):
         assert torch.equal(u.master, m)
         assert torch.equal(u.wire, m.to(torch.bfloat16))
-    monkeypatch.setattr(eng.streamer, "finish_backward", real)
+    monkeypatch.setattr(eng._grad_sink, "finish", real)
     fresh = Engine.from_pretrained(model_dir, EngineConfig(compute_dtype="bfloat16"))
     assert eng.train_step([(ids, ids)]) == fresh.train_step([(ids, ids)])
 
@@ -135,14 +135,14 @@ def test_a_step_failing_while_the_last_update_runs_leaves_that_update_whole(mode
     ref.close()
 
     eng = Engine.from_pretrained(model_dir, cfg)
-    update = eng.optimizer.update
+    update = eng._optimizer.update
 
-    def slow(unit, lr, coef):  # the head and the top layer are updated late
+    def slow(unit, lr, coef, k=0):  # the head and the top layer are updated late
         if eng.store.units.index(unit) >= 2:
             time.sleep(0.3)
         update(unit, lr, coef)
 
-    monkeypatch.setattr(eng.optimizer, "update", slow)
+    monkeypatch.setattr(eng._optimizer, "update", slow)
     eng.train_step(b1)
 
     def oom(*args, **kwargs):
@@ -160,15 +160,15 @@ def test_a_step_failing_while_the_last_update_runs_leaves_that_update_whole(mode
 def test_an_update_that_failed_partway_refuses_every_later_step(model_dir, monkeypatch):
     """Some units updated, others not: no later step may train on that state, and close() still frees it."""
     eng = Engine.from_pretrained(model_dir, EngineConfig(compute_dtype="float32"))
-    update, calls = eng.optimizer.update, [0]
+    update, calls = eng._optimizer.update, [0]
 
-    def failing(unit, lr, coef):
+    def failing(unit, lr, coef, k=0):
         calls[0] += 1
         if calls[0] == 2:
             raise MemoryError("simulated failure in the second unit's update")
-        update(unit, lr, coef)
+        update(unit, lr, coef, k)
 
-    monkeypatch.setattr(eng.optimizer, "update", failing)
+    monkeypatch.setattr(eng._optimizer, "update", failing)
     ids = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(0))
     eng.train_step([(ids, ids)])  # the update runs in the background and fails there
     for _ in range(2):
@@ -177,4 +177,4 @@ def test_an_update_that_failed_partway_refuses_every_later_step(model_dir, monke
         assert isinstance(err.value.__cause__, MemoryError)
     with pytest.raises(RuntimeError, match="inconsistent"):
         eng.close()
-    assert eng.optimizer._worker is None  # the worker is stopped all the same
+    assert eng._optimizer._worker is None  # the worker is stopped all the same

@@ -347,7 +347,7 @@ def test_adapters_keep_no_fp32_copy_of_their_input():
         eng = Engine.from_config(config, EngineConfig(device="cpu", compute_dtype="bfloat16", lora=lora))
         ids = torch.randint(0, 100, (4, 64), generator=torch.Generator().manual_seed(0))
         mbs, _ = eng._prepare([(ids, ids)])
-        w = eng.streamer.weights(1)
+        w = eng._weights.weights(1, 0)
         leaves = {k: v.detach().requires_grad_() for k, v in w.items() if "lora" in k}
         weights = {t.untyped_storage().data_ptr() for t in [*w.values(), *leaves.values()]}
         kept = {}

@@ -1,0 +1,188 @@
+"""The gradient side of a step: accumulators on the device, the copies to the host, the global norm.
+
+Each trained unit's gradient is summed over the micro-batches into an fp32 accumulator (the projections'
+backward adds into it directly, kernels.py), counted into the squared global norm, and leaves once a step
+for the unit's host gradient buffer. Then the ``grads`` fence is marked for the unit, with the event that
+says the copy landed and the partial norm so far (what the speculative update reads).
+
+On CUDA (``DeviceGrads``) the copies run on their own stream: layers cast to the compute dtype through two
+layer-sized staging buffers (so a layer's accumulator is free for the next layer at once), the embedding and
+head through the same staging piece by piece. LoRA's adapter gradients accumulate in one of two pooled fp32
+buffers of the largest adapter's size, so device memory does not grow with the layer count.
+On the CPU (``HostGrads``) an fp32 host gradient buffer is its own accumulator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from horizon_ray.engine.fence import Fence
+from horizon_ray.engine.pinned import HostBuffers
+from horizon_ray.engine.store import HostStore
+from horizon_ray.engine.units import Units
+
+
+class HostGrads:
+    def __init__(self, store: HostStore, units: Units, grads: Fence, device: torch.device):
+        self.store = store
+        self.units = units
+        self.grads = grads  # marked when a trained unit's gradient of the step is on the host
+        self.norm_sq = torch.zeros((), dtype=torch.float32, device=device)  # squared grad norm of the step
+
+    def accumulator(self, u: int, k: int) -> torch.Tensor:
+        """A zeroed fp32 flat buffer for unit u's gradient of step k."""
+        unit = self.store.units[u]
+        g = unit.grad_of(k)
+        return g.zero_() if g.dtype == torch.float32 else torch.zeros(unit.layout.numel)
+
+    def flush(self, u: int, acc: torch.Tensor, k: int) -> None:
+        """Unit u's gradient is complete in acc: count it in the norm and send it to the host."""
+        self.norm_sq += torch.linalg.vector_norm(acc).square()
+        g = self.store.units[u].grad_of(k)
+        if acc.data_ptr() != g.data_ptr():
+            g.copy_(acc)
+        self.grads.mark(u, (None, self.norm_sq.clone()))
+
+    def adapter_grads(self, a: int, k: int) -> dict[str, torch.Tensor]:
+        """Zeroed fp32 views for adapter a's gradient (LoRA)."""
+        adapter = self.store.adapters[a]
+        return adapter.layout.views(adapter.grad_of(k).zero_())
+
+    def flush_adapter(self, a: int, k: int) -> None:
+        self.norm_sq += torch.linalg.vector_norm(self.store.adapters[a].grad_of(k)).square()
+        self.grads.mark(a, (None, self.norm_sq.clone()))
+
+    def finish(self) -> float:
+        """Every gradient of the step is on the host: the global gradient norm (the step's one host sync)."""
+        norm = float(self.norm_sq.sqrt())
+        self.norm_sq.zero_()
+        return norm
+
+    def reset(self) -> None:
+        self.norm_sq.zero_()
+
+    def device_bytes(self) -> dict[str, int]:
+        return {}
+
+
+class DeviceGrads(HostGrads):
+    def __init__(self, store: HostStore, units: Units, grads: Fence, device: torch.device, buffers: HostBuffers,
+                 d2h: torch.cuda.Stream):
+        super().__init__(store, units, grads, device)
+        self.compute = torch.cuda.current_stream(device)
+        self.d2h = d2h
+        self._acc: dict = {}
+        self._stage = None
+        # the partial norm after each trained unit, copied to the host behind its gradient
+        self._partial = buffers.get("partial_norms", (len(store.trained),), torch.float32)
+        if store.frozen:
+            max_adapter = max((a.layout.numel for a in store.adapters), default=1)
+            self._adapter_pool = [torch.empty(max_adapter, device=device) for _ in range(2)]
+            self._adapter_free: list = [None, None]  # event: the pool buffer's D2H finished
+            self._adapter_held: dict[int, int] = {}  # adapter -> pool buffer its gradient accumulates in
+            self._adapter_next = 0
+            return
+        units_ = store.units
+        dtype = store.compute_dtype
+        max_layer = max((u.layout.numel for u in units_[1:-1]), default=1)
+        big = max(units_[0].layout.numel, units_[-1].layout.numel)
+        # with a narrower compute dtype a layer's gradient is cast into a staging buffer right away, which
+        # frees its accumulator for the next layer at once: one suffices. In fp32 two alternate.
+        staged = dtype != torch.float32
+        layer_acc = torch.empty(max_layer, device=device)
+        self._acc = {0: layer_acc, 1: layer_acc if staged else torch.empty(max_layer, device=device)}
+        tied = all(t.key != "lm_head" for t in units_[-1].layout.tensors)
+        if tied:
+            self._acc["embed"] = torch.empty(units_[0].layout.numel, device=device)
+            self._acc["head"] = torch.empty(units_[-1].layout.numel, device=device)
+        else:  # untied embedding and head share one: their gradients are never live together
+            self._acc["embed"] = self._acc["head"] = torch.empty(big, device=device)
+        self._acc_free = {id(b): None for b in self._acc.values()}  # buffer -> event: its D2H finished
+        if staged:  # a layer's gradient is cast before it leaves; two casts in flight
+            self._stage = [torch.empty(max_layer, dtype=dtype, device=device) for _ in range(2)]
+            self._stage_free = [None, None]
+            self._stage_next = 0
+
+    def _acc_key(self, u: int):
+        return "embed" if u == self.units.embed else "head" if u == self.units.head else (u - 1) % 2
+
+    def accumulator(self, u: int, k: int) -> torch.Tensor:
+        buf = self._acc[self._acc_key(u)]
+        free = self._acc_free[id(buf)]
+        if free is not None:
+            # the buffer's previous gradient must have left for the host before it is overwritten
+            self.compute.wait_event(free)
+        return buf[:self.store.units[u].layout.numel].zero_()
+
+    def flush(self, u: int, acc: torch.Tensor, k: int) -> None:
+        host = self.store.units[u].grad_of(k)
+        self.norm_sq += torch.linalg.vector_norm(acc).square()
+        if self._stage is None:
+            self._acc_free[id(self._acc[self._acc_key(u)])] = self._d2h(host, acc)
+        else:
+            # narrowed piece by piece through the two layer-sized staging buffers, so that the vocab-sized
+            # units need no cast buffer of their own; the casts run on the compute stream, so the
+            # accumulator is free for the next unit already
+            size = self._stage[0].numel()
+            for lo in range(0, acc.numel(), size):
+                hi = min(lo + size, acc.numel())
+                i = self._stage_next
+                self._stage_next ^= 1
+                if self._stage_free[i] is not None:
+                    self.compute.wait_event(self._stage_free[i])  # staging buffer drained by its last D2H
+                piece = self._stage[i][: hi - lo]
+                piece.copy_(acc[lo:hi])
+                self._stage_free[i] = self._d2h(host[lo:hi], piece)
+        self._mark(u)
+
+    def adapter_grads(self, a: int, k: int) -> dict[str, torch.Tensor]:
+        i = self._adapter_next
+        self._adapter_next ^= 1
+        if self._adapter_free[i] is not None:
+            # the pool buffer's previous gradient must have left for the host before it is overwritten
+            self.compute.wait_event(self._adapter_free[i])
+        self._adapter_held[a] = i
+        adapter = self.store.adapters[a]
+        return adapter.layout.views(self._adapter_pool[i][:adapter.layout.numel].zero_())
+
+    def flush_adapter(self, a: int, k: int) -> None:
+        adapter = self.store.adapters[a]
+        i = self._adapter_held.pop(a)
+        grad = self._adapter_pool[i][:adapter.layout.numel]
+        self.norm_sq += torch.linalg.vector_norm(grad).square()
+        self._adapter_free[i] = self._d2h(adapter.grad_of(k), grad)
+        self._mark(a)
+
+    def _mark(self, t: int) -> None:
+        """Trained unit t's gradient is queued for the host: send the partial norm behind it, mark the fence."""
+        ev = self._d2h(self._partial[t], self.norm_sq)
+        self.grads.mark(t, (ev, self._partial[t]))
+
+    def _d2h(self, host: torch.Tensor, dev: torch.Tensor) -> torch.cuda.Event:
+        produced = torch.cuda.Event()
+        produced.record(self.compute)
+        with torch.cuda.stream(self.d2h):
+            # the gradient is final only once the compute stream has finished writing it
+            self.d2h.wait_event(produced)
+            host.copy_(dev, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.d2h)
+        return done
+
+    def finish(self) -> float:
+        norm = float(self.norm_sq.sqrt())
+        self.d2h.synchronize()
+        self.norm_sq.zero_()
+        return norm
+
+    def reset(self) -> None:
+        torch.cuda.synchronize(self.norm_sq.device)
+        self.norm_sq.zero_()
+
+    def device_bytes(self) -> dict[str, int]:
+        out = {"grad_accumulators": sum({id(b): b.nbytes for b in self._acc.values()}.values())}
+        if self._stage is not None:
+            out["grad_staging"] = sum(b.nbytes for b in self._stage)
+        if self.store.frozen:
+            out["adapter_grads"] = sum(b.nbytes for b in self._adapter_pool)
+        return out
