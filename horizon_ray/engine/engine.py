@@ -49,11 +49,14 @@ from horizon_ray.engine.units import Units
 
 # from_config draws its random matrices in chunks of this many elements, in parallel
 _INIT_CHUNK = 1 << 22
+# how many updates behind the weights a step reads may be, by update mode
+_LAG = {"exact": 0, "speculative": 0, "delayed": 1}
 
 
 @dataclass(frozen=True)
 class EngineStats:
-    """What a benchmark or a job reports about the engine, read between steps."""
+    """What a benchmark or a job reports about the engine, read between steps without waiting: the update
+    fields describe the updates that have finished (``synchronize()`` first for the last step's)."""
 
     step: int  # optimizer steps done
     update: str  # "exact" | "delayed" | "speculative"
@@ -85,10 +88,7 @@ class Engine:
         cuda = self.device.type == "cuda"
         adapters = lora_io.adapter_layouts(model, cfg.lora) if cfg.lora is not None else None
         n_trained = len(adapters) if adapters is not None else self.units.count
-        # speculative: the units updated during the backward, head first; never the embedding (its gradient
-        # comes last, when the norm is known anyway)
-        self._spec_order = self.units.backward_order(n_trained)[:-1][:cfg.speculate_units] \
-            if cfg.update == "speculative" else []
+        self._spec_order = self._speculation_order(cfg.update, cfg.speculate_units, n_trained)
         self.store = HostStore(unit_layouts(model), cfg.dtype, cfg.master_dtype, pin=cuda, adapter_layouts=adapters,
                                wires=2 if cfg.update == "delayed" else 1, own_grads=frozenset(self._spec_order))
         if cfg.lora is not None:
@@ -99,7 +99,7 @@ class Engine:
         self._optimizer = HostAdamW(self.store, cfg.betas, cfg.eps, cfg.weight_decay, self._updates, self._grads,
                                     threads=threads)
         offload = cfg.offload_checkpoints if cfg.offload_checkpoints != "auto" else cuda
-        lag = 1 if cfg.update == "delayed" else 0
+        lag = _LAG[cfg.update]
         self._buffers = HostBuffers(self.store.pool)
         if cuda:
             h2d, d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
@@ -303,6 +303,20 @@ class Engine:
         self._steps = int(self.store.trained[0].step)
         self._restart_fences()
 
+    def set_update(self, update: str, speculate_units: int | None = None) -> None:
+        """Switch the update mode between steps (benchmarks run every mode on one model): waits for the pending
+        update, then adds or frees the host buffers the new mode keeps (store.py)."""
+        replace(self.cfg, update=update, speculate_units=speculate_units).validate()
+        self._optimizer.wait_all()
+        self._sync_device()  # no copy may still read a buffer about to be freed
+        self._spec_order = self._speculation_order(update, speculate_units, len(self.store.trained))
+        if self.lora is None:
+            self.store.relayout(2 if update == "delayed" else 1, frozenset(self._spec_order))
+        self.update_mode = update
+        self.cfg = replace(self.cfg, update=update, speculate_units=speculate_units)
+        self._weights.lag = _LAG[update]
+        self._restart_fences()
+
     def synchronize(self) -> None:
         """Wait until the last step's update is on the host (the weights, moments and wires are final)."""
         self._optimizer.wait_all()
@@ -327,6 +341,13 @@ class Engine:
             self.store.pool.close()
 
     # ---- the step's parts ----------------------------------------------------------------------------
+
+    def _speculation_order(self, update: str, limit: int | None, n_trained: int) -> list[int]:
+        """The units the speculative update may update during the backward, head first; never the embedding
+        (its gradient comes last, when the norm is known anyway)."""
+        if update != "speculative":
+            return []
+        return self.units.backward_order(n_trained)[:-1][:limit]
 
     def _max_norm(self) -> float:
         return self.cfg.max_grad_norm if self.cfg.clipping else math.inf

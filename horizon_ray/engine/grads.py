@@ -32,8 +32,10 @@ class HostGrads:
     def accumulator(self, u: int, k: int) -> torch.Tensor:
         """A zeroed fp32 flat buffer for unit u's gradient of step k."""
         unit = self.store.units[u]
-        g = unit.grad_of(k)
-        return g.zero_() if g.dtype == torch.float32 else torch.zeros(unit.layout.numel)
+        if unit.grad_own is not None and unit.grad_own.dtype == torch.float32:
+            return unit.grad_own.zero_()
+        # the gradient lands in the wire the step is still reading (or is narrower): accumulate apart
+        return torch.zeros(unit.layout.numel)
 
     def flush(self, u: int, acc: torch.Tensor, k: int) -> None:
         """Unit u's gradient is complete in acc: count it in the norm and send it to the host."""

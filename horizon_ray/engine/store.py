@@ -130,6 +130,26 @@ class HostStore:
     def trainable_params(self) -> int:
         return sum(u.layout.numel for u in self.trained)
 
+    def relayout(self, wires: int, own_grads: frozenset[int]) -> None:
+        """Change the buffers of the trained units to those of another update mode (see __init__), keeping
+        the weights: wires are added from the master or freed, gradient buffers added or freed."""
+        assert not self.frozen, "LoRA keeps one layout"
+        for u, unit in enumerate(self.units):
+            if unit.wires[0] is unit.master:  # the master is the wire: one wire and an own gradient, always
+                continue
+            while len(unit.wires) < wires:
+                w = self.pool.empty(unit.layout.numel, self.compute_dtype)
+                w.copy_(unit.master)
+                unit.wires.append(w)
+            while len(unit.wires) > wires:
+                self.pool.free(unit.wires.pop())
+            unit.wire_ids = [i + 1 for i in unit.wire_ids]  # every device copy is stale
+            if u in own_grads and unit.grad_own is None:
+                unit.grad_own = self.pool.empty(unit.layout.numel, self.compute_dtype, zero=True)
+            elif u not in own_grads and unit.grad_own is not None:
+                self.pool.free(unit.grad_own)
+                unit.grad_own = None
+
     @property
     def grad_is_wire(self) -> bool:
         """Some trained unit's gradient lands in its wire (a failed step must rebuild the wires)."""
