@@ -50,7 +50,11 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
     shape = resolve_shape(args.shape, args.layers)
     device, dtype = device_and_dtype(args)
     updates = parse_updates(args.update)
-    switchable = _check_update_api(updates)
+    missing = missing_update_api(Engine, EngineConfig)
+    if missing and updates != ["exact"]:
+        raise ValueError(f"--update {','.join(updates)} needs an engine with {' and '.join(missing)}; this engine "
+                         "has only the exact update: run --update exact")
+    switchable = not missing
     t0 = time.perf_counter()
     rss0 = host_rss()
     lora = None
@@ -113,16 +117,12 @@ def _switch_and_measure(eng: Engine, rec: dict, batches, args, rss0: int, switch
         free_memory()
 
 
-def _check_update_api(updates: list[str]) -> bool:
-    """Whether this engine switches update modes (``EngineConfig.update`` and ``Engine.set_update``). An
-    engine without them runs the exact update only: asking it for another mode is an error that says so."""
-    missing = [name for name, present in (
-        ("EngineConfig.update", "update" in {f.name for f in dataclasses.fields(EngineConfig)}),
-        ("Engine.set_update", hasattr(Engine, "set_update"))) if not present]
-    if missing and updates != ["exact"]:
-        raise ValueError(f"--update {','.join(updates)} needs an engine with {' and '.join(missing)}; this engine "
-                         "has only the exact update: run --update exact")
-    return not missing
+def missing_update_api(engine_cls, config_cls) -> list[str]:
+    """What an engine lacks of the update-mode API (``EngineConfig.update``, ``Engine.set_update``); an engine
+    without it runs the exact update only."""
+    have = {"EngineConfig.update": "update" in {f.name for f in dataclasses.fields(config_cls)},
+            "Engine.set_update": hasattr(engine_cls, "set_update")}
+    return [name for name, present in have.items() if not present]
 
 
 def engine_stats(eng) -> tuple[float, float, int]:

@@ -59,14 +59,20 @@ def apply_liger(shape) -> str:
     return version("liger-kernel")
 
 
-def peft_lora(model, rank: int, alpha: float, targets: tuple[str, ...]):
-    """The model wrapped by PEFT with LoRA adapters (dropout 0, no bias) on ``targets`` of every layer, the
-    base frozen in its dtype and the adapters in fp32. Call it after enabling checkpointing. Raises
-    Unavailable when PEFT cannot be imported."""
+def require_peft() -> str:
+    """PEFT's version; Unavailable when it cannot be imported (asked before a model is built)."""
     try:
-        from peft import LoraConfig, get_peft_model
+        import peft  # noqa: F401
     except ImportError as exc:
         raise Unavailable(f"peft is not importable ({error_reason(exc)})") from exc
+    return version("peft")
+
+
+def peft_lora(model, rank: int, alpha: float, targets: tuple[str, ...]):
+    """The model wrapped by PEFT with LoRA adapters (dropout 0, no bias) on ``targets`` of every layer, the
+    base frozen in its dtype and the adapters in fp32. Call it after enabling checkpointing."""
+    from peft import LoraConfig, get_peft_model
+
     # with checkpointing, the embedding's output must require a gradient for the adapters' to flow back
     # through a checkpointed layer whose weights are all frozen
     model.enable_input_require_grads()

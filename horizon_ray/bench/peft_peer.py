@@ -33,7 +33,9 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
         raise Unavailable(why)
     lora = lora_settings(args, "lora")
     lora.validate()
-    extra = {"liger": hf.apply_liger(shape)} if args.system in LIGER else {}
+    extra = {"peft": hf.require_peft()}
+    if args.system in LIGER:
+        extra["liger"] = hf.apply_liger(shape)
     device = torch.device(dev)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -47,7 +49,7 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = hf.FallbackAdamW(params)
     sync(device)
-    extra.update(init_s=round(time.perf_counter() - t0, 1), peft=hf.version("peft"), lora_r=lora.rank,
+    extra.update(init_s=round(time.perf_counter() - t0, 1), lora_r=lora.rank,
                  lora_alpha=lora_alpha(lora.rank), lora_targets=list(lora.targets))
     compute = getattr(torch, dtype)
     return hf.measure(args.system, shape, model, opt, args, emit, device=device, dtype=dtype, mode="lora",

@@ -97,10 +97,11 @@ def test_split_from_trace_counts_only_copies_not_under_compute():
 # ---- records, ratios, files ----------------------------------------------------------------------------------
 
 
-def _run(system, tps, tokens=16384, status="ok", run_id="r1", date="2026-11-29", **kw):
-    rec = base_record(system, TINY, mode="exact", dtype="bfloat16", device="cuda", device_name="NVIDIA H200",
+def _run(system, tps, tokens=16384, status="ok", run_id="r1", date="2026-11-29", mode="exact", **kw):
+    rec = base_record(system, TINY, mode=mode, dtype="bfloat16", device="cuda", device_name="NVIDIA H200",
                       seq=1024, micro=tokens // 1024, accum=1, checkpoint_every=1, gpu_budget_bytes=None,
-                      flops_per_token=model_flops_per_token(TINY, 1024))
+                      flops_per_token=model_flops_per_token(TINY, 1024),
+                      update=kw.pop("update", "exact" if system == "horizon-ray" else None))
     rec.update(status=status, tokens_per_s=tps, step_s=tokens / tps if tps else None, date=date,
                box="h200", commit="abc1234", run_id=run_id, command="python -m horizon_ray.bench --shape tiny", **kw)
     return rec
@@ -197,12 +198,14 @@ def test_the_h200_7b_record():
 # ---- the parent and its children ----------------------------------------------------------------------------
 
 
-def test_parse_output_keeps_the_last_record_of_each_accumulation():
+def test_parse_output_keeps_the_last_record_of_each_accumulation_and_update():
     first = {"accum": 1, "tokens_per_s": 1.0}
+    delayed = {"accum": 1, "update": "delayed", "tokens_per_s": 2.0}
     lines = ["noise", "RESULT " + json.dumps(first), "RESULT " + json.dumps({**first, "gpu_compute_s": 0.5}),
+             "RESULT " + json.dumps(delayed),
              "FAILED " + json.dumps({"status": "did-not-fit", "reason": "OutOfMemoryError: x"})]
     records, failed = parse_output(lines)
-    assert records == {1: {"accum": 1, "tokens_per_s": 1.0, "gpu_compute_s": 0.5}}
+    assert records == {(1, None): {"accum": 1, "tokens_per_s": 1.0, "gpu_compute_s": 0.5}, (1, "delayed"): delayed}
     assert failed["status"] == "did-not-fit"
 
 
