@@ -12,7 +12,7 @@ import os
 import resource
 import statistics
 
-# bf16 dense matmul rate of the H200 box (ceilings.md), and the datasheet's.
+# bf16 dense matmul rate measured on the H200 box, and the datasheet's.
 MEASURED_BF16_FLOPS = 786.5e12
 DATASHEET_BF16_FLOPS = 989.5e12
 
