@@ -182,11 +182,10 @@ def child_argv(system: str, shape: str, args, device: str, dtype: str, mode: str
             "--loss-chunk", str(args.loss_chunk), "--warmup", str(args.warmup), "--steps", str(args.steps)]
     if system == "horizon-ray":
         argv += ["--mode", mode, "--offload", offload, "--update", ",".join(parse_updates(args.update))]
-    if (system == "horizon-ray" and mode == "lora") or system in PEFT:
-        argv += ["--lora-r", str(args.lora_r), "--lora-targets", args.lora_targets]
-    if system == "horizon-ray":
         if args.gpu_budget_gib:
             argv += ["--gpu-budget-gib", f"{args.gpu_budget_gib:g}"]
+    if mode == "lora" or system in PEFT:  # the same adapters for horizon-ray's LoRA and the PEFT peers
+        argv += ["--lora-r", str(args.lora_r), "--lora-targets", args.lora_targets]
     if system == "fsdp2-offload":
         if args.fsdp_gpu_budget_gib:
             argv += ["--fsdp-gpu-budget-gib", f"{args.fsdp_gpu_budget_gib:g}"]
@@ -263,25 +262,25 @@ def _accums(args) -> list[int]:
 
 def _updates(system: str, args) -> list[str | None]:
     """The update modes a system's child runs: each of --update for horizon-ray, none for a peer."""
-    return list(parse_updates(args.update)) if system == "horizon-ray" else [None]
+    return parse_updates(args.update) if system == "horizon-ray" else [None]
 
 
 def _placeholders(system, shape_name, args, device, dtype, mode, offload, status, reason,
                   accums: list[int] | None = None, updates: list[str | None] | None = None) -> list[dict]:
     """Records of runs that did not produce one: same keys, nothing measured, status and reason."""
     shape = resolve_shape(shape_name)
+    budget = None
+    if system == "horizon-ray" and args.gpu_budget_gib:
+        budget = int(args.gpu_budget_gib * 2**30)
+    elif system == "fsdp2-offload" and args.fsdp_gpu_budget_gib:
+        budget = int(args.fsdp_gpu_budget_gib * 2**30)
+    if system in PEFT:
+        mode = "lora"
+    elif system != "horizon-ray":  # the peers' precision: what they keep their weights and AdamW state in
+        mode = "exact" if system == "fsdp2-offload" or dtype != "bfloat16" else "bf16-state"
+    lora = lora_settings(args, mode)
     out = []
     for accum, update in [(a, u) for a in accums or _accums(args) for u in updates or _updates(system, args)]:
-        budget = None
-        if system == "horizon-ray" and args.gpu_budget_gib:
-            budget = int(args.gpu_budget_gib * 2**30)
-        elif system == "fsdp2-offload" and args.fsdp_gpu_budget_gib:
-            budget = int(args.fsdp_gpu_budget_gib * 2**30)
-        if system in PEFT:
-            mode = "lora"
-        elif system != "horizon-ray":
-            mode = "exact" if system == "fsdp2-offload" or dtype != "bfloat16" else "bf16-state"
-        lora = lora_settings(args, mode)
         rec = base_record(system, shape, mode=mode, dtype=dtype, device=device.split(":")[0],
                           device_name="", seq=args.seq, micro=args.micro, accum=accum,
                           checkpoint_every=args.checkpoint_every, gpu_budget_bytes=budget,
