@@ -86,7 +86,8 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
                                      lora=planned_lora))
             largest = rss_plan(rec, largest)
             rec.update(init_s=round(init_s, 1), params=eng.num_params,
-                       offload_resolved=bool(eng.streamer.offload))  # where checkpoints lived: host or device
+                       offload_resolved=bool(eng.streamer.offload),  # where checkpoints lived: host or device
+                       kernels=eng.template.ops.name)  # the layer template's kernels: torch or liger
             if lora is not None:
                 rec.update(lora_r=lora.r, lora_alpha=lora.alpha, lora_targets=list(lora.targets))
             _switch_and_measure(eng, rec, batches, args, rss0, switchable)

@@ -200,6 +200,8 @@ def _bound(r: dict, base: dict | None) -> str:
                          f"({overlap})")
             if exp >= 0.25 * step:
                 bound = "the host optimizer"
+            if r.get("kernels"):
+                parts.append(f"the layer template ran {r['kernels']} kernels")
             if r.get("rollbacks"):
                 parts.append(f"{r['rollbacks']} speculative updates were rolled back in the timed steps")
             if base and base.get("step_s"):

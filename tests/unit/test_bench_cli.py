@@ -48,6 +48,7 @@ def test_bench_cli_on_the_tiny_shape_on_cpu(tmp_path):
     hr = [r for r in runs if r["system"] == "horizon-ray"]
     assert all(r["planned_host_bytes"] > 0 and r["exposed_optimizer_s"] is not None for r in hr)
     assert [r["update"] for r in hr] == ["exact", "exact"] and all(r["rollbacks"] == 0 for r in hr)
+    assert all(r["kernels"] == "torch" for r in hr)  # the engine's fused kernels are CUDA-only
     assert all(r["planned_host_bytes"] is None and r["update"] is None for r in runs if r["system"] != "horizon-ray")
     skipped = [r for r in runs if r["system"] == "in-gpu-liger"]
     assert all(r["status"] == "skipped" and "GPU" in r["reason"] and r["ratio"] is None for r in skipped)

@@ -316,6 +316,7 @@ class _UpdateEngine:
         self.device = torch.device("cpu")
         self.trainable_params = self.num_params = TINY.num_params
         self.streamer = type("S", (), {"offload": False, "host_checkpoint_bytes": lambda self: 0})()
+        self.template = type("T", (), {"ops": type("K", (), {"name": "torch"})()})()
         self._stats = _Stats()
         self.log.append(("built", cfg.update))
 
