@@ -73,11 +73,12 @@ def peft_lora(model, rank: int, alpha: float, targets: tuple[str, ...]):
     base frozen in its dtype and the adapters in fp32. Call it after enabling checkpointing."""
     from peft import LoraConfig, get_peft_model
 
-    # with checkpointing, the embedding's output must require a gradient for the adapters' to flow back
-    # through a checkpointed layer whose weights are all frozen
+    # with checkpointing, the embedding's output must require a gradient for the adapters' gradients to flow
+    # back through a checkpointed layer whose own weights are all frozen
     model.enable_input_require_grads()
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
                                              target_modules=list(targets), task_type="CAUSAL_LM"))
+    # fp32 adapters whatever the base's dtype (PEFT upcasts bf16 adapters by default; this does not rely on it)
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
