@@ -2,7 +2,7 @@
 
 For runs made before the suite wrote result files itself: the engine's ``RESULT`` lines (one JSON object
 per line, ``python -m horizon_ray.bench --system horizon-ray ... --out bench.jsonl``) and the reference
-in-GPU baseline's ``gpu_baseline_<size>.json`` (shared/bench/gpu_baseline.py), measured in the same device
+in-GPU baseline's ``gpu_baseline_<size>.json`` (a plain HF script run on the box), measured in the same device
 call. Systems that did not run are recorded ``not-run`` with the reason given.
 
     .venv/bin/python benchmarks/import_raw.py --engine .ref/device_runs/run8/bench.jsonl \\

@@ -6,15 +6,17 @@ import argparse
 import os
 import sys
 
-from horizon_ray.bench.metrics import SYSTEMS
+from horizon_ray.bench.metrics import SYSTEMS, UPDATE_MODES, parse_updates
 from horizon_ray.bench.shapes import SHAPES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     what = p.add_argument_group("what to run")
     what.add_argument("--systems", default=None,
-                      help=f"comma list of {', '.join(SYSTEMS)}, each in its own process (default: all three; "
-                           "with --find-largest: fsdp2-offload,in-gpu-baseline)")
+                      help=f"comma list of {', '.join(SYSTEMS)}, each in its own process (default: horizon-ray "
+                           "and the in-GPU peers of its modes: in-gpu-baseline,in-gpu-liger for full fine-tuning, "
+                           "in-gpu-peft,in-gpu-peft-liger for --mode lora; fsdp2-offload only when named; with "
+                           "--find-largest: fsdp2-offload,in-gpu-baseline)")
     what.add_argument("--system", choices=SYSTEMS, default=None,
                       help="run one system in this process and print its RESULT lines (what the suite's "
                            "children run)")
@@ -43,9 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     job.add_argument("--mode", "--precision", dest="mode", default="exact",
                      help="horizon-ray's mode: exact, bf16-state or lora (frozen bf16 base, fp32 adapters); a "
                           "comma list runs each")
-    job.add_argument("--lora-r", type=int, default=16, help="with --mode lora: adapter rank")
+    job.add_argument("--update", default="exact",
+                     help=f"horizon-ray's host update: {', '.join(UPDATE_MODES)}; a comma list runs each in the same "
+                          "engine process, all of them at one accumulation before the next accumulation")
+    job.add_argument("--lora-r", type=int, default=16,
+                     help="with --mode lora and the PEFT peers: adapter rank (alpha is 2 r, dropout 0)")
     job.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-                     help="with --mode lora: comma list of projections that get adapters")
+                     help="with --mode lora and the PEFT peers: comma list of projections that get adapters")
     job.add_argument("--offload", default="auto",
                      help="horizon-ray's activation checkpoints on the host: auto, true, false; a comma list "
                           "runs each (auto: host on CUDA)")
@@ -99,6 +105,7 @@ def run(args) -> int:
     for name in ("seq", "micro", "warmup", "steps", "checkpoint_every", "loss_chunk"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}")
+    parse_updates(args.update)
     if args.report or args.merge:
         from horizon_ray.bench.report import merge_results, write_report
 

@@ -1,11 +1,19 @@
 """The horizon-ray system: the streaming engine on a random-init model, warm-up plus timed steps.
 
-One engine serves every accumulation of the list (building a 7B store and pinning it takes a minute),
-smallest first: the host buffers a step grows (offloaded checkpoints) stay resident for the later ones, so
+One engine serves every accumulation of ``--accum`` and every update mode of ``--update`` (building a 7B
+store and pinning it takes a minute of GPU time): accumulations smallest first, and at each accumulation
+every update mode in turn (``Engine.set_update`` lets the pending update finish before it switches).
+
+Why that order: the host buffers a step grows (offloaded checkpoints) stay resident for the later steps, so
 the host RSS after a step is compared with the plan of the largest step the process has run so far
-(``rss_plan_host_bytes``, ``rss_plan_tokens_per_step``), which smallest first makes its own.
+(``rss_plan_host_bytes``, ``rss_plan_tokens_per_step``). Smallest accumulation first makes that the step's
+own plan; modes inside an accumulation keep it so for every mode (the planner plans the same bytes for every
+update mode). Modes outside would run the second mode's small step after the first mode's large one, and
+compare it with the large step's plan.
+
 Each step is timed on the host around ``train_step``; the engine's optimizer runs in the background, so a
-step's time includes what it had to wait for the previous update (``exposed_optimizer_s``).
+step's time includes what it had to wait for the host update (``exposed_optimizer_s``, from
+``Engine.stats()``'s ``waited_s``).
 """
 
 from __future__ import annotations
@@ -24,9 +32,10 @@ from horizon_ray.bench.metrics import (
     host_peak_rss,
     host_rss,
     is_out_of_memory,
+    parse_updates,
     timed_summary,
 )
-from horizon_ray.bench.planning import lora_settings, planned_bytes
+from horizon_ray.bench.planning import lora_alpha, lora_settings, planned_bytes
 from horizon_ray.bench.runtime import cap_gpu_memory, device_and_dtype, device_name, free_memory, profile_step
 from horizon_ray.bench.shapes import hf_config, model_flops_per_token, resolve_shape
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig
@@ -35,19 +44,21 @@ OFFLOAD = {"auto": "auto", "true": True, "false": False}
 
 
 def run(args, emit: Callable[[dict], None]) -> list[dict]:
-    """Build the engine once, measure each accumulation of ``args.accum``; emit each record as it lands."""
+    """Build the engine once, measure each accumulation of ``args.accum`` in each update mode of
+    ``args.update``; emit each record as it lands."""
     shape = resolve_shape(args.shape, args.layers)
     device, dtype = device_and_dtype(args)
+    updates = parse_updates(args.update)
     t0 = time.perf_counter()
     rss0 = host_rss()
     lora = None
     planned_lora = lora_settings(args, args.mode)
     if planned_lora is not None:  # the base is frozen; only the adapters (exact fp32 AdamW) train
-        lora = LoraConfig(r=planned_lora.rank, alpha=2.0 * planned_lora.rank, targets=planned_lora.targets)
+        lora = LoraConfig(r=planned_lora.rank, alpha=lora_alpha(planned_lora.rank), targets=planned_lora.targets)
     eng = Engine.from_config(hf_config(shape), EngineConfig(
         lr=1e-5, weight_decay=0.01, max_grad_norm=1.0, checkpoint_every=args.checkpoint_every, device=device,
         compute_dtype=dtype, precision="exact" if lora else args.mode, loss_chunk_tokens=args.loss_chunk,
-        offload_checkpoints=OFFLOAD[args.offload], lora=lora))
+        offload_checkpoints=OFFLOAD[args.offload], lora=lora, update=updates[0]))
     init_s = time.perf_counter() - t0
     cuda = eng.device.type == "cuda"
     budget = int(args.gpu_budget_gib * 2**30) if args.gpu_budget_gib else None
@@ -55,33 +66,56 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
     results = []
     largest: dict | None = None  # the record of the largest plan run so far in this process
     for accum in accumulations(args.accum):
-        rec = base_record("horizon-ray", shape, mode=args.mode, dtype=dtype, device=eng.device.type,
-                          device_name=device_name(eng.device), seq=args.seq, micro=args.micro, accum=accum,
-                          checkpoint_every=args.checkpoint_every, gpu_budget_bytes=budget,
-                          offload_checkpoints=args.offload, flops_per_token=model_flops_per_token(shape, args.seq),
-                          trainable_params=eng.trainable_params)
-        rec.update(planned_bytes(shape, mode=args.mode, seq=args.seq, micro=args.micro, accum=accum,
-                                 checkpoint_every=args.checkpoint_every, dtype=dtype, device=eng.device.type,
-                                 gpu_budget_bytes=budget, loss_chunk=args.loss_chunk, offload=args.offload,
-                                 lora=planned_lora))
-        largest = rss_plan(rec, largest)
-        rec.update(init_s=round(init_s, 1), params=eng.num_params,
-                   offload_resolved=eng.offload_checkpoints)  # where checkpoints lived: host (True) or device
         batches = _batches(shape.vocab_size, args.micro, args.seq, accum)
-        try:
-            _measure(eng, rec, batches, args, rss0)
-        except Exception as exc:
-            if not is_out_of_memory(exc):
-                raise
-            rec.update(status="did-not-fit", reason=error_reason(exc), host_peak_rss_bytes=host_peak_rss())
-        if rec["status"] != "ok":  # outside the except: its traceback no longer pins the step's tensors
-            free_memory()
-        emit(rec)
-        results.append(rec)
-        if rec["status"] == "ok" and cuda and args.profile:
-            emit(_profiled(eng, rec, batches))
+        for update in updates:
+            rec = base_record("horizon-ray", shape, mode=args.mode, dtype=dtype, device=eng.device.type,
+                              device_name=device_name(eng.device), seq=args.seq, micro=args.micro, accum=accum,
+                              checkpoint_every=args.checkpoint_every, gpu_budget_bytes=budget,
+                              offload_checkpoints=args.offload,
+                              flops_per_token=model_flops_per_token(shape, args.seq),
+                              trainable_params=eng.trainable_params, update=update)
+            rec.update(planned_bytes(shape, mode=args.mode, seq=args.seq, micro=args.micro, accum=accum,
+                                     checkpoint_every=args.checkpoint_every, dtype=dtype, device=eng.device.type,
+                                     gpu_budget_bytes=budget, loss_chunk=args.loss_chunk, offload=args.offload,
+                                     lora=planned_lora))
+            largest = rss_plan(rec, largest)
+            rec.update(init_s=round(init_s, 1), params=eng.num_params,
+                       offload_resolved=eng.offload_checkpoints,  # where checkpoints lived: host or device
+                       kernels=eng.template.ops.name)  # the layer template's kernels: torch or liger
+            if lora is not None:
+                rec.update(lora_r=lora.r, lora_alpha=lora.alpha, lora_targets=list(lora.targets))
+            _switch_and_measure(eng, rec, batches, args, rss0)
+            emit(rec)
+            results.append(rec)
+            if rec["status"] == "ok" and cuda and args.profile:
+                emit(_profiled(eng, rec, batches))
     eng.close()
     return results
+
+
+def _switch_and_measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
+    """Switch to the record's update mode and measure it; a mode the engine refuses, or a step that runs out
+    of memory, is recorded and the next one still runs."""
+    try:
+        eng.set_update(rec["update"])
+    except ValueError as exc:  # a refusal (e.g. a mode these settings do not allow), before anything ran
+        rec.update(status="error", reason=error_reason(exc))
+        return
+    try:
+        _measure(eng, rec, batches, args, rss0)
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        rec.update(status="did-not-fit", reason=error_reason(exc), host_peak_rss_bytes=host_peak_rss())
+    if rec["status"] != "ok":  # outside the except: its traceback no longer pins the step's tensors
+        free_memory()
+
+
+def engine_stats(eng) -> tuple[float, float, int]:
+    """(waited_s, last_update_s, rollbacks) of ``Engine.stats()``: seconds the training thread has blocked on
+    the host update so far, wall time of the last finished update, speculative rollbacks so far."""
+    s = eng.stats()
+    return s.waited_s, s.last_update_s, s.rollbacks
 
 
 def accumulations(spec) -> list[int]:
@@ -113,24 +147,28 @@ def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
     times, waits, updates = [], [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    rollbacks0 = 0
     for step in range(args.warmup + args.steps):
         if cuda:
             torch.cuda.synchronize()
-        waited = eng.stats().waited_s
+        waited0, _, rollbacks = engine_stats(eng)
+        if step == args.warmup:
+            rollbacks0 = rollbacks
         s = time.perf_counter()
         eng.train_step(batches[step % 2])
         times.append(time.perf_counter() - s)
-        stats = eng.stats()
-        waits.append(stats.waited_s - waited)
-        updates.append(stats.last_update_s)
+        waited, last_update, rollbacks = engine_stats(eng)
+        waits.append(waited - waited0)
+        updates.append(last_update)
     # no wait for the last update here: a profiled step that follows must find it running, as any step does
     w = args.warmup
     mem = eng.memory_report()
     rec.update(timed_summary(times, w, rec["tokens_per_step"], rec["model_flops_per_token"]))
     rec.update(
-        exposed_optimizer_s=round(statistics.median(waits[w:]), 4),
-        # update_s is the last finished update; the step after the last timed one is still its own
-        optimizer_update_s=round(statistics.median(updates[w:]), 4),
+        exposed_optimizer_s=round(statistics.median(waits[w:] or waits), 4),
+        # the last full update when the step ended; the step after the last timed one is still its own
+        optimizer_update_s=round(statistics.median(updates[w:] or updates), 4),
+        rollbacks=rollbacks - rollbacks0,
         peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else 0,
         peak_gpu_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else 0,
         host_rss_bytes=host_rss(), host_rss_growth_bytes=host_rss() - rss0, host_peak_rss_bytes=host_peak_rss(),
@@ -144,9 +182,9 @@ def _profiled(eng: Engine, rec: dict, batches) -> dict:
     steps at once, so it waits for the previous update as they did (counted in gpu_idle_s)."""
     out = dict(rec)
     try:
-        waited = eng.stats().waited_s
+        waited0 = engine_stats(eng)[0]
         out.update(profile_step(lambda: eng.train_step(batches[0])))
-        out["profiled_exposed_optimizer_s"] = round(eng.stats().waited_s - waited, 4)
+        out["profiled_exposed_optimizer_s"] = round(engine_stats(eng)[0] - waited0, 4)
     except Exception as exc:  # the split is a bonus: a profiler failure must not lose the measured run
         out["split_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return out

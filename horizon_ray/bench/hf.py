@@ -1,16 +1,19 @@
-"""HF transformers pieces the two peers share: the model of a shape, activation checkpointing, random
-batches, the step and its measurement. Imported only by the peers' children."""
+"""HF transformers pieces the peers share: the model of a shape, Liger-Kernel and PEFT on it, activation
+checkpointing, random batches, the step and its measurement. Imported only by the peers' children."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import statistics
 import time
 from collections.abc import Callable
+from importlib import metadata
 
 import torch
 
 from horizon_ray.bench.metrics import (
+    Unavailable,
     base_record,
     error_reason,
     host_peak_rss,
@@ -39,6 +42,57 @@ def build_model(shape, dtype: torch.dtype):
     return AutoModelForCausalLM.from_config(transformers_config(shape), dtype=dtype, attn_implementation="sdpa")
 
 
+def apply_liger(shape) -> str:
+    """Liger-Kernel's kernels for the shape's family (RoPE, RMSNorm, SwiGLU, and the fused linear
+    cross-entropy that never materialises the logits), patched into transformers' classes: call it before
+    the model is built. Returns Liger-Kernel's version. Raises Unavailable when it cannot be imported."""
+    try:
+        import liger_kernel.transformers as liger
+    except ImportError as exc:
+        raise Unavailable(f"liger_kernel is not importable ({error_reason(exc)}); benchmarks/README.md says how "
+                          "to carry its wheel to the GPU box") from exc
+    name = f"apply_liger_kernel_to_{shape.arch}"
+    apply = getattr(liger, name, None)
+    if apply is None:
+        raise Unavailable(f"this Liger-Kernel has no {name} for the {shape.arch} family of {shape.name}")
+    apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+    return version("liger-kernel")
+
+
+def require_peft() -> str:
+    """PEFT's version; Unavailable when it cannot be imported (asked before a model is built)."""
+    try:
+        import peft  # noqa: F401
+    except ImportError as exc:
+        raise Unavailable(f"peft is not importable ({error_reason(exc)})") from exc
+    return version("peft")
+
+
+def peft_lora(model, rank: int, alpha: float, targets: tuple[str, ...]):
+    """The model wrapped by PEFT with LoRA adapters (dropout 0, no bias) on ``targets`` of every layer, the
+    base frozen in its dtype and the adapters in fp32. Call it after enabling checkpointing."""
+    from peft import LoraConfig, get_peft_model
+
+    # with checkpointing, the embedding's output must require a gradient for the adapters' gradients to flow
+    # back through a checkpointed layer whose own weights are all frozen
+    model.enable_input_require_grads()
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
+                                             target_modules=list(targets), task_type="CAUSAL_LM"))
+    # fp32 adapters whatever the base's dtype (PEFT upcasts bf16 adapters by default; this does not rely on it)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    return model
+
+
+def version(dist: str) -> str:
+    """The installed version of a distribution, or "unknown"."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def enable_checkpointing(model, every: int) -> int:
     """Activation checkpointing of the decoder layers, non-reentrant (what FSDP2 composes with). Newer
     transformers checkpoint every ``every``-th layer; older ones every layer. Returns the interval used."""
@@ -61,11 +115,14 @@ def random_batches(vocab: int, micro: int, seq: int, accum: int, device: torch.d
             for _ in range(2)]
 
 
-def forward_backward(model, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-    """Gradients of the step's mean loss (every micro-batch has as many tokens, so the mean of their means)."""
+def forward_backward(model, micro_batches: list[torch.Tensor], autocast: torch.dtype | None = None) -> torch.Tensor:
+    """Gradients of the step's mean loss (every micro-batch has as many tokens, so the mean of their means).
+    ``autocast``: run the forward under torch.autocast to this dtype (fp32 adapters on a bf16 base)."""
     total = None
     for ids in micro_batches:
-        loss = model(input_ids=ids, labels=ids).loss / len(micro_batches)
+        ctx = torch.autocast(ids.device.type, dtype=autocast) if autocast else contextlib.nullcontext()
+        with ctx:
+            loss = model(input_ids=ids, labels=ids).loss / len(micro_batches)
         loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
     return total
@@ -109,37 +166,42 @@ class FallbackAdamW:
         self.opt.zero_grad(set_to_none=set_to_none)
 
 
-def optimizer_step(model, opt, max_norm: float = 1.0) -> None:
+def optimizer_step(params: list[torch.Tensor], opt, max_norm: float = 1.0) -> None:
     """Global-norm clipping, the update, and the gradients freed, as the engine's step does."""
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
 def measure(system: str, shape, model, opt, args, emit: Callable[[dict], None], *, device: torch.device,
             dtype: str, mode: str, checkpoint_every: int, gpu_budget_bytes: int | None, extra: dict,
-            after: Callable[[], dict] | None = None) -> list[dict]:
+            after: Callable[[], dict] | None = None, params: list[torch.Tensor] | None = None,
+            autocast: torch.dtype | None = None) -> list[dict]:
     """Warm-up plus timed steps of each accumulation of ``args.accum``; one record each, emitted as it
     lands, then again with the time split of a profiled step (CUDA, ``--profile``).
 
     A step is timed on the host between device syncs; a sync between the backward and the update splits off
     the update (the optimizer's time: for these systems it never overlaps anything, so all of it is exposed).
-    ``after``: more fields, read once the timed steps ran.
+    ``after``: more fields, read once the timed steps ran. ``params``: what is clipped and trained (default:
+    every parameter); ``autocast``: see forward_backward.
     """
+    # what the optimizer updates: counted when only some parameters train, else the shape's count
+    trainable = None if params is None else sum(p.numel() for p in params)
+    params = list(model.parameters()) if params is None else params
     results = []
     for accum in [int(a) for a in str(args.accum).split(",")]:
         rec = base_record(system, shape, mode=mode, dtype=dtype, device=device.type,
                           device_name=device_name(device), seq=args.seq, micro=args.micro, accum=accum,
                           checkpoint_every=checkpoint_every, gpu_budget_bytes=gpu_budget_bytes,
-                          flops_per_token=model_flops_per_token(shape, args.seq))
+                          flops_per_token=model_flops_per_token(shape, args.seq), trainable_params=trainable)
         rec.update(extra)
         batches = random_batches(shape.vocab_size, args.micro, args.seq, accum, device)
 
         def step(mbs) -> float:
-            forward_backward(model, mbs)
+            forward_backward(model, mbs, autocast)
             sync(device)
             t = time.perf_counter()
-            optimizer_step(model, opt)
+            optimizer_step(params, opt)
             sync(device)
             return time.perf_counter() - t
 

@@ -12,12 +12,24 @@ import os
 import resource
 import statistics
 
-# bf16 dense matmul rate of the H200 box (ceilings.md), and the datasheet's.
+# bf16 dense matmul rate measured on the H200 box, and the datasheet's.
 MEASURED_BF16_FLOPS = 786.5e12
 DATASHEET_BF16_FLOPS = 989.5e12
 
-SYSTEMS = ("horizon-ray", "in-gpu-baseline", "fsdp2-offload")
+SYSTEMS = ("horizon-ray", "in-gpu-baseline", "in-gpu-liger", "in-gpu-peft", "in-gpu-peft-liger", "fsdp2-offload")
 BASELINE = "in-gpu-baseline"
+# The in-GPU peers a run is held against, by what it trains: (plain HF, HF with Liger-Kernel). Full
+# fine-tuning against HF transformers with everything on the GPU; LoRA against HF + PEFT with the same
+# adapters on a bf16 base on the GPU.
+PEERS = {"full": (BASELINE, "in-gpu-liger"), "lora": ("in-gpu-peft", "in-gpu-peft-liger")}
+IN_GPU = (*PEERS["full"], *PEERS["lora"])  # the whole model on the GPU, no budget
+LIGER = (PEERS["full"][1], PEERS["lora"][1])  # need Liger-Kernel (Triton kernels: a GPU)
+PEFT = PEERS["lora"]  # need PEFT
+# horizon-ray's host update, the engine's EngineConfig.update: exact (every unit updated with the step's
+# clipped gradient before the next step uses it), delayed (step n+1 runs on the weights after step n-1: the
+# update overlaps a whole step), speculative (units updated as their gradients land, before the global
+# norm is known, rolled back when clipping turns out active).
+UPDATE_MODES = ("exact", "delayed", "speculative")
 
 # ok: measured; did-not-fit: GPU or host memory ran out; timeout: killed at the time limit; error: failed
 # otherwise; skipped: not attempted on this machine (the reason says why); not-run: a placeholder for a
@@ -33,8 +45,8 @@ REQUIRED_KEYS = (
     "seq_len",  # tokens per sequence
     "tokens_per_step",  # non-padding tokens per optimizer step: seq_len x micro x accum
     "tokens_per_s",  # tokens_per_step / median step time of the timed steps
-    "baseline_tokens_per_s",  # tokens/s of the in-GPU baseline in the same run at the same tokens per step
-    "ratio",  # tokens_per_s / baseline_tokens_per_s (1.0 for the baseline itself)
+    "baseline_tokens_per_s",  # tokens/s of the plain in-GPU peer (ratio_peer) in the same run and tokens/step
+    "ratio",  # tokens_per_s / baseline_tokens_per_s (1.0 for the peer itself); report.compute_ratios
     "gpu_budget_bytes",  # GPU memory the run was capped at (None: the whole GPU)
     "peak_gpu_bytes",  # torch.cuda.max_memory_allocated over the run (0 on cpu)
     "host_rss_bytes",  # resident set size of the process after the timed steps
@@ -43,6 +55,37 @@ REQUIRED_KEYS = (
     "box",  # machine kind: h200, cpu, ...
     "commit",  # git commit of the code that ran
 )
+
+
+def parse_updates(spec: str) -> list[str]:
+    """--update's comma list -> the update modes in the order given, each once."""
+    modes = list(dict.fromkeys(m.strip() for m in str(spec).split(",") if m.strip()))
+    bad = [m for m in modes if m not in UPDATE_MODES]
+    if bad or not modes:
+        raise ValueError(f"--update takes a comma list of {', '.join(UPDATE_MODES)}; got {spec!r}")
+    return modes
+
+
+def kind(run: dict) -> str:
+    """What a run trains, the key of PEERS: ``lora`` (adapters on a frozen base) or ``full``."""
+    return "lora" if run.get("mode") == "lora" else "full"
+
+
+class Unavailable(Exception):
+    """A system this machine cannot run (a library that is not installed, no GPU): the run is recorded
+    ``skipped`` with the message as its reason, never as an error."""
+
+
+def unavailable(system: str, device: str, fsdp_on_cpu: bool = False) -> str | None:
+    """Why ``system`` cannot run on ``device`` (cpu, cuda, cuda:N), or None. The parent asks before it starts a
+    child; the child asks again (a ``--system`` run of its own). Missing libraries are found by the child."""
+    if device.startswith("cuda"):
+        return None
+    if system in LIGER:
+        return "Liger-Kernel's kernels are Triton kernels for a GPU; this machine ran on the CPU"
+    if system == "fsdp2-offload" and not fsdp_on_cpu:
+        return "FSDP2 CPU offload moves parameters between the host and a GPU; this machine ran on the CPU"
+    return None
 
 
 def throughput(tokens_per_step: int, step_s: float, flops_per_token: float) -> dict:
@@ -155,9 +198,10 @@ def is_out_of_memory(exc: BaseException) -> bool:
 def base_record(system: str, shape, *, mode: str, dtype: str, device: str, device_name: str, seq: int,
                 micro: int, accum: int, checkpoint_every: int, gpu_budget_bytes: int | None,
                 offload_checkpoints: str | None = None, flops_per_token: float,
-                trainable_params: int | None = None) -> dict:
+                trainable_params: int | None = None, update: str | None = None) -> dict:
     """A record with every key a run reports, before it is measured (REQUIRED_KEYS first).
-    ``trainable_params``: what the optimizer updates (default: every parameter, full fine-tuning)."""
+    ``trainable_params``: what the optimizer updates (default: every parameter, full fine-tuning);
+    ``update``: horizon-ray's update mode (UPDATE_MODES; None for the peers, whose update is synchronous)."""
     rec = {k: None for k in REQUIRED_KEYS}
     rec.update(system=system, status="ok", shape=shape.name, mode=mode, seq_len=seq,
                tokens_per_step=seq * micro * accum, gpu_budget_bytes=gpu_budget_bytes)
@@ -172,6 +216,11 @@ def base_record(system: str, shape, *, mode: str, dtype: str, device: str, devic
         micro=micro, accum=accum,
         checkpoint_every=checkpoint_every,  # K: a layer input kept every K layers (HF: every K-th layer)
         offload_checkpoints=offload_checkpoints,  # horizon-ray's --offload (auto | true | false)
+        update=update,  # horizon-ray's --update: exact | delayed | speculative
+        # the ratios' peers (report.compute_ratios): the plain peer is ratio's (baseline_tokens_per_s), the
+        # Liger one ratio_liger's (liger_tokens_per_s); *_reason says why a ratio is None
+        ratio_peer=None, ratio_reason=None,
+        liger_tokens_per_s=None, ratio_liger=None, ratio_liger_peer=None, ratio_liger_reason=None,
         model_flops_per_token=flops_per_token,  # house convention, see shapes.model_flops_per_token
         step_s=None, step_times=[], model_tflops=None, mfu_measured=None, mfu_datasheet=None,
         exposed_optimizer_s=None,  # seconds a step blocks on the optimizer (median of the timed steps)
@@ -179,5 +228,6 @@ def base_record(system: str, shape, *, mode: str, dtype: str, device: str, devic
         gpu_compute_s=None, exposed_copy_s=None, gpu_idle_s=None, profiled_step_s=None,  # split_from_trace
         peak_gpu_reserved_bytes=None, host_peak_rss_bytes=None,
         init_s=None,  # seconds to build the model (random init, pinning, sharding)
+        rollbacks=None,  # horizon-ray, speculative update: rollbacks during the timed steps
     )
     return rec

@@ -13,6 +13,12 @@ def lora_settings(args, mode: str | None) -> LoraSpec | None:
     return LoraSpec.of({"r": args.lora_r, "targets": args.lora_targets})
 
 
+def lora_alpha(rank: int) -> float:
+    """The adapters' alpha in every LoRA run of the bench, horizon-ray's and the PEFT peers': 2 r (a scaling
+    of 2, the common choice)."""
+    return 2.0 * rank
+
+
 def planned_bytes(shape, *, mode: str, seq: int, micro: int, accum: int, checkpoint_every: int, dtype: str,
                   device: str, gpu_budget_bytes: int | None, loss_chunk: int, offload: str,
                   lora: LoraSpec | None = None) -> dict:

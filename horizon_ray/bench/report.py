@@ -1,4 +1,4 @@
-"""Result files and the markdown table: ratios against the baseline, ``benchmarks/RESULTS.md`` regenerated
+"""Result files and the markdown table: ratios against the in-GPU peers, ``benchmarks/RESULTS.md`` regenerated
 from every ``benchmarks/results/*.json``. Pure Python; the output depends only on the files' contents
 (never on the clock or the order files are listed in), so regenerating it twice gives the same bytes.
 """
@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from horizon_ray.bench.metrics import BASELINE, REQUIRED_KEYS, SYSTEMS
+from horizon_ray.bench.metrics import IN_GPU, PEERS, REQUIRED_KEYS, SYSTEMS, UPDATE_MODES, kind
 
 GiB = 2**30
 MEASURED_TFLOPS = 786.5
@@ -30,16 +30,39 @@ def group_key(run: dict) -> tuple:
     return (inv, run.get("shape"), run.get("seq_len"), run.get("tokens_per_step"))
 
 
+# (ratio field, the peer's tokens/s field, index in PEERS[kind]): plain in-GPU, and in-GPU with Liger-Kernel
+RATIOS = (("ratio", "baseline_tokens_per_s", 0), ("ratio_liger", "liger_tokens_per_s", 1))
+
+
 def compute_ratios(runs: list[dict]) -> list[dict]:
-    """Set ``baseline_tokens_per_s`` and ``ratio`` of every run from the in-GPU baseline of its group (in
-    place; also returned). A group without a measured baseline gets None."""
-    baselines = {group_key(r): r["tokens_per_s"] for r in runs
-                 if r.get("system") == BASELINE and r.get("status") == "ok" and r.get("tokens_per_s")}
+    """Set every run's ratios against the in-GPU peers of its kind (PEERS: full fine-tuning against
+    in-gpu-baseline and in-gpu-liger, LoRA against in-gpu-peft and in-gpu-peft-liger) measured in its group:
+    the same invocation and tokens per step (group_key). Per ratio: the peer's tokens/s, the ratio, the peer's
+    name (``<ratio>_peer``) and, when the ratio is None, why (``<ratio>_reason``). In place; also returned."""
+    measured: dict[tuple, float] = {}
+    failed: dict[tuple, str] = {}
     for r in runs:
-        base = baselines.get(group_key(r))
-        r["baseline_tokens_per_s"] = base
+        key = (group_key(r), r.get("system"))
+        if r.get("status") == "ok" and r.get("tokens_per_s"):
+            measured[key] = r["tokens_per_s"]
+        else:
+            failed[key] = f"{r.get('system')} {r.get('status')}" + (f": {r['reason']}" if r.get("reason") else "")
+    for r in runs:
         tps = r.get("tokens_per_s") if r.get("status") == "ok" else None
-        r["ratio"] = round(tps / base, 3) if base and tps else None
+        for field, peer_field, i in RATIOS:
+            peer = PEERS[kind(r)][i]
+            key = (group_key(r), peer)
+            base = measured.get(key)
+            r[peer_field] = base
+            r[field] = round(tps / base, 3) if base and tps else None
+            r[f"{field}_peer"] = peer
+            if r[field] is not None:
+                r[f"{field}_reason"] = None
+            elif not tps:
+                r[f"{field}_reason"] = f"this run was not measured ({r.get('status')})"
+            else:
+                r[f"{field}_reason"] = failed.get(key) or (
+                    f"{peer} was not run in this invocation at {r.get('tokens_per_step') or 0:,} tokens per step")
     return runs
 
 
@@ -111,9 +134,22 @@ def _mode_label(r: dict) -> str:
         where = {True: "host", False: "GPU", None: "auto"}[resolved] if off == "auto" else \
             {"true": "host", "false": "GPU"}.get(str(off), str(off))
         return f"{r['mode']}, ckpt {where}" + (" (auto)" if off == "auto" and resolved is not None else "")
-    if r["system"] == BASELINE:
-        return f"{r['mode']}, all on {'CPU' if r.get('device') == 'cpu' else 'GPU'}"
+    if r["system"] in IN_GPU:
+        return f"{r['mode']}, all on GPU"
     return f"{r['mode']}, host offload"
+
+
+def _update_label(r: dict) -> str:
+    """horizon-ray's update mode; rows from before the flag ran the only one the engine had, exact."""
+    if r["system"] != "horizon-ray":
+        return "—"
+    return r.get("update") or "exact"
+
+
+def _peers_label(r: dict) -> str:
+    """The peers of the row's ratios (the fields compute_ratios sets; PEERS for rows that lack them)."""
+    plain, liger = PEERS[kind(r)]
+    return f"{r.get('ratio_peer') or plain} / {r.get('ratio_liger_peer') or liger}"
 
 
 def _sorted(items: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
@@ -121,8 +157,9 @@ def _sorted(items: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
     def rest(item):
         name, r = item
         order = SYSTEMS.index(r["system"]) if r["system"] in SYSTEMS else len(SYSTEMS)
+        update = UPDATE_MODES.index(r["update"]) if r.get("update") in UPDATE_MODES else -1
         return (r.get("box") or "", name, r.get("run_id") or "", r.get("params") or 0, r.get("seq_len") or 0,
-                r.get("tokens_per_step") or 0, order, _mode_label(r), json.dumps(r, sort_keys=True))
+                r.get("tokens_per_step") or 0, order, _mode_label(r), update, json.dumps(r, sort_keys=True))
 
     out = sorted(items, key=rest)
     out.sort(key=lambda item: item[1].get("date") or "", reverse=True)  # stable: keeps the rest's order
@@ -142,9 +179,15 @@ def _bound(r: dict, base: dict | None) -> str:
     step, upd, exp = r.get("step_s"), r.get("optimizer_update_s"), r.get("exposed_optimizer_s")
     parts = []
     bound = "GPU compute"
-    if r["system"] == BASELINE:
+    if r["system"] in IN_GPU:
         where = "the CPU (a smoke test, not a GPU number)" if r.get("device") == "cpu" else "the GPU"
         parts.append(f"everything is resident on {where}")
+        if r.get("liger"):
+            parts.append(f"Liger-Kernel {r['liger']}'s RoPE, RMSNorm, SwiGLU and fused linear cross-entropy")
+        if r.get("lora_r"):
+            targets = ", ".join(r.get("lora_targets") or [])
+            parts.append(f"PEFT {r.get('peft') or ''} LoRA rank {r['lora_r']} on {targets}, fp32 adapters on a "
+                         "frozen base")
         if upd is not None and step:
             parts.append(f"the fused AdamW takes {upd:.2f} s of the {step:.2f} s step")
     else:
@@ -157,17 +200,22 @@ def _bound(r: dict, base: dict | None) -> str:
                          f"({overlap})")
             if exp >= 0.25 * step:
                 bound = "the host optimizer"
+            if r.get("kernels"):
+                parts.append(f"the layer template ran {r['kernels']} kernels")
+            if r.get("rollbacks"):
+                parts.append(f"{r['rollbacks']} speculative updates were rolled back in the timed steps")
             if base and base.get("step_s"):
                 rest = step - exp
-                parts.append(f"the rest of the step, {rest:.2f} s, is {rest / base['step_s']:.2f}x the in-GPU "
-                             f"baseline's whole step ({base['step_s']:.2f} s) at the same tokens per step")
+                whose = "the in-GPU baseline's" if base["system"] == PEERS["full"][0] else f"{base['system']}'s"
+                parts.append(f"the rest of the step, {rest:.2f} s, is {rest / base['step_s']:.2f}x {whose} whole "
+                             f"step ({base['step_s']:.2f} s) at the same tokens per step")
     if r.get("gpu_compute_s") is not None:
         x = r.get("exposed_copy_s") or 0.0
         parts.append(f"a profiled step of {r['profiled_step_s']:.2f} s had {r['gpu_compute_s']:.2f} s of GPU "
                      f"compute, {x:.2f} s of exposed copies and {r.get('gpu_idle_s') or 0:.2f} s of GPU idle")
         if bound == "GPU compute" and step and x >= 0.25 * r["profiled_step_s"]:
             bound = "PCIe copies"
-    elif r["system"] != BASELINE and r.get("device") != "cpu":
+    elif r["system"] not in IN_GPU and r.get("device") != "cpu":
         parts.append("GPU compute and exposed copies were not split (no profiled step)")
     if r.get("model_tflops") is not None and r.get("device") != "cpu":
         parts.append(f"{r['model_tflops']:.1f} model TFLOP/s ({r['model_tflops'] / MEASURED_TFLOPS:.1%} of "
@@ -207,38 +255,53 @@ def render(results_dir: str | Path) -> str:
         "Generated by `python -m horizon_ray.bench --report` from `benchmarks/results/*.json`: edit or add the "
         "JSON, then regenerate; do not edit this file by hand. How to run the suite: `benchmarks/README.md`.",
         "",
-        "House convention (DESIGN.md, Measuring): tokens/s counts non-padding tokens; model FLOPs = 6 N tokens "
+        "House convention: tokens/s counts non-padding tokens; model FLOPs = 6 N tokens "
         "+ 6 L heads head_dim seq tokens (N: the weights of the layers' projections and the LM head; causal "
         "attention, forward and backward; recompute not counted); MFU against the H200's measured 786.5 "
-        "TFLOP/s bf16 rate and the 989.5 datasheet rate. **ratio** = tokens/s over the tokens/s of the in-GPU "
-        "baseline measured in the same run at the same tokens per step. The baseline keeps weights, gradients "
-        "and AdamW state in bf16 on the GPU (bf16-state); horizon-ray and FSDP2 keep an fp32 master and fp32 "
-        "AdamW state on the host (exact). peak GPU: torch's max_memory_allocated; budget: the cap the run was "
-        "held to (— = the whole GPU); host RSS after the timed steps; planned host: horizon_ray.planner.plan "
-        "of the same settings; exposed opt: seconds a step waits for the optimizer.",
+        "TFLOP/s bf16 rate and the 989.5 datasheet rate. **ratio** and **ratio_liger** = tokens/s over the "
+        "tokens/s of the plain and the Liger-Kernel in-GPU peer (**vs**) measured in the same invocation at the "
+        "same tokens per step: full fine-tuning against in-gpu-baseline / in-gpu-liger, LoRA against "
+        "in-gpu-peft / in-gpu-peft-liger; — where that peer was not measured (the row's note says why when it "
+        "ran and was not). The in-GPU peers keep everything on the GPU: in-gpu-baseline weights, gradients and "
+        "AdamW state in bf16 (bf16-state), in-gpu-liger the same with Liger-Kernel's kernels, in-gpu-peft a "
+        "bf16 base with fp32 PEFT adapters, in-gpu-peft-liger that with Liger-Kernel; horizon-ray and FSDP2 keep "
+        "an fp32 master and fp32 AdamW state on the host (exact). **update**: horizon-ray's host update (exact; "
+        "delayed: step n+1 runs on the weights after step n-1; speculative: units updated before the global "
+        "norm is known, rolled back when clipping acts); rows from before the choice existed are exact. peak "
+        "GPU: torch's max_memory_allocated; budget: the cap the run was held to (— = the whole GPU); host RSS "
+        "after the timed steps; planned host: horizon_ray.planner.plan of the same settings; exposed opt: "
+        "seconds a step waits for the optimizer.",
         "",
-        "| # | date | box | commit | system | shape | mode | seq | tokens/step | tokens/s | ratio | model TFLOP/s "
-        "| MFU (786.5) | MFU (989.5) | peak GPU GiB | budget GiB | host RSS GiB | planned host GiB | exposed opt s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| # | date | box | commit | system | shape | mode | update | seq | tokens/step | tokens/s | ratio "
+        "| ratio_liger | vs | model TFLOP/s | MFU (786.5) | MFU (989.5) | peak GPU GiB | budget GiB "
+        "| host RSS GiB | planned host GiB | exposed opt s |",
+        "|" + "---|" * 22,
     ]
     for i, (_, r) in enumerate(ok, 1):
         gpu = r.get("device") != "cpu"
         lines.append("| " + " | ".join([
             str(i), r.get("date") or "—", r.get("box") or "—", f"`{r.get('commit') or '—'}`", _system_label(r),
-            r["shape"], _mode_label(r), str(r["seq_len"]), f"{r['tokens_per_step']:,}",
-            _num(r.get("tokens_per_s"), ",.0f"), _num(r.get("ratio"), ".3f"), _num(r.get("model_tflops"), ".1f"),
+            r["shape"], _mode_label(r), _update_label(r), str(r["seq_len"]), f"{r['tokens_per_step']:,}",
+            _num(r.get("tokens_per_s"), ",.0f"), _num(r.get("ratio"), ".3f"), _num(r.get("ratio_liger"), ".3f"),
+            _peers_label(r), _num(r.get("model_tflops"), ".1f"),
             _num(r.get("mfu_measured"), ".1%") if gpu else "—", _num(r.get("mfu_datasheet"), ".1%") if gpu else "—",
             _gib(r.get("peak_gpu_bytes")) if gpu else "—", _gib(r.get("gpu_budget_bytes")),
             _gib(r.get("host_rss_bytes")), _gib(r.get("planned_host_bytes")), _num(r.get("exposed_optimizer_s"), ".2f"),
         ]) + " |")
     if not ok:
-        lines.append("| — | no measured run yet | | | | | | | | | | | | | | | | | |")
+        lines.append("| — | no measured run yet |" + " |" * 20)
     lines += ["", "## What bounds each row", ""]
-    base_of = {group_key(r): r for r in runs if r["system"] == BASELINE and r.get("status") == "ok"}
+    measured = {(group_key(r), r["system"]): r for r in runs if r.get("status") == "ok"}
+    attempted = {(group_key(r), r["system"]) for r in runs}
     for i, (_, r) in enumerate(ok, 1):
-        base = None if r["system"] == BASELINE else base_of.get(group_key(r))
-        lines.append(f"- **#{i}** {_system_label(r)}, {r['shape']}, {_mode_label(r)}, "
-                     f"{r['tokens_per_step']:,} tokens/step. {_bound(r, base)}")
+        plain = PEERS[kind(r)][0]
+        base = None if r["system"] in IN_GPU else measured.get((group_key(r), plain))
+        update = f", {r['update']} update" if r.get("update") else ""
+        # a peer that ran in the invocation and was not measured: say why the ratio is missing
+        missing = "".join(f" No {field}: {r[f'{field}_reason']}." for field, _, j in RATIOS
+                          if r.get(field) is None and (group_key(r), PEERS[kind(r)][j]) in attempted)
+        lines.append(f"- **#{i}** {_system_label(r)}, {r['shape']}, {_mode_label(r)}{update}, "
+                     f"{r['tokens_per_step']:,} tokens/step. {_bound(r, base)}{missing}")
     lines += _not_measured(items) + _largest(items) + _commands(items)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -247,8 +310,9 @@ def _not_measured(items) -> list[str]:
     groups: dict[tuple, list[int]] = {}
     for _, r in items:
         if r.get("status") != "ok":
-            key = (r.get("date") or "", r.get("box") or "", r["shape"], _system_label(r), _mode_label(r),
-                   r["status"], r.get("reason") or "")
+            mode = _mode_label(r) + (f", {r['update']} update" if r.get("update") else "")
+            key = (r.get("date") or "", r.get("box") or "", r["shape"], _system_label(r), mode, r["status"],
+                   r.get("reason") or "")
             groups.setdefault(key, []).append(r.get("tokens_per_step") or 0)
     out = ["", "## Not measured", ""]
     for (date, box, shape, system, mode, status, reason), tokens in groups.items():

@@ -23,7 +23,16 @@ from pathlib import Path
 
 import horizon_ray
 from horizon_ray.bench.child import parse_output
-from horizon_ray.bench.metrics import BASELINE, SYSTEMS, base_record, host_ram_bytes
+from horizon_ray.bench.metrics import (
+    IN_GPU,
+    PEERS,
+    PEFT,
+    SYSTEMS,
+    base_record,
+    host_ram_bytes,
+    parse_updates,
+    unavailable,
+)
 from horizon_ray.bench.planning import largest_shape, lora_settings, planned_bytes
 from horizon_ray.bench.report import compute_ratios, write_json, write_report
 from horizon_ray.bench.shapes import FIND_LARGEST_SHAPES, model_flops_per_token, resolve_shape
@@ -87,11 +96,11 @@ def run_suite(args, argv: list[str]) -> int:
 
 def _run_system(system: str, shape: str, args, device: str, dtype: str, mode: str | None, offload: str | None,
                 deadline: float | None) -> list[dict]:
-    """One system (one horizon-ray variant) in a child process; or why it did not run."""
-    if system == "fsdp2-offload" and not device.startswith("cuda") and not args.fsdp_on_cpu:
-        return _placeholders(system, shape, args, device, dtype, mode, offload, "skipped",
-                             "FSDP2 CPU offload moves parameters between the host and a GPU; this machine ran on "
-                             "the CPU")
+    """One system (one horizon-ray variant, with every update mode of --update) in a child process; or why it
+    did not run."""
+    why = unavailable(system, device, args.fsdp_on_cpu)
+    if why:
+        return _placeholders(system, shape, args, device, dtype, mode, offload, "skipped", why)
     limit = args.child_timeout_s
     if deadline is not None:
         if deadline - time.monotonic() < 30:
@@ -107,12 +116,25 @@ def _run_system(system: str, shape: str, args, device: str, dtype: str, mode: st
 
 
 def _systems(args) -> list[str]:
-    default = "fsdp2-offload,in-gpu-baseline" if args.find_largest else ",".join(SYSTEMS)
-    systems = [s.strip() for s in (args.systems or default).split(",") if s.strip()]
+    systems = [s.strip() for s in (args.systems or ",".join(default_systems(args))).split(",") if s.strip()]
     bad = [s for s in systems if s not in SYSTEMS]
     if bad or not systems:
         raise ValueError(f"--systems takes a comma list of {', '.join(SYSTEMS)}; got {args.systems!r}")
     return systems
+
+
+def default_systems(args) -> list[str]:
+    """horizon-ray and the in-GPU peers of what its modes train (PEERS: plain and Liger-Kernel; PEFT's for
+    mode lora); FSDP2 runs only when named. --find-largest: FSDP2 and the plain baseline."""
+    if args.find_largest:
+        return ["fsdp2-offload", PEERS["full"][0]]
+    modes = [m.strip() for m in args.mode.split(",")]
+    out = ["horizon-ray"]
+    if any(m != "lora" for m in modes):
+        out += PEERS["full"]
+    if "lora" in modes:
+        out += PEERS["lora"]
+    return out
 
 
 def _shapes(args) -> list[str]:
@@ -147,8 +169,8 @@ def _variants(systems: list[str], args, dtype: str) -> list[tuple[str, str | Non
 
 def _target_failed(runs: list[dict], systems: list[str]) -> bool:
     """--find-largest stops at the first shape where the system it searches for (the first system that is
-    not the baseline) did not fit."""
-    target = next((s for s in systems if s != BASELINE), systems[0])
+    not an in-GPU peer) did not fit."""
+    target = next((s for s in systems if s not in IN_GPU), systems[0])
     return any(r["system"] == target and r["status"] == "did-not-fit" for r in runs)
 
 
@@ -159,11 +181,11 @@ def child_argv(system: str, shape: str, args, device: str, dtype: str, mode: str
             "--checkpoint-every", str(args.checkpoint_every), "--dtype", dtype, "--device", device,
             "--loss-chunk", str(args.loss_chunk), "--warmup", str(args.warmup), "--steps", str(args.steps)]
     if system == "horizon-ray":
-        argv += ["--mode", mode, "--offload", offload]
-        if mode == "lora":
-            argv += ["--lora-r", str(args.lora_r), "--lora-targets", args.lora_targets]
+        argv += ["--mode", mode, "--offload", offload, "--update", ",".join(parse_updates(args.update))]
         if args.gpu_budget_gib:
             argv += ["--gpu-budget-gib", f"{args.gpu_budget_gib:g}"]
+    if mode == "lora" or system in PEFT:  # the same adapters for horizon-ray's LoRA and the PEFT peers
+        argv += ["--lora-r", str(args.lora_r), "--lora-targets", args.lora_targets]
     if system == "fsdp2-offload":
         if args.fsdp_gpu_budget_gib:
             argv += ["--fsdp-gpu-budget-gib", f"{args.fsdp_gpu_budget_gib:g}"]
@@ -209,7 +231,8 @@ def spawn(argv: list[str], timeout_s: float, label: str) -> Child:
 
 def collect(child: Child, system: str, shape: str, args, device: str, dtype: str, mode: str | None,
             offload: str | None) -> list[dict]:
-    """The child's records, plus one for every accumulation it did not report, saying why."""
+    """The child's records, plus one for every run (accumulation, update mode) it did not report, saying
+    why."""
     records, failed = parse_output(child.lines)
     if child.timed_out:
         status, reason = "timeout", f"killed after {child.wall_s:.0f} s (--child-timeout-s / --time-limit-s)"
@@ -224,10 +247,12 @@ def collect(child: Child, system: str, shape: str, args, device: str, dtype: str
         status, reason = "error", "the child exited without a result for this accumulation"
     out = []
     for accum in _accums(args):
-        if accum in records:
-            out.append(records[accum])
-        else:
-            out += _placeholders(system, shape, args, device, dtype, mode, offload, status, reason, [accum])
+        for update in _updates(system, args):
+            if (accum, update) in records:
+                out.append(records[(accum, update)])
+            else:
+                out += _placeholders(system, shape, args, device, dtype, mode, offload, status, reason, [accum],
+                                     [update])
     return out
 
 
@@ -235,24 +260,32 @@ def _accums(args) -> list[int]:
     return [int(a) for a in str(args.accum).split(",")]
 
 
+def _updates(system: str, args) -> list[str | None]:
+    """The update modes a system's child runs: each of --update for horizon-ray, none for a peer."""
+    return parse_updates(args.update) if system == "horizon-ray" else [None]
+
+
 def _placeholders(system, shape_name, args, device, dtype, mode, offload, status, reason,
-                  accums: list[int] | None = None) -> list[dict]:
+                  accums: list[int] | None = None, updates: list[str | None] | None = None) -> list[dict]:
     """Records of runs that did not produce one: same keys, nothing measured, status and reason."""
     shape = resolve_shape(shape_name)
+    budget = None
+    if system == "horizon-ray" and args.gpu_budget_gib:
+        budget = int(args.gpu_budget_gib * 2**30)
+    elif system == "fsdp2-offload" and args.fsdp_gpu_budget_gib:
+        budget = int(args.fsdp_gpu_budget_gib * 2**30)
+    if system in PEFT:
+        mode = "lora"
+    elif system != "horizon-ray":  # the peers' precision: what they keep their weights and AdamW state in
+        mode = "exact" if system == "fsdp2-offload" or dtype != "bfloat16" else "bf16-state"
+    lora = lora_settings(args, mode)
     out = []
-    for accum in accums or _accums(args):
-        budget = None
-        if system == "horizon-ray" and args.gpu_budget_gib:
-            budget = int(args.gpu_budget_gib * 2**30)
-        elif system == "fsdp2-offload" and args.fsdp_gpu_budget_gib:
-            budget = int(args.fsdp_gpu_budget_gib * 2**30)
-        peer_mode = "exact" if system == "fsdp2-offload" or dtype != "bfloat16" else "bf16-state"
-        lora = lora_settings(args, mode) if system == "horizon-ray" else None
-        rec = base_record(system, shape, mode=mode or peer_mode, dtype=dtype, device=device.split(":")[0],
+    for accum, update in [(a, u) for a in accums or _accums(args) for u in updates or _updates(system, args)]:
+        rec = base_record(system, shape, mode=mode, dtype=dtype, device=device.split(":")[0],
                           device_name="", seq=args.seq, micro=args.micro, accum=accum,
                           checkpoint_every=args.checkpoint_every, gpu_budget_bytes=budget,
                           offload_checkpoints=offload, flops_per_token=model_flops_per_token(shape, args.seq),
-                          trainable_params=_trainable(shape, lora))
+                          trainable_params=_trainable(shape, lora), update=update)
         rec.update(status=status, reason=reason)
         if system == "horizon-ray":
             rec.update(planned_bytes(shape, mode=mode, seq=args.seq, micro=args.micro, accum=accum,
@@ -325,6 +358,8 @@ def _summary(runs: list[dict], md: Path) -> None:
     print(f"bench: wrote {md}", flush=True)
     for r in runs:
         tps = f"{r['tokens_per_s']:,.0f} tok/s" if r.get("tokens_per_s") else r["status"]
-        ratio = f" ratio {r['ratio']:.3f}" if r.get("ratio") is not None else ""
-        print(f"SUMMARY {r['system']:<16} {r['shape']:<16} {r['mode']:<10} {r['tokens_per_step']:>8,} tok/step "
-              f"{tps}{ratio}" + (f" ({r['reason']})" if r.get("reason") else ""), flush=True)
+        ratios = "".join(f" {field} {r[field]:.3f} vs {r[field + '_peer']}" for field in ("ratio", "ratio_liger")
+                         if r.get(field) is not None)
+        mode = r["mode"] + (f"/{r['update']}" if r.get("update") else "")
+        print(f"SUMMARY {r['system']:<17} {r['shape']:<16} {mode:<18} {r['tokens_per_step']:>8,} tok/step "
+              f"{tps}{ratios}" + (f" ({r['reason']})" if r.get("reason") else ""), flush=True)

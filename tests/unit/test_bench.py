@@ -97,10 +97,11 @@ def test_split_from_trace_counts_only_copies_not_under_compute():
 # ---- records, ratios, files ----------------------------------------------------------------------------------
 
 
-def _run(system, tps, tokens=16384, status="ok", run_id="r1", date="2026-11-29", **kw):
-    rec = base_record(system, TINY, mode="exact", dtype="bfloat16", device="cuda", device_name="NVIDIA H200",
+def _run(system, tps, tokens=16384, status="ok", run_id="r1", date="2026-11-29", mode="exact", **kw):
+    rec = base_record(system, TINY, mode=mode, dtype="bfloat16", device="cuda", device_name="NVIDIA H200",
                       seq=1024, micro=tokens // 1024, accum=1, checkpoint_every=1, gpu_budget_bytes=None,
-                      flops_per_token=model_flops_per_token(TINY, 1024))
+                      flops_per_token=model_flops_per_token(TINY, 1024),
+                      update=kw.pop("update", "exact" if system == "horizon-ray" else None))
     rec.update(status=status, tokens_per_s=tps, step_s=tokens / tps if tps else None, date=date,
                box="h200", commit="abc1234", run_id=run_id, command="python -m horizon_ray.bench --shape tiny", **kw)
     return rec
@@ -197,12 +198,14 @@ def test_the_h200_7b_record():
 # ---- the parent and its children ----------------------------------------------------------------------------
 
 
-def test_parse_output_keeps_the_last_record_of_each_accumulation():
+def test_parse_output_keeps_the_last_record_of_each_accumulation_and_update():
     first = {"accum": 1, "tokens_per_s": 1.0}
+    delayed = {"accum": 1, "update": "delayed", "tokens_per_s": 2.0}
     lines = ["noise", "RESULT " + json.dumps(first), "RESULT " + json.dumps({**first, "gpu_compute_s": 0.5}),
+             "RESULT " + json.dumps(delayed),
              "FAILED " + json.dumps({"status": "did-not-fit", "reason": "OutOfMemoryError: x"})]
     records, failed = parse_output(lines)
-    assert records == {1: {"accum": 1, "tokens_per_s": 1.0, "gpu_compute_s": 0.5}}
+    assert records == {(1, None): {"accum": 1, "tokens_per_s": 1.0, "gpu_compute_s": 0.5}, (1, "delayed"): delayed}
     assert failed["status"] == "did-not-fit"
 
 
@@ -263,17 +266,40 @@ def test_fused_adamw_falls_back_to_foreach_when_its_first_step_fails(monkeypatch
     assert torch.all(w < 1)
 
 
+INSTALL_LIGER = ("python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && "
+                 "export PYTHONPATH=/tmp/site:$PWD && ")
+
+
 def test_readme_commands_parse():
-    """Every command of benchmarks/README.md for the GPU box is a valid invocation that writes to $OUT."""
+    """Every command of benchmarks/README.md for the GPU box is a valid invocation that writes to $OUT; one that
+    runs a Liger-Kernel peer (named or by default) or horizon-ray (whose fused kernels are Liger-Kernel's)
+    installs the carried wheel first and puts it on PYTHONPATH; the one-call 7B comparisons of issues 14 and
+    15 are there."""
+    from horizon_ray.bench.metrics import LIGER
+    from horizon_ray.bench.suite import default_systems
+
     p = argparse.ArgumentParser(exit_on_error=False)
     add_arguments(p)
     cmds = [ln for ln in (ROOT / "benchmarks" / "README.md").read_text().splitlines()
-            if ln.startswith("PYTHONPATH=$PWD python3 -m horizon_ray.bench")]
-    assert len(cmds) >= 4
+            if "python3 -m horizon_ray.bench" in ln and "$OUT" in ln]
+    assert len(cmds) >= 6
+    parsed = []
     for cmd in cmds:
         words = shlex.split(cmd.replace("$OUT", "/tmp/out").replace("<commit>", "abc1234"))
         args = p.parse_args(words[words.index("horizon_ray.bench") + 1:])
-        assert args.results_dir.startswith("/tmp/out"), cmd
+        assert args.results_dir.startswith("/tmp/out") and args.time_limit_s <= 560, cmd
+        systems = args.systems.split(",") if args.systems else default_systems(args)
+        if set(systems) & {*LIGER, "horizon-ray"}:
+            assert cmd.startswith(INSTALL_LIGER), cmd
+        else:
+            assert cmd.startswith("PYTHONPATH=$PWD python3 -m horizon_ray.bench"), cmd
+        parsed.append((args, systems))
+    full = [(a, s) for a, s in parsed if a.shape == "qwen2.5-7b" and a.update == "exact,delayed,speculative"]
+    assert [(a.accum, a.micro, a.seq, a.gpu_budget_gib, s) for a, s in full] == [
+        ("1,4", 16, 1024, 12, ["horizon-ray", "in-gpu-baseline", "in-gpu-liger"])]  # 16,384 and 65,536 tokens
+    lora = [(a, s) for a, s in parsed if a.shape == "qwen2.5-7b" and a.mode == "lora"]
+    assert [(a.accum, a.lora_r, s) for a, s in lora] == [("1,4", 16, ["horizon-ray", "in-gpu-peft",
+                                                                      "in-gpu-peft-liger"])]
 
 
 # ---- what the harness imports -----------------------------------------------------------------------------
@@ -291,6 +317,7 @@ def test_the_parent_imports_no_torch_and_no_module_the_gpu_box_lacks():
         "import horizon_ray.bench.suite, horizon_ray.bench.report, horizon_ray.bench.cli, horizon_ray.commands.bench\n"
         "assert 'torch' not in sys.modules\n"
         "import horizon_ray.bench.engine_run, horizon_ray.bench.baseline, horizon_ray.bench.fsdp2\n"
+        "import horizon_ray.bench.peft_peer\n"
         "bad = [m for m in ('ray', 'fastapi', 'pydantic', 'uvicorn', 'starlette', 'psutil', 'rich')\n"
         "       if m in sys.modules]\n"
         "assert not bad, bad\n"

@@ -26,28 +26,35 @@ def _bench(tmp_path, *extra, module="horizon_ray"):
 
 
 def test_bench_cli_on_the_tiny_shape_on_cpu(tmp_path):
+    """The default systems of full fine-tuning: horizon-ray and both in-GPU peers; Liger's is skipped on a CPU."""
     runs, md, stdout = _bench(tmp_path)
     assert [(r["system"], r["accum"]) for r in runs] == [
         ("horizon-ray", 1), ("horizon-ray", 2), ("in-gpu-baseline", 1), ("in-gpu-baseline", 2),
-        ("fsdp2-offload", 1), ("fsdp2-offload", 2)]
+        ("in-gpu-liger", 1), ("in-gpu-liger", 2)]
     for r in runs:
         assert set(REQUIRED_KEYS) <= set(r), r["system"]
         assert r["date"] and r["box"] == "cpu" and r["commit"] == "test" and r["device"] == "cpu"
         assert r["tokens_per_step"] == 64 * 2 * r["accum"]
-    measured = [r for r in runs if r["system"] != "fsdp2-offload"]
+    measured = [r for r in runs if r["system"] != "in-gpu-liger"]
     for r in measured:
         assert r["status"] == "ok" and r["tokens_per_s"] > 0 and r["model_tflops"] is not None
         assert r["host_rss_bytes"] > 0 and r["peak_gpu_bytes"] == 0
         base = next(b for b in runs if b["system"] == "in-gpu-baseline" and b["accum"] == r["accum"])
-        assert r["baseline_tokens_per_s"] == base["tokens_per_s"]
+        assert r["baseline_tokens_per_s"] == base["tokens_per_s"] and r["ratio_peer"] == "in-gpu-baseline"
         assert r["ratio"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"], abs=1e-3)
+        # the Liger peer ran in this invocation and was skipped: no ratio, and why
+        assert r["ratio_liger"] is None and r["liger_tokens_per_s"] is None and r["ratio_liger_peer"] == "in-gpu-liger"
+        assert r["ratio_liger_reason"].startswith("in-gpu-liger skipped: Liger-Kernel's kernels are Triton kernels")
     hr = [r for r in runs if r["system"] == "horizon-ray"]
     assert all(r["planned_host_bytes"] > 0 and r["exposed_optimizer_s"] is not None for r in hr)
-    assert all(r["planned_host_bytes"] is None for r in runs if r["system"] != "horizon-ray")
-    skipped = [r for r in runs if r["system"] == "fsdp2-offload"]
+    assert [r["update"] for r in hr] == ["exact", "exact"] and all(r["rollbacks"] == 0 for r in hr)
+    assert all(r["kernels"] == "torch" for r in hr)  # the engine's fused kernels are CUDA-only
+    assert all(r["planned_host_bytes"] is None and r["update"] is None for r in runs if r["system"] != "horizon-ray")
+    skipped = [r for r in runs if r["system"] == "in-gpu-liger"]
     assert all(r["status"] == "skipped" and "GPU" in r["reason"] and r["ratio"] is None for r in skipped)
     assert "horizon-ray (ran on cpu)" in md and "in-gpu-baseline (ran on cpu)" in md
-    assert "**skipped**: FSDP2 CPU offload" in md
+    assert "**skipped**: Liger-Kernel's kernels are Triton kernels for a GPU" in md
+    assert "No ratio_liger: in-gpu-liger skipped" in md
     assert "SUMMARY horizon-ray" in stdout
 
 
@@ -62,11 +69,21 @@ def test_fsdp2_peer_code_runs_on_cpu(tmp_path):
         assert r["ratio"] is None  # no baseline in this invocation
 
 
-def test_lora_mode_trains_adapters_and_is_planned(tmp_path):
-    """--mode lora: the frozen-base engine, and a plan of the same LoRA job to compare host RSS with."""
-    runs, _, _ = _bench(tmp_path, "--systems", "horizon-ray", "--mode", "lora", "--lora-r", "4",
-                        "--lora-targets", "q_proj,v_proj", "--accum", "2,1")
-    assert [(r["system"], r["mode"], r["status"]) for r in runs] == [("horizon-ray", "lora", "ok")] * 2
+def test_lora_mode_trains_adapters_and_is_planned_against_the_peft_peers(tmp_path):
+    """--mode lora: the frozen-base engine, and a plan of the same LoRA job to compare host RSS with; its
+    default peers are PEFT's (the Liger one skipped on a CPU), with the same adapters."""
+    runs, md, _ = _bench(tmp_path, "--mode", "lora", "--lora-r", "4", "--lora-targets", "q_proj,v_proj",
+                         "--accum", "2,1")
+    assert [(r["system"], r["mode"], r["status"]) for r in runs] == (
+        [("horizon-ray", "lora", "ok")] * 2 + [("in-gpu-peft", "lora", "ok")] * 2
+        + [("in-gpu-peft-liger", "lora", "skipped")] * 2)
+    peft = {r["accum"]: r for r in runs if r["system"] == "in-gpu-peft"}
+    for r in runs[:4]:
+        assert r["ratio_peer"] == "in-gpu-peft" and r["baseline_tokens_per_s"] == peft[r["accum"]]["tokens_per_s"]
+        assert r["ratio"] == pytest.approx(r["tokens_per_s"] / r["baseline_tokens_per_s"], abs=1e-3)
+        assert r["ratio_liger"] is None and r["ratio_liger_peer"] == "in-gpu-peft-liger"
+        assert "in-gpu-peft-liger skipped: Liger-Kernel" in r["ratio_liger_reason"]
+        assert (r["lora_r"], r["lora_alpha"], r["lora_targets"]) == (4, 8.0, ["q_proj", "v_proj"])
     from horizon_ray.bench.shapes import resolve_shape
     from horizon_ray.planner import LoraSpec, plan
 
@@ -74,7 +91,12 @@ def test_lora_mode_trains_adapters_and_is_planned(tmp_path):
     full = plan(tiny, seq_len=64, micro_batch_size=2, grad_accum=1, checkpoint_every=1,
                 compute_dtype="float32", device="cpu")
     lora = LoraSpec(rank=4, targets=("q_proj", "v_proj"))
-    for r in runs:
+    for r in peft.values():
+        assert r["peak_gpu_bytes"] == 0 and r["exposed_optimizer_s"] > 0 and r["optimizer"].startswith("AdamW")
+        # PEFT trained the adapters the horizon-ray row trained, counted as the planner counts them
+        assert r["trainable_params"] == lora.num_params(tiny)
+    assert "in-gpu-peft / in-gpu-peft-liger" in md
+    for r in runs[:2]:
         assert r["tokens_per_s"] > 0
         # a LoRA store holds the base once (no master copy, moments or gradient): less than a full fine-tune
         assert 0 < r["planned_host_bytes"] < full.host_bytes - 8 * r["params"]

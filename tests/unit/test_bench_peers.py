@@ -1,0 +1,374 @@
+"""The in-GPU peers of the benchmark (HF + Liger-Kernel, HF + PEFT, HF + PEFT + Liger-Kernel), the ratios
+against them, and horizon-ray's update modes in one engine process. CPU only, seconds: PEFT's code runs on a
+tiny model; Liger-Kernel, which needs a GPU, is recorded skipped with its reason; the engine's update-mode API
+is driven through a stand-in engine."""
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from horizon_ray.bench.child import run_child
+from horizon_ray.bench.cli import add_arguments, main
+from horizon_ray.bench.metrics import IN_GPU, PEERS, SYSTEMS, Unavailable, base_record, parse_updates, unavailable
+from horizon_ray.bench.report import compute_ratios, render, write_json
+from horizon_ray.bench.shapes import TINY, model_flops_per_token, resolve_shape
+from horizon_ray.bench.suite import Child, child_argv, collect, default_systems, spawn
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def _run(system, tps, tokens=16384, status="ok", run_id="r1", mode="exact", update=None, **kw):
+    rec = base_record(system, TINY, mode=mode, dtype="bfloat16", device="cuda", device_name="NVIDIA H200", seq=1024,
+                      micro=tokens // 1024, accum=1, checkpoint_every=1, gpu_budget_bytes=None,
+                      flops_per_token=model_flops_per_token(TINY, 1024),
+                      update=update or ("exact" if system == "horizon-ray" else None))
+    rec.update(status=status, tokens_per_s=tps, step_s=tokens / tps if tps else None, date="2026-12-02", box="h200",
+               commit="abc1234", run_id=run_id, command="python -m horizon_ray.bench --shape tiny", **kw)
+    return rec
+
+
+# ---- ratios ---------------------------------------------------------------------------------------------------
+
+
+def test_full_fine_tuning_rows_carry_both_ratios_and_name_their_peers():
+    runs = [_run("horizon-ray", 50.0), _run("horizon-ray", 80.0, update="delayed"), _run("in-gpu-baseline", 100.0),
+            _run("in-gpu-liger", 125.0), _run("fsdp2-offload", 25.0)]
+    compute_ratios(runs)
+    exact, delayed, base, liger, fsdp = runs
+    assert (exact["ratio"], exact["ratio_liger"]) == (0.5, 0.4)
+    assert (exact["baseline_tokens_per_s"], exact["liger_tokens_per_s"]) == (100.0, 125.0)
+    assert (exact["ratio_peer"], exact["ratio_liger_peer"]) == ("in-gpu-baseline", "in-gpu-liger")
+    assert exact["ratio_reason"] is None and exact["ratio_liger_reason"] is None
+    assert (delayed["ratio"], delayed["ratio_liger"]) == (0.8, 0.64)
+    # the peers are held against each other too: Liger's speed-up over plain HF is in its row
+    assert (base["ratio"], base["ratio_liger"]) == (1.0, 0.8)
+    assert (liger["ratio"], liger["ratio_liger"]) == (1.25, 1.0)
+    assert (fsdp["ratio"], fsdp["ratio_liger"]) == (0.25, 0.2)
+
+
+def test_lora_rows_are_held_against_the_peft_peers_not_the_full_fine_tuning_ones():
+    runs = [_run("horizon-ray", 60.0, mode="lora"), _run("in-gpu-peft", 80.0, mode="lora"),
+            _run("in-gpu-peft-liger", 120.0, mode="lora"), _run("in-gpu-baseline", 100.0),
+            _run("in-gpu-liger", 125.0), _run("horizon-ray", 50.0)]
+    compute_ratios(runs)
+    lora, peft, peft_liger, full = runs[0], runs[1], runs[2], runs[5]
+    assert (lora["ratio"], lora["ratio_peer"], lora["baseline_tokens_per_s"]) == (0.75, "in-gpu-peft", 80.0)
+    assert (lora["ratio_liger"], lora["ratio_liger_peer"], lora["liger_tokens_per_s"]) == (
+        0.5, "in-gpu-peft-liger", 120.0)
+    assert (peft["ratio"], peft["ratio_liger"], peft_liger["ratio"]) == (1.0, 0.667, 1.5)
+    assert (full["ratio"], full["ratio_liger"], full["ratio_peer"]) == (0.5, 0.4, "in-gpu-baseline")
+
+
+def test_ratios_come_only_from_the_same_invocation_and_tokens_per_step():
+    runs = [_run("horizon-ray", 50.0, tokens=65536),
+            _run("in-gpu-baseline", 100.0), _run("in-gpu-liger", 125.0),  # same invocation, 16,384 tokens a step
+            _run("in-gpu-baseline", 200.0, tokens=65536, run_id="r2"),  # 65,536 tokens, another invocation
+            _run("in-gpu-liger", 250.0, tokens=65536, run_id="r2")]
+    compute_ratios(runs)
+    hr = runs[0]
+    assert (hr["ratio"], hr["baseline_tokens_per_s"], hr["ratio_liger"], hr["liger_tokens_per_s"]) == (
+        None, None, None, None)
+    assert hr["ratio_reason"] == "in-gpu-baseline was not run in this invocation at 65,536 tokens per step"
+    assert hr["ratio_liger_reason"] == "in-gpu-liger was not run in this invocation at 65,536 tokens per step"
+
+
+def test_a_peer_that_ran_and_was_not_measured_gives_none_and_its_reason():
+    runs = [_run("horizon-ray", 50.0),
+            _run("in-gpu-baseline", None, status="did-not-fit", reason="OutOfMemoryError: CUDA out of memory"),
+            _run("in-gpu-liger", None, status="skipped", reason="liger_kernel is not importable (x)"),
+            _run("horizon-ray", None, status="timeout", reason="killed after 500 s", update="delayed")]
+    compute_ratios(runs)
+    hr, timed_out = runs[0], runs[3]
+    assert hr["ratio"] is None and hr["ratio_liger"] is None
+    assert hr["ratio_reason"] == "in-gpu-baseline did-not-fit: OutOfMemoryError: CUDA out of memory"
+    assert hr["ratio_liger_reason"] == "in-gpu-liger skipped: liger_kernel is not importable (x)"
+    assert timed_out["ratio_reason"] == timed_out["ratio_liger_reason"] == "this run was not measured (timeout)"
+
+
+# ---- RESULTS.md --------------------------------------------------------------------------------------------
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in text.splitlines() if re.match(r"\| \d+ \| ", ln)]
+
+
+def test_results_md_shows_every_system_side_by_side_with_update_and_peers(tmp_path):
+    timing = dict(optimizer_update_s=1.0, exposed_optimizer_s=0.1)
+    write_json(tmp_path / "2026-12-02-h200-tiny.json", [
+        _run("horizon-ray", 95.0, update="speculative", rollbacks=2, **timing),
+        _run("horizon-ray", 90.0, update="delayed", rollbacks=0, **timing),
+        _run("horizon-ray", 50.0, rollbacks=0, **timing),
+        _run("in-gpu-baseline", 100.0),
+        _run("in-gpu-liger", None, status="skipped", reason="liger_kernel is not importable (x)"),
+        _run("horizon-ray", 60.0, mode="lora", rollbacks=0, **timing),
+        _run("in-gpu-peft", 80.0, mode="lora", liger=None, lora_r=16, lora_targets=["q_proj"], peft="0.17.0"),
+        _run("in-gpu-peft-liger", 120.0, mode="lora", liger="0.8.5", lora_r=16, lora_targets=["q_proj"]),
+    ])
+    text = render(tmp_path)
+    head = next(ln for ln in text.splitlines() if ln.startswith("| # |"))
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    rows = [dict(zip(cols, r, strict=True)) for r in _table_rows(text)]
+    got = [(r["system"], r["mode"].split(",")[0], r["update"], r["ratio"], r["ratio_liger"], r["vs"]) for r in rows]
+    assert got == [
+        ("horizon-ray", "exact", "exact", "0.500", "—", "in-gpu-baseline / in-gpu-liger"),
+        ("horizon-ray", "exact", "delayed", "0.900", "—", "in-gpu-baseline / in-gpu-liger"),
+        ("horizon-ray", "exact", "speculative", "0.950", "—", "in-gpu-baseline / in-gpu-liger"),
+        ("horizon-ray", "lora", "exact", "0.750", "0.500", "in-gpu-peft / in-gpu-peft-liger"),
+        ("in-gpu-baseline", "exact", "—", "1.000", "—", "in-gpu-baseline / in-gpu-liger"),
+        ("in-gpu-peft", "lora", "—", "1.000", "0.667", "in-gpu-peft / in-gpu-peft-liger"),
+        ("in-gpu-peft-liger", "lora", "—", "1.500", "1.000", "in-gpu-peft / in-gpu-peft-liger"),
+    ]
+    assert "No ratio_liger: in-gpu-liger skipped: liger_kernel is not importable (x)." in text
+    assert "No ratio_liger" not in next(ln for ln in text.splitlines() if ln.startswith("- **#4**"))  # LoRA row
+    assert "2 speculative updates were rolled back in the timed steps" in text
+    assert "Liger-Kernel 0.8.5's RoPE, RMSNorm, SwiGLU and fused linear cross-entropy" in text
+    assert "in-gpu-peft's whole step" in text  # the LoRA row's time split is held against PEFT's step
+    assert "**skipped**: liger_kernel is not importable (x)" in text
+
+
+def test_rows_from_before_the_peers_and_update_modes_stay_readable(tmp_path):
+    old = _run("horizon-ray", 50.0)
+    for key in ("update", "rollbacks", "ratio_peer", "ratio_reason", "liger_tokens_per_s", "ratio_liger",
+                "ratio_liger_peer", "ratio_liger_reason"):
+        del old[key]
+    write_json(tmp_path / "old.json", [old, _run("in-gpu-baseline", 100.0)])
+    rows = _table_rows(render(tmp_path))
+    assert rows[0][4:8] == ["horizon-ray", "tiny", "exact, ckpt auto", "exact"]  # the engine's only update then
+    assert rows[0][11:14] == ["0.500", "—", "in-gpu-baseline / in-gpu-liger"]
+
+
+# ---- the parent -------------------------------------------------------------------------------------------
+
+
+def test_default_systems_are_the_peers_of_what_the_modes_train():
+    assert default_systems(_args()) == ["horizon-ray", "in-gpu-baseline", "in-gpu-liger"]
+    assert default_systems(_args("--mode", "lora")) == ["horizon-ray", "in-gpu-peft", "in-gpu-peft-liger"]
+    assert default_systems(_args("--mode", "exact,lora")) == ["horizon-ray", *PEERS["full"], *PEERS["lora"]]
+    assert default_systems(_args("--find-largest")) == ["fsdp2-offload", "in-gpu-baseline"]
+    assert "fsdp2-offload" in SYSTEMS and set(IN_GPU) < set(SYSTEMS)
+
+
+def test_what_cannot_run_on_a_cpu_is_skipped_with_a_reason():
+    assert "Triton kernels for a GPU" in unavailable("in-gpu-liger", "cpu")
+    assert "Triton kernels for a GPU" in unavailable("in-gpu-peft-liger", "cpu")
+    assert "FSDP2 CPU offload" in unavailable("fsdp2-offload", "cpu")
+    assert unavailable("fsdp2-offload", "cpu", fsdp_on_cpu=True) is None
+    assert unavailable("in-gpu-peft", "cpu") is None
+    assert all(unavailable(s, "cuda:0") is None for s in SYSTEMS)
+
+
+def test_update_modes_parse():
+    assert parse_updates("exact,delayed,speculative,delayed") == ["exact", "delayed", "speculative"]
+    with pytest.raises(ValueError, match="--update takes a comma list of exact, delayed, speculative"):
+        parse_updates("exact,lazy")
+    assert main(["--update", "lazy", "--report", "--results-dir", "/nonexistent"]) == 2
+
+
+def test_child_argv_gives_the_update_modes_to_horizon_ray_and_the_adapters_to_peft():
+    args = _args("--update", "exact,delayed", "--lora-r", "8", "--lora-targets", "q_proj,v_proj")
+    hr = child_argv("horizon-ray", "tiny", args, "cuda", "bfloat16", "exact", "auto")
+    assert hr[hr.index("--update") + 1] == "exact,delayed" and "--lora-r" not in hr
+    for system in ("in-gpu-peft", "in-gpu-peft-liger"):
+        argv = child_argv(system, "tiny", args, "cuda", "bfloat16", None, None)
+        assert argv[argv.index("--lora-r") + 1] == "8" and argv[argv.index("--lora-targets") + 1] == "q_proj,v_proj"
+        assert "--update" not in argv and "--gpu-budget-gib" not in argv
+    liger = child_argv("in-gpu-liger", "tiny", args, "cuda", "bfloat16", None, None)
+    assert "--lora-r" not in liger and "--update" not in liger
+
+
+def test_a_child_that_died_after_one_update_mode_records_the_others_with_why():
+    args = _args("--shape", "tiny", "--accum", "1,2", "--device", "cpu", "--update", "exact,delayed")
+    done = _run("horizon-ray", 10.0)
+    done["accum"] = 1
+    child = Child(lines=["RESULT " + json.dumps(done), "Traceback", "RuntimeError: boom"], returncode=1)
+    got = collect(child, "horizon-ray", "tiny", args, "cpu", "float32", "exact", "auto")
+    assert [(r["accum"], r["update"], r["status"]) for r in got] == [
+        (1, "exact", "ok"), (1, "delayed", "error"), (2, "exact", "error"), (2, "delayed", "error")]
+    assert "RuntimeError: boom" in got[1]["reason"] and got[1]["planned_host_bytes"] > 0
+    peft = collect(Child(lines=["FAILED " + json.dumps({"status": "skipped", "reason": "peft is not importable"})],
+                         returncode=0), "in-gpu-peft", "tiny", args, "cpu", "float32", None, None)
+    assert [(r["mode"], r["update"], r["status"], r["reason"]) for r in peft] == [
+        ("lora", None, "skipped", "peft is not importable")] * 2
+    assert peft[0]["trainable_params"] > 0 and peft[0]["planned_host_bytes"] is None
+
+
+def test_children_inherit_pythonpath(monkeypatch):
+    """The GPU box puts Liger-Kernel's wheel on PYTHONPATH; every child must see it (and the repository)."""
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")
+    child = spawn([sys.executable, "-c", "import os; print('PP', os.environ['PYTHONPATH'])"], 60, "probe")
+    line = next(ln for ln in child.lines if ln.startswith("PP "))
+    assert line.split(" ", 1)[1].split(os.pathsep) == [str(ROOT), "/tmp/site"]
+
+
+def test_a_time_limit_that_runs_out_ends_cleanly_with_every_run_recorded(tmp_path, capsys):
+    """No child starts with under 30 s left: each run is recorded not-run, the table is written, exit 0."""
+    code = main(["--shape", "tiny", "--device", "cpu", "--seq", "64", "--micro", "2", "--accum", "1,2",
+                 "--update", "exact,delayed", "--commit", "test", "--time-limit-s", "1",
+                 "--results-dir", str(tmp_path / "results")])
+    assert code == 0
+    runs = json.loads(next((tmp_path / "results").glob("*.json")).read_text())
+    assert [(r["system"], r["accum"], r["update"]) for r in runs] == [
+        ("horizon-ray", 1, "exact"), ("horizon-ray", 1, "delayed"), ("horizon-ray", 2, "exact"),
+        ("horizon-ray", 2, "delayed"), ("in-gpu-baseline", 1, None), ("in-gpu-baseline", 2, None),
+        ("in-gpu-liger", 1, None), ("in-gpu-liger", 2, None)]
+    assert {r["status"] for r in runs[:6]} == {"not-run"} and {r["status"] for r in runs[6:]} == {"skipped"}
+    assert "--time-limit-s 1 ran out" in runs[0]["reason"] and runs[0]["ratio_reason"].startswith("this run")
+    assert (tmp_path / "RESULTS.md").exists() and "SUMMARY horizon-ray" in capsys.readouterr().out
+
+
+# ---- the peers' children on the CPU --------------------------------------------------------------------------
+
+
+def _child_args(system, *extra):
+    return _args("--system", system, "--shape", "tiny", "--layers", "2", "--device", "cpu", "--seq", "16",
+                 "--micro", "1", "--warmup", "0", "--steps", "1", *extra)
+
+
+def _failed(capsys) -> dict:
+    out = capsys.readouterr().out
+    return json.loads(next(ln for ln in out.splitlines() if ln.startswith("FAILED "))[len("FAILED "):])
+
+
+def test_liger_peers_are_skipped_on_a_cpu_and_without_the_package(capsys, monkeypatch):
+    for system in ("in-gpu-liger", "in-gpu-peft-liger"):
+        assert run_child(_child_args(system)) == 0
+        failed = _failed(capsys)
+        assert failed["status"] == "skipped" and "Triton kernels for a GPU" in failed["reason"]
+    from horizon_ray.bench import hf
+
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # not importable, installed or not
+    with pytest.raises(Unavailable, match="liger_kernel is not importable .*benchmarks/README.md"):
+        hf.apply_liger(TINY)
+
+
+def test_peft_peers_are_skipped_without_the_package(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "peft", None)
+    assert run_child(_child_args("in-gpu-peft")) == 0
+    failed = _failed(capsys)
+    assert failed == {"status": "skipped", "reason": failed["reason"]} and "peft is not importable" in failed["reason"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_peft_peer_trains_fp32_adapters_on_a_frozen_base(dtype):
+    """The PEFT peer's model and step, on the CPU: a frozen base in the compute dtype, fp32 adapters (as many
+    as the planner counts for horizon-ray's LoRA), a bf16 forward under autocast; one step moves the
+    adapters and nothing else."""
+    import torch
+
+    from horizon_ray.bench import hf
+    from horizon_ray.planner import LoraSpec
+
+    pytest.importorskip("peft")
+    shape = resolve_shape("tiny", layers=2)
+    torch.manual_seed(0)
+    model = hf.build_model(shape, getattr(torch, dtype))
+    hf.enable_checkpointing(model, 1)
+    model = hf.peft_lora(model, 4, 8.0, ("q_proj", "down_proj"))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert all("lora_" in n for n in adapters) and {p.dtype for p in params} == {torch.float32}
+    assert {p.dtype for p in frozen.values()} == {getattr(torch, dtype)}
+    assert sum(p.numel() for p in params) == LoraSpec(rank=4, targets=("q_proj", "down_proj")).num_params(shape)
+    opt = hf.FallbackAdamW(params)
+    ids = torch.randint(0, shape.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    loss = hf.forward_backward(model, [ids], torch.bfloat16 if dtype == "bfloat16" else None)
+    assert torch.isfinite(loss)
+    hf.optimizer_step(params, opt)
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[n], p) for n, p in frozen.items())
+    moved = [n for n, p in adapters.items() if not torch.equal(after[n], p)]
+    assert any("lora_B" in n for n in moved)  # B starts at zero: it moves on the first step
+
+
+# ---- horizon-ray's update modes in one engine process (a stand-in engine) ----------------------------------
+
+
+class _Stats:
+    def __init__(self):
+        self.waited_s, self.last_update_s, self.rollbacks, self.host_checkpoint_bytes = 0.0, 0.0, 0, 0
+
+
+class _UpdateEngine:
+    """What the bench needs of the engine, recording what it was asked: the update mode set at build
+    (EngineConfig.update) and by set_update, each train_step's mode and micro-batch count. Each step blocks
+    0.25 s on the update (waited_s), and a speculative step rolls back once."""
+
+    log: list = []
+
+    def __init__(self, cfg):
+        import torch
+
+        self.update = cfg.update
+        self.device = torch.device("cpu")
+        self.trainable_params = self.num_params = TINY.num_params
+        self.offload_checkpoints = False
+        self.template = type("T", (), {"ops": type("K", (), {"name": "torch"})()})()
+        self._stats = _Stats()
+        self.log.append(("built", cfg.update))
+
+    @classmethod
+    def from_config(cls, hf_config, cfg):
+        return cls(cfg)
+
+    def set_update(self, mode):
+        self.log.append(("set_update", mode))
+        self.update = mode
+
+    def train_step(self, batches):
+        self.log.append(("step", self.update, len(batches)))
+        self._stats.waited_s += 0.25
+        self._stats.last_update_s = 1.5
+        self._stats.rollbacks += self.update == "speculative"
+
+    def stats(self):
+        return self._stats
+
+    def memory_report(self):
+        return {"host": 1, "device": 0}
+
+    def close(self):
+        self.log.append(("closed",))
+
+
+def _engine_args(update, accum="2,1"):
+    return _args("--system", "horizon-ray", "--shape", "tiny", "--device", "cpu", "--seq", "16", "--micro", "1",
+                 "--accum", accum, "--warmup", "1", "--steps", "2", "--update", update)
+
+
+def test_one_engine_runs_every_update_mode_inside_each_accumulation(monkeypatch):
+    from horizon_ray.bench import engine_run
+
+    monkeypatch.setattr(engine_run, "Engine", _UpdateEngine)
+    _UpdateEngine.log = []
+    out = []
+    engine_run.run(_engine_args("delayed,speculative,exact"), out.append)
+    # built once in the first mode; accumulations smallest first, every mode at each (three steps: one
+    # warm-up, two timed; no profiled step on the CPU)
+    modes = ("delayed", "speculative", "exact")
+    expected = [("built", "delayed")]
+    for accum in (1, 2):
+        for mode in modes:
+            expected += [("set_update", mode)] + [("step", mode, accum)] * 3
+    assert _UpdateEngine.log == expected + [("closed",)]
+    assert [(r["accum"], r["update"]) for r in out] == [(a, u) for a in (1, 2) for u in modes]
+    for r in out:
+        assert r["status"] == "ok" and r["exposed_optimizer_s"] == 0.25 and r["optimizer_update_s"] == 1.5
+        assert r["rollbacks"] == (2 if r["update"] == "speculative" else 0)  # the timed steps only
+        # every mode of an accumulation is compared with that accumulation's own plan
+        assert (r["rss_plan_host_bytes"], r["rss_plan_tokens_per_step"]) == (r["planned_host_bytes"],
+                                                                             r["tokens_per_step"])
+
+
