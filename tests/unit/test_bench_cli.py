@@ -68,18 +68,19 @@ def test_lora_mode_trains_adapters_and_is_planned(tmp_path):
                         "--lora-targets", "q_proj,v_proj", "--accum", "2,1")
     assert [(r["system"], r["mode"], r["status"]) for r in runs] == [("horizon-ray", "lora", "ok")] * 2
     from horizon_ray.bench.shapes import resolve_shape
-    from horizon_ray.planner import LoraSpec, plan
+    from horizon_ray.planner import Adapters, plan
+    from horizon_ray.planner.shapes import adapter_params
 
     tiny = resolve_shape("tiny")
     full = plan(tiny, seq_len=64, micro_batch_size=2, grad_accum=1, checkpoint_every=1,
                 compute_dtype="float32", device="cpu")
-    lora = LoraSpec(rank=4, targets=("q_proj", "v_proj"))
+    lora = Adapters(r=4, targets=("q_proj", "v_proj"))
     for r in runs:
         assert r["tokens_per_s"] > 0
         # a LoRA store holds the base once (no master copy, moments or gradient): less than a full fine-tune
         assert 0 < r["planned_host_bytes"] < full.host_bytes - 8 * r["params"]
         # the child trained and was planned with the suite's --lora-r and --lora-targets
-        assert r["trainable_params"] == lora.num_params(tiny)
+        assert r["trainable_params"] == adapter_params(lora, tiny)
         assert r["planned_host_bytes"] == plan(tiny, method="lora", lora=lora, seq_len=64, micro_batch_size=2,
                                                grad_accum=r["accum"], checkpoint_every=1, compute_dtype="float32",
                                                device="cpu", loss_chunk_tokens=1024).host_bytes
