@@ -10,15 +10,9 @@ or, against the coordinator of a running Ray cluster, ``uvicorn --factory api.ap
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import types
-import typing
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.types import Scope
@@ -30,7 +24,6 @@ from api.jobs import job_routes
 from api.limits import BodyLimitMiddleware
 from api.metrics import ApiMetrics, MetricsMiddleware
 from api.settings import ApiSettings
-from horizon_ray import jobspec
 from horizon_ray.cluster.client import CoordinatorClient
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -66,7 +59,6 @@ def create_app(client: CoordinatorClient, settings: ApiSettings) -> FastAPI:
     # The middleware added last runs outermost: metrics see every answer, the body limit's 413s too.
     app.add_middleware(BodyLimitMiddleware, limit_for=limit_for)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
-    app.openapi = lambda: _openapi(app)
     return app
 
 
@@ -95,81 +87,3 @@ def _mount_dashboard(app: FastAPI) -> None:
             "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-
-
-# ---- OpenAPI: document the job spec body with the schema of horizon_ray.jobspec ------------------------
-
-
-def _openapi(app: FastAPI) -> dict[str, Any]:
-    if app.openapi_schema:
-        return app.openapi_schema
-    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-    components = schema.setdefault("components", {}).setdefault("schemas", {})
-    components.update(jobspec_schemas())
-    components.setdefault("securitySchemes", {})
-    schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-    open_paths = {"/healthz", "/readyz", "/metrics"}
-    for path, ops in schema.get("paths", {}).items():
-        for op in ops.values():
-            if path not in open_paths:
-                op["security"] = [{"bearer": []}]
-            body = op.get("requestBody", {}).get("content", {}).get("application/json")
-            if body is not None and path in ("/plan", *JOB_BASES):
-                body["schema"] = {"$ref": "#/components/schemas/JobSpec"}
-    app.openapi_schema = schema
-    return schema
-
-
-# Fields whose value must be one of a fixed set (validated by JobSpec too; here for documentation).
-_ENUMS = {
-    ("DataSpec", "format"): jobspec.DATA_FORMATS,
-    ("JobSpec", "method"): jobspec.METHODS,
-    ("ScheduleSpec", "type"): jobspec.SCHEDULES,
-    ("EngineSpec", "compute_dtype"): jobspec.COMPUTE_DTYPES,
-    ("EngineSpec", "precision"): jobspec.PRECISIONS,
-}
-_DESCRIPTIONS = {
-    ("ModelSpec", "path"): "catalogue name, or a model directory relative to (or inside) a model root",
-    ("ModelSpec", "tokenizer_path"): "like path; default: the model directory",
-    ("DataSpec", "path"): "an uploaded file id (file-...), or a JSONL file relative to (or inside) a data root",
-    ("DataSpec", "eval_path"): "like path",
-    ("JobSpec", "output_dir"): "optional; relative to your output namespace. Default: one directory per job",
-}
-
-
-def jobspec_schemas() -> dict[str, Any]:
-    """JSON schemas of JobSpec and its sections (strict: no additional properties), by dataclass name."""
-    out: dict[str, Any] = {}
-
-    def visit(cls: type) -> None:
-        hints = typing.get_type_hints(cls)
-        props: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            tp = hints[f.name]
-            prop = _type_schema(tp, visit)
-            if f.default is not dataclasses.MISSING and not dataclasses.is_dataclass(tp):
-                prop["default"] = copy.deepcopy(f.default)
-            if (cls.__name__, f.name) in _ENUMS:
-                prop["enum"] = list(_ENUMS[(cls.__name__, f.name)])
-            if (cls.__name__, f.name) in _DESCRIPTIONS:
-                prop["description"] = _DESCRIPTIONS[(cls.__name__, f.name)]
-            props[f.name] = prop
-        out[cls.__name__] = {"type": "object", "title": cls.__name__, "properties": props,
-                             "additionalProperties": False}
-
-    visit(jobspec.JobSpec)
-    return out
-
-
-def _type_schema(tp: Any, visit) -> dict[str, Any]:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return {"anyOf": [_type_schema(args[0], visit), {"type": "null"}]}
-    if dataclasses.is_dataclass(tp):
-        visit(tp)
-        return {"$ref": f"#/components/schemas/{tp.__name__}"}
-    if origin is list:
-        return {"type": "array", "items": _type_schema(typing.get_args(tp)[0], visit)}
-    return {bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"},
-            str: {"type": "string"}}[tp]

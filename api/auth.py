@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastapi import Request
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError
@@ -69,7 +70,13 @@ def bearer_token(request: Request) -> str:
     return token.strip()
 
 
-async def current_tenant(request: Request) -> Tenant:
+# Documents the scheme in the OpenAPI schema of every route that depends on current_tenant; the header is
+# checked below, for errors of our own form.
+_BEARER = HTTPBearer(scheme_name="bearer", auto_error=False, description="an API key: `Authorization: Bearer <key>`")
+
+
+async def current_tenant(request: Request,
+                         _: HTTPAuthorizationCredentials | None = Depends(_BEARER)) -> Tenant:
     """The dependency of every tenant-scoped route: 401 without a valid key, else the key's tenant."""
     settings: ApiSettings = request.app.state.settings
     tenant = tenant_for_key(settings, bearer_token(request))

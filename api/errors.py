@@ -1,8 +1,10 @@
 """The one place that turns errors into HTTP responses.
 
 Every error body is ``{"error": {"code": str, "message": str, ...}}``; validation errors add ``field`` (the
-dotted name of the first bad field) and ``details``. Domain errors of the coordinator map to a status by
-their type; anything unexpected becomes a 500 with a fixed message. A traceback never leaves the process.
+dotted name of the first bad field) and ``details``; a job spec in a body that does not parse is an
+``invalid_spec`` with the same message the CLI prints. Domain errors of the coordinator map to a status by
+their type, a ``BadInput`` of our own code to 422; anything unexpected becomes a 500 with a fixed message. A
+traceback never leaves the process.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from horizon_ray.cluster.errors import (
     JobRejected,
     QuotaExceeded,
 )
+from horizon_ray.errors import BadInput
+from horizon_ray.jobspec import spec_error
 
 log = logging.getLogger("api")
 
@@ -150,6 +154,11 @@ async def _domain_error(request: Request, exc: HorizonError) -> JSONResponse:
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
+    inside = [e for e in errors if tuple(e.get("loc", ()))[:1] == ("body",) and len(e.get("loc", ())) > 1
+              and e.get("type") != "json_invalid"]
+    if inside:  # within the JSON object of a body: the only such bodies are job specs
+        bad = spec_error({**inside[0], "loc": tuple(inside[0]["loc"])[1:]})
+        return error_response(422, InvalidSpec.code, bad.message, field=bad.field)
     details = [
         {"field": _loc_to_field(e.get("loc", ()), e.get("type", "")), "message": e.get("msg", ""),
          "type": e.get("type", "")}
@@ -170,6 +179,10 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return error_response(exc.status_code, code, message, headers=getattr(exc, "headers", None))
 
 
+async def _bad_input(request: Request, exc: BadInput) -> JSONResponse:
+    return error_response(422, "bad_input", exc.message, field=exc.field)
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return error_response(500, "internal_error", "internal server error; the server log has the details")
@@ -178,6 +191,7 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HorizonError, _domain_error)
+    app.add_exception_handler(BadInput, _bad_input)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -39,12 +39,12 @@ from api.schemas import (
 )
 from horizon_ray.cluster.errors import HorizonError
 from horizon_ray.cluster.messages import JobEvent, JobStatus
+from horizon_ray.jobspec import JobSpec
 
 JOB_ID = Annotated[str, PathParam(min_length=1, max_length=64, description="job id, job-<hex>")]
 SPEC_BODY = Annotated[
-    dict[str, Any],
-    Body(description="a job spec: the same schema as the YAML file `horizon-ray finetune` reads",
-         openapi_examples={"tiny": {"summary": "a small run", "value": {
+    JobSpec,
+    Body(openapi_examples={"tiny": {"summary": "a small run", "value": {
              "model": {"path": "tiny-llama"}, "data": {"path": "file-0123456789abcdef01234567"},
              "training": {"max_steps": 20, "lr": 1e-4, "seq_len": 128}}}}),
 ]
@@ -55,11 +55,11 @@ MAX_SEQ = 2**62  # event sequence numbers fit the job store's 64-bit integers
 log = logging.getLogger("api")
 
 
-def checked_spec(tenant: Tenant, spec: dict[str, Any]) -> dict[str, Any]:
-    """The spec with its paths confined to what the tenant may read (422 naming the field otherwise).
-
-    The coordinator validates the rest strictly (InvalidSpec -> 422 naming the field)."""
-    return confine_spec(spec, PathPolicy(tenant.settings, tenant.name))
+def checked_spec(tenant: Tenant, spec: JobSpec) -> dict[str, Any]:
+    """The spec as the tenant wrote it (the keys given), with its paths confined to what the tenant may read
+    (422 naming the field otherwise). Its shape was checked by the route; the coordinator checks the rest
+    (InvalidSpec -> 422 naming the field)."""
+    return confine_spec(spec.model_dump(exclude_unset=True), PathPolicy(tenant.settings, tenant.name))
 
 
 def job_routes(base: str) -> APIRouter:

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-# A tenant name becomes a directory name: keep it to a safe alphabet.
-TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+from horizon_ray.cluster.tenants import check_tenant_name
+from horizon_ray.errors import BadInput
 
 ENV_KEYS = "HORIZON_API_KEYS"  # "key1=tenant-a,key2=tenant-b"
 ENV_KEYS_FILE = "HORIZON_API_KEYS_FILE"  # YAML/JSON mapping key -> tenant, or {"keys": {...}}
@@ -59,18 +58,15 @@ class ApiSettings:
     def __post_init__(self) -> None:
         for key, tenant in self.api_keys.items():
             if not key or not key.strip():
-                raise ValueError("an API key is empty; give every tenant a non-empty key")
-            if not TENANT_RE.fullmatch(tenant):
-                raise ValueError(
-                    f"tenant name {tenant!r} is not allowed; use letters, digits, '_', '.', '-' (max 64)"
-                )
+                raise BadInput("an API key is empty; give every tenant a non-empty key")
+            check_tenant_name(tenant)  # a tenant name becomes a directory name
         self.uploads_dir = Path(self.uploads_dir).resolve()
         self.jobs_root = Path(self.jobs_root).resolve()
         self.data_roots = [Path(p).resolve() for p in self.data_roots]
         self.model_roots = [Path(p).resolve() for p in self.model_roots]
         self.model_catalogue = {name: Path(p).resolve() for name, p in self.model_catalogue.items()}
         if self.max_body_bytes <= 0 or self.max_upload_bytes <= 0:
-            raise ValueError("max_body_bytes and max_upload_bytes must be positive")
+            raise BadInput("max_body_bytes and max_upload_bytes must be positive")
 
     def files_dir(self, tenant: str) -> Path:
         """Where a tenant's uploaded datasets live."""
@@ -127,7 +123,7 @@ def _pairs(text: str, what: str) -> dict[str, str]:
             continue
         key, sep, value = item.partition("=")
         if not sep or not key.strip() or not value.strip():
-            raise ValueError(f"{what}: entry {item!r} is not NAME=VALUE; write a=x,b=y (e.g. key1=tenant-a)")
+            raise BadInput(f"{what}: entry {item!r} is not NAME=VALUE; write a=x,b=y (e.g. key1=tenant-a)")
         out[key.strip()] = value.strip()
     return out
 
@@ -139,5 +135,5 @@ def load_api_keys_file(path: str | Path) -> dict[str, str]:
     if isinstance(data, dict) and set(data) == {"keys"}:
         data = data["keys"]
     if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
-        raise ValueError(f"{path}: expected a mapping of API key -> tenant name")
+        raise BadInput(f"{path}: expected a mapping of API key -> tenant name")
     return dict(data)

@@ -1,158 +1,268 @@
-"""The fine-tuning job spec: one dataclass tree, loaded strictly from YAML (CLI) or a dict (REST API).
+"""The fine-tuning job spec: one tree of pydantic models that the job runner, the planner and the API consume.
 
-Every default lives in the dataclasses below. Loading is strict: an unknown key is an error that names the
-key, the valid keys and the closest match; an impossible value is an error that names the fix. The spec is
-JSON-friendly both ways (``to_dict()`` / ``from_dict()``), so the REST API accepts the same schema as JSON.
+Every default lives in the models below, and their JSON schema is what the API documents. Loading is
+strict: an unknown key is an error that names the key, the valid keys and the closest match; a value of the
+wrong type or an impossible value is an error that names the fix (``BadInput``, with ``field``). Numbers that
+YAML reads as strings (``1e-4``) are numbers.
 
-Paths are kept as written (``~`` is expanded) and are checked for existence by the job runner on the node
-that runs the job, not here: the machine that validates a spec need not see the node's disks.
+Two steps, so that a spec another side completes can be checked early: ``JobSpec.parse`` (shape: keys,
+types, ranges of integers) and ``JobSpec.check`` (what makes a job: required paths, values that cannot
+train); ``JobSpec.from_dict`` does both. Paths are kept as written and checked for existence by the job
+runner on the node that runs the job (``check_paths``), not here: the machine that validates a spec need
+not see the node's disks. ``~`` means the home directory only in specs read from files on this machine
+(``from_dict`` / ``from_yaml``), never in a spec that came over HTTP.
+
+The settings the planner reads take their defaults from ``horizon_ray.workload``, whose plain view of a
+job the planner plans (``JobSpec.workload``), and whose ``resolve`` decides every "auto" of a spec for a node
+for the runner (``JobSpec.resolve``, ``EngineConfig.from_spec``), the planner and placement alike.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import hashlib
 import json
 import math
 import os
-import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
-DATA_FORMATS = ("auto", "alpaca", "messages", "text")
-# Spec keys that hold paths: the only strings in which a leading ~ means the home directory.
-PATH_KEYS = ("model.path", "model.tokenizer_path", "data.path", "data.eval_path", "output_dir")
+from horizon_ray.engine.model import DTYPE_BYTES, KERNELS, PRECISIONS, PROJECTIONS, UPDATES
+from horizon_ray.errors import BadInput
+from horizon_ray.workload import Adapters, Resolved, Workload, resolve
+
+_W, _A = Workload, Adapters  # the defaults of what the planner reads
+
 METHODS = ("full", "lora")
+DATA_FORMATS = ("auto", "alpaca", "messages", "text")
 SCHEDULES = ("constant", "linear", "cosine")
-DEVICES = ("auto", "cpu", "cuda")
-COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
-PRECISIONS = ("exact", "bf16-state")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+COMPUTE_DTYPES = ("auto", *DTYPE_BYTES)
 
 
-@dataclass
-class ModelSpec:
-    path: str = ""  # HF model directory: config.json + *.safetensors (required)
-    tokenizer_path: str | None = None  # directory with tokenizer.json; None: the model directory
+# ---- value types -------------------------------------------------------------------------------------
 
 
-@dataclass
-class DataSpec:
-    path: str = ""  # training data, JSONL (required)
-    format: str = "auto"  # alpaca | messages | text | auto (detected from the first record)
-    eval_fraction: float = 0.05  # share of `path` held out for eval when eval_path is not given; 0: no eval
-    eval_path: str | None = None  # separate eval file in the same format; overrides eval_fraction
+def _number(value: Any) -> Any:
+    # PyYAML reads `1e-4` (no dot) as a string; any string that is a plain number is that number.
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
-@dataclass
-class ScheduleSpec:
-    type: str = "cosine"  # constant | linear | cosine (linear and cosine decay after the warmup)
-    warmup_steps: int = 0  # steps of linear warmup from ~0 to training.lr
-    min_lr_ratio: float = 0.0  # lr at the end of the decay, as a fraction of training.lr
+def _integer(value: Any) -> Any:
+    value = _number(value)
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-@dataclass
-class TrainingSpec:
-    seq_len: int = 512  # tokens per sequence (packed rows or padded examples)
-    micro_batch_size: int = 4  # sequences per micro-batch
-    grad_accum: int = 1  # micro-batches per optimizer step
-    epochs: float | None = None  # passes over the training split; with max_steps, whichever ends first
-    max_steps: int | None = None  # optimizer steps; one of epochs / max_steps is required
-    lr: float = 2e-5  # peak learning rate
-    schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
-    weight_decay: float = 0.0  # decoupled (AdamW) weight decay
-    max_grad_norm: float | None = 1.0  # global-norm clipping; null: no clipping
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
-    eps: float = 1e-8  # AdamW epsilon
-    seed: int = 0  # data order and shuffling; the whole run is a function of it
-    packing: bool = True  # pack several examples per row (no cross-attention between them)
+def _float(value: Any) -> Any:
+    value = _number(value)
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
-@dataclass
-class EvalSpec:
-    every_steps: int = 0  # evaluate every N optimizer steps; 0: only before the first and after the last
-    max_batches: int | None = None  # cap on eval micro-batches per evaluation; null: the whole eval split
+def _expand_user(value: str, info: ValidationInfo) -> str:
+    # A spec read from a file on this machine may write ~ for the home directory; one that came over HTTP
+    # may not (the API refuses it: the server's home is nobody's business).
+    if info.context and info.context.get("expand_user") and value.startswith("~"):
+        return os.path.expanduser(value)
+    return value
 
 
-@dataclass
-class CheckpointSpec:
-    every_steps: int = 0  # job checkpoint (resumable training state) every N steps; 0: none
-    keep: int = 2  # newest complete checkpoints kept on disk
+Int = Annotated[int, BeforeValidator(_integer), Strict()]
+Float = Annotated[float, BeforeValidator(_float), Strict()]
+PathStr = Annotated[StrictStr, AfterValidator(_expand_user)]
+Method = Literal[METHODS]
+DataFormat = Literal[DATA_FORMATS]
+Schedule = Literal[SCHEDULES]
+ComputeDtype = Literal[COMPUTE_DTYPES]
+Precision = Literal[PRECISIONS]
+Update = Literal[UPDATES]
+Kernels = Literal[KERNELS]
+Projection = Literal[tuple(PROJECTIONS)]
 
 
-@dataclass
-class EngineSpec:
-    device: str = "auto"  # auto (cuda when present, else cpu) | cpu | cuda | cuda:N
-    compute_dtype: str = "auto"  # auto (bfloat16 on cuda, float32 on cpu) | float32 | bfloat16
-    precision: str = "exact"  # exact: fp32 master + fp32 AdamW moments | bf16-state: half the host RAM
-    activation_checkpoint_every: int = 1  # keep one layer input every K layers (recomputed in backward)
-    loss_chunk_tokens: int = 1024  # tokens per chunk of the LM head + cross-entropy
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
 
-@dataclass
-class LoraSpec:
-    r: int = 8  # rank of every adapter
-    alpha: float = 16.0  # scaling of the adapters' output is alpha / r
-    dropout: float = 0.0  # dropout on each adapter's input while training
-    targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])  # projections that get an adapter
-    # norms trained beside the adapters, by PEFT's modules_to_save names: "norm" (every norm),
-    # "input_layernorm", "post_attention_layernorm", "model.norm" (the final one)
-    modules_to_save: list[str] = field(default_factory=list)
-    merge: bool = False  # also write the merged full model (W + alpha/r x B A, HF format) to final/merged
+# ---- the spec ----------------------------------------------------------------------------------------
 
 
-@dataclass
-class JobSpec:
-    model: ModelSpec = field(default_factory=ModelSpec)
-    data: DataSpec = field(default_factory=DataSpec)
-    method: str = "full"  # full: every weight trains | lora: adapters on the frozen base (see lora)
-    training: TrainingSpec = field(default_factory=TrainingSpec)
-    eval: EvalSpec = field(default_factory=EvalSpec)
-    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
-    engine: EngineSpec = field(default_factory=EngineSpec)
-    lora: LoraSpec | None = None  # method lora only; absent: LoraSpec's defaults
-    output_dir: str = ""  # metrics.jsonl, checkpoints/, final/ go here (required)
-    name: str | None = None  # free-form label shown in logs
+class ModelSpec(_Section):
+    path: PathStr = Field("", description=(
+        "the base model: an HF model directory (config.json + *.safetensors); over the API a catalogue name, or a "
+        "directory relative to (or inside) a model root. Required"))
+    tokenizer_path: PathStr | None = Field(None, description=(
+        "directory with tokenizer.json, like path; null: the model directory"))
+
+
+class DataSpec(_Section):
+    path: PathStr = Field("", description=(
+        "training data, JSONL (a file or a folder of them); over the API an uploaded file id (file-...), or a file "
+        "relative to (or inside) a data root. Required"))
+    format: DataFormat = Field("auto", description="alpaca | messages | text | auto (detected from the first record)")
+    eval_fraction: Float = Field(0.05, description=(
+        "share of path held out for eval when eval_path is not given; 0: no eval"))
+    eval_path: PathStr | None = Field(None, description=(
+        "separate eval file in the same format, like path; overrides eval_fraction"))
+
+
+class ScheduleSpec(_Section):
+    type: Schedule = Field("cosine", description=(
+        "constant | linear | cosine (linear and cosine decay after the warmup)"))
+    warmup_steps: Int = Field(0, ge=0, description="steps of linear warmup from ~0 to training.lr")
+    min_lr_ratio: Float = Field(0.0, description="lr at the end of the decay, as a fraction of training.lr")
+
+
+class TrainingSpec(_Section):
+    seq_len: Int = Field(_W.seq_len, ge=1, description="tokens per sequence (packed rows or padded examples)")
+    micro_batch_size: Int = Field(_W.micro_batch_size, ge=1, description="sequences per micro-batch")
+    grad_accum: Int = Field(_W.grad_accum, ge=1, description="micro-batches per optimizer step")
+    epochs: Float | None = Field(None, description=(
+        "passes over the training split; with max_steps, whichever ends first"))
+    max_steps: Int | None = Field(None, ge=1, description="optimizer steps; one of epochs / max_steps is required")
+    lr: Float = Field(2e-5, description="peak learning rate")
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
+    weight_decay: Float = Field(0.0, description="decoupled (AdamW) weight decay")
+    max_grad_norm: Float | None = Field(1.0, description="global-norm clipping; null: no clipping")
+    betas: list[Float] = Field(default_factory=lambda: [0.9, 0.999], description="AdamW betas")
+    eps: Float = Field(1e-8, description="AdamW epsilon")
+    seed: Int = Field(0, ge=0, description="data order and shuffling; the whole run is a function of it")
+    packing: StrictBool = Field(_W.packed, description=(
+        "pack several examples per row (no cross-attention between them)"))
+    update: Update = Field(_W.update, description=(
+        "when the host AdamW of step n runs: exact (once the step's global grad norm is known, overlapping step "
+        "n+1's forward); delayed (overlapping all of step n+1's GPU work, so step n+1 trains on the weights after "
+        "step n-1: NOT exact); speculative (each unit as soon as its gradient is final, assuming clipping will not "
+        "trigger; redone when it did: exact whenever clipping is inactive)"))
+    kernels: Kernels = Field("auto", description=(
+        "the layer template's kernels: torch, liger (Liger-Kernel's fused ops, CUDA only) or auto (liger on CUDA "
+        "when installed, torch elsewhere)"))
+
+
+class EvalSpec(_Section):
+    every_steps: Int = Field(0, ge=0, description=(
+        "evaluate every N optimizer steps; 0: only before the first and after the last"))
+    max_batches: Int | None = Field(None, ge=1, description=(
+        "cap on eval micro-batches per evaluation; null: the whole eval split"))
+
+
+class CheckpointSpec(_Section):
+    every_steps: Int = Field(0, ge=0, description="job checkpoint (resumable training state) every N steps; 0: none")
+    keep: Int = Field(2, ge=1, description="newest complete checkpoints kept on disk")
+
+
+class EngineSpec(_Section):
+    device: StrictStr = Field(_W.device, description=(
+        "auto (cuda when the node has a GPU, else cpu) | cpu | cuda | cuda:N"))
+    compute_dtype: ComputeDtype = Field(_W.compute_dtype, description=(
+        "auto (bfloat16 on cuda or with precision bf16-state, else float32) | float32 | bfloat16"))
+    precision: Precision = Field("exact", description=(
+        "exact: fp32 master + fp32 AdamW moments | bf16-state: half the host RAM, updates below bf16 resolution "
+        "are lost"))
+    activation_checkpoint_every: Int = Field(_W.checkpoint_every, ge=1, description=(
+        "keep one layer input every K layers (recomputed in backward)"))
+    loss_chunk_tokens: Int = Field(_W.loss_chunk_tokens, ge=1, description=(
+        "tokens per chunk of the LM head + cross-entropy"))
+    layer_chunk_tokens: Int = Field(_W.layer_chunk_tokens, ge=1, description=(
+        "micro-batches run through a layer in row groups of at most this many tokens (bounds the GPU workspace, "
+        "not the math)"))
+    offload_checkpoints: Literal["auto"] | StrictBool = Field(_W.offload_checkpoints, description=(
+        "keep activation checkpoints in pinned host memory instead of GPU memory; auto: on cuda (on the cpu there "
+        "is nothing to offload)"))
+
+
+class LoraSpec(_Section):
+    r: Int = Field(_A.r, ge=1, description="rank of every adapter")
+    alpha: Float = Field(16.0, description="the adapters' output is scaled by alpha / r")
+    dropout: Float = Field(0.0, description="dropout on each adapter's input while training")
+    targets: list[Projection] = Field(default_factory=lambda: list(_A.targets), description=(
+        "projections of every layer that get an adapter"))
+    modules_to_save: list[StrictStr] = Field(default_factory=lambda: list(_A.modules_to_save), description=(
+        "norms trained beside the adapters, by PEFT's modules_to_save names: norm (every norm), input_layernorm, "
+        "post_attention_layernorm, model.norm (the final one)"))
+    merge: StrictBool = Field(False, description=(
+        "also write the merged full model (W + alpha/r x B A, HF format) to final/merged"))
+
+    def adapters(self) -> Adapters:
+        """What a plan counts of this section."""
+        return Adapters(r=self.r, targets=tuple(self.targets), modules_to_save=tuple(self.modules_to_save))
+
+    def check(self) -> None:
+        """Raise BadInput naming the fix for the first value that cannot train adapters."""
+        if not (self.alpha > 0 and math.isfinite(self.alpha)):
+            raise BadInput(f"lora.alpha is {self.alpha}; set it > 0 (e.g. 16; the adapters' scaling is alpha / r)",
+                           field="lora.alpha")
+        if not 0.0 <= self.dropout < 1.0:
+            raise BadInput(f"lora.dropout is {self.dropout}; set it in [0, 1) (e.g. 0.05, or 0 for none)",
+                           field="lora.dropout")
+        self.adapters().check()
+
+
+class JobSpec(_Section):
+    """A fine-tuning job: the YAML file `horizon-ray finetune` reads, and the body of POST /finetune."""
+
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    method: Method = Field("full", description=(
+        "full: every weight trains | lora: adapters on the frozen base (see lora)"))
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    lora: LoraSpec | None = Field(None, description="method lora only; absent: the defaults")
+    output_dir: PathStr = Field("", description=(
+        "metrics.jsonl, checkpoints/, final/ go here. Required in a file; over the API optional, relative to your "
+        "output namespace (default: one directory per job)"))
+    name: StrictStr | None = Field(None, description="free-form label shown in logs")
+
+    @model_validator(mode="after")
+    def _lora_defaults(self) -> JobSpec:
+        if self.method == "lora" and self.lora is None:
+            self.lora = LoraSpec()
+        return self
 
     # ---- loading -------------------------------------------------------------------------------------
 
     @classmethod
     def from_dict(cls, data: Any) -> JobSpec:
-        """Build and validate a spec from plain data (parsed YAML or JSON). Strict: unknown keys fail."""
-        spec = _build(cls, data, prefix="")
-        if spec.method == "lora" and spec.lora is None:
-            spec.lora = LoraSpec()
-        spec.validate()
+        """Build and check a spec from plain data (parsed YAML or JSON) read on this machine."""
+        spec = cls.parse(data, expand_user=True)
+        spec.check()
         return spec
 
     @classmethod
-    def check_shape(cls, data: Any) -> None:
-        """The strict parse of from_dict without its validation: every section a mapping, every key known,
-        every value of its type. For a spec that another side completes (the coordinator names output_dir)."""
-        _build(cls, data, prefix="")
+    def parse(cls, data: Any, *, expand_user: bool = False) -> JobSpec:
+        """The strict parse of from_dict without its check: every section a mapping, every key known, every
+        value of its type. For a spec another side completes (the coordinator names output_dir)."""
+        return parse(cls, data, context={"expand_user": expand_user})
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
-        """Load a YAML file, apply ``key.sub=value`` overrides (values parsed as YAML), validate."""
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise ValueError(f"job spec {str(p)!r} does not exist; pass the path of a YAML job spec")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{p}: not valid YAML ({exc}); fix the syntax") from None
-        if data is None:
-            data = {}
-        data = apply_overrides(data, overrides)
-        return cls.from_dict(data)
+        """Load a YAML file, apply ``key.sub=value`` overrides (values parsed as YAML), check."""
+        return cls.from_dict(read_yaml(path, overrides))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return self.model_dump()
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -161,11 +271,16 @@ class JobSpec:
         """Hash of everything that determines the trained weights; a checkpoint only resumes the same job.
 
         Leaves out what may legitimately change between an interrupted run and its resume: the name, the
-        output directory, eval and checkpoint cadence, and the engine's device and memory knobs.
+        output directory, eval and checkpoint cadence, the engine's device and memory knobs, and the kernels
+        (they agree to roundoff). Settings added later hash as before at their defaults, so that an older
+        checkpoint still resumes.
         """
         d = self.to_dict()
         for key in ("name", "output_dir", "eval", "checkpoint", "engine"):
             d.pop(key)
+        d["training"].pop("kernels")
+        if d["training"]["update"] == "exact":
+            d["training"].pop("update")
         if d["lora"] is None:
             d.pop("lora")  # full fine-tuning hashes as it did before LoRA existed
         else:
@@ -175,237 +290,205 @@ class JobSpec:
         blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
-    # ---- validation ----------------------------------------------------------------------------------
+    def resolve(self, *, gpu: bool, device: str | None = None) -> Resolved:
+        """This spec's "auto" settings decided for a node that has a GPU (`gpu`) or not; `device` overrides
+        engine.device."""
+        e = self.engine
+        return resolve(gpu=gpu, device=device or e.device, compute_dtype=e.compute_dtype,
+                       precision=e.precision, offload_checkpoints=e.offload_checkpoints)
 
-    def validate(self) -> None:
-        """Raise ValueError naming the fix for the first impossible value."""
-        _require(self.model.path, "model.path is required: set it to an HF model directory "
-                                  "(config.json + *.safetensors)")
-        _require(self.data.path, "data.path is required: set it to a JSONL training file")
-        _require(self.output_dir, "output_dir is required: set it to a directory for metrics, "
-                                  "checkpoints and the final model")
-        _one_of("data.format", self.data.format, DATA_FORMATS)
-        _one_of("method", self.method, METHODS)
+    def workload(self) -> Workload:
+        """The planner's view of this spec ("auto" still to resolve for a node: ``Workload.resolved``)."""
+        t, e = self.training, self.engine
+        return Workload(seq_len=t.seq_len, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
+                        packed=t.packing, checkpoint_every=e.activation_checkpoint_every,
+                        loss_chunk_tokens=e.loss_chunk_tokens, layer_chunk_tokens=e.layer_chunk_tokens,
+                        device=e.device, compute_dtype=e.compute_dtype, offload_checkpoints=e.offload_checkpoints,
+                        update=t.update)
+
+    # ---- checks --------------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise BadInput naming the fix for the first value that cannot make a job."""
+        _require(self.model.path, "model.path", "model.path is required: set it to an HF model directory "
+                                                "(config.json + *.safetensors)")
+        _require(self.data.path, "data.path", "data.path is required: set it to a JSONL training file")
+        _require(self.output_dir, "output_dir", "output_dir is required: set it to a directory for metrics, "
+                                                "checkpoints and the final model")
         if self.method == "lora":
-            self._validate_lora()
+            self._check_lora()
         elif self.lora is not None:
-            raise ValueError("a lora section is given but method is full; set method: lora to train adapters, "
-                             "or remove the lora section")
-        _one_of("training.schedule.type", self.training.schedule.type, SCHEDULES)
-        if not (self.engine.device in DEVICES or _is_cuda_index(self.engine.device)):
-            raise ValueError(f"engine.device is {self.engine.device!r}; use one of auto, cpu, cuda, cuda:N")
-        _one_of("engine.compute_dtype", self.engine.compute_dtype, COMPUTE_DTYPES)
-        _one_of("engine.precision", self.engine.precision, PRECISIONS)
-        if self.engine.precision == "bf16-state" and self.engine.compute_dtype == "float32":
-            raise ValueError("engine.precision bf16-state computes in bfloat16; set engine.compute_dtype to "
-                             "bfloat16 (or auto on a GPU), or use precision exact")
+            raise BadInput("a lora section is given but method is full; set method: lora to train adapters, or "
+                           "remove the lora section", field="lora")
+        e = self.engine
+        self.resolve(gpu=False)  # refuses a device that is none of auto, cpu, cuda, cuda:N
+        if e.precision == "bf16-state" and e.compute_dtype == "float32":
+            raise BadInput("engine.precision bf16-state computes in bfloat16; set engine.compute_dtype to "
+                           "bfloat16 (or auto), or use precision exact", field="engine.compute_dtype")
 
-        if not 0.0 <= self.data.eval_fraction < 1.0:
-            raise ValueError(f"data.eval_fraction is {self.data.eval_fraction}; set it in [0, 1) "
-                             "(e.g. 0.05), or give data.eval_path")
-        if self.data.eval_path and Path(self.data.eval_path).expanduser().resolve() == \
-                Path(self.data.path).expanduser().resolve():
-            raise ValueError("data.eval_path is the training file itself: its eval loss would measure "
-                             "memorisation; give a separate file, or drop eval_path to hold out eval_fraction")
+        d = self.data
+        if not 0.0 <= d.eval_fraction < 1.0:
+            raise BadInput(f"data.eval_fraction is {d.eval_fraction}; set it in [0, 1) (e.g. 0.05), or give "
+                           "data.eval_path", field="data.eval_fraction")
+        if d.eval_path and Path(d.eval_path).expanduser().resolve() == Path(d.path).expanduser().resolve():
+            raise BadInput("data.eval_path is the training file itself: its eval loss would measure "
+                           "memorisation; give a separate file, or drop eval_path to hold out eval_fraction",
+                           field="data.eval_path")
         t = self.training
         if t.seq_len < 8:
-            raise ValueError(f"training.seq_len is {t.seq_len}; set it to at least 8 (e.g. 512)")
-        _at_least("training.micro_batch_size", t.micro_batch_size, 1)
-        _at_least("training.grad_accum", t.grad_accum, 1)
+            raise BadInput(f"training.seq_len is {t.seq_len}; set it to at least 8 (e.g. 512)",
+                           field="training.seq_len")
         if t.epochs is None and t.max_steps is None:
-            raise ValueError("neither training.epochs nor training.max_steps is set; set one "
-                             "(e.g. training.epochs=1 or training.max_steps=1000)")
+            raise BadInput("neither training.epochs nor training.max_steps is set; set one "
+                           "(e.g. training.epochs=1 or training.max_steps=1000)", field="training.max_steps")
         if t.epochs is not None and not (t.epochs > 0 and math.isfinite(t.epochs)):
-            raise ValueError(f"training.epochs is {t.epochs}; set it > 0 or remove it and set max_steps")
-        if t.max_steps is not None:
-            _at_least("training.max_steps", t.max_steps, 1)
+            raise BadInput(f"training.epochs is {t.epochs}; set it > 0 or remove it and set max_steps",
+                           field="training.epochs")
         if not (t.lr > 0 and math.isfinite(t.lr)):
-            raise ValueError(f"training.lr is {t.lr}; set a positive learning rate (e.g. 2e-5)")
-        _at_least("training.schedule.warmup_steps", t.schedule.warmup_steps, 0)
+            raise BadInput(f"training.lr is {t.lr}; set a positive learning rate (e.g. 2e-5)", field="training.lr")
         if t.max_steps is not None and t.schedule.warmup_steps >= t.max_steps:
-            raise ValueError(f"training.schedule.warmup_steps ({t.schedule.warmup_steps}) must be smaller "
-                             f"than training.max_steps ({t.max_steps}); lower the warmup")
+            raise BadInput(f"training.schedule.warmup_steps ({t.schedule.warmup_steps}) must be smaller than "
+                           f"training.max_steps ({t.max_steps}); lower the warmup",
+                           field="training.schedule.warmup_steps")
         if not 0.0 <= t.schedule.min_lr_ratio <= 1.0:  # NaN fails this too
-            raise ValueError(f"training.schedule.min_lr_ratio is {t.schedule.min_lr_ratio}; set it in [0, 1]")
+            raise BadInput(f"training.schedule.min_lr_ratio is {t.schedule.min_lr_ratio}; set it in [0, 1]",
+                           field="training.schedule.min_lr_ratio")
         if not (t.weight_decay >= 0 and math.isfinite(t.weight_decay)):
-            raise ValueError(f"training.weight_decay is {t.weight_decay}; set it >= 0 (0 disables it)")
-        if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in t.betas):
-            raise ValueError(f"training.betas is {t.betas}; give two numbers in [0, 1) (e.g. [0.9, 0.999])")
-        if not (t.eps > 0 and math.isfinite(t.eps)):
-            raise ValueError(f"training.eps is {t.eps}; set a small positive number (e.g. 1e-8)")
-        if t.max_grad_norm is not None and not (t.max_grad_norm > 0 and math.isfinite(t.max_grad_norm)):
-            raise ValueError(f"training.max_grad_norm is {t.max_grad_norm}; set it > 0, or null for "
-                             "no clipping")
+            raise BadInput(f"training.weight_decay is {t.weight_decay}; set it >= 0 (0 disables it)",
+                           field="training.weight_decay")
         if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):
-            raise ValueError(f"training.betas is {t.betas}; give two numbers in [0, 1), e.g. [0.9, 0.999]")
-        if not t.eps > 0:
-            raise ValueError(f"training.eps is {t.eps}; set it > 0 (e.g. 1e-8)")
-        _at_least("training.seed", t.seed, 0)
-        _at_least("eval.every_steps", self.eval.every_steps, 0)
-        if self.eval.max_batches is not None:
-            _at_least("eval.max_batches", self.eval.max_batches, 1)
-        _at_least("checkpoint.every_steps", self.checkpoint.every_steps, 0)
-        _at_least("checkpoint.keep", self.checkpoint.keep, 1)
-        _at_least("engine.activation_checkpoint_every", self.engine.activation_checkpoint_every, 1)
-        _at_least("engine.loss_chunk_tokens", self.engine.loss_chunk_tokens, 1)
+            raise BadInput(f"training.betas is {t.betas}; give two numbers in [0, 1) (e.g. [0.9, 0.999])",
+                           field="training.betas")
+        if not (t.eps > 0 and math.isfinite(t.eps)):
+            raise BadInput(f"training.eps is {t.eps}; set a small positive number (e.g. 1e-8)",
+                           field="training.eps")
+        if t.max_grad_norm is not None and not (t.max_grad_norm > 0 and math.isfinite(t.max_grad_norm)):
+            raise BadInput(f"training.max_grad_norm is {t.max_grad_norm}; set it > 0, or null for no clipping",
+                           field="training.max_grad_norm")
 
-    def _validate_lora(self) -> None:
-        lo = self.lora if self.lora is not None else LoraSpec()
-        _at_least("lora.r", lo.r, 1)
-        if not (lo.alpha > 0 and math.isfinite(lo.alpha)):
-            raise ValueError(f"lora.alpha is {lo.alpha}; set it > 0 (e.g. 16; the adapters' scaling is alpha / r)")
-        if not 0.0 <= lo.dropout < 1.0:
-            raise ValueError(f"lora.dropout is {lo.dropout}; set it in [0, 1) (e.g. 0.05, or 0 for none)")
-        if not lo.targets:
-            raise ValueError(f"lora.targets is empty; list one or more of {', '.join(LORA_TARGETS)}")
-        for t in lo.targets:
-            _one_of("lora.targets", t, LORA_TARGETS)
-        if len(set(lo.targets)) != len(lo.targets):
-            raise ValueError(f"lora.targets {lo.targets} names a projection twice; list each once")
-        for m in lo.modules_to_save:
-            if not isinstance(m, str) or not m:
-                raise ValueError(f"lora.modules_to_save entry {m!r} is not a module name; name norms: "
-                                 "norm (every norm), input_layernorm, post_attention_layernorm or model.norm")
+    def _check_lora(self) -> None:
+        self.lora.check()
         if self.engine.precision != "exact":
-            raise ValueError(f"engine.precision {self.engine.precision} applies to full fine-tuning; with method "
-                             "lora the base is frozen and the adapters are exact fp32: leave precision exact")
+            raise BadInput(f"engine.precision {self.engine.precision} applies to full fine-tuning; with method "
+                           "lora the base is frozen and the adapters are exact fp32: leave precision exact",
+                           field="engine.precision")
+        if self.training.update != "exact":
+            raise BadInput(f"training.update {self.training.update} hides the host update of full fine-tuning; with "
+                           "method lora the adapters' update takes milliseconds: leave update exact",
+                           field="training.update")
 
     def check_paths(self) -> None:
-        """Check, on the node that runs the job, that the inputs exist. Raises ValueError naming the fix."""
+        """Check, on the node that runs the job, that the inputs exist. Raises BadInput naming the fix."""
         model = Path(self.model.path).expanduser()
         if not (model / "config.json").is_file():
-            raise ValueError(f"model.path {str(model)!r} is not an HF model directory (no config.json); "
-                             "point it at a directory written by save_pretrained")
+            raise BadInput(f"model.path {str(model)!r} is not an HF model directory (no config.json); point it "
+                           "at a directory written by save_pretrained", field="model.path")
         tok = Path(self.model.tokenizer_path or self.model.path).expanduser()
         if not any((tok / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-            raise ValueError(f"no tokenizer.json in {str(tok)!r}; set model.tokenizer_path to the directory "
-                             "that holds the tokenizer")
+            raise BadInput(f"no tokenizer.json in {str(tok)!r}; set model.tokenizer_path to the directory that "
+                           "holds the tokenizer", field="model.tokenizer_path")
         for key, value in (("data.path", self.data.path), ("data.eval_path", self.data.eval_path)):
             if value is not None and not Path(value).expanduser().exists():
-                raise ValueError(f"{key} {value!r} does not exist; point it at a JSONL file (or a folder "
-                                 "of them)")
+                raise BadInput(f"{key} {value!r} does not exist; point it at a JSONL file (or a folder of them)",
+                               field=key)
 
 
-# ---- overrides ---------------------------------------------------------------------------------------
+# ---- parsing and its errors --------------------------------------------------------------------------
 
 
-def apply_overrides(data: Any, overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides to nested plain data; values are parsed as YAML (``null``, lists)."""
+def parse(cls: type[BaseModel], data: Any, *, prefix: str = "", context: dict | None = None) -> Any:
+    """`cls` (JobSpec or one of its sections, whose keys are `prefix` + name) validated from plain data;
+    BadInput naming the field and the fix otherwise."""
     if not isinstance(data, dict):
-        raise ValueError(f"a job spec must be a mapping at the top level, not {type(data).__name__}")
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ValueError(f"override {item!r} is not key=value; write e.g. training.lr=1e-4")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            value = raw
-        node = data
-        parts = key.split(".")
-        for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ValueError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
-            node = child
-        node[parts[-1]] = value
-    return data
+        where = prefix.rstrip(".") or "the job spec"
+        raise BadInput(f"{where} must be a mapping of keys to values, not {type(data).__name__}",
+                       field=prefix.rstrip(".") or None)
+    try:
+        return cls.model_validate(data, context=context)
+    except ValidationError as exc:
+        raise spec_error(exc.errors()[0], cls, prefix) from None
 
 
-# ---- strict building ---------------------------------------------------------------------------------
+def spec_error(err: dict[str, Any], root: type[BaseModel] = JobSpec, prefix: str = "") -> BadInput:
+    """The BadInput for one pydantic error of `root` (the API turns request-body errors into the same)."""
+    loc, kind, value = tuple(err.get("loc", ())), err.get("type", ""), err.get("input")
+    if kind == "extra_forbidden":
+        where = _walk(root, loc[:-1])
+        section_prefix = prefix + (f"{where.key}." if where.key else "")
+        return BadInput(_unknown_key_message(str(loc[-1]), section_prefix, list(where.model.model_fields)),
+                        field=section_prefix + str(loc[-1]))
+    where = _walk(root, loc)
+    key = prefix + where.key
+    if kind == "literal_error":
+        return BadInput(_one_of_message(key, value, _literal_values(where.annotation)), field=key)
+    if kind == "greater_than_equal":
+        return BadInput(f"{key} is {value}; set it to {err['ctx']['ge']} or more", field=key)
+    if value is None and kind != "missing":
+        return BadInput(f"{key} cannot be null; give a value or remove the key to use the default", field=key)
+    expected = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
+                "string_type": "a string", "list_type": "a list"}.get(kind)
+    if expected:
+        return BadInput(f"{key} must be {expected}; got {value!r}", field=key)
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return BadInput(f"{key} must be a mapping of keys to values, not {type(value).__name__}", field=key)
+    return BadInput(f"{key}: {err.get('msg', 'invalid value')}", field=key or None)
 
 
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    where = prefix.rstrip(".") or "the job spec"
-    if not isinstance(data, dict):
-        raise ValueError(f"{where} must be a mapping of keys to values, not {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in names:
-            raise ValueError(_unknown_key_message(str(key), prefix, names))
-        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
-    return cls(**kwargs)
+@dataclass
+class _Place:
+    model: type[BaseModel]  # the section that holds the field (or the section itself for an empty loc)
+    key: str  # dotted key, list indices as [i]
+    annotation: Any  # the field's type
 
 
-def _coerce(tp: Any, value: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        assert len(args) == 1, tp
-        return _coerce(args[0], value, key)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, f"{key}.")
-    if value is None:
-        raise ValueError(f"{key} cannot be null; give a value or remove the key to use the default")
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{key} must be a list, e.g. [0.9, 0.999]; got {value!r}")
-        (item_tp,) = typing.get_args(tp)
-        return [_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ValueError(f"{key} must be true or false; got {value!r}")
-    if tp is int:
-        number = _number(value)
-        if number is not None and float(number).is_integer():
-            return int(number)
-        raise ValueError(f"{key} must be an integer; got {value!r}")
-    if tp is float:
-        number = _number(value)
-        if number is not None:
-            return float(number)
-        raise ValueError(f"{key} must be a number; got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            if key in PATH_KEYS and value.startswith("~"):
-                return os.path.expanduser(value)
-            return value
-        raise ValueError(f"{key} must be a string; got {value!r}")
-    raise AssertionError(f"unhandled spec type {tp!r} for {key}")
+def _walk(root: type[BaseModel], loc: tuple) -> _Place:
+    """Follow a pydantic error location through the spec's sections (skipping union member tags)."""
+    place = _Place(root, "", root)
+    for part in loc:
+        if isinstance(part, int):
+            place.key += f"[{part}]"
+            continue
+        field = place.model.model_fields.get(str(part)) if isinstance(place.model, type) else None
+        if field is None:
+            continue  # a tag pydantic adds for a member of a union
+        place.key += ("." if place.key else "") + str(part)
+        place.annotation = field.annotation
+        section = _section_type(field.annotation)
+        if section is not None:
+            place.model = section
+    return place
 
 
-def _number(value: Any) -> int | float | None:
-    # PyYAML reads `1e-4` (no dot) as a string; accept any string that is a plain number.
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return value
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
+def _section_type(tp: Any) -> type[BaseModel] | None:
+    """The section model of a field's type (``LoraSpec | None`` -> LoraSpec), else None."""
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return tp
+    for arg in typing.get_args(tp):
+        found = _section_type(arg)
+        if found is not None:
+            return found
     return None
 
 
-def _all_keys(cls: type = JobSpec, prefix: str = "") -> dict[str, str]:
+def _literal_values(tp: Any) -> tuple:
+    """The values a field accepts when they are a fixed set: its Literal's, and true, false for a bool."""
+    if tp is bool:
+        return ("true", "false")
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    return tuple(v for arg in typing.get_args(tp) for v in _literal_values(arg))
+
+
+def _all_keys(cls: type[BaseModel] = JobSpec, prefix: str = "") -> dict[str, str]:
     """Every leaf key of the schema: short name -> dotted path (for 'it belongs in ...' hints)."""
     out: dict[str, str] = {}
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        tp = _section_type(hints[f.name])
-        if dataclasses.is_dataclass(tp):
-            out.update(_all_keys(tp, f"{prefix}{f.name}."))
+    for name, field in cls.model_fields.items():
+        section = _section_type(field.annotation)
+        if section is not None:
+            out.update(_all_keys(section, f"{prefix}{name}."))
         else:
-            out.setdefault(f.name, f"{prefix}{f.name}")
+            out.setdefault(name, f"{prefix}{name}")
     return out
-
-
-def _section_type(tp: Any) -> Any:
-    """The dataclass of an optional section (``LoraSpec | None`` -> LoraSpec); other types as they are."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1 and dataclasses.is_dataclass(args[0]):
-            return args[0]
-    return tp
 
 
 # Names other trainers use, for the did-you-mean hint only (they are not accepted).
@@ -418,7 +501,8 @@ _ALIASES = {
     "lr_scheduler": "schedule", "lr_scheduler_type": "type", "clip_grad_norm": "max_grad_norm",
     "grad_clip": "max_grad_norm", "save_steps": "every_steps", "eval_steps": "every_steps",
     "save_total_limit": "keep", "output": "output_dir", "model_path": "path", "dataset": "data",
-    "optimizer": "training",
+    "optimizer": "training", "rank": "r", "lora_alpha": "alpha", "lora_dropout": "dropout",
+    "target_modules": "targets",
 }
 
 
@@ -428,10 +512,11 @@ def _unknown_key_message(key: str, prefix: str, valid: list[str]) -> str:
     # Misspellings of another trainer's name count too ("lerning_rate" -> learning_rate -> lr).
     near_alias = difflib.get_close_matches(key, list(_ALIASES), n=1, cutoff=0.8)
     alias = _ALIASES.get(key) or (_ALIASES[near_alias[0]] if near_alias else None)
-    elsewhere = _all_keys().get(key) or _all_keys().get(alias or "")
+    keys = _all_keys()
+    elsewhere = keys.get(key) or keys.get(alias or "")
     if alias in valid:
         close = [alias]
-    elif _all_keys().get(key):  # the exact name of a key in another section: say where it goes
+    elif keys.get(key):  # the exact name of a key in another section: say where it goes
         close = []
     else:
         close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
@@ -442,24 +527,53 @@ def _unknown_key_message(key: str, prefix: str, valid: list[str]) -> str:
     return msg + f" (valid keys {where}: {', '.join(valid)})"
 
 
-def _require(value: str, message: str) -> None:
+def _one_of_message(key: str, value: Any, allowed: tuple) -> str:
+    close = difflib.get_close_matches(value, [str(a) for a in allowed], n=1) if isinstance(value, str) else []
+    guess = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{key} is {value!r}{guess}; use one of {', '.join(str(a) for a in allowed)}"
+
+
+def _require(value: str, field: str, message: str) -> None:
     if not value:
-        raise ValueError(message)
+        raise BadInput(message, field=field)
 
 
-def _one_of(key: str, value: str, allowed: tuple[str, ...], hint: str = "") -> None:
-    if value not in allowed:
-        close = difflib.get_close_matches(value, allowed, n=1)
-        guess = f" (did you mean {close[0]!r}?)" if close else ""
-        extra = f"; {hint}" if hint else ""
-        raise ValueError(f"{key} is {value!r}{guess}; use one of {', '.join(allowed)}{extra}")
+# ---- files and overrides -----------------------------------------------------------------------------
 
 
-def _at_least(key: str, value: int, low: int) -> None:
-    if value < low:
-        raise ValueError(f"{key} is {value}; set it to {low} or more")
+def read_yaml(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """A YAML job spec file as plain data, with ``key.sub=value`` overrides applied; not yet parsed."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise BadInput(f"job spec {str(p)!r} does not exist; pass the path of a YAML job spec")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise BadInput(f"{p}: not valid YAML ({exc}); fix the syntax") from None
+    return apply_overrides({} if data is None else data, overrides)
 
 
-def _is_cuda_index(device: str) -> bool:
-    head, _, idx = device.partition(":")
-    return head == "cuda" and idx.isdigit()
+def apply_overrides(data: Any, overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides to nested plain data; values are parsed as YAML (``null``, lists)."""
+    if not isinstance(data, dict):
+        raise BadInput(f"a job spec must be a mapping at the top level, not {type(data).__name__}")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise BadInput(f"override {item!r} is not key=value; write e.g. training.lr=1e-4")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise BadInput(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data

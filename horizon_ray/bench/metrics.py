@@ -12,6 +12,8 @@ import os
 import resource
 import statistics
 
+from horizon_ray.engine.model import UPDATES as UPDATE_MODES  # the engine's table
+
 # bf16 dense matmul rate measured on the H200 box, and the datasheet's.
 MEASURED_BF16_FLOPS = 786.5e12
 DATASHEET_BF16_FLOPS = 989.5e12
@@ -29,7 +31,6 @@ PEFT = PEERS["lora"]  # need PEFT
 # clipped gradient before the next step uses it), delayed (step n+1 runs on the weights after step n-1: the
 # update overlaps a whole step), speculative (units updated as their gradients land, before the global
 # norm is known, rolled back when clipping turns out active).
-UPDATE_MODES = ("exact", "delayed", "speculative")
 
 # ok: measured; did-not-fit: GPU or host memory ran out; timeout: killed at the time limit; error: failed
 # otherwise; skipped: not attempted on this machine (the reason says why); not-run: a placeholder for a

@@ -32,7 +32,7 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
     if why:
         raise Unavailable(why)
     lora = lora_settings(args, "lora")
-    lora.validate()
+    lora.check()
     extra = {"peft": hf.require_peft()}
     if args.system in LIGER:
         extra["liger"] = hf.apply_liger(shape)
@@ -44,13 +44,13 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
     with device:
         model = hf.build_model(shape, getattr(torch, dtype))
     every = hf.enable_checkpointing(model, args.checkpoint_every)
-    model = hf.peft_lora(model, lora.rank, lora_alpha(lora.rank), lora.targets)
+    model = hf.peft_lora(model, lora.r, lora_alpha(lora.r), lora.targets)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = hf.FallbackAdamW(params)
     sync(device)
-    extra.update(init_s=round(time.perf_counter() - t0, 1), lora_r=lora.rank,
-                 lora_alpha=lora_alpha(lora.rank), lora_targets=list(lora.targets))
+    extra.update(init_s=round(time.perf_counter() - t0, 1), lora_r=lora.r,
+                 lora_alpha=lora_alpha(lora.r), lora_targets=list(lora.targets))
     compute = getattr(torch, dtype)
     return hf.measure(args.system, shape, model, opt, args, emit, device=device, dtype=dtype, mode="lora",
                       checkpoint_every=every, gpu_budget_bytes=None, extra=extra, params=params,

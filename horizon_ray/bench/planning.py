@@ -3,14 +3,14 @@ holds. Pure Python: the parent process uses it without importing torch."""
 
 from __future__ import annotations
 
-from horizon_ray.planner import LoraSpec, NodeSpec, max_model, plan
+from horizon_ray.planner import Adapters, NodeSpec, max_model, plan
 
 
-def lora_settings(args, mode: str | None) -> LoraSpec | None:
+def lora_settings(args, mode: str | None) -> Adapters | None:
     """The run's LoRA settings (--lora-r, --lora-targets) when its mode is lora, else None."""
     if mode != "lora":
         return None
-    return LoraSpec.of({"r": args.lora_r, "targets": args.lora_targets})
+    return Adapters.of({"r": args.lora_r, "targets": args.lora_targets})
 
 
 def lora_alpha(rank: int) -> float:
@@ -21,7 +21,7 @@ def lora_alpha(rank: int) -> float:
 
 def planned_bytes(shape, *, mode: str, seq: int, micro: int, accum: int, checkpoint_every: int, dtype: str,
                   device: str, gpu_budget_bytes: int | None, loss_chunk: int, offload: str,
-                  lora: LoraSpec | None = None) -> dict:
+                  lora: Adapters | None = None) -> dict:
     """``planned_host_bytes``, ``planned_gpu_bytes`` and the planner's verdict for these engine settings
     (``lora``: the adapters of a mode-lora run; absent, the planner's defaults). The plan reads the job spec's
     defaults (PyYAML); without it, or when the planner refuses the settings, the run still counts, unplanned,
@@ -46,7 +46,7 @@ def _plan(shape, mode, seq, micro, accum, checkpoint_every, dtype, device, gpu_b
 
 
 def largest_shape(ram_bytes: int, *, mode: str, seq: int, micro: int, accum: int, checkpoint_every: int,
-                  lora: LoraSpec | None = None) -> str:
+                  lora: Adapters | None = None) -> str:
     """The largest Qwen2.5 preset, or deeper stack of the next preset's layer, whose plan fits the host RAM
     of a node with this much (planner.max_model, depth scan on). The GPU is the H200's whole memory: the
     question is what the host holds; a GPU budget applies to the run, not to the choice."""

@@ -36,6 +36,7 @@ from horizon_ray.bench.metrics import (
 from horizon_ray.bench.planning import largest_shape, lora_settings, planned_bytes
 from horizon_ray.bench.report import compute_ratios, write_json, write_report
 from horizon_ray.bench.shapes import FIND_LARGEST_SHAPES, model_flops_per_token, resolve_shape
+from horizon_ray.planner.shapes import adapter_params
 
 ROOT = Path(horizon_ray.__file__).resolve().parents[1]
 HOST_OOM = ("killed by SIGKILL with no result: the host ran out of memory (the kernel's OOM killer) "
@@ -302,8 +303,8 @@ def _trainable(shape, lora) -> int | None:
     if lora is None:
         return shape.num_params
     try:
-        lora.validate()
-        return lora.num_params(shape)
+        lora.check()
+        return adapter_params(lora, shape)
     except ValueError:  # settings the engine refuses too: the record says why it did not run
         return None
 

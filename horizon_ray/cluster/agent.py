@@ -228,7 +228,7 @@ def _set_pdeathsig(parent: int) -> None:
 def detect_gpus(environ: dict[str, str] | None = None) -> tuple[list[str], int]:
     """(CUDA_VISIBLE_DEVICES value of each GPU the agent may hand out, memory of one GPU in bytes).
 
-    From `nvidia-smi` (the cluster layer never initialises CUDA itself: STYLE.md 1), restricted to the
+    From `nvidia-smi` (the cluster layer never initialises CUDA itself), restricted to the
     agent's CUDA_VISIBLE_DEVICES when that is set ("" or -1: none). Without nvidia-smi, the devices listed in
     CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES, with unknown memory. No GPU: ([], 0).
     """

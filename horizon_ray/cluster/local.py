@@ -29,13 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from horizon_ray.cluster.tenants import parse_bytes
+from horizon_ray.errors import BadInput
+from horizon_ray.planner.node import H200_NODE
 
 ADDRESS_FILE = "ray_address"  # under the service root: the GCS address of the cluster serve runs on
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
 _GPUS = re.compile(r"^([0-9]+)gpus?(?:@(.+))?$", re.IGNORECASE)
 _CPUS = re.compile(r"^([0-9]+)cpus?$", re.IGNORECASE)
 _SYNTAX = "NAME=RAM[:Ngpu[@GPU_MEMORY]][:Ncpu], e.g. a=16GiB,b=512GiB:4gpu,c=1TiB:8gpu@80GiB:64cpu"
-DEFAULT_GPU_MEMORY_BYTES = 143771 * 2**20  # one H200 as nvidia-smi reports it (the planner's default node)
+DEFAULT_GPU_MEMORY_BYTES = H200_NODE.gpu_mem_bytes  # the planner's default node: one H200 as nvidia-smi reports it
 
 
 @dataclass(frozen=True)
@@ -58,28 +60,28 @@ def parse_node_value(name: str, value: int | str | SimulatedNode) -> SimulatedNo
         ram_text, *parts = str(value).split(":")
         ram = parse_bytes(ram_text.strip(), what=f"the RAM of node {name}")
     if ram <= 0:
-        raise ValueError(f"node {name} has no RAM; give it a size like 16GiB")
+        raise BadInput(f"node {name} has no RAM; give it a size like 16GiB")
     gpus, gpu_mem, cpus = 0, 0, None
     seen: set[str] = set()
     for part in (x.strip() for x in parts):
         g, c = _GPUS.match(part), _CPUS.match(part)
         if not (g or c):
-            raise ValueError(f"node {name}: {part!r} is neither Ngpu[@GPU_MEMORY] nor Ncpu; write {_SYNTAX}")
+            raise BadInput(f"node {name}: {part!r} is neither Ngpu[@GPU_MEMORY] nor Ncpu; write {_SYNTAX}")
         kind = "GPUs" if g else "cores"
         if kind in seen:
-            raise ValueError(f"node {name} declares its {kind} twice in {value!r}; write {_SYNTAX}")
+            raise BadInput(f"node {name} declares its {kind} twice in {value!r}; write {_SYNTAX}")
         seen.add(kind)
         if g:
             gpus = int(g.group(1))
             gpu_mem = parse_bytes(g.group(2), what=f"the GPU memory of node {name}") if g.group(2) \
                 else DEFAULT_GPU_MEMORY_BYTES
             if gpus < 1 or gpu_mem <= 0:
-                raise ValueError(f"node {name}: {part!r} declares no GPU; write e.g. 2gpu or 2gpu@80GiB, or "
-                                 "leave the GPUs out for a node without")
+                raise BadInput(f"node {name}: {part!r} declares no GPU; write e.g. 2gpu or 2gpu@80GiB, or "
+                               "leave the GPUs out for a node without")
         else:
             cpus = int(c.group(1))
             if cpus < 1:
-                raise ValueError(f"node {name}: {part!r} declares no core; write e.g. 16cpu")
+                raise BadInput(f"node {name}: {part!r} declares no core; write e.g. 16cpu")
     return SimulatedNode(ram_bytes=ram, gpu_count=gpus, gpu_memory_bytes=gpu_mem if gpus else 0, cpu_count=cpus)
 
 
@@ -94,13 +96,13 @@ def parse_simulated_cluster(text: str) -> dict[str, SimulatedNode]:
         name, sep, value = item.partition("=")
         name = name.strip()
         if not sep or not _NODE_NAME.match(name):
-            raise ValueError(f"--simulate-nodes entry {item!r} is not {_SYNTAX.split(', e.g.')[0]}; write e.g. "
-                             "a=16GiB,b=64GiB:2gpu (names: letters, digits, '_', '-')")
+            raise BadInput(f"--simulate-nodes entry {item!r} is not {_SYNTAX.split(', e.g.')[0]}; write e.g. "
+                           "a=16GiB,b=64GiB:2gpu (names: letters, digits, '_', '-')")
         if name in nodes:
-            raise ValueError(f"--simulate-nodes names node {name!r} twice; give each node its own name")
+            raise BadInput(f"--simulate-nodes names node {name!r} twice; give each node its own name")
         nodes[name] = parse_node_value(name, value.strip())
     if not nodes:
-        raise ValueError("--simulate-nodes is empty; write e.g. a=16GiB,b=64GiB")
+        raise BadInput("--simulate-nodes is empty; write e.g. a=16GiB,b=64GiB")
     return nodes
 
 

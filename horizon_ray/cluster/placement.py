@@ -27,19 +27,17 @@ from typing import Any
 from horizon_ray.cluster.errors import InvalidSpec
 from horizon_ray.cluster.messages import NodeInfo
 from horizon_ray.cluster.tenants import format_bytes
+from horizon_ray.workload import resolve
 
 Planner = Callable[[dict[str, Any], NodeInfo], dict[str, Any]]
 
 
 def needs_gpu(spec: dict[str, Any], gpu_count: int) -> bool:
-    """Whether `spec`'s engine takes a GPU of a node that has `gpu_count` GPUs (the rule above)."""
+    """Whether `spec`'s engine takes a GPU of a node that has `gpu_count` GPUs: its engine.device resolved
+    for the node by the rule the job runner follows (``workload.resolve``)."""
     engine = spec.get("engine") if isinstance(spec, dict) else None
     device = str((engine or {}).get("device") or "auto") if isinstance(engine, dict) else "auto"
-    if device == "cpu":
-        return False
-    if device.split(":", 1)[0] == "cuda":
-        return True
-    return gpu_count > 0
+    return resolve(gpu=gpu_count > 0, device=device).cuda
 
 
 def default_planner(spec: dict[str, Any], node: NodeInfo) -> dict[str, Any]:

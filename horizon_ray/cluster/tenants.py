@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from horizon_ray.cluster.messages import JobRecord, TenantQuota
+from horizon_ray.errors import BadInput
 
 _UNITS = {
     "": 1, "b": 1,
@@ -35,16 +36,16 @@ _TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 def parse_bytes(value: Any, *, what: str = "size") -> int:
     """An int, or a string like "16GiB" / "1.5 TB", as bytes. Raises ValueError naming the fix."""
     if isinstance(value, bool):
-        raise ValueError(f"{what} is {value!r}; give bytes as an int or a string like '16GiB'")
+        raise BadInput(f"{what} is {value!r}; give bytes as an int or a string like '16GiB'")
     if isinstance(value, int):
         n = value
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
         if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"{what} is {value!r}; write bytes as an int or like '16GiB', '512MiB', '1TB'")
+            raise BadInput(f"{what} is {value!r}; write bytes as an int or like '16GiB', '512MiB', '1TB'")
         n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if n < 0:
-        raise ValueError(f"{what} is {value!r}; it must not be negative")
+        raise BadInput(f"{what} is {value!r}; it must not be negative")
     return n
 
 
@@ -61,8 +62,8 @@ def format_bytes(n: int | float | None) -> str:
 def check_tenant_name(tenant: str) -> None:
     """Tenant names become directory names: letters, digits, '_', '.', '-'; at most 64 characters."""
     if not isinstance(tenant, str) or not _TENANT_RE.match(tenant):
-        raise ValueError(f"tenant {tenant!r} is not a valid name; use letters, digits, '_', '.', '-' "
-                         "(at most 64, starting with a letter or digit)")
+        raise BadInput(f"tenant name {tenant!r} is not allowed; use letters, digits, '_', '.', '-' "
+                       "(at most 64, starting with a letter or digit)")
 
 
 @dataclass
@@ -80,10 +81,10 @@ class TenantsConfig:
         if data is None:
             return cls()
         if not isinstance(data, dict):
-            raise ValueError("a tenants file is a mapping with keys 'default' and 'tenants'")
+            raise BadInput("a tenants file is a mapping with keys 'default' and 'tenants'")
         unknown = set(data) - {"default", "tenants"}
         if unknown:
-            raise ValueError(f"unknown key(s) {sorted(unknown)} in tenants file; valid: default, tenants")
+            raise BadInput(f"unknown key(s) {sorted(unknown)} in tenants file; valid: default, tenants")
         default = _quota(data.get("default") or {}, TenantQuota(), "default")
         tenants = {}
         for name, q in (data.get("tenants") or {}).items():
@@ -97,24 +98,24 @@ class TenantsConfig:
             return cls()
         p = Path(path).expanduser()
         if not p.is_file():
-            raise ValueError(f"tenants file {str(p)!r} does not exist; pass the path of a YAML tenants file")
+            raise BadInput(f"tenants file {str(p)!r} does not exist; pass the path of a YAML tenants file")
         return cls.from_dict(yaml.safe_load(p.read_text()))
 
 
 def _quota(data: Any, base: TenantQuota, where: str) -> TenantQuota:
     if not isinstance(data, dict):
-        raise ValueError(f"{where} must be a mapping of quota keys")
+        raise BadInput(f"{where} must be a mapping of quota keys")
     valid = {f.name for f in dataclasses.fields(TenantQuota)}
     unknown = set(data) - valid
     if unknown:
-        raise ValueError(f"unknown key(s) {sorted(unknown)} in {where}; valid: {sorted(valid)}")
+        raise BadInput(f"unknown key(s) {sorted(unknown)} in {where}; valid: {sorted(valid)}")
     values = dataclasses.asdict(base)
     for key, value in data.items():
         if key == "max_reserved_bytes":
             values[key] = parse_bytes(value, what=f"{where}.{key}")
         else:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{where}.{key} is {value!r}; set a positive integer")
+                raise BadInput(f"{where}.{key} is {value!r}; set a positive integer")
             values[key] = value
     return TenantQuota(**values)
 

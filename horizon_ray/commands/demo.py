@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from horizon_ray.errors import BadInput
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", type=Path, default=None,
@@ -111,7 +113,7 @@ def _through_service(console, assets, spec, root: Path, args) -> _Summary:
             with httpx.Client(base_url=url, headers=auth, timeout=60) as http:
                 created = http.post("/finetune", json=body)
                 if created.status_code != 201:
-                    raise ValueError(f"the service refused the demo job: {created.status_code} {created.text}")
+                    raise BadInput(f"the service refused the demo job: {created.status_code} {created.text}")
                 job = created.json()
                 console.print(f"submitted job {job['id']} over REST ({created.headers['Location']}); "
                               f"placed by the planner, following its events")
@@ -183,7 +185,7 @@ def _clear_previous_run(out: Path) -> None:
     if not out.exists():
         return
     if not any((out / name).exists() for name in ("metrics.jsonl", "job.yaml")) and any(out.iterdir()):
-        raise ValueError(f"{out} exists and is not a previous demo run; choose another --output-dir")
+        raise BadInput(f"{out} exists and is not a previous demo run; choose another --output-dir")
     shutil.rmtree(out)
 
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from horizon_ray.errors import BadInput
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from horizon_ray.planner import LoraSpec
+    from horizon_ray.planner import Adapters, Ceilings
 
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", metavar="NAME|PATH",
@@ -41,22 +43,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--packed", action="store_true", help="packed rows (an attention mask per micro-batch)")
     job.add_argument("--compute-dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     job.add_argument("--device", default="auto", help="auto (cuda when the node has a GPU), cuda, cpu")
-    lora = LoraSpec()  # the job spec's defaults
-    job.add_argument("--lora-rank", type=int, default=lora.rank, help=f"adapter rank r (default {lora.rank})")
+    lora, ceil = Adapters(), Ceilings()  # the job spec's defaults, the planner's node
+    job.add_argument("--lora-rank", type=int, default=lora.r, help=f"adapter rank r (default {lora.r})")
     job.add_argument("--lora-targets", default=",".join(lora.targets),
                      help=f"comma-separated projections that get an adapter (default {','.join(lora.targets)})")
     job.add_argument("--lora-modules-to-save", default="",
                      help="comma-separated norms trained beside the adapters (PEFT's names; norm: every norm; "
                           "default none)")
 
-    node = parser.add_argument_group("node (defaults: the H200 box of ceilings.md)")
+    node = parser.add_argument_group("node (defaults: the measured H200 box)")
     node.add_argument("--node-ram", metavar="BYTES", help="host RAM, e.g. 125.9GiB, 1.5TiB, 512Gi")
     node.add_argument("--gpu-mem", metavar="BYTES", help="memory of one GPU, e.g. 141GB, 80GiB")
     node.add_argument("--gpus", type=int, help="GPUs on the node (0: a CPU node)")
     node.add_argument("--gpu-budget", metavar="BYTES",
                       help="GPU memory the job may use (default: all of it; a larger budget is capped at the GPU's)")
     node.add_argument("--reserve", type=float, help="share of RAM kept free (default 0.05)")
-    node.add_argument("--efficiency", type=float, help="share of the 786.5 TFLOP/s a layer sustains (0.55)")
+    node.add_argument("--efficiency", type=float, help=f"share of the {ceil.matmul_flops / 1e12:.1f} TFLOP/s a "
+                                                       f"layer sustains ({ceil.compute_efficiency})")
     node.add_argument("--pinned", choices=("pow2", "exact"),
                       help="how pinned buffers are sized: exact (the default and what the engine does: "
                            "cudaHostRegister at the exact size for buffers of 1 MiB and more) or pow2 (every "
@@ -84,7 +87,7 @@ def _node(args):
         kw["reserve_fraction"] = args.reserve
     if args.efficiency is not None:
         if not 0 < args.efficiency <= 1:
-            raise ValueError(f"--efficiency must lie in (0, 1], got {args.efficiency}")
+            raise BadInput(f"--efficiency must lie in (0, 1], got {args.efficiency}")
         kw["ceilings"] = replace(node.ceilings, compute_efficiency=args.efficiency)
     if kw:
         node = replace(node, name="custom", **kw)
@@ -96,8 +99,8 @@ def _method_and_mode(args) -> tuple[str, str]:
     method = args.method or ("lora" if args.mode == "lora" else "full")
     mode = args.mode or ("lora" if method == "lora" else "exact")
     if (method == "lora") != (mode == "lora"):
-        raise ValueError(f"--method {method} does not go with --mode {mode}: LoRA is --method lora (mode lora); "
-                         "full fine-tuning takes --mode exact, bf16-state or bf16-weights")
+        raise BadInput(f"--method {method} does not go with --mode {mode}: LoRA is --method lora (mode lora); "
+                       "full fine-tuning takes --mode exact, bf16-state or bf16-weights")
     return method, mode
 
 
@@ -128,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
 
     method, mode = _method_and_mode(args)
     if method == "lora":
-        job["lora"] = planner.LoraSpec.of({"r": args.lora_rank, "targets": args.lora_targets,
+        job["lora"] = planner.Adapters.of({"r": args.lora_rank, "targets": args.lora_targets,
                                            "modules_to_save": args.lora_modules_to_save})
 
     if args.max_model:
@@ -143,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
                       f"{planner.format_bytes(t['host_bytes']):>11}  gpu {planner.format_bytes(t['gpu_bytes']):>10}"
                       f"  {'fits' if t['fits'] else 'does not fit'}")
             lora = job.get("lora")
-            what = f"mode {found.mode}" + (f" (rank {lora.rank}, targets {','.join(lora.targets)})" if lora else "")
+            what = f"mode {found.mode}" + (f" (rank {lora.r}, targets {','.join(lora.targets)})" if lora else "")
             if found.shape is None:
                 print(f"\nno model of family {found.family} fits this node in {what}")
             else:

@@ -19,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+from horizon_ray.errors import BadInput
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None,
@@ -46,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
 
     simulated = parse_simulated_cluster(args.simulate_nodes) if args.simulate_nodes else None
     if simulated and args.address:
-        raise ValueError("--simulate-nodes starts its own local cluster; drop --address, or drop "
-                         "--simulate-nodes to join the cluster at --address")
+        raise BadInput("--simulate-nodes starts its own local cluster; drop --address, or drop "
+                       "--simulate-nodes to join the cluster at --address")
     TenantsConfig.load(args.tenants)  # fail here, with the file's error, not inside the actor
     root = (args.root or default_root()).expanduser().resolve()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

@@ -48,20 +48,13 @@ def connect(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    import yaml
-
     from horizon_ray.cluster.errors import HorizonError
     from horizon_ray.cluster.follow import follow
-    from horizon_ray.jobspec import JobSpec, apply_overrides
+    from horizon_ray.jobspec import JobSpec, read_yaml
 
     path = args.config.expanduser()
-    if not path.is_file():
-        raise ValueError(f"job spec {str(path)!r} does not exist; pass the path of a YAML job spec")
-    try:
-        spec = apply_overrides(yaml.safe_load(path.read_text()) or {}, args.overrides)
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML ({exc}); fix the syntax") from None
-    JobSpec.check_shape(spec)  # strictly: names a section that is not a mapping, a misspelt key
+    spec = read_yaml(path, args.overrides)
+    JobSpec.parse(spec)  # strictly: names a section that is not a mapping, a misspelt key
     for section, key in (("model", "path"), ("data", "path"), ("data", "eval_path"),
                          ("model", "tokenizer_path")):
         value = (spec.get(section) or {}).get(key)

@@ -27,6 +27,7 @@ import torch
 
 from horizon_ray.data.shuffle import EPOCH_STREAM, PACK_STREAM, permutation
 from horizon_ray.data.tokenize import IGNORE_INDEX, TokenizedDataset, TokenizedExample
+from horizon_ray.errors import BadInput
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -48,7 +49,7 @@ def pack_rows(lengths: Sequence[int], seq_len: int, order: Sequence[int] | None 
     for i in order:
         n = lengths[i]
         if n > seq_len:
-            raise ValueError(
+            raise BadInput(
                 f"example {i} has {n} tokens, more than seq_len={seq_len}; tokenize with the same seq_len "
                 "the sampler uses"
             )
@@ -96,12 +97,12 @@ def make_micro_batch(
 
 def _check_args(dataset: TokenizedDataset, seq_len: int, micro_batch_size: int) -> None:
     if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size={micro_batch_size} must be at least 1")
+        raise BadInput(f"micro_batch_size={micro_batch_size} must be at least 1")
     if not dataset.examples:
-        raise ValueError("the dataset has no example; build it with build_datasets, which refuses empty data")
+        raise BadInput("the dataset has no example; build it with build_datasets, which refuses empty data")
     longest = max(len(e) for e in dataset.examples)
     if seq_len < longest:
-        raise ValueError(
+        raise BadInput(
             f"seq_len={seq_len} is shorter than the longest example ({longest} tokens, the dataset was "
             f"truncated to {dataset.seq_len}); use the seq_len the dataset was built with"
         )
@@ -137,7 +138,7 @@ class StepSampler:
     ) -> None:
         _check_args(dataset, seq_len, micro_batch_size)
         if grad_accum < 1:
-            raise ValueError(f"grad_accum={grad_accum} must be at least 1")
+            raise BadInput(f"grad_accum={grad_accum} must be at least 1")
         self.dataset = dataset
         self.seq_len = seq_len
         self.micro_batch_size = micro_batch_size
@@ -152,7 +153,7 @@ class StepSampler:
         full, rest = divmod(len(self.rows), self.rows_per_step)
         self._steps_per_epoch = full if drop_last else full + (rest > 0)
         if self._steps_per_epoch == 0:
-            raise ValueError(
+            raise BadInput(
                 f"the dataset fills {len(self.rows)} rows of seq_len={seq_len} but one step needs "
                 f"micro_batch_size x grad_accum = {self.rows_per_step}; lower them, add data, or set "
                 "drop_last=False"
@@ -182,7 +183,7 @@ class StepSampler:
 
     def _rows_for_step(self, global_step: int) -> list[list[int]]:
         if global_step < 0:
-            raise ValueError(f"global_step={global_step} is negative; steps count from 0")
+            raise BadInput(f"global_step={global_step} is negative; steps count from 0")
         epoch, k = divmod(global_step, self._steps_per_epoch)
         picked = self._epoch_order(epoch)[k * self.rows_per_step : (k + 1) * self.rows_per_step]
         return [self.rows[int(r)] for r in picked]

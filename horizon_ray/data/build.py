@@ -10,6 +10,7 @@ from typing import Any
 from horizon_ray.data.formats import Example, load_examples
 from horizon_ray.data.shuffle import SPLIT_STREAM, permutation
 from horizon_ray.data.tokenize import TokenizedDataset, load_tokenizer, tokenize_examples
+from horizon_ray.errors import BadInput
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +26,13 @@ def split_examples(
     evaluates on the same held-out examples.
     """
     if not 0.0 < eval_fraction < 1.0:
-        raise ValueError(
+        raise BadInput(
             f"eval_fraction={eval_fraction} must be in (0, 1), e.g. 0.05; use 0 for no eval split"
         )
     n = len(examples)
     n_eval = max(1, round(eval_fraction * n))
     if n_eval >= n:
-        raise ValueError(
+        raise BadInput(
             f"eval_fraction={eval_fraction} of {n} examples leaves nothing to train on; lower eval_fraction, "
             "add examples or pass a separate eval_path"
         )
@@ -56,9 +57,9 @@ def build_datasets(
     "auto", "alpaca", "messages" or "text" and applies to ``eval_path`` too.
     """
     if eval_path is not None and eval_fraction:
-        raise ValueError("give either eval_fraction or eval_path, not both; eval_path is a separate eval set")
+        raise BadInput("give either eval_fraction or eval_path, not both; eval_path is a separate eval set")
     if eval_fraction < 0:
-        raise ValueError(f"eval_fraction={eval_fraction} is negative; use a value in [0, 1), e.g. 0.05")
+        raise BadInput(f"eval_fraction={eval_fraction} is negative; use a value in [0, 1), e.g. 0.05")
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str | Path) else tokenizer
     examples = load_examples(path, fmt)
     eval_examples: list[Example] | None = None
@@ -73,7 +74,7 @@ def build_datasets(
             evals = tokenize_examples(eval_examples, tok, seq_len)
         except ValueError as exc:
             where = f"data.eval_path {eval_path}" if eval_path is not None else "the held-out eval split"
-            raise ValueError(f"{where}: {exc}") from None
+            raise BadInput(f"{where}: {exc}") from None
     log.info(
         "dataset: %d train examples (%d tokens), %s eval examples",
         len(train),

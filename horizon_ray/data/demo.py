@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from horizon_ray.errors import BadInput
+
 DEMO_TASKS = ("add", "copy", "reverse", "sort")
 
 # Letters and digits of the payloads; a short alphabet keeps the tasks learnable by a tiny model.
@@ -63,7 +65,7 @@ def _item(task: str, rng: random.Random) -> DemoItem:
         return DemoItem(task, f"copy {word}", word)
     if task == "reverse":
         return DemoItem(task, f"reverse {word}", word[::-1])
-    raise ValueError(f"unknown demo task {task!r}; use some of {', '.join(DEMO_TASKS)}")
+    raise BadInput(f"unknown demo task {task!r}; use some of {', '.join(DEMO_TASKS)}")
 
 
 def make_demo_items(
@@ -75,12 +77,12 @@ def make_demo_items(
     and sort; 'add' has 100 prompts, which a training set of a few hundred items already covers).
     """
     if n < 1:
-        raise ValueError(f"n={n} demo items requested; ask for at least 1")
+        raise BadInput(f"n={n} demo items requested; ask for at least 1")
     if not tasks:
-        raise ValueError(f"no demo task given; use some of {', '.join(DEMO_TASKS)}")
+        raise BadInput(f"no demo task given; use some of {', '.join(DEMO_TASKS)}")
     for task in tasks:
         if task not in DEMO_TASKS:
-            raise ValueError(f"unknown demo task {task!r}; use some of {', '.join(DEMO_TASKS)}")
+            raise BadInput(f"unknown demo task {task!r}; use some of {', '.join(DEMO_TASKS)}")
     rng = random.Random(seed)
     excluded = set(exclude)
     items: list[DemoItem] = []
@@ -92,7 +94,7 @@ def make_demo_items(
                 items.append(item)
                 break
         else:
-            raise ValueError(
+            raise BadInput(
                 f"demo task {task!r} has no prompt left outside the {len(excluded)} excluded ones ('add' has "
                 "only 100 distinct prompts); leave it out of tasks or exclude fewer prompts"
             )
@@ -104,7 +106,7 @@ def make_demo_dataset(
 ) -> Path:
     """Write ``n`` demo items as JSONL (``fmt`` "messages" or "alpaca") to ``path``; returns the path."""
     if fmt not in ("messages", "alpaca"):
-        raise ValueError(f"demo format {fmt!r} is not supported; use 'messages' or 'alpaca'")
+        raise BadInput(f"demo format {fmt!r} is not supported; use 'messages' or 'alpaca'")
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f:
@@ -146,9 +148,9 @@ def score_answer(prediction: str, answer: str) -> bool:
 def evaluate_demo(items: Sequence[DemoItem], predictions: Sequence[str]) -> DemoScore:
     """Accuracy of ``predictions`` (aligned with ``items``), overall and per task."""
     if len(items) != len(predictions):
-        raise ValueError(f"{len(items)} items but {len(predictions)} predictions; pass one answer per item")
+        raise BadInput(f"{len(items)} items but {len(predictions)} predictions; pass one answer per item")
     if not items:
-        raise ValueError("no demo item to score; make some with make_demo_items")
+        raise BadInput("no demo item to score; make some with make_demo_items")
     hits = [score_answer(p, it.answer) for it, p in zip(items, predictions)]
     per_task: dict[str, float] = {}
     for task in dict.fromkeys(it.task for it in items):

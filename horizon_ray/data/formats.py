@@ -7,7 +7,7 @@
 - ``text``: ``{"text": str}``; every token is trained.
 
 ``auto`` decides per file from its first non-blank line; every other line of that file must then have the
-same format. Other keys on a line (ids, metadata) are ignored. Every malformed line raises ValueError with
+same format. Other keys on a line (ids, metadata) are ignored. Every malformed line raises BadInput with
 ``file:line`` and what is wrong, so a bad dataset fails before any compute is spent on it.
 """
 
@@ -19,7 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FORMATS = ("auto", "alpaca", "messages", "text")
+from horizon_ray.errors import BadInput
+from horizon_ray.jobspec import DATA_FORMATS
+
+FORMATS = DATA_FORMATS  # the job spec's data.format values
 ROLES = ("system", "user", "assistant")
 
 
@@ -36,21 +39,21 @@ def _expand_paths(path: str | Path | Sequence[str | Path]) -> list[Path]:
     """A file, a folder (its *.jsonl, sorted) or a list of either, in a deterministic order."""
     items = [path] if isinstance(path, str | Path) else list(path)
     if not items:
-        raise ValueError("no dataset path given; pass a .jsonl file, a folder of .jsonl files or a list")
+        raise BadInput("no dataset path given; pass a .jsonl file, a folder of .jsonl files or a list")
     files: list[Path] = []
     for item in items:
         p = Path(item)
         if p.is_dir():
             found = sorted(p.glob("*.jsonl"))
             if not found:
-                raise ValueError(
+                raise BadInput(
                     f"{p}: folder holds no *.jsonl file; point the dataset path at a .jsonl file"
                 )
             files.extend(found)
         elif p.is_file():
             files.append(p)
         else:
-            raise ValueError(f"{p}: no such dataset file or folder; check the dataset path")
+            raise BadInput(f"{p}: no such dataset file or folder; check the dataset path")
     return files
 
 
@@ -61,7 +64,7 @@ def _detect(record: dict[str, Any], where: str) -> str:
         return "alpaca"
     if "text" in record:
         return "text"
-    raise ValueError(
+    raise BadInput(
         f"{where}: cannot tell the format from keys {sorted(record)}; expected 'messages' (chat), "
         "'instruction' + 'output' (alpaca) or 'text', or set the format explicitly"
     )
@@ -77,13 +80,13 @@ def _read_lines(path: Path):
             try:
                 record = json.loads(raw)
             except json.JSONDecodeError as exc:
-                raise ValueError(
+                raise BadInput(
                     f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); fix the line"
                 ) from None
             except RecursionError:
-                raise ValueError(f"{where}: JSON nested too deeply to read; fix the line") from None
+                raise BadInput(f"{where}: JSON nested too deeply to read; fix the line") from None
             if not isinstance(record, dict):
-                raise ValueError(
+                raise BadInput(
                     f"{where}: expected a JSON object per line, got {type(record).__name__}; fix the line"
                 )
             yield lineno, record
@@ -94,7 +97,7 @@ def detect_format(path: str | Path) -> str:
     p = Path(path)
     for lineno, record in _read_lines(p):
         return _detect(record, f"{p}:{lineno}")
-    raise ValueError(f"{p}: file holds no example (empty or only blank lines); add examples or drop the file")
+    raise BadInput(f"{p}: file holds no example (empty or only blank lines); add examples or drop the file")
 
 
 def _encodable(value: str, where: str, what: str) -> None:
@@ -103,8 +106,8 @@ def _encodable(value: str, where: str, what: str) -> None:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
         bad = value[exc.start]
-        raise ValueError(f"{where}: {what} holds an unpaired UTF-16 surrogate (\\u{ord(bad):04x} at character "
-                         f"{exc.start}); fix the text") from None
+        raise BadInput(f"{where}: {what} holds an unpaired UTF-16 surrogate (\\u{ord(bad):04x} at character "
+                       f"{exc.start}); fix the text") from None
 
 
 def _string(
@@ -114,12 +117,12 @@ def _string(
     if value is None and not required:
         return ""
     if value is None:
-        raise ValueError(f"{where}: missing '{key}'; every line of this file needs it")
+        raise BadInput(f"{where}: missing '{key}'; every line of this file needs it")
     if not isinstance(value, str):
-        raise ValueError(f"{where}: '{key}' must be a string, got {type(value).__name__}")
+        raise BadInput(f"{where}: '{key}' must be a string, got {type(value).__name__}")
     _encodable(value, where, f"'{key}'")
     if nonempty and not value.strip():
-        raise ValueError(f"{where}: '{key}' is empty; give it text or remove the line")
+        raise BadInput(f"{where}: '{key}' is empty; give it text or remove the line")
     return value
 
 
@@ -134,21 +137,21 @@ def _parse_alpaca(record: dict[str, Any], where: str) -> Example:
 def _parse_messages(record: dict[str, Any], where: str) -> Example:
     turns = record.get("messages")
     if not isinstance(turns, list) or not turns:
-        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        raise BadInput(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
     messages: list[dict[str, str]] = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
-            raise ValueError(f"{where}: messages[{i}] must be an object with 'role' and 'content'")
+            raise BadInput(f"{where}: messages[{i}] must be an object with 'role' and 'content'")
         role = turn.get("role")
         if role not in ROLES:
-            raise ValueError(f"{where}: messages[{i}] has role {role!r}; use one of {', '.join(ROLES)}")
+            raise BadInput(f"{where}: messages[{i}] has role {role!r}; use one of {', '.join(ROLES)}")
         content = turn.get("content")
         if not isinstance(content, str):
-            raise ValueError(f"{where}: messages[{i}] content must be a string, got {type(content).__name__}")
+            raise BadInput(f"{where}: messages[{i}] content must be a string, got {type(content).__name__}")
         _encodable(content, where, f"messages[{i}] content")
         messages.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"{where}: no assistant message, so nothing to train on; add the assistant's answer")
+        raise BadInput(f"{where}: no assistant message, so nothing to train on; add the assistant's answer")
     return Example(messages, None, where)
 
 
@@ -162,7 +165,7 @@ _PARSERS = {"alpaca": _parse_alpaca, "messages": _parse_messages, "text": _parse
 def load_file(path: str | Path, fmt: str = "auto") -> list[Example]:
     """Every example of one JSONL file; ``fmt="auto"`` detects it from the first non-blank line."""
     if fmt not in FORMATS:
-        raise ValueError(f"unknown dataset format {fmt!r}; use one of {', '.join(FORMATS)}")
+        raise BadInput(f"unknown dataset format {fmt!r}; use one of {', '.join(FORMATS)}")
     p = Path(path)
     file_fmt = detect_format(p) if fmt == "auto" else fmt
     parse = _PARSERS[file_fmt]
@@ -170,7 +173,7 @@ def load_file(path: str | Path, fmt: str = "auto") -> list[Example]:
     for lineno, record in _read_lines(p):
         where = f"{p}:{lineno}"
         if fmt == "auto" and _detect(record, where) != file_fmt:
-            raise ValueError(
+            raise BadInput(
                 f"{where}: line is {_detect(record, where)} but the file was detected as {file_fmt} from its "
                 "first line; keep one format per file"
             )
@@ -186,7 +189,7 @@ def load_examples(path: str | Path | Sequence[str | Path], fmt: str = "auto") ->
         examples.extend(load_file(f, fmt))
     if not examples:
         names = ", ".join(str(f) for f in files)
-        raise ValueError(
+        raise BadInput(
             f"dataset {names} holds no example; add JSONL lines in alpaca, messages or text format"
         )
     return examples

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from horizon_ray.data.formats import Example
+from horizon_ray.errors import BadInput
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +97,13 @@ def load_tokenizer(path: str | Path) -> Any:
 
     p = Path(path)
     if not p.is_dir():
-        raise ValueError(
+        raise BadInput(
             f"tokenizer path {p} is not a folder; point it at the model's (or tokenizer's) folder"
         )
     try:
         return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ValueError(
+        raise BadInput(
             f"cannot load a tokenizer from {p} ({exc}); the folder needs tokenizer.json or the tokenizer's "
             "files as written by save_pretrained"
         ) from exc
@@ -136,7 +137,7 @@ def _chat_mask_from_prefixes(
     tokenizer: Any, messages: list[dict[str, str]], source: str
 ) -> tuple[list[int], list[bool]]:
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(
+        raise BadInput(
             f"{source}: the tokenizer is not a fast tokenizer and its chat template has no "
             "{% generation %} markers, so the assistant tokens cannot be located; use the model's "
             "tokenizer.json (fast tokenizer) or add {% generation %} around assistant content in the template"
@@ -149,7 +150,7 @@ def _chat_mask_from_prefixes(
         before = _render(tokenizer, messages[:i], add_generation_prompt=True)
         through = _render(tokenizer, messages[: i + 1])
         if not (through.startswith(before) and text.startswith(through)):
-            raise ValueError(
+            raise BadInput(
                 f"{source}: the chat template renders earlier turns differently once later turns are added "
                 f"(assistant turn {i}), so the assistant tokens cannot be located by prefix; add "
                 "{% generation %} markers to the template or use a template whose rendering is prefix-stable"
@@ -176,7 +177,7 @@ def tokenize_example(example: Example, tokenizer: Any) -> TokenizedExample:
         assert example.messages is not None
         template = getattr(tokenizer, "chat_template", None)
         if not template:
-            raise ValueError(
+            raise BadInput(
                 f"{example.source}: the tokenizer has no chat_template, which chat and alpaca data need; use "
                 "the model's instruct tokenizer, set tokenizer.chat_template, or use the text format"
             )
@@ -193,7 +194,7 @@ def tokenize_example(example: Example, tokenizer: Any) -> TokenizedExample:
 def tokenize_examples(examples: list[Example], tokenizer: Any, seq_len: int) -> TokenizedDataset:
     """Tokenize, truncate to ``seq_len`` and count; refuses a result with no usable example."""
     if seq_len < 2:
-        raise ValueError(f"seq_len={seq_len} is too short to train anything; use at least 2 (typically 512+)")
+        raise BadInput(f"seq_len={seq_len} is too short to train anything; use at least 2 (typically 512+)")
     out: list[TokenizedExample] = []
     truncated = dropped = 0
     for example in examples:
@@ -214,7 +215,7 @@ def tokenize_examples(examples: list[Example], tokenizer: Any, seq_len: int) -> 
             dropped,
         )
     if not out:
-        raise ValueError(
+        raise BadInput(
             f"none of the {len(examples)} examples has a target token within seq_len={seq_len} "
             f"({dropped} dropped after truncation); raise seq_len or check the data"
         )

@@ -8,10 +8,10 @@ import torch
 
 from horizon_ray.engine.kernels import KERNELS
 from horizon_ray.engine.lora import LoraConfig
-from horizon_ray.engine.optimizer import UPDATE_MODES
+from horizon_ray.engine.model import DTYPE_BYTES, PRECISIONS, UPDATES
+from horizon_ray.errors import BadInput
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-PRECISIONS = ("exact", "bf16-state")
+DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}
 
 
 @dataclass
@@ -64,51 +64,52 @@ class EngineConfig:
 
     def validate(self) -> None:
         if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+            raise BadInput(f"lr must be > 0, got {self.lr}")
         b1, b2 = self.betas
         if not (0 <= b1 < 1 and 0 <= b2 < 1):
-            raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
+            raise BadInput(f"betas must lie in [0, 1), got {self.betas}")
         if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps}")
+            raise BadInput(f"eps must be > 0, got {self.eps}")
         if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+            raise BadInput(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.checkpoint_every < 1:
-            raise ValueError(
+            raise BadInput(
                 f"checkpoint_every must be >= 1 (1 keeps every layer's input), got {self.checkpoint_every}")
         if self.compute_dtype not in DTYPES:
-            raise ValueError(f"compute_dtype must be one of {sorted(DTYPES)}, got {self.compute_dtype!r}")
+            raise BadInput(f"compute_dtype must be one of {sorted(DTYPES)}, got {self.compute_dtype!r}")
         if self.save_dtype not in DTYPES:
-            raise ValueError(f"save_dtype must be one of {sorted(DTYPES)}, got {self.save_dtype!r}")
+            raise BadInput(f"save_dtype must be one of {sorted(DTYPES)}, got {self.save_dtype!r}")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+            raise BadInput(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.precision == "bf16-state" and self.compute_dtype != "bfloat16":
-            raise ValueError("precision 'bf16-state' needs compute_dtype='bfloat16'")
+            raise BadInput("precision 'bf16-state' needs compute_dtype='bfloat16'")
         if self.offload_checkpoints not in (True, False, "auto"):
-            raise ValueError(f"offload_checkpoints must be true, false or 'auto', got {self.offload_checkpoints!r}")
+            raise BadInput(f"offload_checkpoints must be true, false or 'auto', got {self.offload_checkpoints!r}")
         if self.layer_chunk_tokens < 1:
-            raise ValueError(f"layer_chunk_tokens must be >= 1, got {self.layer_chunk_tokens}")
+            raise BadInput(f"layer_chunk_tokens must be >= 1, got {self.layer_chunk_tokens}")
         if self.loss_chunk_tokens < 1:
-            raise ValueError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}")
+            raise BadInput(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}")
         if self.max_shard_bytes < 1:
-            raise ValueError(f"max_shard_bytes must be >= 1, got {self.max_shard_bytes}")
+            raise BadInput(f"max_shard_bytes must be >= 1, got {self.max_shard_bytes}")
         if self.lora is not None:
             if not isinstance(self.lora, LoraConfig):
-                raise ValueError("lora must be a horizon_ray.engine.LoraConfig or None, got "
-                                 f"{type(self.lora).__name__}")
+                raise BadInput("lora must be a horizon_ray.engine.LoraConfig or None, got "
+                               f"{type(self.lora).__name__}")
             self.lora.validate()
             if self.precision != "exact":
-                raise ValueError(f"precision {self.precision!r} applies to full fine-tuning; with lora the base is "
-                                 "frozen in the compute dtype and the adapters are always exact fp32: leave "
-                                 "precision='exact'")
-        if self.update not in UPDATE_MODES:
-            raise ValueError(f"update must be one of {UPDATE_MODES}, got {self.update!r}")
-        if self.speculate_units is not None and (isinstance(self.speculate_units, bool) or self.speculate_units < 0):
-            raise ValueError(f"speculate_units must be an integer >= 0 or None, got {self.speculate_units!r}")
-        if self.lora is not None and self.update != "exact":
-            raise ValueError(f"update {self.update!r} hides the host update of full fine-tuning; with lora the "
-                             "adapters' update takes milliseconds: leave update='exact'")
+                raise BadInput(f"precision {self.precision!r} applies to full fine-tuning; with lora the base is "
+                               "frozen in the compute dtype and the adapters are always exact fp32: leave "
+                               "precision='exact'")
         if self.kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+            raise BadInput(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.update not in UPDATES:
+            raise BadInput(f"update must be one of {UPDATES} (exact keeps torch.optim.AdamW's step order), got "
+                           f"{self.update!r}")
+        if self.speculate_units is not None and (isinstance(self.speculate_units, bool) or self.speculate_units < 0):
+            raise BadInput(f"speculate_units must be an integer >= 0 or None, got {self.speculate_units!r}")
+        if self.lora is not None and self.update != "exact":
+            raise BadInput(f"update {self.update!r} hides the host update of full fine-tuning; with lora the "
+                           "adapters' update takes milliseconds: leave update='exact'")
         resolve_device(self.device)
 
     @property
@@ -123,6 +124,25 @@ class EngineConfig:
     def clipping(self) -> bool:
         return self.max_grad_norm is not None and self.max_grad_norm > 0
 
+    @classmethod
+    def from_spec(cls, spec, *, device: str | None = None) -> EngineConfig:
+        """The engine a job spec (``horizon_ray.jobspec.JobSpec``) asks for on this machine: every "auto"
+        decided by ``JobSpec.resolve`` (the rule the planner plans with), `device` (default: the spec's
+        engine.device) included. The learning rate is the spec's peak; a schedule sets it before each step."""
+        t, e = spec.training, spec.engine
+        r = spec.resolve(gpu=torch.cuda.is_available(), device=device)
+        lora = spec.lora if spec.method == "lora" else None
+        return cls(
+            lr=t.lr, betas=(t.betas[0], t.betas[1]), eps=t.eps, weight_decay=t.weight_decay,
+            max_grad_norm=t.max_grad_norm, checkpoint_every=e.activation_checkpoint_every, device=r.device,
+            compute_dtype=r.compute_dtype, precision=e.precision, offload_checkpoints=r.offload_checkpoints,
+            layer_chunk_tokens=e.layer_chunk_tokens, loss_chunk_tokens=e.loss_chunk_tokens, seed=t.seed,
+            kernels=t.kernels, update=t.update,
+            lora=None if lora is None else LoraConfig(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
+                                                      targets=tuple(lora.targets),
+                                                      modules_to_save=tuple(lora.modules_to_save)),
+        )
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -130,12 +150,12 @@ def resolve_device(name: str) -> torch.device:
     try:
         dev = torch.device(name)
     except RuntimeError as exc:
-        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {name!r}") from exc
+        raise BadInput(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {name!r}") from exc
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} asked for but CUDA is not available here; use device='cpu' or 'auto'")
+            raise BadInput(f"device {name!r} asked for but CUDA is not available here; use device='cpu' or 'auto'")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
     elif dev.type != "cpu":
-        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {name!r}")
+        raise BadInput(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {name!r}")
     return dev

@@ -43,23 +43,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from horizon_ray.engine.model import ModelConfig, UnitLayout, _unit
-from horizon_ray.planner.shapes import LAYER_NORMS, modules_to_save_norms
+from horizon_ray.engine.model import (
+    LAYER_NORMS,
+    PROJECTIONS,
+    ModelConfig,
+    UnitLayout,
+    _unit,
+    modules_to_save_norms,
+    projection_shapes,
+)
+from horizon_ray.errors import BadInput
 
-# Target name (PEFT's target_modules) -> (key of the projection in a layer unit, its HF module path).
-TARGETS = {
-    "q_proj": ("q", "self_attn.q_proj"),
-    "k_proj": ("k", "self_attn.k_proj"),
-    "v_proj": ("v", "self_attn.v_proj"),
-    "o_proj": ("o", "self_attn.o_proj"),
-    "gate_proj": ("gate", "mlp.gate_proj"),
-    "up_proj": ("up", "mlp.up_proj"),
-    "down_proj": ("down", "mlp.down_proj"),
-}
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
-NORM_KEYS = {"input_layernorm": "ln1", "post_attention_layernorm": "ln2"}  # HF layer norm -> layer key
 _MASK64 = (1 << 64) - 1
 
 
@@ -78,25 +75,25 @@ class LoraConfig:
 
     def validate(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
-            raise ValueError(f"lora r must be an integer >= 1 (e.g. 8), got {self.r!r}")
+            raise BadInput(f"lora r must be an integer >= 1 (e.g. 8), got {self.r!r}")
         if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
-            raise ValueError(f"lora alpha must be a number > 0 (e.g. 16; scaling is alpha / r), got {self.alpha!r}")
+            raise BadInput(f"lora alpha must be a number > 0 (e.g. 16; scaling is alpha / r), got {self.alpha!r}")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora dropout must lie in [0, 1), got {self.dropout!r}")
+            raise BadInput(f"lora dropout must lie in [0, 1), got {self.dropout!r}")
         targets = tuple(self.targets) if not isinstance(self.targets, str) else (self.targets,)
-        bad = [t for t in targets if t not in TARGETS]
+        bad = [t for t in targets if t not in PROJECTIONS]
         if bad or not targets:
-            raise ValueError(f"lora targets {list(bad or targets)} are not valid; choose one or more of "
-                             f"{', '.join(TARGETS)}")
+            raise BadInput(f"lora targets {list(bad or targets)} are not valid; choose one or more of "
+                           f"{', '.join(PROJECTIONS)}")
         if len(set(targets)) != len(targets):
-            raise ValueError(f"lora targets {list(targets)} name a projection twice; list each once")
+            raise BadInput(f"lora targets {list(targets)} name a projection twice; list each once")
         if isinstance(self.modules_to_save, str):
-            raise ValueError(f"lora modules_to_save must be a list of module names, got the string "
-                             f"{self.modules_to_save!r}; write [{self.modules_to_save!r}]")
+            raise BadInput(f"lora modules_to_save must be a list of module names, got the string "
+                           f"{self.modules_to_save!r}; write [{self.modules_to_save!r}]")
         bad = [m for m in self.modules_to_save if not isinstance(m, str) or not m]
         if bad:
-            raise ValueError(f"lora modules_to_save entries {bad} are not module names; name norms, e.g. "
-                             f"{', '.join(LAYER_NORMS)}, or norm (every norm)")
+            raise BadInput(f"lora modules_to_save entries {bad} are not module names; name norms, e.g. "
+                           f"{', '.join(LAYER_NORMS)}, or norm (every norm)")
 
     @property
     def scaling(self) -> float:
@@ -106,34 +103,27 @@ class LoraConfig:
     def ordered_targets(self) -> tuple[str, ...]:
         """The targets in the layer's order (q, k, v, o, gate, up, down): the adapter unit's layout."""
         chosen = set(self.targets)
-        return tuple(t for t in TARGETS if t in chosen)
-
-
-def _projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each projection."""
-    H, I = cfg.hidden_size, cfg.intermediate_size
-    return {"q_proj": (H, cfg.q_dim), "k_proj": (H, cfg.kv_dim), "v_proj": (H, cfg.kv_dim),
-            "o_proj": (cfg.q_dim, H), "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+        return tuple(t for t in PROJECTIONS if t in chosen)
 
 
 def adapter_layouts(cfg: ModelConfig, lora: LoraConfig) -> list[UnitLayout]:
     """One adapter unit per decoder layer, ``lora.{i}``: A [r, in] then B [out, r] of each target, then the
     layer's selected norms; and ``lora.head`` with the final norm when it is selected. The tensor names are
     PEFT's saved names; the keys ("q.lora_A", "ln1", ...) are what the layer template reads."""
-    shapes = _projection_shapes(cfg)
+    shapes = projection_shapes(cfg)
     norms, final = modules_to_save_norms(cfg.num_layers, lora.modules_to_save)
     H = cfg.hidden_size
     units = []
     for i in range(cfg.num_layers):
         entries = []
         for t in lora.ordered_targets:
-            key, module = TARGETS[t]
+            key, module = PROJECTIONS[t]
             fan_in, fan_out = shapes[t]
             name = f"{_PEFT_PREFIX}model.layers.{i}.{module}"
             entries.append((f"{name}.lora_A.weight", f"{key}.lora_A", (lora.r, fan_in)))
             entries.append((f"{name}.lora_B.weight", f"{key}.lora_B", (fan_out, lora.r)))
         for n in norms[i]:
-            entries.append((f"{_PEFT_PREFIX}model.layers.{i}.{n}.weight", NORM_KEYS[n], (H,)))
+            entries.append((f"{_PEFT_PREFIX}model.layers.{i}.{n}.weight", LAYER_NORMS[n], (H,)))
         units.append(_unit(f"lora.{i}", entries))
     if final:
         units.append(_unit("lora.head", [(f"{_PEFT_PREFIX}model.norm.weight", "norm", (H,))]))
@@ -270,9 +260,9 @@ def read_adapter_config(adapter_dir: Path) -> tuple[LoraConfig, str | None]:
     try:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {path}: {exc}") from None
+        raise BadInput(f"cannot read {path}: {exc}") from None
     if raw.get("peft_type") != "LORA":
-        raise ValueError(f"{path}: peft_type {raw.get('peft_type')!r} is not supported; only LORA adapters load")
+        raise BadInput(f"{path}: peft_type {raw.get('peft_type')!r} is not supported; only LORA adapters load")
     # features the template does not implement: each must be off (false, null or empty)
     refused = {
         "use_rslora": "rank-stabilised scaling (use_rslora) is not supported; scaling is lora_alpha / r",
@@ -289,20 +279,20 @@ def read_adapter_config(adapter_dir: Path) -> tuple[LoraConfig, str | None]:
     }
     for key, why in refused.items():
         if raw.get(key):
-            raise ValueError(f"{path}: {key}={raw[key]!r}: {why}")
+            raise BadInput(f"{path}: {key}={raw[key]!r}: {why}")
     if raw.get("bias", "none") != "none":
-        raise ValueError(f"{path}: bias={raw['bias']!r}: trained biases are not supported (bias must be 'none')")
+        raise BadInput(f"{path}: bias={raw['bias']!r}: trained biases are not supported (bias must be 'none')")
     targets = raw.get("target_modules")
     if isinstance(targets, str):
-        raise ValueError(f"{path}: target_modules is the pattern {targets!r}; give a list of projection names "
-                         f"among {', '.join(TARGETS)}")
+        raise BadInput(f"{path}: target_modules is the pattern {targets!r}; give a list of projection names "
+                       f"among {', '.join(PROJECTIONS)}")
     lora = LoraConfig(r=int(raw.get("r", 8)), alpha=float(raw.get("lora_alpha", 8)),
                       dropout=float(raw.get("lora_dropout", 0.0)), targets=tuple(targets or ()),
                       modules_to_save=tuple(raw.get("modules_to_save") or ()))
     try:
         lora.validate()
     except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        raise BadInput(f"{path}: {exc}") from None
     return lora, raw.get("base_model_name_or_path")
 
 
@@ -311,21 +301,21 @@ def load_adapter(adapters, adapter_dir: Path) -> None:
     adapters' fp32 weights."""
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
     if not path.is_file():
-        raise ValueError(f"no {ADAPTER_WEIGHTS} in {adapter_dir}: not a PEFT adapter directory (a .bin adapter "
-                         "must be converted to safetensors first)")
+        raise BadInput(f"no {ADAPTER_WEIGHTS} in {adapter_dir}: not a PEFT adapter directory (a .bin adapter "
+                       "must be converted to safetensors first)")
     with safe_open(path, framework="pt") as f:
         available = {k.replace(".default.weight", ".weight"): k for k in f.keys()}
         expected = {t.name for u in adapters for t in u.layout.tensors}
         missing = sorted(expected - available.keys())
         extra = sorted(available.keys() - expected)
         if missing or extra:
-            raise ValueError(f"{path} does not match the engine's LoRA layout: missing {missing[:3]}, unexpected "
-                             f"{extra[:3]}; the adapter was trained with other targets or on another model")
+            raise BadInput(f"{path} does not match the engine's LoRA layout: missing {missing[:3]}, unexpected "
+                           f"{extra[:3]}; the adapter was trained with other targets or on another model")
         for unit in adapters:
             views = unit.layout.views(unit.master)
             for t in unit.layout.tensors:
                 src = f.get_tensor(available[t.name])
                 if tuple(src.shape) != t.shape:
-                    raise ValueError(f"{path}: {t.name} has shape {tuple(src.shape)}, the engine expects {t.shape} "
-                                     "(another rank, or another model)")
+                    raise BadInput(f"{path}: {t.name} has shape {tuple(src.shape)}, the engine expects {t.shape} "
+                                   "(another rank, or another model)")
                 views[t.key].copy_(src)

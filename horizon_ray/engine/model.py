@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from horizon_ray.errors import BadInput
+
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -64,7 +66,7 @@ class ModelConfig:
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
-            raise ValueError(f"no config.json at {path}: point at an HF model directory or its config.json")
+            raise BadInput(f"no config.json at {path}: point at an HF model directory or its config.json")
         with open(path) as f:
             return ModelConfig.from_hf(json.load(f))
 
@@ -72,21 +74,21 @@ class ModelConfig:
     def from_hf(hf: dict) -> ModelConfig:
         model_type = hf.get("model_type")
         if model_type not in ARCHITECTURES:
-            raise ValueError(
+            raise BadInput(
                 f"model_type {model_type!r} is not supported; supported: {sorted(ARCHITECTURES)} "
                 "(decoder-only Llama / Qwen2 / Mistral family)"
             )
         archs = hf.get("architectures") or [ARCHITECTURES[model_type]]
         if archs != [ARCHITECTURES[model_type]]:
-            raise ValueError(f"architectures {archs} are not supported; expected [{ARCHITECTURES[model_type]!r}]")
+            raise BadInput(f"architectures {archs} are not supported; expected [{ARCHITECTURES[model_type]!r}]")
         for key, (ok, why) in _REFUSED_IF.items():
             if key in hf and hf[key] not in (ok, None):
-                raise ValueError(f"config field {key}={hf[key]!r}: {why}")
+                raise BadInput(f"config field {key}={hf[key]!r}: {why}")
         if hf.get("pretraining_tp", 1) not in (1, None):
-            raise ValueError(f"config field pretraining_tp={hf['pretraining_tp']}: only 1 is supported")
+            raise BadInput(f"config field pretraining_tp={hf['pretraining_tp']}: only 1 is supported")
         layer_types = hf.get("layer_types")
         if layer_types and any(t != "full_attention" for t in layer_types):
-            raise ValueError(f"config field layer_types={sorted(set(layer_types))}: only full_attention is supported")
+            raise BadInput(f"config field layer_types={sorted(set(layer_types))}: only full_attention is supported")
         rope = dict(hf.get("rope_parameters") or {})
         legacy = hf.get("rope_scaling")
         if legacy:
@@ -98,16 +100,16 @@ class ModelConfig:
             llama3 = {k: float(rope[k]) for k in ("factor", "low_freq_factor", "high_freq_factor",
                                                   "original_max_position_embeddings")}
         elif rope_type != "default":
-            raise ValueError(f"rope type {rope_type!r} is not supported; supported: 'default', 'llama3'")
+            raise BadInput(f"rope type {rope_type!r} is not supported; supported: 'default', 'llama3'")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("partial_rotary_factor != 1 is not supported")
+            raise BadInput("partial_rotary_factor != 1 is not supported")
 
         hidden = int(hf["hidden_size"])
         heads = int(hf["num_attention_heads"])
         kv_heads = int(hf.get("num_key_value_heads") or heads)
         head_dim = int(hf.get("head_dim") or hidden // heads)
         if heads % kv_heads:
-            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+            raise BadInput(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         attention_bias = bool(hf.get("attention_bias", False))
         sliding = hf.get("sliding_window") if model_type == "mistral" else None
         return ModelConfig(
@@ -221,3 +223,79 @@ def unit_layouts(cfg: ModelConfig) -> list[UnitLayout]:
         head.append(("lm_head.weight", "lm_head", (V, H)))
     units.append(_unit("head", head))
     return units
+
+
+# ---- tables the job spec, the planner and the engine share (plain Python: the planner and the API read them) ----
+
+# The projections of a decoder layer, in the layer's order, by the name LoRA targets them with (PEFT's
+# target_modules) -> (key of the weight in a layer unit, HF module path inside the layer).
+PROJECTIONS = {
+    "q_proj": ("q", "self_attn.q_proj"),
+    "k_proj": ("k", "self_attn.k_proj"),
+    "v_proj": ("v", "self_attn.v_proj"),
+    "o_proj": ("o", "self_attn.o_proj"),
+    "gate_proj": ("gate", "mlp.gate_proj"),
+    "up_proj": ("up", "mlp.up_proj"),
+    "down_proj": ("down", "mlp.down_proj"),
+}
+# The norms of a decoder layer (HF module name -> key in a layer unit). With the final norm (HF module
+# "model.norm"), the norms LoRA may train beside its adapters (PEFT's modules_to_save).
+LAYER_NORMS = {"input_layernorm": "ln1", "post_attention_layernorm": "ln2"}
+# Compute dtypes of the layer template and the weights streamed to the device, with their bytes.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# Precision modes of full fine-tuning: "exact" (fp32 master, fp32 AdamW moments: torch.optim.AdamW
+# semantics); "bf16-state" (bf16 master and moments, half the host RAM, updates below bf16 resolution lost).
+PRECISIONS = ("exact", "bf16-state")
+# When the host AdamW of step n runs: "exact" (after the step's global grad norm is known, overlapping step
+# n+1's forward); "delayed" (overlapping all of step n+1's GPU work, which so trains on the weights after
+# step n-1: not exact); "speculative" (each unit as soon as its gradient is final, assuming clipping will not
+# trigger; validated at the end of the backward and redone if it did: exact whenever clipping is inactive).
+UPDATES = ("exact", "delayed", "speculative")
+# The layer template's kernels: "torch" ops, "liger" (Liger-Kernel's fused kernels, CUDA only), or "auto":
+# liger on CUDA when the package is installed, torch elsewhere.
+KERNELS = ("auto", "torch", "liger")
+
+
+def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection of a layer of `cfg` (a ModelConfig, or any shape with
+    hidden_size, intermediate_size, q_dim and kv_dim)."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    return {"q_proj": (H, cfg.q_dim), "k_proj": (H, cfg.kv_dim), "v_proj": (H, cfg.kv_dim),
+            "o_proj": (cfg.q_dim, H), "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+
+
+def modules_to_save_norms(num_layers: int, entries) -> tuple[list[tuple[str, ...]], bool]:
+    """Which norms PEFT's ``modules_to_save`` entries select on a decoder-only HF model, by PEFT's rule (a
+    module is selected when its dotted name ends with an entry, so "norm" selects every norm): per layer,
+    the selected names among LAYER_NORMS, and whether the final norm is selected. Refuses an entry that
+    selects nothing, or a module other than a norm, naming it and the fix."""
+    per_layer: list[tuple[str, ...]] = [() for _ in range(num_layers)]
+    final = False
+    if not entries:
+        return per_layer, final
+    layer_children = ("self_attn", "mlp", "act_fn", *(module for _, module in PROJECTIONS.values()))
+    others = ["model", "model.embed_tokens", "model.layers", "model.rotary_emb", "lm_head"]
+    for i in range(num_layers):
+        others.append(f"model.layers.{i}")
+        others += [f"model.layers.{i}.{c}" for c in layer_children]
+    norms = ", ".join(LAYER_NORMS)
+    for entry in entries:
+        if not isinstance(entry, str) or not entry:
+            raise BadInput(f"lora modules_to_save entry {entry!r} is not a module name; name norms, e.g. "
+                           f"{norms}, or norm (every norm)")
+        hit = [o for o in others if o.endswith(entry)]
+        if hit:
+            what = "the embeddings or the LM head" if hit[0] in ("model.embed_tokens", "lm_head") else "it"
+            raise BadInput(f"lora modules_to_save entry {entry!r} selects {hit[0]}: only norms train beside "
+                           f"the adapters ({norms}, norm); to train {what}, use method full")
+        found = "model.norm".endswith(entry)
+        final = final or found
+        for i in range(num_layers):
+            chosen = [n for n in LAYER_NORMS if f"model.layers.{i}.{n}".endswith(entry)]
+            if chosen:
+                found = True
+                per_layer[i] = tuple(n for n in LAYER_NORMS if n in chosen or n in per_layer[i])
+        if not found:
+            raise BadInput(f"lora modules_to_save entry {entry!r} selects no module of this model; name norms: "
+                           f"{norms}, norm (every norm), or one layer's as 'layers.3.input_layernorm'")
+    return per_layer, final

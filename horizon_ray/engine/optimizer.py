@@ -37,7 +37,6 @@ from horizon_ray.engine.store import HostStore, UnitState
 # Units are updated in chunks small enough (16 MB of fp32) to stay in the last-level cache between the
 # widening of the gradient, the update and the narrowing of the weights for the wire (torch path).
 _CHUNK = 1 << 22
-UPDATE_MODES = ("exact", "delayed", "speculative")
 
 
 class _Abandoned(Exception):

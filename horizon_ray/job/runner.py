@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from horizon_ray.errors import BadInput
 from horizon_ray.job import checkpoints as ckpt_io
 from horizon_ray.job.metrics import MetricsWriter, plot_loss_curve
 from horizon_ray.job.progress import Progress
@@ -56,40 +57,14 @@ class JobResult:
     wall_s: float  # seconds this run took
 
 
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 def engine_config(spec: JobSpec) -> Any:
-    """The EngineConfig a spec asks for, with auto device and dtype resolved for this node."""
-    from horizon_ray.engine import EngineConfig, LoraConfig
+    """The EngineConfig a spec asks for on this node (every "auto" resolved by the spec's one rule)."""
+    from horizon_ray.engine import EngineConfig
 
-    device = resolve_device(spec.engine.device)
-    dtype = spec.engine.compute_dtype
-    if dtype == "auto":
-        bf16 = device.startswith("cuda") or spec.engine.precision == "bf16-state"
-        dtype = "bfloat16" if bf16 else "float32"
-    t = spec.training
-    return EngineConfig(
-        lr=t.lr,  # replaced by the schedule's rate before every step
-        betas=(t.betas[0], t.betas[1]),
-        eps=t.eps,
-        weight_decay=t.weight_decay,
-        max_grad_norm=t.max_grad_norm,
-        checkpoint_every=spec.engine.activation_checkpoint_every,
-        device=device,
-        compute_dtype=dtype,
-        precision=spec.engine.precision,
-        loss_chunk_tokens=spec.engine.loss_chunk_tokens,
-        seed=t.seed,
-        # the node agent's share of the cores when several engines run on one node (0: the engine's default)
-        optimizer_threads=int(os.environ.get("HORIZON_RAY_OPTIMIZER_THREADS") or 0),
-        lora=None if spec.method != "lora" else LoraConfig(
-            r=spec.lora.r, alpha=spec.lora.alpha, dropout=spec.lora.dropout, targets=tuple(spec.lora.targets),
-            modules_to_save=tuple(spec.lora.modules_to_save)),
-    )
+    cfg = EngineConfig.from_spec(spec)
+    # the node agent's share of the cores when several engines run on one node (0: the engine's default)
+    cfg.optimizer_threads = int(os.environ.get("HORIZON_RAY_OPTIMIZER_THREADS") or 0)
+    return cfg
 
 
 def total_steps_for(spec: JobSpec, steps_per_epoch: int) -> int:
@@ -104,7 +79,7 @@ def total_steps_for(spec: JobSpec, steps_per_epoch: int) -> int:
 
 def run_job(spec: JobSpec, resume: bool = False, progress: bool = True) -> JobResult:
     """Run the job described by ``spec`` to completion. ValueError: bad input (nothing trained)."""
-    spec.validate()
+    spec.check()
     spec.check_paths()
     out = Path(spec.output_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -179,15 +154,15 @@ class _Job:
         path = self.out / DONE
         if not path.is_file():
             if not resume and (self.out / "final").exists():
-                raise ValueError(f"{self.out} already holds a final model; choose another output_dir")
+                raise BadInput(f"{self.out} already holds a final model; choose another output_dir")
             return None
         done = json.loads(path.read_text())
         if not resume:
-            raise ValueError(f"{self.out} already holds a finished run; choose another output_dir (or pass "
-                             "--resume, which reports it as done)")
+            raise BadInput(f"{self.out} already holds a finished run; choose another output_dir (or pass "
+                           "--resume, which reports it as done)")
         if done.get("training_hash") != self.spec.training_hash():
-            raise ValueError(f"{self.out} holds a finished run of a different job spec; choose another "
-                             "output_dir")
+            raise BadInput(f"{self.out} holds a finished run of a different job spec; choose another "
+                           "output_dir")
         self.step = done["total_steps"]
         self.metrics.write("done", self.step, final_dir=done["final_dir"], eval_loss=done["eval_loss"],
                            wall_s=0.0)
@@ -200,12 +175,12 @@ class _Job:
         if latest is None:
             return None
         if not resume:
-            raise ValueError(f"{self.out} already holds checkpoints of a run (newest: step {latest.step}); "
-                             "pass --resume to continue it, or choose another output_dir")
+            raise BadInput(f"{self.out} already holds checkpoints of a run (newest: step {latest.step}); "
+                           "pass --resume to continue it, or choose another output_dir")
         if latest.state().get("training_hash") != self.spec.training_hash():
-            raise ValueError(f"the checkpoint in {latest.path} belongs to a different job spec (model, data "
-                             "or training settings changed); resume with the original spec, or choose "
-                             "another output_dir")
+            raise BadInput(f"the checkpoint in {latest.path} belongs to a different job spec (model, data "
+                           "or training settings changed); resume with the original spec, or choose "
+                           "another output_dir")
         return latest
 
     def _load_data(self) -> None:
@@ -223,8 +198,8 @@ class _Job:
                                    grad_accum=t.grad_accum, packing=t.packing, seed=t.seed)
         self.total = total_steps_for(spec, self.sampler.steps_per_epoch)
         if t.schedule.warmup_steps >= self.total:
-            raise ValueError(f"training.schedule.warmup_steps ({t.schedule.warmup_steps}) must be smaller "
-                             f"than the job's {self.total} steps; lower the warmup")
+            raise BadInput(f"training.schedule.warmup_steps ({t.schedule.warmup_steps}) must be smaller "
+                           f"than the job's {self.total} steps; lower the warmup")
         self.evals = None
         if self.eval_ds is not None and self.eval_ds.examples:
             self.evals = eval_batches(self.eval_ds, t.seq_len, micro_batch_size=t.micro_batch_size,

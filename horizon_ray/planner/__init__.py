@@ -9,7 +9,9 @@ step should take, and whether it fits. The coordinator places jobs with it, the 
 
 Modules: ``shapes`` (presets, config.json parsing, units), ``modes`` (bytes per parameter of each
 precision mode), ``memory`` (host and GPU items), ``timing`` (step-time roofline), ``node`` (NodeSpec,
-ceilings, byte sizes), ``planning`` (plan, verdict, max_model, job specs).
+ceilings, byte sizes), ``planning`` (plan, verdict, max_model, job specs). What a job runs comes as a
+``horizon_ray.workload.Workload`` (and ``Adapters`` for LoRA), the plain view of a job spec: the planner
+needs neither pydantic nor torch.
 """
 
 from horizon_ray.planner.memory import (
@@ -20,11 +22,12 @@ from horizon_ray.planner.memory import (
 from horizon_ray.planner.modes import MODES, PrecisionMode, get_mode
 from horizon_ray.planner.node import H200_NODE, Ceilings, NodeSpec, format_bytes, parse_bytes
 from horizon_ray.planner.planning import MaxModel, Plan, format_plan, max_model, plan, plan_for_spec
-from horizon_ray.planner.shapes import FAMILIES, PRESETS, LoraSpec, ModelShape, human_params, load_model_shape
+from horizon_ray.planner.shapes import FAMILIES, PRESETS, ModelShape, human_params, load_model_shape
+from horizon_ray.workload import Adapters, Workload
 
 __all__ = [
-    "CUDA_CONTEXT_BYTES", "FAMILIES", "H200_NODE", "MODES", "PINNED_POW2_ROUNDING", "PRESETS",
-    "PROCESS_BASELINE_BYTES", "Ceilings", "LoraSpec", "MaxModel", "ModelShape", "NodeSpec", "Plan",
-    "PrecisionMode", "format_bytes", "format_plan", "get_mode", "human_params", "load_model_shape",
+    "Adapters", "CUDA_CONTEXT_BYTES", "FAMILIES", "H200_NODE", "MODES", "PINNED_POW2_ROUNDING", "PRESETS",
+    "PROCESS_BASELINE_BYTES", "Ceilings", "MaxModel", "ModelShape", "NodeSpec", "Plan",
+    "PrecisionMode", "Workload", "format_bytes", "format_plan", "get_mode", "human_params", "load_model_shape",
     "max_model", "parse_bytes", "plan", "plan_for_spec",
 ]

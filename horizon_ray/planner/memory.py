@@ -43,11 +43,11 @@ context; the host's pinned bytes (torch.cuda.host_memory_stats) equalled the pla
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from horizon_ray.planner.modes import DTYPE_BYTES, ParamBytes, PrecisionMode
+from horizon_ray.engine.model import DTYPE_BYTES
+from horizon_ray.planner.modes import ParamBytes, PrecisionMode
 from horizon_ray.planner.node import MiB
-from horizon_ray.planner.shapes import LoraSpec, ModelShape, ceil_div
+from horizon_ray.planner.shapes import ModelShape, adapter_params, adapter_unit_params, ceil_div
+from horizon_ray.workload import Adapters, Workload
 
 # RSS of a process that imported torch and built an engine, beyond the engine's own buffers.
 # Measured: CPU build on the dev machine: 277 MiB after `import torch`, 326 MiB after a first matmul
@@ -64,7 +64,6 @@ ALLOCATOR_SLACK = 0.05
 
 # Engine defaults the plan depends on (EngineConfig; a unit test keeps them equal).
 OPTIMIZER_SCRATCH_ELEMENTS = 1 << 22  # optimizer._CHUNK: the scratch chunk that widens gradients
-LAYER_CHUNK_TOKENS = 8192  # EngineConfig.layer_chunk_tokens: micro-batches split into row groups
 
 # torch's CachingHostAllocator (pin_memory=True) rounds every allocation up to the next power of two
 # (measured on the H200 box: pinning 600 MiB adds 1 GiB of RSS, 1.5 GiB adds 2 GiB). The engine page-locks
@@ -104,45 +103,11 @@ def pinned_padding(nbytes: int, pow2: bool) -> int:
     return pow2ceil(nbytes) - nbytes if pow2 or nbytes < REGISTER_MIN_BYTES else 0
 
 
-@dataclass(frozen=True)
-class Job:
-    """The training parameters the plan depends on."""
-
-    seq_len: int  # tokens per sequence
-    micro_batch_size: int  # sequences per micro-batch
-    grad_accum: int  # micro-batches per optimizer step
-    checkpoint_every: int  # K
-    loss_chunk_tokens: int  # tokens per chunk of LM head + cross-entropy
-    packed: bool  # packed rows: a [B, 1, S, S] attention mask per micro-batch
-    layer_chunk_tokens: int = LAYER_CHUNK_TOKENS  # micro-batches run through a layer in row groups of this
-    offload_checkpoints: bool | None = None  # None: the engine's "auto" (offloaded on CUDA)
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.seq_len * self.micro_batch_size * self.grad_accum
-
-    @property
-    def rows_per_group(self) -> int:
-        return min(self.micro_batch_size, max(1, self.layer_chunk_tokens // self.seq_len))
-
-    @property
-    def group_tokens(self) -> int:
-        """Tokens of one row group: what one layer call processes at once."""
-        return self.rows_per_group * self.seq_len
-
-    def row_groups(self) -> list[int]:
-        """Rows of each row group of the step (every micro-batch split at layer_chunk_tokens)."""
-        r, mb = self.rows_per_group, self.micro_batch_size
-        return [min(r, mb - lo) for lo in range(0, mb, r)] * self.grad_accum
-
-    def offloads(self, device: str) -> bool:
-        return device == "cuda" if self.offload_checkpoints is None else self.offload_checkpoints and device == "cuda"
-
-
-def host_breakdown(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, device: str, job: Job,
-                   lora: LoraSpec | None, pinned_pow2: bool = PINNED_POW2_ROUNDING) -> tuple[dict[str, int], int]:
+def host_breakdown(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapters | None,
+                   pinned_pow2: bool = PINNED_POW2_ROUNDING) -> tuple[dict[str, int], int]:
     """(host bytes by item, of which pinned). Items sum to the host bytes. ``pinned_pow2``: each pinned
     buffer takes the next power of two (torch's caching host allocator)."""
+    device, compute_dtype = job.device, job.compute_dtype
     cuda = device == "cuda"
     c = DTYPE_BYTES[compute_dtype]
     out = {"weights": 0, "master": 0, "moments": 0, "grads": 0, "checkpoints": 0, "embed_rows": 0,
@@ -168,7 +133,7 @@ def host_breakdown(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, d
     for _, n in shape.units():
         add(n, kinds[0])
     if mode.method == "lora":
-        for n in lora.unit_params(shape):
+        for n in adapter_unit_params(lora, shape):
             add(n, mode.adapter())
             kinds.append(mode.adapter())
     widening = [pb for pb in kinds if pb.widens]
@@ -176,7 +141,7 @@ def host_breakdown(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, d
         out["optimizer_scratch"] = OPTIMIZER_SCRATCH_ELEMENTS * max(pb.master for pb in widening)
 
     n_checkpoints = ceil_div(shape.num_layers, min(job.checkpoint_every, max(shape.num_layers, 1)))
-    if job.offloads(device):
+    if job.offload_checkpoints:
         # one pinned buffer per checkpoint and row group, [rows, seq, H] in the compute dtype
         for rows in job.row_groups():
             nbytes = rows * job.seq_len * shape.hidden_size * c
@@ -191,7 +156,7 @@ def host_breakdown(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, d
             pin(nbytes)
     pinned += out["pinned_padding"]
     if not cuda:
-        dev = device_items(shape, mode, compute_dtype, job, lora, cuda=False)
+        dev = device_items(shape, mode, job, lora)
         out["checkpoints"] = dev.pop("checkpoints") + dev.pop("recompute_inputs")
         out["workspace"] = sum(dev.values())
     step_transient = out["checkpoints"] + out["optimizer_scratch"] + out["workspace"]
@@ -199,16 +164,16 @@ def host_breakdown(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, d
     return out, pinned
 
 
-def device_items(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, job: Job, lora: LoraSpec | None,
-                 cuda: bool = True) -> dict[str, int]:
+def device_items(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapters | None) -> dict[str, int]:
     """The engine's device-side working set, by item (on CPU the same work runs in host RAM)."""
-    c = DTYPE_BYTES[compute_dtype]
+    cuda = job.device == "cuda"
+    c = DTYPE_BYTES[job.compute_dtype]
     H, V, L = shape.hidden_size, shape.vocab_size, shape.num_layers
     K = min(job.checkpoint_every, max(L, 1))
     T, m = job.tokens_per_step, job.group_tokens
     layer = shape.layer_params
     full = mode.method == "full"
-    trained_layer = layer if full else max(lora.unit_params(shape))
+    trained_layer = layer if full else max(adapter_unit_params(lora, shape))
     out: dict[str, int] = {}
     if cuda:
         out["weight_slots"] = 2 * K * layer * c
@@ -221,13 +186,14 @@ def device_items(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, job
             if c != 4:
                 out["grad_staging"] = 2 * layer * c
         else:  # the frozen base has no gradient; the fp32 adapters and their gradients stay resident
-            out["adapter_weights"] = 4 * lora.num_params(shape)
-            out["adapter_grads"] = 4 * lora.num_params(shape)
+            adapters = adapter_params(lora, shape)
+            out["adapter_weights"] = 4 * adapters
+            out["adapter_grads"] = 4 * adapters
     elif full and c != 4:
         # on the CPU an fp32 gradient is accumulated in its host buffer; a bf16 layer's in a temporary
         # fp32 buffer, one at a time
         out["grad_accumulators"] = 4 * layer
-    resident = 2 if (cuda and job.offloads("cuda")) else ceil_div(L, K)
+    resident = 2 if job.offload_checkpoints else ceil_div(L, K)
     out["checkpoints"] = min(resident, ceil_div(L, K)) * T * H * c
     out["recompute_inputs"] = (K - 1) * T * H * c
     out["hidden_states"] = 2 * T * H * c

@@ -23,14 +23,15 @@ and B [out, r] per target; on CUDA the adapters and their gradients are also res
 
 The host update moves, per parameter, the gradient once, master and moments twice (read, write) and the
 wire copy once (written from the master chunk still in cache): exact in bf16 = 2 + 24 + 2 = 28 B, the
-traffic of the measured fused AdamW (ceilings.md).
+traffic of the fused AdamW measured on the H200 box (``node.Ceilings``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+from horizon_ray.engine.model import DTYPE_BYTES
+from horizon_ray.errors import BadInput
 
 
 @dataclass(frozen=True)
@@ -140,5 +141,5 @@ FIDELITY_ORDER = ("exact", "bf16-weights", "bf16-state", "lora")
 
 def get_mode(name: str) -> PrecisionMode:
     if name not in MODES:
-        raise ValueError(f"unknown precision mode {name!r}; known modes: {', '.join(MODES)}")
+        raise BadInput(f"unknown precision mode {name!r}; known modes: {', '.join(MODES)}")
     return MODES[name]

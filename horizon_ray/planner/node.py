@@ -1,6 +1,6 @@
 """A node as the planner sees it: RAM, GPU memory and the measured ceilings that set the step time.
 
-Defaults describe the project's GPU box (``/work/shared/ceilings.md``): one H200, 16 Sapphire Rapids
+Defaults describe the project's GPU box, as measured on it: one H200, 16 Sapphire Rapids
 cores, 125.9 GiB of host RAM. Every rate is a measurement on that box, not a datasheet number, except
 where a field says otherwise.
 """
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
+
+from horizon_ray.errors import BadInput
 
 KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
 
@@ -24,15 +26,15 @@ def parse_bytes(text: str | int | float) -> int:
     powers of 1024; SI ones (KB, MB, GB, TB, K, M, G, T) powers of 1000, so "1.5TB" is 1.5e12 bytes, 9 %
     less than the 1.5 TiB a server with 1536 GiB of DIMMs has. A bare number is bytes."""
     if isinstance(text, bool):
-        raise ValueError(f"not a byte size: {text!r}")
+        raise BadInput(f"not a byte size: {text!r}")
     if isinstance(text, (int, float)):
         if text < 0:
-            raise ValueError(f"a byte size cannot be negative: {text!r}")
+            raise BadInput(f"a byte size cannot be negative: {text!r}")
         return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
     if not m or unit not in _UNITS:
-        raise ValueError(f"not a byte size: {text!r}; write e.g. 125GiB, 1.5TiB, 512Gi or 141GB")
+        raise BadInput(f"not a byte size: {text!r}; write e.g. 125GiB, 1.5TiB, 512Gi or 141GB")
     return int(round(float(m.group(1)) * _UNITS[unit]))
 
 
@@ -45,9 +47,9 @@ def format_bytes(n: float) -> str:
 
 @dataclass(frozen=True)
 class Ceilings:
-    """Measured rates of the box (ceilings.md, 2026-11-29, one run each: take them as +-5 %)."""
+    """Measured rates of the box (2026-11-29, one run each: take them as +-5 %)."""
 
-    matmul_flops: float = 786.5e12  # bf16 dense matmul, FLOP/s: the rate MFU is against (DESIGN.md, Measuring)
+    matmul_flops: float = 786.5e12  # bf16 dense matmul, FLOP/s: the rate MFU is against
     datasheet_matmul_flops: float = 989.5e12  # the GPU's datasheet bf16 dense rate (MFU is printed against it too)
     compute_efficiency: float = 0.55  # assumed share of matmul_flops a streamed layer sustains (see timing)
     h2d_bytes_per_s: float = 55.4e9  # pinned host -> device
@@ -65,7 +67,7 @@ class Ceilings:
 
 @dataclass(frozen=True)
 class NodeSpec:
-    ram_bytes: int = int(125.9 * GiB)  # host RAM (ceilings.md: 125.9 GiB on the H200 box)
+    ram_bytes: int = int(125.9 * GiB)  # host RAM (125.9 GiB on the H200 box)
     gpu_mem_bytes: int = 143771 * MiB  # memory of one GPU (nvidia-smi on the H200 box: 143771 MiB)
     gpus: int = 1  # GPUs on the node; one job (one engine) uses one GPU, so up to `gpus` engines share the host
     reserve_fraction: float = 0.05  # share of RAM kept free for the OS, page cache and other processes
@@ -74,11 +76,11 @@ class NodeSpec:
 
     def __post_init__(self):
         if self.ram_bytes <= 0:
-            raise ValueError(f"node RAM must be > 0 bytes, got {self.ram_bytes}")
+            raise BadInput(f"node RAM must be > 0 bytes, got {self.ram_bytes}")
         if self.gpu_mem_bytes < 0 or self.gpus < 0:
-            raise ValueError("GPU memory and GPU count must be >= 0")
+            raise BadInput("GPU memory and GPU count must be >= 0")
         if not 0 <= self.reserve_fraction < 1:
-            raise ValueError(f"reserve_fraction must lie in [0, 1), got {self.reserve_fraction}")
+            raise BadInput(f"reserve_fraction must lie in [0, 1), got {self.reserve_fraction}")
 
     @property
     def usable_ram_bytes(self) -> int:

@@ -1,4 +1,8 @@
-"""The plan of one job on one node: host and GPU bytes, step time, and whether it fits (and why not)."""
+"""The plan of one job on one node: host and GPU bytes, step time, and whether it fits (and why not).
+
+A job comes as its ``Workload`` (``horizon_ray.workload``): the job spec's view, with the spec's defaults and
+the one rule that resolves "auto", so a spec is planned the way the runner will run it.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,21 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from horizon_ray.planner.memory import LAYER_CHUNK_TOKENS, PINNED_POW2_ROUNDING, Job, device_items, host_breakdown
-from horizon_ray.planner.modes import DTYPE_BYTES, FIDELITY_ORDER, MODES, get_mode
+from horizon_ray.errors import BadInput
+from horizon_ray.planner.memory import PINNED_POW2_ROUNDING, device_items, host_breakdown
+from horizon_ray.planner.modes import FIDELITY_ORDER, MODES, PrecisionMode, get_mode
 from horizon_ray.planner.node import H200_NODE, GiB, NodeSpec, format_bytes
-from horizon_ray.planner.shapes import FAMILIES, PRESETS, LoraSpec, ModelShape, human_params, load_model_shape
+from horizon_ray.planner.shapes import (
+    FAMILIES,
+    PRESETS,
+    ModelShape,
+    adapter_params,
+    adapter_unit_params,
+    human_params,
+    load_model_shape,
+)
 from horizon_ray.planner.timing import step_time
-
-DEVICES = ("cuda", "cpu")
+from horizon_ray.workload import Adapters, Workload
 
 
 @dataclass
@@ -50,10 +62,11 @@ class Plan:
     gives_up: str  # what the mode costs against exact AdamW
     engine_supported: bool  # the engine implements this mode today
     alternatives: list[dict[str, Any]] = field(default_factory=list)  # other modes on this node
-    lora: dict[str, Any] | None = None  # rank and targets, for method lora
+    lora: dict[str, Any] | None = None  # r, targets and modules_to_save, for method lora
     node: dict[str, Any] = field(default_factory=dict)  # the NodeSpec planned against
     pinned_pow2: bool = PINNED_POW2_ROUNDING  # pinned buffers rounded up to powers of two (torch's allocator)
     concurrent_engines: int = 1  # engines sharing the host's DRAM bandwidth and cores (one per GPU) in the timing
+    update: str = "exact"  # training.update: when the host AdamW runs (delayed is not exact AdamW)
 
     @property
     def node_tokens_per_s(self) -> float:
@@ -64,130 +77,131 @@ class Plan:
         return dataclasses.asdict(self)
 
 
-def _job_defaults() -> dict[str, Any]:
-    """The job spec's defaults, so a plan with no training parameters plans what a job would run."""
-    from horizon_ray.jobspec import EngineSpec, TrainingSpec
-
-    t, e = TrainingSpec(), EngineSpec()
-    return {"seq_len": t.seq_len, "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
-            "checkpoint_every": e.activation_checkpoint_every, "loss_chunk_tokens": e.loss_chunk_tokens,
-            "layer_chunk_tokens": LAYER_CHUNK_TOKENS}
-
-
 def plan(model, *, method: str | None = None, mode: str | None = None, seq_len: int | None = None,
          micro_batch_size: int | None = None, grad_accum: int | None = None, checkpoint_every: int | None = None,
          compute_dtype: str = "auto", device: str = "cuda", node: NodeSpec | None = None,
-         gpu_budget_bytes: int | None = None, lora: LoraSpec | dict | None = None,
+         gpu_budget_bytes: int | None = None, lora: Adapters | dict | None = None,
          loss_chunk_tokens: int | None = None, packed: bool = False, suggest: bool = True,
-         pinned_pow2: bool = PINNED_POW2_ROUNDING, layer_chunk_tokens: int = LAYER_CHUNK_TOKENS,
-         offload_checkpoints: bool | str | None = None, concurrent_engines: int = 1) -> Plan:
+         pinned_pow2: bool = PINNED_POW2_ROUNDING, layer_chunk_tokens: int | None = None,
+         offload_checkpoints: bool | str | None = None, concurrent_engines: int = 1, update: str | None = None) -> Plan:
     """Plan one job on one node.
 
     ``model``: a preset name, a config.json path or model directory, an HF config dict, a ModelShape, or a
     job-spec-like dict ({"model": {"path": ...}, "training": {...}, "engine": {...}}; see plan_for_spec).
-    ``device`` "auto" means cuda when the node has a GPU; ``compute_dtype`` "auto" means bfloat16 on cuda
-    and float32 on cpu (the job spec's rule). ``packed``: rows pack several documents (a mask per
-    micro-batch). ``pinned_pow2``: how the engine pins host buffers (see memory.PINNED_POW2_ROUNDING).
-    ``layer_chunk_tokens`` / ``offload_checkpoints``: the engine's knobs of the same names ("auto" or None:
-    checkpoints offloaded to the host on CUDA). ``concurrent_engines``: how many engines (one per GPU) run at
-    once on the node and share its DRAM bandwidth and cores; the step time is that of one of them (see
-    ``timing``). On CUDA it cannot exceed the node's GPUs. ``method``: full or lora (None: lora when
-    ``mode`` is lora, else full). ``lora``: a LoraSpec or the job spec's section as a dict
-    (``{"r": 16, "targets": ["q_proj", "v_proj"]}``); absent, the job spec's defaults.
+    The other keywords are the job's ``Workload`` (the job spec's fields: checkpoint_every is
+    engine.activation_checkpoint_every, packed is training.packing); None: the spec's default. "auto"
+    resolves as for a job (``workload.resolve``): device cuda when the node has a GPU, compute_dtype bfloat16
+    on cuda or for a mode with bf16 weights. ``mode``: a precision mode of ``modes.MODES`` (the spec's
+    engine.precision, lora, or bf16-weights, which is planned only); ``method``: full or lora (None: lora when
+    ``mode`` is lora, else full). ``lora``: the spec's lora section (``Adapters``, a LoraSpec or a dict);
+    absent, its defaults. ``packed``: rows pack several documents (a mask per micro-batch). ``pinned_pow2``:
+    how the engine pins host buffers (see memory.PINNED_POW2_ROUNDING). ``concurrent_engines``: how many
+    engines (one per GPU) run at once on the node and share its DRAM bandwidth and cores; the step time is that
+    of one of them (see ``timing``). On CUDA it cannot exceed the node's GPUs.
     """
     node = node or H200_NODE
     if isinstance(model, dict) and "model" in model:
         return plan_for_spec(model, node, gpu_budget_bytes=gpu_budget_bytes, suggest=suggest,
                              concurrent_engines=concurrent_engines)
     shape = load_model_shape(model)
-    d = _job_defaults()
-    job = Job(seq_len=_pos("seq_len", seq_len, d), micro_batch_size=_pos("micro_batch_size", micro_batch_size, d),
-              grad_accum=_pos("grad_accum", grad_accum, d), checkpoint_every=_pos("checkpoint_every",
-                                                                                  checkpoint_every, d),
-              loss_chunk_tokens=_pos("loss_chunk_tokens", loss_chunk_tokens, d), packed=bool(packed),
-              layer_chunk_tokens=_pos("layer_chunk_tokens", layer_chunk_tokens, d),
-              offload_checkpoints=None if offload_checkpoints in (None, "auto") else bool(offload_checkpoints))
-    device = _device(device, node)
-    if compute_dtype == "auto":
-        compute_dtype = "bfloat16" if device == "cuda" else "float32"
-    if compute_dtype not in DTYPE_BYTES:
-        raise ValueError(f"compute_dtype must be one of auto, {', '.join(DTYPE_BYTES)}; got {compute_dtype!r}")
-    if method is None:
-        method = "lora" if mode == "lora" else "full"
+    method = method or ("lora" if mode == "lora" else "full")
+    given = {"seq_len": seq_len, "micro_batch_size": micro_batch_size, "grad_accum": grad_accum,
+             "checkpoint_every": checkpoint_every, "loss_chunk_tokens": loss_chunk_tokens,
+             "layer_chunk_tokens": layer_chunk_tokens, "offload_checkpoints": offload_checkpoints, "update": update}
+    job = Workload(packed=bool(packed), device=device, compute_dtype=compute_dtype,
+                   **{k: v for k, v in given.items() if v is not None})
+    return _plan_job(shape, method, mode, job, Adapters.of(lora) if method == "lora" else None, node,
+                     gpu_budget_bytes, suggest, pinned_pow2, concurrent_engines)
+
+
+def plan_for_spec(spec, node: NodeSpec | None = None, *, gpu_budget_bytes: int | None = None,
+                  suggest: bool = True, concurrent_engines: int = 1) -> Plan:
+    """Plan a job spec (``horizon_ray.jobspec.JobSpec``, or its dict form, which may lack what planning does
+    not need: it is parsed, not checked) on a node, through its ``Workload``.
+
+    The model is read from ``model.path``: a model directory or config.json when this machine sees it, else
+    a preset name (the coordinator may not see the node's disks).
+    """
+    from horizon_ray.jobspec import JobSpec  # pydantic: not where a plan of keywords runs
+
+    node = node or H200_NODE
+    if not isinstance(spec, JobSpec):
+        spec = JobSpec.parse(spec)
+    if not spec.model.path:
+        raise BadInput("the job spec has no model.path; set it to an HF model directory or a preset name",
+                       field="model.path")
+    lora = spec.lora.adapters() if spec.method == "lora" else None
+    mode = spec.engine.precision if spec.method == "full" else "lora"
+    return _plan_job(load_model_shape(spec.model.path), spec.method, mode, spec.workload(), lora, node,
+                     gpu_budget_bytes, suggest, PINNED_POW2_ROUNDING, concurrent_engines)
+
+
+def _plan_job(shape: ModelShape, method: str, mode: str | None, job: Workload, lora: Adapters | None,
+              node: NodeSpec, gpu_budget_bytes: int | None, suggest: bool, pinned_pow2: bool,
+              concurrent_engines: int) -> Plan:
     if method not in ("full", "lora"):
-        raise ValueError(f"method must be 'full' or 'lora', got {method!r}")
-    mode = mode or ("lora" if method == "lora" else "exact")
-    pm = get_mode(mode)
+        raise BadInput(f"method must be 'full' or 'lora', got {method!r}")
+    pm = get_mode(mode or ("lora" if method == "lora" else "exact"))
     if pm.method != method:
-        if method == "lora" or mode == "lora":
-            raise ValueError(f"mode {mode!r} goes with method {pm.method!r}; for LoRA use method='lora' "
-                             "(mode 'lora'), for full fine-tuning one of "
-                             f"{', '.join(n for n, m in MODES.items() if m.method == 'full')}")
-    if pm.needs_bf16 and compute_dtype != "bfloat16":
-        raise ValueError(f"mode {mode!r} keeps its weights in bf16 and computes in bfloat16; set "
-                         "compute_dtype='bfloat16' or use mode 'exact'")
-    _concurrent(concurrent_engines, device, node)
-    lora_spec = None
-    if method == "lora":
-        lora_spec = LoraSpec.of(lora)
-        lora_spec = replace(lora_spec, targets=tuple(lora_spec.targets),
-                            modules_to_save=tuple(lora_spec.modules_to_save))
-        lora_spec.validate()
-        lora_spec.unit_params(shape)  # refuses modules_to_save entries that select no norm
-    return _plan(shape, pm.name, compute_dtype, device, job, node, gpu_budget_bytes, lora_spec, suggest,
-                 pinned_pow2, concurrent_engines)
+        raise BadInput(f"mode {pm.name!r} goes with method {pm.method!r}; for LoRA use method='lora' (mode "
+                       "'lora'), for full fine-tuning one of "
+                       f"{', '.join(n for n, m in MODES.items() if m.method == 'full')}")
+    # LoRA keeps fp32 adapters on a frozen base (precision exact); every other mode but exact keeps bf16 weights
+    job = job.resolved(gpu=node.gpus > 0, precision=pm.name if pm.method == "full" else "exact")
+    if pm.needs_bf16 and job.compute_dtype != "bfloat16":
+        raise BadInput(f"mode {pm.name!r} keeps its weights in bf16 and computes in bfloat16; set "
+                       "compute_dtype='bfloat16' or use mode 'exact'")
+    _concurrent(concurrent_engines, job.device, node)
+    if lora is not None:
+        lora.check()
+        adapter_unit_params(lora, shape)  # refuses modules_to_save entries that select no norm
+    p = _plan(shape, pm, job, node, gpu_budget_bytes, lora, suggest, pinned_pow2, concurrent_engines)
+    if job.update != "exact":
+        p.update = job.update
+        p.reason += _UPDATE_NOTES[job.update]
+    return p
 
 
-def _pos(name: str, value: int | None, defaults: dict[str, Any]) -> int:
-    value = defaults[name] if value is None else value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
+# What a non-default training.update changes in a verdict (the step-time model plans the exact update).
+_UPDATE_NOTES = {
+    "delayed": " Update delayed: NOT exact AdamW (step n+1 trains on the weights after step n-1).",
+    "speculative": " Update speculative: exact unless clipping triggers, which redoes the step's update.",
+}
 
 
 def _concurrent(n: int, device: str, node: NodeSpec) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"concurrent_engines must be an integer >= 1, got {n!r}")
+        raise BadInput(f"concurrent_engines must be an integer >= 1, got {n!r}")
     if device == "cuda" and node.gpus and n > node.gpus:
-        raise ValueError(f"concurrent_engines is {n} but node {node.name} has {node.gpus} GPU(s) and runs one "
-                         f"engine per GPU; give at most {node.gpus}, or a node with more GPUs")
+        raise BadInput(f"concurrent_engines is {n} but node {node.name} has {node.gpus} GPU(s) and runs one "
+                       f"engine per GPU; give at most {node.gpus}, or a node with more GPUs")
 
 
-def _device(device: str, node: NodeSpec) -> str:
-    if device == "auto":
-        return "cuda" if node.gpus > 0 else "cpu"
-    head = device.split(":", 1)[0]
-    if head not in DEVICES:
-        raise ValueError(f"device must be auto, cuda, cuda:N or cpu; got {device!r}")
-    return head
-
-
-def _plan(shape: ModelShape, mode: str, compute_dtype: str, device: str, job: Job, node: NodeSpec,
-          gpu_budget_bytes: int | None, lora: LoraSpec | None, suggest: bool, pinned_pow2: bool,
-          concurrent_engines: int = 1) -> Plan:
-    pm = MODES[mode]
-    host, pinned = host_breakdown(shape, pm, compute_dtype, device, job, lora, pinned_pow2)
-    gpu = device_items(shape, pm, compute_dtype, job, lora) if device == "cuda" else {}
+def _plan(shape: ModelShape, pm: PrecisionMode, job: Workload, node: NodeSpec, gpu_budget_bytes: int | None,
+          lora: Adapters | None, suggest: bool, pinned_pow2: bool, concurrent_engines: int = 1) -> Plan:
+    host, pinned = host_breakdown(shape, pm, job, lora, pinned_pow2)
+    cuda = job.device == "cuda"
+    gpu = device_items(shape, pm, job, lora) if cuda else {}
     host_bytes, gpu_bytes = sum(host.values()), sum(gpu.values())
-    t = step_time(shape, pm, compute_dtype, device, job, lora, node.ceilings, concurrent_engines)
-    trainable = shape.num_params if pm.method == "full" else lora.num_params(shape)
+    t = step_time(shape, pm, job, lora, node.ceilings, concurrent_engines)
+    trainable = shape.num_params if pm.method == "full" else adapter_params(lora, shape)
     state = host["weights"] + host["master"] + host["moments"] + host["grads"]
     # a budget caps what the job may take of the GPU; it cannot add memory the GPU does not have
     gpu_limit = node.gpu_mem_bytes if gpu_budget_bytes is None else min(gpu_budget_bytes, node.gpu_mem_bytes)
     host_ok = host_bytes <= node.usable_ram_bytes
-    gpu_ok = device == "cpu" or (node.gpus > 0 and gpu_bytes <= gpu_limit)
+    gpu_ok = not cuda or (node.gpus > 0 and gpu_bytes <= gpu_limit)
     p = Plan(
-        model=shape.name, params=shape.num_params, trainable_params=trainable, method=pm.method, mode=mode,
-        compute_dtype=compute_dtype, device=device, seq_len=job.seq_len, micro_batch_size=job.micro_batch_size,
-        grad_accum=job.grad_accum, checkpoint_every=job.checkpoint_every, tokens_per_step=job.tokens_per_step,
-        host_bytes=host_bytes, gpu_bytes=gpu_bytes, pinned_bytes=pinned, host_limit_bytes=node.usable_ram_bytes,
-        gpu_limit_bytes=gpu_limit if device == "cuda" else 0, fits=host_ok and gpu_ok, reason="",
-        breakdown={"host": host, "gpu": gpu}, bytes_per_param=state / shape.num_params,
-        step_time_s=t["step_s"], tokens_per_s=job.tokens_per_step / t["step_s"],
+        model=shape.name, params=shape.num_params, trainable_params=trainable, method=pm.method, mode=pm.name,
+        compute_dtype=job.compute_dtype, device=job.device, seq_len=job.seq_len,
+        micro_batch_size=job.micro_batch_size, grad_accum=job.grad_accum, checkpoint_every=job.checkpoint_every,
+        tokens_per_step=job.tokens_per_step, host_bytes=host_bytes, gpu_bytes=gpu_bytes, pinned_bytes=pinned,
+        host_limit_bytes=node.usable_ram_bytes, gpu_limit_bytes=gpu_limit if cuda else 0,
+        fits=host_ok and gpu_ok, reason="", breakdown={"host": host, "gpu": gpu},
+        bytes_per_param=state / shape.num_params, step_time_s=t["step_s"],
+        tokens_per_s=job.tokens_per_step / t["step_s"],
         mfu=t["model_flops"] / t["step_s"] / node.ceilings.matmul_flops,
         mfu_datasheet=t["model_flops"] / t["step_s"] / node.ceilings.datasheet_matmul_flops, bound=t["bound"],
-        timing=t,
-        gives_up=pm.gives_up, engine_supported=pm.engine_supported,
+        timing=t, gives_up=pm.gives_up, engine_supported=pm.engine_supported,
         lora=dataclasses.asdict(lora) if lora else None, node=node.to_dict(), pinned_pow2=pinned_pow2,
         concurrent_engines=concurrent_engines,
     )
@@ -197,7 +211,7 @@ def _plan(shape: ModelShape, mode: str, compute_dtype: str, device: str, job: Jo
     return p
 
 
-def _alternatives(shape, p: Plan, job, node, gpu_budget_bytes, lora) -> list[dict[str, Any]]:
+def _alternatives(shape, p: Plan, job: Workload, node, gpu_budget_bytes, lora) -> list[dict[str, Any]]:
     """The other modes on this node, in order of fidelity to exact AdamW."""
     out = []
     for name in FIDELITY_ORDER:
@@ -205,8 +219,8 @@ def _alternatives(shape, p: Plan, job, node, gpu_budget_bytes, lora) -> list[dic
             continue
         pm = MODES[name]
         dtype = "bfloat16" if pm.needs_bf16 else p.compute_dtype
-        other = _plan(shape, name, dtype, p.device, job, node, gpu_budget_bytes,
-                      (lora or LoraSpec()) if pm.method == "lora" else None, False, p.pinned_pow2,
+        other = _plan(shape, pm, replace(job, compute_dtype=dtype), node, gpu_budget_bytes,
+                      (lora or Adapters()) if pm.method == "lora" else None, False, p.pinned_pow2,
                       p.concurrent_engines)
         out.append({"mode": name, "compute_dtype": dtype, "host_bytes": other.host_bytes,
                     "gpu_bytes": other.gpu_bytes, "fits": other.fits, "engine_supported": pm.engine_supported,
@@ -278,12 +292,11 @@ def _reason(p: Plan, node: NodeSpec, shape, job, gpu_budget_bytes, lora, host_ok
     return " ".join(parts) + caveat
 
 
-def _gpu_fix(shape, p: Plan, job: Job, node, gpu_budget_bytes, lora) -> str:
+def _gpu_fix(shape, p: Plan, job: Workload, node, gpu_budget_bytes, lora) -> str:
     """The first of a few job changes that fits the GPU: smaller micro-batches at the same tokens per step,
     smaller loss chunks, another checkpoint interval, then fewer tokens per step."""
-    def fits(j: Job) -> bool:
-        q = _plan(shape, p.mode, p.compute_dtype, p.device, j, node, gpu_budget_bytes, lora, False, p.pinned_pow2,
-                  p.concurrent_engines)
+    def fits(j: Workload) -> bool:
+        q = _plan(shape, MODES[p.mode], j, node, gpu_budget_bytes, lora, False, p.pinned_pow2, p.concurrent_engines)
         return q.gpu_bytes <= p.gpu_limit_bytes
 
     mb, ga = job.micro_batch_size, job.grad_accum
@@ -311,54 +324,6 @@ def _gpu_fix(shape, p: Plan, job: Job, node, gpu_budget_bytes, lora) -> str:
             return (f"It fits with at most {ga * job.seq_len} tokens per step (micro_batch_size=1, "
                     f"grad_accum={ga}, loss_chunk_tokens={chunk}).")
     return "Even one sequence per step does not fit: shorten seq_len."
-
-
-# ---- job specs --------------------------------------------------------------------------------------------
-
-
-def _get(d: Any, dotted: str, default: Any) -> Any:
-    for part in dotted.split("."):
-        if isinstance(d, dict):
-            d = d.get(part)
-        else:
-            d = getattr(d, part, None)
-        if d is None:
-            return default
-    return d
-
-
-def plan_for_spec(spec, node: NodeSpec | None = None, *, gpu_budget_bytes: int | None = None,
-                  suggest: bool = True, concurrent_engines: int = 1) -> Plan:
-    """Plan a job spec (``horizon_ray.jobspec.JobSpec`` or its dict form) on a node.
-
-    The model is read from ``model.path``: a model directory or config.json when this machine sees it, else
-    a preset name (the coordinator may not see the node's disks). ``engine.device`` / ``compute_dtype``
-    "auto" resolve as the job runner does: cuda and bfloat16 when the node has a GPU.
-    """
-    from horizon_ray.jobspec import EngineSpec, ModelSpec, TrainingSpec
-
-    node = node or H200_NODE
-    model = _get(spec, "model.path", ModelSpec().path) if not isinstance(_get(spec, "model", None), str) \
-        else _get(spec, "model", "")
-    if not model:
-        raise ValueError("the job spec has no model.path; set it to an HF model directory or a preset name")
-    t, e = TrainingSpec(), EngineSpec()
-    method = _get(spec, "method", "full")
-    # the job spec's lora section (dataclass or dict; absent: its defaults, which LoraSpec's equal)
-    lora = LoraSpec.of(_get(spec, "lora", None)) if method == "lora" else None
-    return plan(
-        model, method=method, mode=_get(spec, "engine.precision", e.precision) if method == "full" else "lora",
-        seq_len=_get(spec, "training.seq_len", t.seq_len),
-        micro_batch_size=_get(spec, "training.micro_batch_size", t.micro_batch_size),
-        grad_accum=_get(spec, "training.grad_accum", t.grad_accum),
-        checkpoint_every=_get(spec, "engine.activation_checkpoint_every", e.activation_checkpoint_every),
-        compute_dtype=_get(spec, "engine.compute_dtype", e.compute_dtype),
-        device=_get(spec, "engine.device", e.device), node=node, gpu_budget_bytes=gpu_budget_bytes, lora=lora,
-        loss_chunk_tokens=_get(spec, "engine.loss_chunk_tokens", e.loss_chunk_tokens),
-        layer_chunk_tokens=_get(spec, "engine.layer_chunk_tokens", LAYER_CHUNK_TOKENS),
-        offload_checkpoints=_get(spec, "engine.offload_checkpoints", None),
-        packed=bool(_get(spec, "training.packing", t.packing)), suggest=suggest,
-        concurrent_engines=concurrent_engines)
 
 
 # ---- the largest model of a family --------------------------------------------------------------------------
@@ -392,7 +357,7 @@ def max_model(family: str | list = "qwen2.5", node: NodeSpec | None = None, mode
     node = node or H200_NODE
     if isinstance(family, str):
         if family.lower() not in FAMILIES:
-            raise ValueError(f"unknown family {family!r}; known families: {', '.join(FAMILIES)}")
+            raise BadInput(f"unknown family {family!r}; known families: {', '.join(FAMILIES)}")
         shapes = [PRESETS[n] for n in FAMILIES[family.lower()]]
         label = family.lower()
     else:
@@ -458,7 +423,7 @@ def format_plan(p: Plan) -> str:
         rows.append(f"STEP         {p.step_time_s:.2f} s, {p.tokens_per_s:,.0f} tokens/s ({p.bound} bound)")
         rows.append(f"  MFU {p.mfu:.1%} of {c.get('matmul_flops', 0) / 1e12:.1f} TFLOP/s measured, "
                     f"{p.mfu_datasheet:.1%} of {c.get('datasheet_matmul_flops', 0) / 1e12:.1f} datasheet "
-                    "(model FLOPs: DESIGN.md's convention)")
+                    "(model FLOPs: 6 N + 6 L heads head_dim seq per token)")
         rows.append(f"  compute {t['compute_s']:.2f} s (fwd {t['forward_s']:.2f}, bwd {t['backward_s']:.2f}); "
                     f"pcie {t['pcie_s']:.2f} s; cpu optimizer {t['optimizer_s']:.2f} s; exposed "
                     f"{t['exposed_s']:.2f} s")

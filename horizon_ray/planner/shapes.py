@@ -11,55 +11,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, is_dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-# model_type -> HF architecture class (the engine trains exactly these).
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-
-# LoRA target names -> which projection of a decoder layer they adapt.
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# The norms that LoRA may train beside its adapters (PEFT's modules_to_save): those of each layer, then the
-# final one (HF module "model.norm").
-LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
-
-
-def modules_to_save_norms(num_layers: int, entries) -> tuple[list[tuple[str, ...]], bool]:
-    """Which norms PEFT's ``modules_to_save`` entries select on a decoder-only HF model, by PEFT's rule (a
-    module is selected when its dotted name ends with an entry, so "norm" selects every norm): per layer,
-    the selected names among LAYER_NORMS, and whether the final norm is selected. Refuses an entry that
-    selects nothing, or a module other than a norm, naming it and the fix."""
-    per_layer: list[tuple[str, ...]] = [() for _ in range(num_layers)]
-    final = False
-    if not entries:
-        return per_layer, final
-    layer_children = ("self_attn", "mlp", "act_fn", *(f"self_attn.{t}" for t in LINEAR_NAMES[:4]),
-                      *(f"mlp.{t}" for t in LINEAR_NAMES[4:]))
-    others = ["model", "model.embed_tokens", "model.layers", "model.rotary_emb", "lm_head"]
-    for i in range(num_layers):
-        others.append(f"model.layers.{i}")
-        others += [f"model.layers.{i}.{c}" for c in layer_children]
-    for entry in entries:
-        if not isinstance(entry, str) or not entry:
-            raise ValueError(f"lora modules_to_save entry {entry!r} is not a module name; name norms, e.g. "
-                             "input_layernorm, post_attention_layernorm, or norm (every norm)")
-        hit = [o for o in others if o.endswith(entry)]
-        if hit:
-            what = "the embeddings or the LM head" if hit[0] in ("model.embed_tokens", "lm_head") else "it"
-            raise ValueError(f"lora modules_to_save entry {entry!r} selects {hit[0]}: only norms train beside "
-                             f"the adapters ({', '.join(LAYER_NORMS)}, norm); to train {what}, use method full")
-        found = "model.norm".endswith(entry)
-        final = final or found
-        for i in range(num_layers):
-            chosen = [n for n in LAYER_NORMS if f"model.layers.{i}.{n}".endswith(entry)]
-            if chosen:
-                found = True
-                per_layer[i] = tuple(n for n in LAYER_NORMS if n in chosen or n in per_layer[i])
-        if not found:
-            raise ValueError(f"lora modules_to_save entry {entry!r} selects no module of this model; name norms: "
-                             f"{', '.join(LAYER_NORMS)}, norm (every norm), or one layer's as "
-                             "'layers.3.input_layernorm'")
-    return per_layer, final
+from horizon_ray.engine.model import ARCHITECTURES, ModelConfig, modules_to_save_norms, projection_shapes
+from horizon_ray.errors import BadInput
+from horizon_ray.workload import Adapters
 
 
 @dataclass(frozen=True)
@@ -90,11 +47,7 @@ class ModelShape:
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """Each projection of a decoder layer as (in_features, out_features)."""
-        H, I = self.hidden_size, self.intermediate_size
-        return {
-            "q_proj": (H, self.q_dim), "k_proj": (H, self.kv_dim), "v_proj": (H, self.kv_dim),
-            "o_proj": (self.q_dim, H), "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H),
-        }
+        return projection_shapes(self)
 
     @property
     def layer_matmul_params(self) -> int:
@@ -152,18 +105,16 @@ class ModelShape:
         refuses, MLP biases, other rope types, ..., is not planned either)."""
         model_type = hf.get("model_type")
         if model_type not in ARCHITECTURES:
-            raise ValueError(f"{name}: model_type {model_type!r} is not supported; supported: "
-                             f"{sorted(ARCHITECTURES)} (decoder-only Llama / Qwen2 / Mistral family)")
-        from horizon_ray.engine.model import ModelConfig  # plain Python, no torch
-
+            raise BadInput(f"{name}: model_type {model_type!r} is not supported; supported: "
+                           f"{sorted(ARCHITECTURES)} (decoder-only Llama / Qwen2 / Mistral family)")
         try:
             cfg = ModelConfig.from_hf(hf)
         except KeyError as exc:
-            raise ValueError(f"{name}: config lacks {exc.args[0]!r}; give a complete HF config.json") from None
+            raise BadInput(f"{name}: config lacks {exc.args[0]!r}; give a complete HF config.json") from None
         except ZeroDivisionError:
-            raise ValueError(f"{name}: every size in the config must be >= 1") from None
+            raise BadInput(f"{name}: every size in the config must be >= 1") from None
         except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
+            raise BadInput(f"{name}: {exc}") from None
         shape = ModelShape(name=name, arch=cfg.arch, hidden_size=cfg.hidden_size,
                            intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
                            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
@@ -171,7 +122,7 @@ class ModelShape:
                            qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias)
         if min(shape.hidden_size, shape.intermediate_size, shape.num_layers, shape.num_heads,
                shape.num_kv_heads, shape.head_dim, shape.vocab_size) < 1:
-            raise ValueError(f"{name}: every size in the config must be >= 1")
+            raise BadInput(f"{name}: every size in the config must be >= 1")
         return shape
 
 
@@ -238,7 +189,7 @@ def split_depth(name: str) -> tuple[str, int | None]:
         return name, None
     m = re.fullmatch(r"(\d+)L", depth)
     if not m or int(m.group(1)) < 1:
-        raise ValueError(f"shape {name!r}: write the depth as NAME@<layers>L, e.g. {base}@20L")
+        raise BadInput(f"shape {name!r}: write the depth as NAME@<layers>L, e.g. {base}@20L")
     return base, int(m.group(1))
 
 
@@ -255,85 +206,37 @@ def load_model_shape(model: str | Path | dict | ModelShape) -> ModelShape:
         try:
             hf = json.loads(config.read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read {config}: {exc}; give a valid HF config.json") from None
+            raise BadInput(f"cannot read {config}: {exc}; give a valid HF config.json") from None
         if not isinstance(hf, dict):
-            raise ValueError(f"{config} is not a JSON object; give an HF config.json")
+            raise BadInput(f"{config} is not a JSON object; give an HF config.json")
         return ModelShape.from_hf(hf, name=str(path))
     base, layers = split_depth(str(model))
     key = _preset_key(base)
     if key is not None:
         shape = PRESETS[key]
         return shape if layers is None or layers == shape.num_layers else shape.with_layers(layers)
-    raise ValueError(f"unknown model {str(model)!r}: not a known preset and no config.json at that path; "
-                     f"known presets: {', '.join(PRESETS)} (or one stacked to another depth, NAME@<layers>L); "
-                     "or pass an HF model directory / config.json")
+    raise BadInput(f"unknown model {str(model)!r}: not a known preset and no config.json at that path; "
+                   f"known presets: {', '.join(PRESETS)} (or one stacked to another depth, NAME@<layers>L); "
+                   "or pass an HF model directory / config.json")
 
 
-@dataclass(frozen=True)
-class LoraSpec:
-    """The LoRA settings that change a plan. Defaults: the job spec's (``horizon_ray.jobspec.LoraSpec``; a
-    unit test keeps them equal), so a plan without them plans what a LoRA job runs by default."""
-
-    rank: int = 8  # r of every adapter
-    targets: tuple[str, ...] = ("q_proj", "v_proj")  # projections of each layer that get an adapter
-    modules_to_save: tuple[str, ...] = ()  # norms trained beside the adapters (PEFT's modules_to_save)
-
-    # The job spec's keys (and the engine's LoraConfig fields) that change no byte and no FLOP of a plan.
-    IGNORED_KEYS = ("alpha", "dropout", "merge")
-
-    @classmethod
-    def of(cls, lora) -> LoraSpec:
-        """From a LoraSpec, None (the defaults), or the job spec's section as a dict or dataclass
-        (``{"r": 16, "targets": [...]}``; ``rank`` is taken for ``r`` too)."""
-        if lora is None or isinstance(lora, cls):
-            return lora or cls()
-        if is_dataclass(lora) and not isinstance(lora, type):
-            lora = asdict(lora)
-        if not isinstance(lora, dict):
-            raise ValueError(f"lora must be a LoraSpec or a dict like {{'r': 8, 'targets': ['q_proj', 'v_proj']}}, "
-                             f"got {type(lora).__name__}")
-        unknown = sorted(set(lora) - {"r", "rank", "targets", "modules_to_save", *cls.IGNORED_KEYS})
-        if unknown:
-            raise ValueError(f"lora keys {unknown} are not known; give r (or rank), targets, modules_to_save "
-                             f"({', '.join(cls.IGNORED_KEYS)} change nothing the plan counts)")
-        if "r" in lora and "rank" in lora and lora["r"] != lora["rank"]:
-            raise ValueError(f"lora gives r={lora['r']!r} and rank={lora['rank']!r}; give one of them")
-        d = cls()
-        rank = lora.get("r", lora.get("rank"))
-        targets, modules = lora.get("targets"), lora.get("modules_to_save")
-        return cls(rank=d.rank if rank is None else rank,
-                   targets=d.targets if targets is None else _names(targets),
-                   modules_to_save=d.modules_to_save if modules is None else _names(modules))
-
-    def validate(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"lora rank (r) must be an integer >= 1 (e.g. 8), got {self.rank!r}")
-        bad = [t for t in self.targets if t not in LINEAR_NAMES]
-        if bad or not self.targets:
-            raise ValueError(f"lora targets {list(bad or self.targets)} are not valid; choose among "
-                             f"{', '.join(LINEAR_NAMES)}")
-
-    def layer_params(self, shape: ModelShape) -> int:
-        """Adapter parameters of one layer: A [r, in] + B [out, r] per targeted projection."""
-        lin = shape.linear_shapes()
-        return sum(self.rank * (lin[t][0] + lin[t][1]) for t in self.targets)
-
-    def unit_params(self, shape: ModelShape) -> list[int]:
-        """Trained parameters of each adapter unit, as the engine lays them out: one per layer (its adapters
-        and its selected norms), then one for the final norm when it is selected."""
-        per_layer, final = modules_to_save_norms(shape.num_layers, self.modules_to_save)
-        units = [self.layer_params(shape) + len(norms) * shape.hidden_size for norms in per_layer]
-        return units + [shape.hidden_size] if final else units
-
-    def num_params(self, shape: ModelShape) -> int:
-        return sum(self.unit_params(shape))
+def adapter_layer_params(lora: Adapters, shape: ModelShape) -> int:
+    """LoRA adapter parameters of one layer: A [r, in] + B [out, r] per targeted projection."""
+    lin = shape.linear_shapes()
+    return sum(lora.r * (lin[t][0] + lin[t][1]) for t in lora.targets)
 
 
-def _names(value) -> tuple[str, ...]:
-    """A list of module names, or one comma-separated string of them."""
-    if isinstance(value, str):
-        return tuple(v.strip() for v in value.split(",") if v.strip())
-    return tuple(value)
+def adapter_unit_params(lora: Adapters, shape: ModelShape) -> list[int]:
+    """Trained parameters of each adapter unit, as the engine lays them out: one per layer (its adapters and
+    its selected norms), then one for the final norm when it is selected."""
+    per_layer, final = modules_to_save_norms(shape.num_layers, lora.modules_to_save)
+    units = [adapter_layer_params(lora, shape) + len(norms) * shape.hidden_size for norms in per_layer]
+    return units + [shape.hidden_size] if final else units
+
+
+def adapter_params(lora: Adapters, shape: ModelShape) -> int:
+    """Parameters LoRA trains on `shape`: every adapter unit's."""
+    return sum(adapter_unit_params(lora, shape))
 
 
 def ceil_div(a: int, b: int) -> int:

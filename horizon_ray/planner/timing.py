@@ -51,10 +51,12 @@ The plan is what the ceilings allow; a slower engine shows as the measured step 
 
 from __future__ import annotations
 
-from horizon_ray.planner.memory import Job
-from horizon_ray.planner.modes import DTYPE_BYTES, PrecisionMode
+from horizon_ray.engine.model import DTYPE_BYTES
+from horizon_ray.errors import BadInput
+from horizon_ray.planner.modes import PrecisionMode
 from horizon_ray.planner.node import Ceilings
-from horizon_ray.planner.shapes import LoraSpec, ModelShape, ceil_div
+from horizon_ray.planner.shapes import ModelShape, adapter_layer_params, ceil_div
+from horizon_ray.workload import Adapters, Workload
 
 
 def flops_params(shape: ModelShape) -> int:
@@ -64,7 +66,7 @@ def flops_params(shape: ModelShape) -> int:
 
 
 def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
-    """House convention (DESIGN.md, Measuring): 6 N + 6 L heads head_dim S per token, forward and backward,
+    """The house convention: 6 N + 6 L heads head_dim S per token, forward and backward,
     causal attention, recompute not counted. The planner's MFU and the benchmark's both use it."""
     return 6 * flops_params(shape) + 6 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len
 
@@ -78,7 +80,7 @@ def host_share(ceil: Ceilings, concurrent_engines: int = 1) -> dict[str, float]:
     """The rates one engine sees while `concurrent_engines` engines share the host (bytes/s)."""
     n = concurrent_engines
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"concurrent_engines must be an integer >= 1, got {n!r}")
+        raise BadInput(f"concurrent_engines must be an integer >= 1, got {n!r}")
     host_copy = ceil.host_copy_bytes_per_s / n
     return {"adam_bytes_per_s": ceil.adam_bytes_per_param * ceil.adam_params_per_s / n,
             "adam_bytes_per_s_with_copies": ceil.adam_bytes_per_param * ceil.adam_params_per_s_with_copies / n,
@@ -88,17 +90,18 @@ def host_share(ceil: Ceilings, concurrent_engines: int = 1) -> dict[str, float]:
             "cpu_flops": ceil.cpu_flops / n}
 
 
-def step_time(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, device: str, job: Job,
-              lora: LoraSpec | None, ceil: Ceilings, concurrent_engines: int = 1) -> dict[str, float]:
+def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapters | None, ceil: Ceilings,
+              concurrent_engines: int = 1) -> dict[str, float]:
     """Seconds of each term and the predicted step of one engine while `concurrent_engines` engines share
     the host, plus the name of the bound."""
     share = host_share(ceil, concurrent_engines)
+    compute_dtype = job.compute_dtype
     c = DTYPE_BYTES[compute_dtype]
     L, H, V = shape.num_layers, shape.hidden_size, shape.vocab_size
     K = min(job.checkpoint_every, max(L, 1))
     tokens, seq_len = job.tokens_per_step, job.seq_len
     full = mode.method == "full"
-    adapter_layer = 0 if full else lora.layer_params(shape)
+    adapter_layer = 0 if full else adapter_layer_params(lora, shape)
 
     f_mm = 2.0 * shape.layer_matmul_params
     f_attn = 2.0 * shape.q_dim * seq_len
@@ -120,7 +123,7 @@ def step_time(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, device
     adapter_wire = L * adapter_layer * 4
     embed_opt_work = shape.embed_params * pb.optimizer_bytes
     embed_grad_down = shape.embed_params * pb.grad_bytes
-    checkpoints = ceil_div(L, K) * tokens * H * c if job.offloads(device) else 0
+    checkpoints = ceil_div(L, K) * tokens * H * c if job.offload_checkpoints else 0
     h2d_fwd = sum(wire.values()) + adapter_wire - wire["embed"]
     h2d_bwd = max(0, L - 2 * K) * wire.get("layer.0", 0) + checkpoints
 
@@ -129,7 +132,7 @@ def step_time(shape: ModelShape, mode: PrecisionMode, compute_dtype: str, device
     out = {"fwd_flops": fwd_flops, "bwd_flops": bwd_flops, "model_flops": model_flops(shape, seq_len, tokens),
            "h2d_bytes": h2d_fwd + wire["embed"] + h2d_bwd, "d2h_bytes": grads_down + checkpoints,
            "optimizer_bytes": opt_work, "concurrent_engines": concurrent_engines, "host_share": share}
-    if device == "cpu":
+    if job.device == "cpu":
         cpu_flops = share["cpu_flops"]
         compute = (fwd_flops + bwd_flops) / cpu_flops
         opt = opt_work / bw_alone

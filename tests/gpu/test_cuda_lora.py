@@ -148,7 +148,7 @@ def test_peak_gpu_memory_flat_when_layers_double():
 
 
 def test_peak_gpu_memory_within_the_plan():
-    from horizon_ray.planner import CUDA_CONTEXT_BYTES, LoraSpec, plan
+    from horizon_ray.planner import CUDA_CONTEXT_BYTES, Adapters, plan
 
     cfg = llama_config(8, hidden=1024, inter=2816, vocab=8192, heads=16, kv=4)
     gc.collect()
@@ -158,7 +158,7 @@ def test_peak_gpu_memory_within_the_plan():
     _run("cuda", cfg, steps=2, micro=micro, dtype="bfloat16", lora=LoraConfig(r=16, targets=ALL), B=B, T=T,
          checkpoint_every=2)
     peak = torch.cuda.max_memory_allocated()
-    p = plan(cfg, method="lora", lora=LoraSpec(rank=16, targets=ALL), compute_dtype="bfloat16", device="cuda",
+    p = plan(cfg, method="lora", lora=Adapters(r=16, targets=ALL), compute_dtype="bfloat16", device="cuda",
              seq_len=T, micro_batch_size=B, grad_accum=micro, checkpoint_every=2)
     planned = p.gpu_bytes - CUDA_CONTEXT_BYTES
     print(f"peak allocated {peak / 2**20:.0f} MiB = {peak / planned:.0%} of the plan without the CUDA context "

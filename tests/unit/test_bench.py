@@ -330,21 +330,22 @@ def test_the_parent_imports_no_torch_and_no_module_the_gpu_box_lacks():
 
 def test_a_failed_lora_child_is_recorded_with_its_plan():
     from horizon_ray.bench.suite import _placeholders
-    from horizon_ray.planner import LoraSpec, plan
+    from horizon_ray.planner import Adapters, plan
+    from horizon_ray.planner.shapes import adapter_params
 
     args = _args(shape="tiny", accum="1,2", device="cpu", mode="lora", lora_r=4, lora_targets="q_proj,v_proj")
     got = collect(Child(lines=["Traceback", "RuntimeError: boom"], returncode=1), "horizon-ray", "tiny", args,
                   "cpu", "float32", "lora", "auto")
     assert [(r["status"], r["accum"]) for r in got] == [("error", 1), ("error", 2)]
-    lora = LoraSpec(rank=4, targets=("q_proj", "v_proj"))
+    lora = Adapters(r=4, targets=("q_proj", "v_proj"))
     want = plan(TINY, method="lora", lora=lora, seq_len=1024, micro_batch_size=16, grad_accum=1, checkpoint_every=1,
                 compute_dtype="float32", device="cpu", loss_chunk_tokens=1024)
     assert got[0]["planned_host_bytes"] == want.host_bytes  # the run's rank and targets, not the defaults
-    assert got[0]["trainable_params"] == want.trainable_params == lora.num_params(TINY)
+    assert got[0]["trainable_params"] == want.trainable_params == adapter_params(lora, TINY)
     # settings the planner refuses are recorded, not raised
     bad = _placeholders("horizon-ray", "tiny", _args(shape="tiny", device="cpu", mode="lora", lora_targets="qkv"),
                         "cpu", "float32", "lora", "auto", "error", "x")
-    assert bad[0]["planned_host_bytes"] is None and "lora targets ['qkv'] are not valid" in bad[0]["plan_error"]
+    assert bad[0]["planned_host_bytes"] is None and "lora.targets ['qkv'] are not valid" in bad[0]["plan_error"]
 
 
 def test_child_argv_passes_the_lora_settings():

@@ -85,23 +85,24 @@ def test_lora_mode_trains_adapters_and_is_planned_against_the_peft_peers(tmp_pat
         assert "in-gpu-peft-liger skipped: Liger-Kernel" in r["ratio_liger_reason"]
         assert (r["lora_r"], r["lora_alpha"], r["lora_targets"]) == (4, 8.0, ["q_proj", "v_proj"])
     from horizon_ray.bench.shapes import resolve_shape
-    from horizon_ray.planner import LoraSpec, plan
+    from horizon_ray.planner import Adapters, plan
+    from horizon_ray.planner.shapes import adapter_params
 
     tiny = resolve_shape("tiny")
     full = plan(tiny, seq_len=64, micro_batch_size=2, grad_accum=1, checkpoint_every=1,
                 compute_dtype="float32", device="cpu")
-    lora = LoraSpec(rank=4, targets=("q_proj", "v_proj"))
+    lora = Adapters(r=4, targets=("q_proj", "v_proj"))
     for r in peft.values():
         assert r["peak_gpu_bytes"] == 0 and r["exposed_optimizer_s"] > 0 and r["optimizer"].startswith("AdamW")
         # PEFT trained the adapters the horizon-ray row trained, counted as the planner counts them
-        assert r["trainable_params"] == lora.num_params(tiny)
+        assert r["trainable_params"] == adapter_params(lora, tiny)
     assert "in-gpu-peft / in-gpu-peft-liger" in md
     for r in runs[:2]:
         assert r["tokens_per_s"] > 0
         # a LoRA store holds the base once (no master copy, moments or gradient): less than a full fine-tune
         assert 0 < r["planned_host_bytes"] < full.host_bytes - 8 * r["params"]
         # the child trained and was planned with the suite's --lora-r and --lora-targets
-        assert r["trainable_params"] == lora.num_params(tiny)
+        assert r["trainable_params"] == adapter_params(lora, tiny)
         assert r["planned_host_bytes"] == plan(tiny, method="lora", lora=lora, seq_len=64, micro_batch_size=2,
                                                grad_accum=r["accum"], checkpoint_every=1, compute_dtype="float32",
                                                device="cpu", loss_chunk_tokens=1024).host_bytes

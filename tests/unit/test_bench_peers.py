@@ -267,7 +267,8 @@ def test_peft_peer_trains_fp32_adapters_on_a_frozen_base(dtype):
     import torch
 
     from horizon_ray.bench import hf
-    from horizon_ray.planner import LoraSpec
+    from horizon_ray.planner import Adapters
+    from horizon_ray.planner.shapes import adapter_params
 
     pytest.importorskip("peft")
     shape = resolve_shape("tiny", layers=2)
@@ -281,7 +282,7 @@ def test_peft_peer_trains_fp32_adapters_on_a_frozen_base(dtype):
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     assert all("lora_" in n for n in adapters) and {p.dtype for p in params} == {torch.float32}
     assert {p.dtype for p in frozen.values()} == {getattr(torch, dtype)}
-    assert sum(p.numel() for p in params) == LoraSpec(rank=4, targets=("q_proj", "down_proj")).num_params(shape)
+    assert sum(p.numel() for p in params) == adapter_params(Adapters(r=4, targets=("q_proj", "down_proj")), shape)
     opt = hf.FallbackAdamW(params)
     ids = torch.randint(0, shape.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     loss = hf.forward_backward(model, [ids], torch.bfloat16 if dtype == "bfloat16" else None)

@@ -330,6 +330,19 @@ def test_a_spec_the_planner_cannot_plan_is_refused_and_leaves_nothing(client):
     assert client.submit("acme", spec("10GiB"), idempotency_key="k1").status is JobStatus.RUNNING  # key free
 
 
+def test_a_bf16_state_job_for_a_cpu_node_is_accepted_as_finetune_runs_it(tmp_path):
+    # compute_dtype auto with precision bf16-state: the runner computes in bfloat16 on a CPU, so the real
+    # planner must plan that (it refused the spec as float32 compute, a job `finetune` runs)
+    c = make_local_client(tmp_path, {"cpu": "64GiB"})
+    try:
+        job = c.submit("acme", {"model": {"path": "qwen2.5-0.5b"}, "data": {"path": "/data/train.jsonl"},
+                                "training": {"max_steps": 3}, "engine": {"precision": "bf16-state"}})
+        assert job.status in (JobStatus.QUEUED, JobStatus.RUNNING)
+        assert (job.plan["device"], job.plan["compute_dtype"], job.plan["mode"]) == ("cpu", "bfloat16", "bf16-state")
+    finally:
+        c.close()
+
+
 def test_jobs_queued_before_any_node_was_known_fail_alone_when_they_cannot_run(tmp_path):
     """Accepted while no node was known (just after a restart): one that no node can plan and one that no
     node can hold end FAILED with the reason once nodes report; other tenants' work and the same tenant's

@@ -297,7 +297,7 @@ def test_bf16_base_is_two_bytes_a_parameter_and_close_to_fp32(tmp_path):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_host_bytes_equal_the_plan(tied):
-    from horizon_ray.planner import LoraSpec, plan
+    from horizon_ray.planner import Adapters, plan
 
     config = {"model_type": "qwen2" if tied else "llama", "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
@@ -306,7 +306,7 @@ def test_host_bytes_equal_the_plan(tied):
                                     ("float32", ALL, ("layers.2.input_layernorm",))):
         lora = LoraConfig(r=4, targets=targets, modules_to_save=modules)
         eng = Engine.from_config(config, EngineConfig(device="cpu", compute_dtype=dtype, lora=lora))
-        p = plan(config, method="lora", lora=LoraSpec(rank=4, targets=targets, modules_to_save=modules),
+        p = plan(config, method="lora", lora=Adapters(r=4, targets=targets, modules_to_save=modules),
                  compute_dtype=dtype, device="cpu", seq_len=16, micro_batch_size=2, grad_accum=1, checkpoint_every=1)
         got, want = eng.store.bytes_by_kind(), p.breakdown["host"]
         assert got == {"master": want["master"], "moments": want["moments"], "grads": want["grads"],
@@ -376,7 +376,7 @@ def test_cpu_rss_of_a_lora_step_is_within_10_percent_of_the_plan():
     """As test_planner_rss does for full fine-tuning: a ~220M-parameter base, all seven targets at r=16 and every
     norm trained, in a fresh process (tests/rss_probe.py)."""
     pytest.importorskip("psutil")
-    from horizon_ray.planner import PROCESS_BASELINE_BYTES, LoraSpec, NodeSpec, plan
+    from horizon_ray.planner import PROCESS_BASELINE_BYTES, Adapters, NodeSpec, plan
     from tests.rss_probe import measure
 
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 1024,
@@ -386,7 +386,7 @@ def test_cpu_rss_of_a_lora_step_is_within_10_percent_of_the_plan():
     lora = {"r": 16, "targets": ALL, "modules_to_save": ["norm"]}
     r = measure(config, {"device": "cpu", "compute_dtype": "float32", "checkpoint_every": 1}, seq, micro, accum,
                 lora=lora)
-    p = plan(config, method="lora", lora=LoraSpec(rank=16, targets=ALL, modules_to_save=("norm",)), device="cpu",
+    p = plan(config, method="lora", lora=Adapters(r=16, targets=ALL, modules_to_save=("norm",)), device="cpu",
              compute_dtype="float32", seq_len=seq, micro_batch_size=micro, grad_accum=accum, checkpoint_every=1,
              loss_chunk_tokens=r["loss_chunk_tokens"], node=NodeSpec(gpus=0, gpu_mem_bytes=0))
     predicted = p.host_bytes - PROCESS_BASELINE_BYTES["cpu"]

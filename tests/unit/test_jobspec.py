@@ -143,13 +143,13 @@ def test_lora_section():
 
 def test_lora_defaults_match_the_engine():
     from horizon_ray.engine import LoraConfig
-    from horizon_ray.engine.lora import TARGETS
-    from horizon_ray.jobspec import LORA_TARGETS, LoraSpec
+    from horizon_ray.engine.model import PROJECTIONS
+    from horizon_ray.jobspec import LoraSpec
 
     spec, eng = LoraSpec(), LoraConfig()
     assert (spec.r, spec.alpha, spec.dropout, tuple(spec.targets), tuple(spec.modules_to_save)) == (
         eng.r, eng.alpha, eng.dropout, eng.targets, eng.modules_to_save)
-    assert LORA_TARGETS == tuple(TARGETS)
+    assert LoraSpec(targets=list(PROJECTIONS)).targets == list(PROJECTIONS)  # every projection, and only them
 
 
 def test_numbers_yaml_reads_as_strings_are_accepted():
@@ -241,4 +241,92 @@ def test_tilde_is_expanded_in_paths_only(monkeypatch):
 
 def test_eval_on_the_training_file_is_refused():
     with pytest.raises(ValueError, match="data.eval_path is the training file itself"):
-        JobSpec.from_dict(_with(**{"data.eval_path": "/data/../data/train.jsonl"})).validate()
+        JobSpec.from_dict(_with(**{"data.eval_path": "/data/../data/train.jsonl"}))
+
+
+# ---- one spec, one rule for "auto" ------------------------------------------------------------------------
+
+
+def test_a_bf16_state_spec_on_a_cpu_node_is_planned_as_the_runner_runs_it():
+    """compute_dtype auto with precision bf16-state on a node without a GPU: the runner computes in bfloat16,
+    and the planner (hence the coordinator) must plan that, not refuse the spec as float32 compute."""
+    pytest.importorskip("torch")
+    from horizon_ray.job.runner import engine_config
+    from horizon_ray.planner import NodeSpec, plan_for_spec
+
+    spec = JobSpec.from_dict(_with(**{"model.path": "qwen2.5-0.5b", "engine.precision": "bf16-state",
+                                      "engine.device": "cpu"}))
+    p = plan_for_spec(spec, NodeSpec(gpus=0, gpu_mem_bytes=0))
+    cfg = engine_config(spec)  # what `horizon-ray finetune` gives the engine
+    cfg.validate()
+    assert (p.device, p.compute_dtype, p.mode) == (cfg.device, cfg.compute_dtype, cfg.precision) == \
+        ("cpu", "bfloat16", "bf16-state")
+    # and device auto on a CPU node: the same
+    auto = JobSpec.from_dict(_with(**{"model.path": "qwen2.5-0.5b", "engine.precision": "bf16-state"}))
+    assert plan_for_spec(auto, NodeSpec(gpus=0, gpu_mem_bytes=0)).compute_dtype == "bfloat16"
+
+
+def test_engine_config_from_spec_takes_every_field():
+    pytest.importorskip("torch")
+    from horizon_ray.engine import EngineConfig
+
+    spec = JobSpec.from_dict(_with(**{
+        "training.lr": 3e-4, "training.betas": [0.8, 0.95], "training.eps": 1e-6, "training.weight_decay": 0.1,
+        "training.max_grad_norm": None, "training.seed": 7, "training.update": "exact", "training.kernels": "torch",
+        "engine.device": "cpu", "engine.activation_checkpoint_every": 3, "engine.loss_chunk_tokens": 64,
+        "engine.layer_chunk_tokens": 256, "engine.offload_checkpoints": True, "method": "lora", "lora.r": 4,
+        "lora.alpha": 8, "lora.dropout": 0.1, "lora.targets": ["v_proj", "q_proj"], "lora.modules_to_save": ["norm"]}))
+    cfg = EngineConfig.from_spec(spec)
+    cfg.validate()
+    assert (cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay, cfg.max_grad_norm, cfg.seed) == (
+        3e-4, (0.8, 0.95), 1e-6, 0.1, None, 7)
+    assert (cfg.update, cfg.kernels, cfg.device, cfg.compute_dtype, cfg.precision) == (
+        "exact", "torch", "cpu", "float32", "exact")
+    # a checkpoint offloaded to the host only from a GPU: on the cpu there is nothing to offload
+    assert (cfg.checkpoint_every, cfg.loss_chunk_tokens, cfg.layer_chunk_tokens, cfg.offload_checkpoints) == (
+        3, 64, 256, False)
+    assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets, cfg.lora.modules_to_save) == (
+        4, 8.0, 0.1, ("v_proj", "q_proj"), ("norm",))
+    assert EngineConfig.from_spec(JobSpec.from_dict(MINIMAL), device="cpu").lora is None
+    for update in ("delayed", "speculative"):
+        assert EngineConfig.from_spec(JobSpec.from_dict(_with(**{"training.update": update})), device="cpu").update \
+            == update
+    with pytest.raises(ValueError, match="training.update delayed hides the host update of full fine-tuning"):
+        JobSpec.from_dict(_with(**{"method": "lora", "training.update": "delayed"}))
+    with pytest.raises(ValueError, match="update must be one of"):
+        EngineConfig(update="later").validate()
+
+
+@pytest.mark.parametrize("changes, must_name", [
+    ({"training.update": "lazy"}, "training.update is 'lazy'; use one of exact, delayed, speculative"),
+    ({"training.kernels": "triton"}, "training.kernels is 'triton'; use one of auto, torch, liger"),
+    ({"engine.offload_checkpoints": "yes"}, "engine.offload_checkpoints is 'yes'; use one of auto, true, false"),
+    ({"engine.layer_chunk_tokens": 0}, "engine.layer_chunk_tokens is 0; set it to 1 or more"),
+])
+def test_the_new_settings_load_strictly(changes, must_name):
+    with pytest.raises(ValueError) as err:
+        JobSpec.from_dict(_with(**changes))
+    assert must_name in str(err.value), str(err.value)
+
+
+def test_training_hash_of_a_spec_is_what_it_was_before_the_new_settings():
+    # checkpoints written before training.update / training.kernels existed still resume (pinned values)
+    assert JobSpec.from_dict(MINIMAL).training_hash() == "49267641990f984e"
+    assert JobSpec.from_dict(_with(**{"training.kernels": "torch"})).training_hash() == "49267641990f984e"
+    assert JobSpec.from_dict(_with(**{"training.update": "delayed"})).training_hash() != "49267641990f984e"
+
+
+def test_an_http_spec_keeps_its_tilde_and_a_file_spec_expands_it(monkeypatch):
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert JobSpec.parse({"data": {"path": "~/d.jsonl"}}).data.path == "~/d.jsonl"
+    assert JobSpec.parse({"data": {"path": "~/d.jsonl"}}, expand_user=True).data.path == "/home/someone/d.jsonl"
+
+
+def test_errors_carry_the_field():
+    from horizon_ray.errors import BadInput
+
+    for changes, field in (({"training.lr": "fast"}, "training.lr"), ({"training.sed": 1}, "training.sed"),
+                           ({"training.betas": [0.9, "x"]}, "training.betas[1]"), ({"training.lr": -1}, "training.lr")):
+        with pytest.raises(BadInput) as err:
+            JobSpec.from_dict(_with(**changes))
+        assert err.value.field == field

@@ -4,11 +4,12 @@ import json
 
 import pytest
 
+from horizon_ray.engine.model import PROJECTIONS
 from horizon_ray.planner import (
     H200_NODE,
     MODES,
     PRESETS,
-    LoraSpec,
+    Adapters,
     NodeSpec,
     load_model_shape,
     max_model,
@@ -17,7 +18,6 @@ from horizon_ray.planner import (
     plan_for_spec,
 )
 from horizon_ray.planner.node import GiB, TiB
-from horizon_ray.planner.shapes import LINEAR_NAMES
 
 # A tiny untied Llama: H=64, I=128, L=2, 4 heads of 16, 2 KV heads, V=100.
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -57,7 +57,7 @@ def test_bytes_per_param_per_mode(mode, dtype, per_param, total):
 
 
 def test_lora_bytes():
-    lora = LoraSpec(rank=4, targets=("q_proj", "v_proj"))
+    lora = Adapters(r=4, targets=("q_proj", "v_proj"))
     adapters = 2 * (4 * (64 + 64) + 4 * (64 + 32))  # L x (A [r, in] + B [out, r]) for q and v = 1792
     p = plan(TINY, method="lora", lora=lora, compute_dtype="bfloat16", pinned_pow2=False, **JOB)
     assert p.trainable_params == adapters
@@ -119,11 +119,11 @@ def test_units_and_store_match_the_engine(config):
     # LoRA: the frozen base is its wire alone, the fp32 adapters have master, m, v and gradient
     from horizon_ray.engine.lora import LoraConfig, adapter_layouts
 
-    for dtype, targets in (("bfloat16", ("q_proj", "v_proj")), ("float32", LINEAR_NAMES)):
+    for dtype, targets in (("bfloat16", ("q_proj", "v_proj")), ("float32", tuple(PROJECTIONS))):
         lora = LoraConfig(r=4, targets=targets)
         store = HostStore(unit_layouts(mc), DTYPES[dtype], torch.float32, pin=False,
                           adapter_layouts=adapter_layouts(mc, lora))
-        p = plan(config, method="lora", lora=LoraSpec(rank=4, targets=targets), compute_dtype=dtype, device="cpu",
+        p = plan(config, method="lora", lora=Adapters(r=4, targets=targets), compute_dtype=dtype, device="cpu",
                  **JOB)
         want = _state(p)
         assert store.bytes_by_kind() == {"master": want["master"], "moments": want["moments"],
@@ -136,9 +136,10 @@ def test_planner_constants_match_the_engine():
     from horizon_ray.engine import EngineConfig, optimizer
     from horizon_ray.engine.config import PRECISIONS
     from horizon_ray.jobspec import PRECISIONS as SPEC_PRECISIONS
+    from horizon_ray.jobspec import EngineSpec
     from horizon_ray.planner import memory
 
-    assert memory.LAYER_CHUNK_TOKENS == EngineConfig().layer_chunk_tokens
+    assert EngineSpec().layer_chunk_tokens == EngineConfig().layer_chunk_tokens
     assert memory.OPTIMIZER_SCRATCH_ELEMENTS == optimizer._CHUNK
     full = {n for n, m in MODES.items() if m.engine_supported and m.method == "full"}
     assert full == set(PRECISIONS) >= set(SPEC_PRECISIONS)
@@ -458,17 +459,17 @@ def test_lora_settings_take_the_job_specs_keys_and_defaults():
     from horizon_ray.jobspec import LoraSpec as SpecLora
 
     spec = SpecLora()
-    assert (LoraSpec().rank, list(LoraSpec().targets), list(LoraSpec().modules_to_save)) == \
-        (spec.r, spec.targets, spec.modules_to_save)
+    assert spec.adapters() == Adapters()  # the spec's defaults are the planner's
     r16 = plan(TINY, method="lora", lora={"r": 16}, **JOB)
-    assert r16.lora["rank"] == 16 and r16.lora["targets"] == ("q_proj", "v_proj")
+    assert r16.lora["r"] == 16 and r16.lora["targets"] == ("q_proj", "v_proj")
     assert r16.trainable_params == 2 * 16 * ((64 + 64) + (64 + 32))
-    assert plan(TINY, method="lora", lora={"rank": 16}, **JOB).host_bytes == r16.host_bytes
     default = plan(TINY, method="lora", **JOB)
     assert plan(TINY, method="lora", lora=spec, **JOB).trainable_params == default.trainable_params
     assert plan(TINY, mode="lora", lora={"r": 16, "alpha": 32, "dropout": 0.1}, **JOB).host_bytes == r16.host_bytes
     with pytest.raises(ValueError, match="lora keys \\['rnk'\\] are not known; give r"):
         plan(TINY, method="lora", lora={"rnk": 16})
+    with pytest.raises(ValueError, match="lora keys \\['rank'\\] are not known; give r"):
+        plan(TINY, method="lora", lora={"rank": 16})  # one name for the rank: the spec's
     with pytest.raises(ValueError, match="integer >= 1"):
         plan(TINY, method="lora", lora={"r": "16"})
 
@@ -477,7 +478,7 @@ def test_engine_lora_defaults_equal_the_planners():
     pytest.importorskip("torch")
     from horizon_ray.engine import LoraConfig
 
-    assert (LoraConfig().r, tuple(LoraConfig().targets)) == (LoraSpec().rank, LoraSpec().targets)
+    assert (LoraConfig().r, tuple(LoraConfig().targets)) == (Adapters().r, Adapters().targets)
 
 
 def test_stacked_preset_names_plan():
@@ -499,7 +500,7 @@ def test_cli_max_model_takes_the_method_and_the_lora_flags(capsys):
     assert main(["plan", "--max-model", "qwen2.5", "--method", "lora", "--scan-depth", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["mode"] == "lora" and out["model"].startswith("qwen2.5-72b@")
-    assert out["plan"]["lora"]["rank"] == 8  # the job spec's default
+    assert out["plan"]["lora"]["r"] == 8  # the job spec's default
     all7 = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     assert main(["plan", "--max-model", "qwen2.5", "--method", "lora", "--scan-depth", "--lora-rank", "16",
                  "--lora-targets", all7]) == 0
@@ -511,7 +512,7 @@ def test_cli_max_model_takes_the_method_and_the_lora_flags(capsys):
     assert main(["plan", "--max-model", "qwen2.5", "--method", "lora", "--mode", "exact"]) == 2
     assert "--method lora does not go with --mode exact" in capsys.readouterr().err
     assert main(["plan", "--model", "qwen2.5-72b@64L", "--mode", "lora", "--lora-rank", "4", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["lora"]["rank"] == 4
+    assert json.loads(capsys.readouterr().out)["lora"]["r"] == 4
 
 
 def test_the_planner_refuses_what_the_engine_refuses_without_importing_torch():
