@@ -77,7 +77,7 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
             rec.update(planned_bytes(shape, mode=args.mode, seq=args.seq, micro=args.micro, accum=accum,
                                      checkpoint_every=args.checkpoint_every, dtype=dtype, device=eng.device.type,
                                      gpu_budget_bytes=budget, loss_chunk=args.loss_chunk, offload=args.offload,
-                                     lora=planned_lora))
+                                     lora=planned_lora, update=update))
             largest = rss_plan(rec, largest)
             rec.update(init_s=round(init_s, 1), params=eng.num_params,
                        offload_resolved=eng.offload_checkpoints,  # where checkpoints lived: host or device
@@ -96,8 +96,12 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
 def _switch_and_measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
     """Switch to the record's update mode and measure it; a mode the engine refuses, or a step that runs out
     of memory, is recorded and the next one still runs."""
+    if rec["update"] != "exact" and rec.get("plan_fits") is False:
+        # the mode's extra host buffers would not fit this host: the kernel's OOM killer would end the child
+        rec.update(status="did-not-fit", reason=f"planned: {rec.get('plan_reason', '')}"[:500])
+        return
     try:
-        eng.set_update(rec["update"])
+        eng.set_update(rec["update"], speculate_units=rec.get("planned_speculate_units"))
     except ValueError as exc:  # a refusal (e.g. a mode these settings do not allow), before anything ran
         rec.update(status="error", reason=error_reason(exc))
         return
@@ -125,13 +129,16 @@ def accumulations(spec) -> list[int]:
 
 def rss_plan(rec: dict, largest: dict | None) -> dict | None:
     """Set the plan the record's host RSS is compared with: the largest planned host bytes of the steps this
-    process has run, this one included. Returns the record that holds it."""
-    if rec.get("planned_host_bytes") is not None and (
-            largest is None or rec["planned_host_bytes"] >= largest["planned_host_bytes"]):
+    process has run, this one included, counting the update mode's own buffers (set_update adds and frees
+    them) for this record's mode only. Returns the record that holds the largest plan."""
+    def base(r):
+        return r["planned_host_bytes"] - (r.get("planned_update_buffers_bytes") or 0)
+
+    if rec.get("planned_host_bytes") is not None and (largest is None or base(rec) >= base(largest)):
         largest = rec
     if largest is not None:
-        rec.update(rss_plan_host_bytes=largest["planned_host_bytes"],
-                   rss_plan_tokens_per_step=largest["tokens_per_step"])
+        own = rec.get("planned_update_buffers_bytes") or 0
+        rec.update(rss_plan_host_bytes=base(largest) + own, rss_plan_tokens_per_step=largest["tokens_per_step"])
     return largest
 
 

@@ -64,7 +64,23 @@ def engine_config(spec: JobSpec) -> Any:
     cfg = EngineConfig.from_spec(spec)
     # the node agent's share of the cores when several engines run on one node (0: the engine's default)
     cfg.optimizer_threads = int(os.environ.get("HORIZON_RAY_OPTIMIZER_THREADS") or 0)
+    if cfg.update == "speculative" and cfg.lora is None:
+        cfg.speculate_units = speculate_units(spec, cfg)
     return cfg
+
+
+def speculate_units(spec: JobSpec, cfg: Any) -> int | None:
+    """How many units the speculative update may update during the backward on this machine: the planner's
+    choice for its RAM (each such unit keeps its gradient apart from its wire)."""
+    import psutil
+    import torch
+
+    from horizon_ray.planner import NodeSpec, plan_for_spec
+
+    cuda = cfg.device.startswith("cuda")
+    node = NodeSpec(ram_bytes=psutil.virtual_memory().total, gpus=torch.cuda.device_count() if cuda else 0,
+                    gpu_mem_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else 0, name="this node")
+    return plan_for_spec(spec, node, suggest=False).speculate_units
 
 
 def total_steps_for(spec: JobSpec, steps_per_epoch: int) -> int:

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from horizon_ray.engine.model import DTYPE_BYTES
 from horizon_ray.errors import BadInput
 from horizon_ray.planner.memory import PINNED_POW2_ROUNDING, device_items, host_breakdown
 from horizon_ray.planner.modes import FIDELITY_ORDER, MODES, PrecisionMode, get_mode
@@ -67,6 +68,9 @@ class Plan:
     pinned_pow2: bool = PINNED_POW2_ROUNDING  # pinned buffers rounded up to powers of two (torch's allocator)
     concurrent_engines: int = 1  # engines sharing the host's DRAM bandwidth and cores (one per GPU) in the timing
     update: str = "exact"  # training.update: when the host AdamW runs (delayed is not exact AdamW)
+    # speculative: how many units (head first, then layers from the top) the engine may update during the
+    # backward, as many as the node's RAM holds their own gradient buffers for (EngineConfig.speculate_units)
+    speculate_units: int | None = None
 
     @property
     def node_tokens_per_s(self) -> float:
@@ -162,11 +166,40 @@ def _plan_job(shape: ModelShape, method: str, mode: str | None, job: Workload, l
     return p
 
 
-# What a non-default training.update changes in a verdict (the step-time model plans the exact update).
+# What a non-default training.update changes in a verdict.
 _UPDATE_NOTES = {
-    "delayed": " Update delayed: NOT exact AdamW (step n+1 trains on the weights after step n-1).",
-    "speculative": " Update speculative: exact unless clipping triggers, which redoes the step's update.",
+    "delayed": " Update delayed: NOT exact AdamW (step n+1 trains on the weights after step n-1); it keeps a "
+               "second wire of the model in the compute dtype.",
+    "speculative": " Update speculative: bit-identical to exact while clipping does not trigger; a step that "
+                   "clips rolls its speculated units back by inverting their update (fp32 state within a few "
+                   "ulps, not bit for bit) and redoes them.",
 }
+
+
+def _update_buffers(shape: ModelShape, pm: PrecisionMode, job: Workload, host: dict[str, int],
+                    usable: int) -> tuple[int | None, int]:
+    """Add the host buffers the update mode keeps beyond exact's to ``host["update_buffers"]`` (store.py):
+    delayed, a second wire of every parameter; speculative, an own gradient buffer for each speculated unit
+    whose gradient would otherwise share its wire (bf16 exact), as many units as the RAM left by the rest of
+    the plan holds. Returns (EngineConfig.speculate_units, parameters speculated)."""
+    host["update_buffers"] = 0
+    if pm.method != "full" or job.update == "exact":
+        return None, 0
+    c = DTYPE_BYTES[job.compute_dtype]
+    if job.update == "delayed":
+        host["update_buffers"] = shape.num_params * c
+        return None, 0
+    units = [n for _, n in shape.units()][1:][::-1]  # backward order: head, layers from the top; no embedding
+    shares = pm.base(job.compute_dtype).grads == 0  # the gradient lands in the wire
+    room = usable - sum(host.values())
+    taken, extra, params = 0, 0, 0
+    for n in units:
+        cost = n * c if shares else 0
+        if extra + cost > room:
+            break
+        taken, extra, params = taken + 1, extra + cost, params + n
+    host["update_buffers"] = extra
+    return (None if taken == len(units) else taken), params
 
 
 def _concurrent(n: int, device: str, node: NodeSpec) -> None:
@@ -181,9 +214,12 @@ def _plan(shape: ModelShape, pm: PrecisionMode, job: Workload, node: NodeSpec, g
           lora: Adapters | None, suggest: bool, pinned_pow2: bool, concurrent_engines: int = 1) -> Plan:
     host, pinned = host_breakdown(shape, pm, job, lora, pinned_pow2)
     cuda = job.device == "cuda"
+    spec_units, spec_params = _update_buffers(shape, pm, job, host, node.usable_ram_bytes)
+    if cuda:
+        pinned += host["update_buffers"]
     gpu = device_items(shape, pm, job, lora) if cuda else {}
     host_bytes, gpu_bytes = sum(host.values()), sum(gpu.values())
-    t = step_time(shape, pm, job, lora, node.ceilings, concurrent_engines)
+    t = step_time(shape, pm, job, lora, node.ceilings, concurrent_engines, speculated_params=spec_params)
     trainable = shape.num_params if pm.method == "full" else adapter_params(lora, shape)
     state = host["weights"] + host["master"] + host["moments"] + host["grads"]
     # a budget caps what the job may take of the GPU; it cannot add memory the GPU does not have
@@ -203,7 +239,7 @@ def _plan(shape: ModelShape, pm: PrecisionMode, job: Workload, node: NodeSpec, g
         mfu_datasheet=t["model_flops"] / t["step_s"] / node.ceilings.datasheet_matmul_flops, bound=t["bound"],
         timing=t, gives_up=pm.gives_up, engine_supported=pm.engine_supported,
         lora=dataclasses.asdict(lora) if lora else None, node=node.to_dict(), pinned_pow2=pinned_pow2,
-        concurrent_engines=concurrent_engines,
+        concurrent_engines=concurrent_engines, speculate_units=spec_units,
     )
     if suggest and not p.fits:
         p.alternatives = _alternatives(shape, p, job, node, gpu_budget_bytes, lora)

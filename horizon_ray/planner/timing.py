@@ -91,9 +91,10 @@ def host_share(ceil: Ceilings, concurrent_engines: int = 1) -> dict[str, float]:
 
 
 def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapters | None, ceil: Ceilings,
-              concurrent_engines: int = 1) -> dict[str, float]:
+              concurrent_engines: int = 1, speculated_params: int = 0) -> dict[str, float]:
     """Seconds of each term and the predicted step of one engine while `concurrent_engines` engines share
-    the host, plus the name of the bound."""
+    the host, plus the name of the bound. ``speculated_params``: parameters the speculative update may update
+    during the backward (Plan.speculate_units' units)."""
     share = host_share(ceil, concurrent_engines)
     compute_dtype = job.compute_dtype
     c = DTYPE_BYTES[compute_dtype]
@@ -146,18 +147,31 @@ def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapt
     # phase A: weights in, checkpoints out; phase B: the rest of the weights and checkpoints in, gradients out
     copies_fwd_s = max(h2d_fwd / h2d_bw, checkpoints / d2h_bw, (h2d_fwd + checkpoints) / duplex_bw)
     copies_bwd_s = max(h2d_bwd / h2d_bw, grads_down / d2h_bw, (h2d_bwd + grads_down) / duplex_bw)
-    rest = opt_work - embed_opt_work
+    # speculative: the speculated units' update runs during the backward (with its copies), the rest as in exact
+    spec_work = speculated_params * pb.optimizer_bytes if job.update == "speculative" and full else 0
+    spec_s = spec_work / bw_copies
+    rest = opt_work - embed_opt_work - spec_work
     if rest <= copies_fwd_s * bw_copies:
         opt_s = rest / bw_copies
     else:
         opt_s = copies_fwd_s + (rest - copies_fwd_s * bw_copies) / bw_alone
     exposed = embed_opt_work / bw_alone + wire["embed"] / h2d_bw + embed_grad_down / d2h_bw
     phase_a = max(fwd_s, copies_fwd_s, opt_s)
-    phase_b = max(bwd_s, copies_bwd_s)
+    phase_b = max(bwd_s, copies_bwd_s, spec_s)
     bound_a = max((fwd_s, "gpu compute"), (copies_fwd_s, "pcie"), (opt_s, "cpu optimizer"))[1]
-    bound_b = max((bwd_s, "gpu compute"), (copies_bwd_s, "pcie"))[1]
+    bound_b = max((bwd_s, "gpu compute"), (copies_bwd_s, "pcie"), (spec_s, "cpu optimizer"))[1]
+    if job.update == "delayed" and full:
+        # the whole update overlaps the next step: nothing of it is exposed, it bounds the step only if longer
+        opt_s, exposed = opt_work / bw_copies, wire["embed"] / h2d_bw + embed_grad_down / d2h_bw
+        phase_a, phase_b = max(fwd_s, copies_fwd_s), max(bwd_s, copies_bwd_s)
+        if opt_s > phase_a + phase_b:
+            phase_a, bound_a, bound_b = opt_s - phase_b, "cpu optimizer", "cpu optimizer"
+    # what a speculative rollback adds to its step: inverting the speculated units (about one update of them,
+    # exposed after the backward) and updating them again, clipped
+    rollback_s = 2 * spec_work / bw_alone
     bound = bound_a if bound_a == bound_b else f"{bound_a} (forward + update), {bound_b} (backward)"
     out.update(compute_s=fwd_s + bwd_s, forward_s=fwd_s, backward_s=bwd_s, pcie_s=copies_fwd_s + copies_bwd_s,
                pcie_forward_s=copies_fwd_s, pcie_backward_s=copies_bwd_s, optimizer_s=opt_s, exposed_s=exposed,
-               phase_a_s=phase_a, phase_b_s=phase_b, step_s=exposed + phase_a + phase_b, bound=bound)
+               phase_a_s=phase_a, phase_b_s=phase_b, step_s=exposed + phase_a + phase_b, bound=bound,
+               speculated_update_s=spec_s, rollback_s=rollback_s)
     return out

@@ -324,7 +324,7 @@ class _UpdateEngine:
     def from_config(cls, hf_config, cfg):
         return cls(cfg)
 
-    def set_update(self, mode):
+    def set_update(self, mode, speculate_units=None):
         self.log.append(("set_update", mode))
         self.update = mode
 

@@ -538,3 +538,48 @@ print("torch imported:", "torch" in sys.modules)
     assert "MLP biases are not supported" in out and "hidden_act='silu'" in out and "'yarn'" in out
     assert "not a multiple of num_key_value_heads=3" in out
     assert out.strip().endswith("torch imported: False")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_update_modes_buffers_match_the_engine_store(dtype):
+    """delayed keeps a second wire of every parameter; speculative an own gradient buffer for each speculated
+    unit whose gradient would share its wire: the planner's update_buffers are the store's extra bytes."""
+    torch = pytest.importorskip("torch")
+    from horizon_ray.engine import Engine, EngineConfig
+
+    exact = Engine.from_config(TINY, EngineConfig(compute_dtype=dtype))
+    base = sum(exact.store.bytes_by_kind().values())
+    exact.close()
+    for update in ("delayed", "speculative"):
+        p = plan(TINY, compute_dtype=dtype, device="cpu", update=update, **JOB)
+        eng = Engine.from_config(TINY, EngineConfig(compute_dtype=dtype, update=update,
+                                                    speculate_units=p.speculate_units))
+        got = sum(eng.store.bytes_by_kind().values()) - base
+        eng.close()
+        assert got == p.breakdown["host"]["update_buffers"], (update, dtype)
+    assert torch  # imported for the engine
+
+
+def test_speculative_takes_as_many_units_as_the_ram_left_holds():
+    """From the head down, each speculated bf16 unit costs 2 bytes a parameter of host RAM; the plan takes
+    units while the node holds them and says how many, so the job never plans past the node."""
+    from horizon_ray.planner import NodeSpec
+
+    exact = plan("qwen2.5-7b", seq_len=1024, micro_batch_size=16, grad_accum=4, gpu_budget_bytes=12 * 2**30)
+    shape = load_model_shape("qwen2.5-7b")
+    layer = shape.layer_params * 2
+    # room for the head and 5 layers, not 6
+    room = shape.head_params * 2 + 5 * layer + layer // 2
+    node = NodeSpec(ram_bytes=int((exact.host_bytes + room) / 0.95) + 1)
+    p = plan("qwen2.5-7b", seq_len=1024, micro_batch_size=16, grad_accum=4, gpu_budget_bytes=12 * 2**30,
+             update="speculative", node=node)
+    assert p.fits and p.speculate_units == 6
+    assert p.breakdown["host"]["update_buffers"] == shape.head_params * 2 + 5 * layer
+    assert "speculative" in p.reason and p.timing["rollback_s"] > 0
+    roomy = plan("qwen2.5-7b", seq_len=1024, micro_batch_size=16, grad_accum=1, gpu_budget_bytes=12 * 2**30,
+                 update="speculative")
+    assert roomy.speculate_units is None  # every unit but the embedding
+    delayed = plan("qwen2.5-7b", seq_len=1024, micro_batch_size=16, grad_accum=4, gpu_budget_bytes=12 * 2**30,
+                   update="delayed")
+    assert not delayed.fits and delayed.breakdown["host"]["update_buffers"] == shape.num_params * 2
+    assert "NOT exact" in delayed.reason
