@@ -20,8 +20,9 @@ interval, L = layers:
     grad_accumulators  fp32: layers 1 (bf16: cast at once into staging) or 2 (fp32) x layer, plus
                        V x H + H if tied, else one V x H shared by embed and head
     grad_staging       2 x layer x c                 a layer's gradient cast before D2H (bf16 only)
-    adapter_weights    L x adapter layer x 4         LoRA: every layer's fp32 adapters, resident
-    adapter_grads      L x adapter layer x 4         LoRA: their fp32 gradients, resident (no base accumulators)
+    adapter_slots      (2 min(K, L) + 1 [+ 1 tied]) x adapter unit x 4   LoRA: an fp32 adapter slot beside each
+                                                     weight slot: a layer's adapters travel with its base
+    adapter_grads      2 x adapter unit x 4          LoRA: two pooled fp32 gradient buffers (no base accumulators)
     checkpoints        offloaded: 2 x T x H x c      the block's checkpoint back on the device and the next
                                                      one returning; not offloaded: ceil(L/K) x T x H x c
     recompute_inputs   (min(K, L) - 1) x T x H x c   the block's other inputs, recomputed in backward
@@ -46,7 +47,7 @@ from __future__ import annotations
 from horizon_ray.engine.model import DTYPE_BYTES
 from horizon_ray.planner.modes import ParamBytes, PrecisionMode
 from horizon_ray.planner.node import MiB
-from horizon_ray.planner.shapes import ModelShape, adapter_params, adapter_unit_params, ceil_div
+from horizon_ray.planner.shapes import ModelShape, adapter_unit_params, ceil_div
 from horizon_ray.workload import Adapters, Workload
 
 # RSS of a process that imported torch and built an engine, beyond the engine's own buffers.
@@ -185,10 +186,13 @@ def device_items(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Ad
             out["grad_accumulators"] = 4 * ((1 if c != 4 else 2) * layer + ends)
             if c != 4:
                 out["grad_staging"] = 2 * layer * c
-        else:  # the frozen base has no gradient; the fp32 adapters and their gradients stay resident
-            adapters = adapter_params(lora, shape)
-            out["adapter_weights"] = 4 * adapters
-            out["adapter_grads"] = 4 * adapters
+        else:
+            # the frozen base has no gradient; each weight slot has an fp32 adapter slot beside it (engine
+            # slots.py), and a layer's adapter gradients accumulate in one of two pooled fp32 buffers (grads.py)
+            per_unit = max(adapter_unit_params(lora, shape))
+            slots = 2 * K + 1 + (1 if shape.tie_word_embeddings else 0)
+            out["adapter_slots"] = 4 * per_unit * slots
+            out["adapter_grads"] = 4 * per_unit * 2
     elif full and c != 4:
         # on the CPU an fp32 gradient is accumulated in its host buffer; a bf16 layer's in a temporary
         # fp32 buffer, one at a time

@@ -1,9 +1,10 @@
 """LoRA's CUDA pipeline against its CPU path (run on the GPU box: pytest -m gpu tests/gpu/test_cuda_lora.py).
 
-The base streams through the layer slots as in full fine-tuning; the fp32 adapters and their gradients are
-resident on the device, copied in after each host update and out once a step. These tests pin that
-schedule's events (a resident adapter overwritten while read, or read before its copy landed, changes the
-numbers), its numerics against the CPU (which test_engine_lora.py pins against PEFT), and its memory.
+The base streams through the layer slots as in full fine-tuning, each layer's fp32 adapters in an adapter
+slot beside its base; their gradients accumulate in one of two pooled buffers and leave once a step. These
+tests pin that schedule's events (an adapter slot overwritten while read, or read before its copy landed,
+changes the numbers), its numerics against the CPU (which test_engine_lora.py pins against PEFT), and its
+memory: flat in the layer count, within the plan.
 """
 
 import gc
@@ -24,13 +25,19 @@ ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 def _run(device, config, steps=3, micro=2, dtype="float32", lora=None, B=2, T=32, **kw):
     """Same base (from_config's seed) and same initial adapters on both devices; returns the losses, the
-    adapters after the last update, the last gradient norm and the engine."""
+    adapters after the last update, the last gradient norm and the engine (whose ``step_grads`` holds each
+    step's adapter gradients, clipped as the update read them)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     lora = lora or LoraConfig(r=4, alpha=8, targets=ALL)
     eng = Engine.from_config(config, EngineConfig(lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, device=device,
                                                   compute_dtype=dtype, seed=0, lora=lora, **kw))
     batches = random_batches(steps, micro, B=B, T=T, prompt=4, vocab=config["vocab_size"])
-    losses = [eng.train_step(mbs) for mbs in batches]
+    losses, eng.step_grads = [], []
+    for mbs in batches:
+        losses.append(eng.train_step(mbs))
+        if device == "cpu":  # the reference's gradients (the CUDA run keeps its update overlapping the next step)
+            eng.synchronize()
+            eng.step_grads.append(torch.cat([u.grad for u in eng.store.adapters]).clone())
     norms = eng.last_grad_norm
     eng.close()
     adapters = torch.cat([u.master for u in eng.store.adapters])
@@ -38,10 +45,30 @@ def _run(device, config, steps=3, micro=2, dtype="float32", lora=None, B=2, T=32
 
 
 def _assert_same(cpu, cuda, rtol):
-    (lc, ac, nc, _), (lg, ag, ng, _) = cpu, cuda
+    """Losses, norms and adapters agree at rtol; except where Adam normalises a gradient that is roundoff.
+
+    AdamW moves a weight by lr x m_hat / (sqrt(v_hat) + eps): about lr whatever the gradient's size, once the
+    gradient is well above eps. An element whose gradient over the steps is tiny against its tensor's (a
+    sum that cancels to the level of roundoff) is moved by lr x (a ratio of roundoff) on each device, and
+    the two can differ by up to lr a step. Such elements (each step's |g| below 1e-3 of the tensor's RMS
+    gradient on the CPU) may differ by at most lr x steps; every other element is held to rtol.
+    """
+    (lc, ac, nc, ec), (lg, ag, ng, _) = cpu, cuda
     assert lg == pytest.approx(lc, rel=rtol)
     assert ng == pytest.approx(nc, rel=rtol)
-    torch.testing.assert_close(ag, ac, rtol=rtol, atol=1e-5)
+    tiny = torch.zeros_like(ac, dtype=torch.bool)
+    for g in ec.step_grads:
+        off = 0
+        for a in ec.store.adapters:
+            for t in a.layout.tensors:
+                part = g[off + t.offset: off + t.offset + t.numel]
+                rms = part.square().mean().sqrt()
+                tiny[off + t.offset: off + t.offset + t.numel] |= part.abs() < 1e-3 * rms
+            off += a.layout.numel
+    lr, steps = 1e-3, len(ec.step_grads)
+    torch.testing.assert_close(ag[~tiny], ac[~tiny], rtol=rtol, atol=1e-5)
+    assert not tiny.any() or (ag[tiny] - ac[tiny]).abs().max() <= lr * steps
+    assert tiny.float().mean() < 0.01  # a few roundoff gradients, not a tensor of them
 
 
 @pytest.mark.parametrize("K", [1, 2, 4])
@@ -125,8 +152,9 @@ def test_host_and_device_buffers():
     for a in eng.store.adapters:
         assert a.master.is_pinned() and a.grad.is_pinned() and a.master.dtype == torch.float32
     dev = eng.memory_report()["device"]
-    n = eng.trainable_params
-    assert dev["adapter_weights"] == dev["adapter_grads"] == 4 * n
+    per_unit = max(a.layout.numel for a in eng.store.adapters)
+    # one adapter slot beside each weight slot (2 layer slots at K=1, the head's; untied: no embedding slot)
+    assert dev["adapter_slots"] == 4 * per_unit * 3 and dev["adapter_grads"] == 4 * per_unit * 2
     assert dev["grad_accumulators"] == 0 and "grad_staging" not in dev  # no base gradient anywhere
     eng.close()
     assert not eng.store.units[1].wire.is_pinned()  # close() unlocks it
@@ -142,7 +170,7 @@ def test_peak_gpu_memory_flat_when_layers_double():
         _run("cuda", cfg, steps=2, micro=2, dtype="bfloat16", lora=LoraConfig(r=16, targets=ALL),
              checkpoint_every=1)
         peaks.append(torch.cuda.max_memory_allocated())
-    # checkpoints are offloaded; the resident adapters grow with L but are r/H of a layer (~3 % here)
+    # checkpoints are offloaded and adapters travel with their layer: nothing on the device grows with L
     print("peak GPU bytes at 8 and 16 layers (LoRA):", peaks)
     assert peaks[1] <= peaks[0] * 1.05, peaks
 
