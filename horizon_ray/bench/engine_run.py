@@ -96,8 +96,9 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
 def _switch_and_measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
     """Switch to the record's update mode and measure it; a mode the engine refuses, or a step that runs out
     of memory, is recorded and the next one still runs."""
-    if rec["update"] != "exact" and rec.get("plan_fits") is False:
+    if rec["update"] != "exact" and rec.get("plan_host_fits") is False:
         # the mode's extra host buffers would not fit this host: the kernel's OOM killer would end the child
+        # (the GPU side of a plan is conservative and the budget is enforced by the allocator: it is tried)
         rec.update(status="did-not-fit", reason=f"planned: {rec.get('plan_reason', '')}"[:500])
         return
     try:

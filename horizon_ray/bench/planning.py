@@ -35,6 +35,7 @@ def planned_bytes(shape, *, mode: str, seq: int, micro: int, accum: int, checkpo
     return {"planned_host_bytes": p.host_bytes, "planned_gpu_bytes": p.gpu_bytes, "plan_fits": p.fits,
             "planned_step_s": round(p.step_time_s, 3), "planned_speculate_units": p.speculate_units,
             "planned_update_buffers_bytes": p.breakdown["host"].get("update_buffers", 0),
+            "plan_host_fits": p.host_bytes <= p.host_limit_bytes,
             "plan_reason": p.reason}
 
 
