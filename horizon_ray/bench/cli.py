@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="compute dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
     job.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
     job.add_argument("--loss-chunk", type=int, default=1024, help="horizon-ray's tokens per loss chunk")
+    job.add_argument("--max-grad-norm", type=float, default=1.0,
+                     help="global-norm clipping of every system (the speculative update's benchmarks set it high "
+                          "enough that clipping stays inactive)")
     job.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     job.add_argument("--steps", type=int, default=3, help="timed steps (the median is reported)")
     job.add_argument("--gpu-budget-gib", type=float, default=None,

@@ -56,7 +56,8 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
     if planned_lora is not None:  # the base is frozen; only the adapters (exact fp32 AdamW) train
         lora = LoraConfig(r=planned_lora.r, alpha=lora_alpha(planned_lora.r), targets=planned_lora.targets)
     eng = Engine.from_config(hf_config(shape), EngineConfig(
-        lr=1e-5, weight_decay=0.01, max_grad_norm=1.0, checkpoint_every=args.checkpoint_every, device=device,
+        lr=1e-5, weight_decay=0.01, max_grad_norm=args.max_grad_norm, checkpoint_every=args.checkpoint_every,
+        device=device,
         compute_dtype=dtype, precision="exact" if lora else args.mode, loss_chunk_tokens=args.loss_chunk,
         offload_checkpoints=OFFLOAD[args.offload], lora=lora, update=updates[0]))
     init_s = time.perf_counter() - t0

@@ -201,7 +201,7 @@ def measure(system: str, shape, model, opt, args, emit: Callable[[dict], None], 
             forward_backward(model, mbs, autocast)
             sync(device)
             t = time.perf_counter()
-            optimizer_step(params, opt)
+            optimizer_step(params, opt, args.max_grad_norm)
             sync(device)
             return time.perf_counter() - t
 

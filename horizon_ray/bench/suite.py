@@ -64,7 +64,8 @@ def run_suite(args, argv: list[str]) -> int:
     date = now.strftime("%Y-%m-%d")
     ctx = {"date": date, "box": box, "commit": resolve_commit(args.commit),
            "command": "python -m horizon_ray.bench " + shlex.join(argv),
-           "run_id": f"{date}-{box}-{now.strftime('%H%M%S')}-{os.getpid()}"}  # the invocation: ratios stay in it
+           "run_id": f"{date}-{box}-{now.strftime('%H%M%S')}-{os.getpid()}",  # the invocation: ratios stay in it
+           "max_grad_norm": args.max_grad_norm}
     results_dir = Path(args.results_dir)
     deadline = time.monotonic() + args.time_limit_s if args.time_limit_s else None
     print(f"bench: {', '.join(shapes)} on {device} ({box}), systems {', '.join(systems)}, commit {ctx['commit']}",
@@ -180,7 +181,8 @@ def child_argv(system: str, shape: str, args, device: str, dtype: str, mode: str
     argv = [sys.executable, "-m", "horizon_ray.bench", "--system", system, "--shape", shape,
             "--seq", str(args.seq), "--micro", str(args.micro), "--accum", str(args.accum),
             "--checkpoint-every", str(args.checkpoint_every), "--dtype", dtype, "--device", device,
-            "--loss-chunk", str(args.loss_chunk), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+            "--loss-chunk", str(args.loss_chunk), "--warmup", str(args.warmup), "--steps", str(args.steps),
+            "--max-grad-norm", format(args.max_grad_norm, "g")]
     if system == "horizon-ray":
         argv += ["--mode", mode, "--offload", offload, "--update", ",".join(parse_updates(args.update))]
         if args.gpu_budget_gib:

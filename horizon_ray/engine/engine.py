@@ -85,6 +85,7 @@ class Engine:
         self.update_mode = cfg.update
         self.base_model_path: str | None = None  # the model directory the base came from (from_pretrained)
         self._steps = 0  # optimizer steps launched: the index k of the next step, and of its dropout seeds
+        self._last_clipped = False  # the last step's gradient was clipped (speculation skips the next one)
         cuda = self.device.type == "cuda"
         adapters = lora_io.adapter_layouts(model, cfg.lora) if cfg.lora is not None else None
         n_trained = len(adapters) if adapters is not None else self.units.count
@@ -216,7 +217,9 @@ class Engine:
         self._optimizer.check()  # a failed update leaves inconsistent weights: no step may train on them
         k = self._steps
         try:
-            if self._spec_order:  # the worker updates units as their gradients land
+            if self._spec_order and not self._last_clipped:
+                # the worker updates units as their gradients land; not right after a step that clipped, whose
+                # successor is likely to clip too (a rollback costs more than the overlap gains)
                 self._optimizer.speculate(k, self.lr, self._spec_order, self._max_norm())
             hs = self._forward(mbs, k, train=True)
             self._stash.prefetch(self.K * ((self.L - 1) // self.K))  # the top block's checkpoint
@@ -235,6 +238,7 @@ class Engine:
             self._abandon_step(k)
             raise
         coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6)) if self.cfg.clipping else 1.0
+        self._last_clipped = coef < 1.0
         self._optimizer.launch(k, self.lr, coef)
         self._steps += 1
         return loss

@@ -127,10 +127,12 @@ class _LoraAdd(torch.autograd.Function):
         g2 = g.reshape(-1, g.shape[-1])
         grad_b = g2.T @ u.reshape(-1, r) if need_b else None
         gu = g @ b  # [..., r]
+        del g, g2  # the fp32 temporaries go one at a time: at most one of [tokens, out] or [tokens, in] lives
         grad_a = grad_x = None
         if need_a:
             x_d = _adapter_input(x, a.dtype, dropout, seed)  # rebuilt: the forward kept only x
             grad_a = gu.reshape(-1, r).T @ x_d.reshape(-1, x_d.shape[-1])
+            del x_d
         if need_x:
             gx = gu @ a
             if dropout > 0:  # through the same mask: dropout of a tensor of ones is keep / (1 - p)
