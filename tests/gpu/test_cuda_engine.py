@@ -30,15 +30,15 @@ def _run(device, config, steps=3, micro=2, dtype="float32", **kw):
     return losses, masters, eng
 
 
-def _assert_same(cpu, cuda, rtol):
+def _assert_same(cpu, cuda, rtol, atol=1e-5):
     """Losses and weights agree at rtol, except the elements whose gradient was roundoff, which AdamW
     normalises (tests/tiny.py says why and how far they may differ)."""
     (lc, wc, ec), (lg, wg, _) = cpu, cuda
     assert lg == pytest.approx(lc, rel=rtol)
     if ec.step_grads:
-        assert_close_but_adam_roundoff(wg, wc, ec.store.units, ec.step_grads, lr=1e-3, rtol=rtol)
+        assert_close_but_adam_roundoff(wg, wc, ec.store.units, ec.step_grads, lr=1e-3, rtol=rtol, atol=atol)
     else:
-        torch.testing.assert_close(wg, wc, rtol=rtol, atol=1e-5)
+        torch.testing.assert_close(wg, wc, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("K", [1, 2, 4])
@@ -52,8 +52,12 @@ def test_cuda_matches_cpu_fp32(K, tied, offload, kernels):
         pytest.importorskip("liger_kernel")
     cfg = llama_config(4, tied=tied)
     cpu = _run("cpu", cfg, checkpoint_every=K)
+    # Liger's RMSNorm sums its weight gradient in per-block fp32 partials and its cross-entropy takes the
+    # log-sum-exp online: other orders than torch's, ~1e-7 relative a step, which AdamW's normalisation turns
+    # into up to 1.4e-5 absolute on a few weights with small gradients (seen on the H200: 2 of 129,287): atol
+    # 3e-5 for it, 1e-5 for torch's kernels
     _assert_same(cpu, _run("cuda", cfg, checkpoint_every=K, offload_checkpoints=offload, kernels=kernels),
-                 rtol=1e-4)
+                 rtol=1e-4, atol=3e-5 if kernels == "liger" else 1e-5)
 
 
 @pytest.mark.parametrize("update", ["speculative", "delayed"])
