@@ -180,7 +180,7 @@ async def _live_jobs(tenant: Tenant) -> list:
     """Every job of the tenant that has not ended (all pages)."""
     out, after = [], None
     while True:
-        jobs, more = await tenant.call("list", limit=1000, after=after)
+        jobs, more = await tenant.list(limit=1000, after=after)
         out += [j for j in jobs if not j.status.is_terminal()]
         if not more or not jobs:
             return out
