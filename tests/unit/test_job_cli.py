@@ -86,16 +86,19 @@ def test_a_second_runner_on_the_same_output_dir_is_refused(job, capsys, tmp_path
     assert "another job is running" in _one_line_error(capsys.readouterr().err)
 
 
-def test_a_crash_exits_1(job, capsys, monkeypatch):
+# Only BadInput is bad input (exit 2); any other exception, a ValueError of a bug too, is a crash (exit 1).
+@pytest.mark.parametrize("exc", [RuntimeError("the engine fell over"), ValueError("too many values to unpack")])
+def test_a_crash_exits_1_with_its_traceback(job, capsys, monkeypatch, exc):
     import horizon_ray.job
 
     def boom(*args, **kwargs):
-        raise RuntimeError("the engine fell over")
+        raise exc
 
     monkeypatch.setattr(horizon_ray.job, "run_job", boom)
     assert main(["finetune", "--config", str(job)]) == 1
     err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1] == "error: the job crashed: RuntimeError: the engine fell over"
+    assert "Traceback" in err
+    assert err.strip().splitlines()[-1] == f"error: the job crashed: {type(exc).__name__}: {exc}"
 
 
 def test_print_spec_shows_the_resolved_spec(job, capsys):
@@ -117,20 +120,6 @@ def test_submit_of_a_misshapen_spec_exits_2_naming_the_section(tmp_path, capsys)
     bad.write_text("model: /models/x\ndata: {path: /d.jsonl}\n")
     assert main(["submit", str(bad)]) == 2  # refused before any connection is made
     assert _one_line_error(capsys.readouterr().err) == "error: model must be a mapping of keys to values, not str"
-
-
-def test_a_valueerror_that_is_no_refusal_is_a_crash_with_its_traceback(job, capsys, monkeypatch):
-    # only BadInput is bad input (exit 2); any other exception, a ValueError of a bug too, is a crash (exit 1)
-    import horizon_ray.job
-
-    def bug(*args, **kwargs):
-        raise ValueError("too many values to unpack")
-
-    monkeypatch.setattr(horizon_ray.job, "run_job", bug)
-    assert main(["finetune", "--config", str(job)]) == 1
-    err = capsys.readouterr().err
-    assert "Traceback" in err and err.strip().splitlines()[-1] == \
-        "error: the job crashed: ValueError: too many values to unpack"
 
 
 def test_the_agents_child_trains_here_whatever_the_environment(job, tmp_path):
