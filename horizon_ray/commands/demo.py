@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from horizon_ray.job import run_job
     from horizon_ray.job.demo import demo_spec, horizon_home, prepare_demo_assets
+    from horizon_ray.job.runner import run_job
 
     console = Console(highlight=False, soft_wrap=True)
     t0 = time.monotonic()

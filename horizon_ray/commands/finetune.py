@@ -49,14 +49,15 @@ def run_here(spec, *, resume: bool, progress: bool) -> int:
     propagates (the caller's ``cli.refusing_bad_input`` makes it exit 2)."""
     from horizon_ray import exit_codes
     from horizon_ray.errors import BadInput
-    from horizon_ray.job import JobTerminated, OutputDirBusy, run_job
+    from horizon_ray.job import runner
+    from horizon_ray.job.runner import JobTerminated, OutputDirBusy
 
     def on_sigterm(signum: int, frame: object) -> None:
         raise JobTerminated("stopped by SIGTERM; rerun with --resume to continue from the last checkpoint")
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        result = run_job(spec, resume=resume, progress=progress)
+        result = runner.run_job(spec, resume=resume, progress=progress)
     except BadInput:
         raise
     except OutputDirBusy as exc:

@@ -89,12 +89,12 @@ def test_a_second_runner_on_the_same_output_dir_is_refused(job, capsys, tmp_path
 # Only BadInput is bad input (exit 2); any other exception, a ValueError of a bug too, is a crash (exit 1).
 @pytest.mark.parametrize("exc", [RuntimeError("the engine fell over"), ValueError("too many values to unpack")])
 def test_a_crash_exits_1_with_its_traceback(job, capsys, monkeypatch, exc):
-    import horizon_ray.job
+    from horizon_ray.job import runner
 
     def boom(*args, **kwargs):
         raise exc
 
-    monkeypatch.setattr(horizon_ray.job, "run_job", boom)
+    monkeypatch.setattr(runner, "run_job", boom)
     assert main(["finetune", "--config", str(job)]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err
