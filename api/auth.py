@@ -2,11 +2,13 @@
 
 Every tenant-scoped route takes a ``Tenant`` from ``current_tenant`` and reaches the coordinator, the
 tenant's files and its outputs only through it: the tenant name is bound once, here, so no route can
-ask about another tenant's job or open another tenant's directory.
+ask about another tenant's job or open another tenant's directory. Its methods are the coordinator
+client's (``CoordinatorClient``), run off the event loop.
 """
 
 from __future__ import annotations
 
+import builtins
 import hmac
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +21,9 @@ from starlette.concurrency import run_in_threadpool
 from api.errors import ApiError
 from api.settings import ApiSettings
 from horizon_ray.cluster.client import CoordinatorClient
+from horizon_ray.cluster.messages import Checkpoint, JobEvent, JobRecord, JobStatus, NodeInfo
 
 _UNAUTHORIZED_HEADERS = {"WWW-Authenticate": 'Bearer realm="horizon-ray"'}
-
-
-async def call_client(client: CoordinatorClient, method: str, *args: Any, **kwargs: Any) -> Any:
-    """Call a (blocking) client method off the event loop."""
-    return await run_in_threadpool(getattr(client, method), *args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -36,9 +34,40 @@ class Tenant:
     client: CoordinatorClient  # the coordinator client; only called with `name`
     settings: ApiSettings  # roots and limits
 
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``client.<method>(tenant, *args, **kwargs)``: every coordinator call of a route goes here."""
-        return await call_client(self.client, method, self.name, *args, **kwargs)
+    async def submit(self, spec: dict[str, Any], *, idempotency_key: str | None, priority: int) -> JobRecord:
+        return await run_in_threadpool(self.client.submit, self.name, spec, idempotency_key=idempotency_key,
+                                       priority=priority)
+
+    async def get(self, job_id: str) -> JobRecord:
+        return await run_in_threadpool(self.client.get, self.name, job_id)
+
+    async def list(self, *, limit: int, after: str | None = None,
+                   status: JobStatus | None = None) -> tuple[builtins.list[JobRecord], bool]:
+        return await run_in_threadpool(self.client.list, self.name, limit=limit, after=after, status=status)
+
+    async def cancel(self, job_id: str) -> JobRecord:
+        return await run_in_threadpool(self.client.cancel, self.name, job_id)
+
+    async def events(self, job_id: str, after_seq: int = 0) -> builtins.list[JobEvent]:
+        return await run_in_threadpool(self.client.events, self.name, job_id, after_seq)
+
+    async def checkpoints(self, job_id: str) -> builtins.list[Checkpoint]:
+        return await run_in_threadpool(self.client.checkpoints, self.name, job_id)
+
+    async def plan(self, spec: dict[str, Any]) -> dict[str, Any]:
+        return await run_in_threadpool(self.client.plan, self.name, spec)
+
+    async def queue(self) -> builtins.list[JobRecord]:
+        """This tenant's waiting jobs."""
+        return await run_in_threadpool(self.client.queue, self.name)
+
+    async def nodes(self) -> builtins.list[NodeInfo]:
+        """Every node (the cluster's, not the tenant's: callers anonymise other tenants' reservations)."""
+        return await run_in_threadpool(self.client.nodes)
+
+    async def waiting(self) -> int:
+        """How many jobs of every tenant wait for a node."""
+        return len(await run_in_threadpool(self.client.queue, None))
 
     @property
     def files_dir(self) -> Path:

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-from api.auth import Tenant, call_client, current_tenant
+from api.auth import Tenant, current_tenant
 from api.errors import error_response
 from api.jobs import SPEC_BODY, checked_spec
 from api.schemas import (
@@ -21,7 +21,6 @@ from api.schemas import (
     json_safe,
     node_object,
 )
-from horizon_ray.cluster.errors import JobNotFound
 
 router = APIRouter(tags=["cluster"])
 health = APIRouter(tags=["health"])
@@ -30,30 +29,23 @@ health = APIRouter(tags=["health"])
 @router.post("/plan", response_model=PlanResponse, responses=ERROR_RESPONSES,
              summary="Dry run: the memory plan and the candidate nodes for a spec, without creating a job")
 async def plan(spec: SPEC_BODY, tenant: Annotated[Tenant, Depends(current_tenant)]) -> PlanResponse:
-    return PlanResponse(**json_safe(await tenant.call("plan", checked_spec(tenant, spec))))
+    return PlanResponse(**json_safe(await tenant.plan(checked_spec(tenant, spec))))
 
 
 @router.get("/nodes", response_model=NodeList, responses=ERROR_RESPONSES,
             summary="Nodes with RAM, GPUs and reservation ledger (other tenants' jobs anonymised)")
 async def nodes(tenant: Annotated[Tenant, Depends(current_tenant)]) -> NodeList:
-    infos = await call_client(tenant.client, "nodes")
-    mine: set[str] = set()
-    for job_id in {r.job_id for n in infos for r in n.ledger}:
-        try:
-            await tenant.call("get", job_id)
-            mine.add(job_id)
-        except JobNotFound:
-            pass
+    infos = await tenant.nodes()
+    mine = {r.job_id for n in infos for r in n.ledger if r.tenant == tenant.name}
     return NodeList(data=[node_object(n, mine) for n in infos])
 
 
 @router.get("/queue", response_model=QueueObject, responses=ERROR_RESPONSES,
             summary="Your waiting jobs in serving order, and how many jobs wait in all")
 async def queue(tenant: Annotated[Tenant, Depends(current_tenant)]) -> QueueObject:
-    everyone = await call_client(tenant.client, "queue", None)
-    own = await tenant.call("queue")
+    own = await tenant.queue()
     return QueueObject(
-        total_waiting=len(everyone),
+        total_waiting=await tenant.waiting(),
         data=[QueueEntry(id=r.id, name=r.name, status=r.status, position=r.queue_position,
                          reason=r.queue_reason, priority=r.priority, created_at=r.created_at) for r in own],
     )
@@ -68,7 +60,7 @@ async def healthz() -> Health:
             summary="The coordinator answers and has loaded its job table")
 async def readyz(request: Request):
     try:
-        ready = bool(await call_client(request.app.state.client, "ready"))
+        ready = bool(await run_in_threadpool(request.app.state.client.ready))
     except Exception:
         ready = False
     if not ready:

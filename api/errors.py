@@ -20,7 +20,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from horizon_ray.cluster.errors import (
     CoordinatorUnavailable,
-    EngineCrashed,
     HorizonError,
     IdempotencyConflict,
     InvalidRequest,
@@ -44,7 +43,6 @@ DOMAIN_STATUS: dict[type[HorizonError], int] = {
     JobNotFound: 404,
     InvalidTransition: 409,
     IdempotencyConflict: 409,
-    EngineCrashed: 500,
     CoordinatorUnavailable: 503,
     HorizonError: 400,
 }

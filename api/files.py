@@ -25,6 +25,7 @@ from api.auth import Tenant, current_tenant
 from api.errors import ApiError
 from api.paths import FILE_ID_RE, read_upload_meta, upload_meta_path
 from api.schemas import ERROR_RESPONSES, ErrorBody, FileList, FileObject
+from horizon_ray.errors import BadInput
 
 router = APIRouter(tags=["files"])
 
@@ -44,19 +45,19 @@ def _data_path(files_dir: Path, file_id: str) -> Path:
 
 
 def _check_dataset(path: Path, fmt: str, filename: str) -> tuple[str, int]:
-    """(detected format, number of examples); ValueError naming the bad line otherwise."""
+    """(detected format, number of examples); BadInput naming the bad line otherwise."""
     from horizon_ray.data.formats import detect_format, load_file
 
     try:
         examples = load_file(path, fmt)
         detected = detect_format(path) if fmt == "auto" else fmt
     except UnicodeDecodeError:
-        raise ValueError(f"{filename}: not UTF-8 text; upload a UTF-8 JSONL file") from None
-    except ValueError as exc:
+        raise BadInput(f"{filename}: not UTF-8 text; upload a UTF-8 JSONL file") from None
+    except BadInput as exc:
         # The loaders name the file on disk; the tenant knows it by its upload name.
-        raise ValueError(str(exc).replace(str(path), filename)) from None
+        raise BadInput(str(exc).replace(str(path), filename)) from None
     if not examples:
-        raise ValueError(f"{filename}: holds no example; add JSONL lines in alpaca, messages or text format")
+        raise BadInput(f"{filename}: holds no example; add JSONL lines in alpaca, messages or text format")
     return detected, len(examples)
 
 
@@ -115,7 +116,7 @@ async def upload_file(
                            field="body")
         try:
             detected, count = await run_in_threadpool(_check_dataset, part, format, name)
-        except ValueError as exc:
+        except BadInput as exc:
             raise ApiError(422, "invalid_file", str(exc), field="body") from None
         meta = {
             "id": file_id,
@@ -180,7 +181,7 @@ async def _live_jobs(tenant: Tenant) -> list:
     """Every job of the tenant that has not ended (all pages)."""
     out, after = [], None
     while True:
-        jobs, more = await tenant.call("list", limit=1000, after=after)
+        jobs, more = await tenant.list(limit=1000, after=after)
         out += [j for j in jobs if not j.status.is_terminal()]
         if not more or not jobs:
             return out

@@ -78,8 +78,8 @@ def job_routes(base: str) -> APIRouter:
         priority: Annotated[int, Query(ge=-1000, le=1000, description="higher runs first among your "
                                                                       "queued jobs")] = 0,
     ) -> JobObject:
-        record = await tenant.call("submit", checked_spec(tenant, spec), idempotency_key=idempotency_key,
-                                   priority=priority)
+        record = await tenant.submit(checked_spec(tenant, spec), idempotency_key=idempotency_key,
+                                    priority=priority)
         response.headers["Location"] = f"{base}/{record.id}"
         return job_object(record, base)
 
@@ -91,19 +91,19 @@ def job_routes(base: str) -> APIRouter:
                                            description="id of the last job of the previous page")] = None,
         status: Annotated[JobStatus | None, Query(description="only jobs in this state")] = None,
     ) -> JobList:
-        records, has_more = await tenant.call("list", limit=limit, after=after, status=status)
+        records, has_more = await tenant.list(limit=limit, after=after, status=status)
         data = [job_object(r, base) for r in records]
         return JobList(data=data, has_more=has_more, first_id=data[0].id if data else None,
                        last_id=data[-1].id if data else None)
 
     @router.get("/{job_id}", response_model=JobObject, responses=ERROR_RESPONSES, summary="One job")
     async def get_job(job_id: JOB_ID, tenant: Annotated[Tenant, Depends(current_tenant)]) -> JobObject:
-        return job_object(await tenant.call("get", job_id), base)
+        return job_object(await tenant.get(job_id), base)
 
     @router.post("/{job_id}/cancel", response_model=JobObject, responses=CANCEL_RESPONSES,
                  summary="Cancel a job (queued: at once; running: once its engine stopped)")
     async def cancel_job(job_id: JOB_ID, tenant: Annotated[Tenant, Depends(current_tenant)]) -> JobObject:
-        return job_object(await tenant.call("cancel", job_id), base)
+        return job_object(await tenant.cancel(job_id), base)
 
     @router.get(
         "/{job_id}/events",
@@ -127,13 +127,13 @@ def job_routes(base: str) -> APIRouter:
             start = after
             if last_event_id and last_event_id.strip().isascii() and last_event_id.strip().isdecimal():
                 start = max(start, min(int(last_event_id.strip()), MAX_SEQ))
-            await tenant.call("get", job_id)  # 404 as JSON before the stream starts
+            await tenant.get(job_id)  # 404 as JSON before the stream starts
             return StreamingResponse(
                 sse_stream(request, tenant, job_id, start),
                 media_type=SSE_MEDIA,
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        events: list[JobEvent] = await tenant.call("events", job_id, after)
+        events: list[JobEvent] = await tenant.events(job_id, after)
         page = events[:limit]
         return EventList(data=[event_object(e) for e in page], has_more=len(events) > limit,
                          last_seq=page[-1].seq if page else after)
@@ -141,7 +141,7 @@ def job_routes(base: str) -> APIRouter:
     @router.get("/{job_id}/checkpoints", response_model=CheckpointList, responses=ERROR_RESPONSES,
                 summary="A job's complete checkpoints, oldest first")
     async def job_checkpoints(job_id: JOB_ID, tenant: Annotated[Tenant, Depends(current_tenant)]) -> CheckpointList:
-        return CheckpointList(data=[checkpoint_object(c) for c in await tenant.call("checkpoints", job_id)])
+        return CheckpointList(data=[checkpoint_object(c) for c in await tenant.checkpoints(job_id)])
 
     @router.get("/{job_id}/outputs", response_model=OutputList, responses=ERROR_RESPONSES,
                 summary="Files under a job's output directory (checkpoints, final model, metrics)")
@@ -173,7 +173,7 @@ def job_routes(base: str) -> APIRouter:
 
 async def _output_root(tenant: Tenant, job_id: str) -> Path | None:
     """The job's output directory, resolved, when it exists inside the tenant's namespace."""
-    record = await tenant.call("get", job_id)
+    record = await tenant.get(job_id)
     root = PathPolicy(tenant.settings, tenant.name).owns_output(record.output_dir or record.spec.get("output_dir"))
     return root if root is not None and root.is_dir() else None
 
@@ -211,16 +211,16 @@ async def sse_stream(request: Request, tenant: Tenant, job_id: str, after: int) 
         # Under ASGI 2.4 servers Starlette stops watching for the client leaving, and a quiet stream writes
         # nothing that could fail: ask, or a stream of a held job would poll forever.
         while not await request.is_disconnected():
-            events = await tenant.call("events", job_id, last)
+            events = await tenant.events(job_id, last)
             for event in events:
                 yield sse_message(event)
                 last = event.seq
             if events:
                 idle_since = time.monotonic()
                 continue
-            record = await tenant.call("get", job_id)
+            record = await tenant.get(job_id)
             if record.status.is_terminal():
-                for event in await tenant.call("events", job_id, last):
+                for event in await tenant.events(job_id, last):
                     yield sse_message(event)
                     last = event.seq
                 end = {"job_id": job_id, "status": record.status.value, "last_seq": last}

@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
+
+from horizon_ray.exit_codes import BAD_INPUT
 
 # name -> (module, one-line help). Order is the order `--help` shows.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -43,8 +46,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     module = importlib.import_module(args._module)
+    return refusing_bad_input(lambda: int(module.run(args) or 0))
+
+
+def refusing_bad_input(run: Callable[[], int]) -> int:
+    """`run`'s exit code; a BadInput it raises is exit 2 with its one-line message (the one place that maps
+    it). Any other exception is a crash: it propagates, and Python prints its traceback and exits 1."""
+    from horizon_ray.errors import BadInput
+
     try:
-        return int(module.run(args) or 0)
-    except ValueError as exc:
+        return run()
+    except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return BAD_INPUT

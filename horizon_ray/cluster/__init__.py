@@ -11,7 +11,6 @@ from typing import Any
 from horizon_ray.cluster.client import CoordinatorClient, LocalClient, RayClient
 from horizon_ray.cluster.errors import (
     CoordinatorUnavailable,
-    EngineCrashed,
     HorizonError,
     IdempotencyConflict,
     InvalidRequest,
@@ -55,7 +54,6 @@ __all__ = [
     "Checkpoint",
     "CoordinatorClient",
     "CoordinatorUnavailable",
-    "EngineCrashed",
     "EventType",
     "HorizonError",
     "IdempotencyConflict",

@@ -1,7 +1,7 @@
 """The node agent: one per node; runs each job's engine in a child process it supervises.
 
 The agent owns its node's reservation ledger. `start` reserves the planner's bytes and, for a GPU job, one
-of the node's GPUs, and launches `python -m horizon_ray finetune --config <output_dir>/job.yaml --resume`;
+of the node's GPUs, and launches `python -m horizon_ray.job --config <output_dir>/job.yaml --resume`;
 a monitor thread samples the child's memory and reaps it, freeing the reservation (RAM and GPU) however
 the child ends (exit, crash, signal, cancel).
 
@@ -11,9 +11,10 @@ nvidia-smi's; "" for a CPU job) and gets its share of the node's cores (see `Led
 OMP_NUM_THREADS / MKL_NUM_THREADS and HORIZON_RAY_OPTIMIZER_THREADS (the threads its CPU AdamW should use).
 A thread variable given explicitly in the agent's `env` wins over the share.
 
-The coordinator polls: `poll` returns the new metrics.jsonl lines of each job (from the byte offset the
-coordinator acknowledged, so nothing is lost or repeated across a coordinator restart) and how each
-finished job exited. A crash or OOM kill of a job is a child exit: it never takes the agent down.
+The coordinator polls: `poll` returns the new events of each job (its metrics.jsonl, decoded with
+`horizon_ray.job.events`, from the byte offset the coordinator acknowledged, so nothing is lost or repeated
+across a coordinator restart) and how each finished job exited. A crash or OOM kill of a job is a child
+exit: it never takes the agent down.
 
 Children get PR_SET_PDEATHSIG=SIGKILL: when the agent dies (its node is removed, the actor is killed) its
 jobs die with it, so a job recovered on another node never has a stale twin writing to its output_dir.
@@ -27,7 +28,6 @@ import ctypes
 import functools
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -42,8 +42,10 @@ from typing import Any, Protocol
 import psutil
 import yaml
 
+from horizon_ray.atomic import write_atomic
 from horizon_ray.cluster import placement
-from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, NodeInfo, Reservation
+from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, Launch, NodeInfo, Reservation
+from horizon_ray.job.events import Event, decode
 
 METRICS_FILE = "metrics.jsonl"
 SPEC_FILE = "job.yaml"
@@ -68,10 +70,8 @@ class Agent(Protocol):
 
     def info(self) -> NodeInfo: ...
 
-    def start(self, job_id: str, spec: dict[str, Any], output_dir: str, host_bytes: int, gpu_bytes: int,
-              metrics_offset: int = 0, attempt: int = 1, needs_gpu: bool | None = None) -> Reservation:
-        """Reserve and launch; returns the reservation (with its GPU index and cores). `needs_gpu`: the
-        coordinator's decision; None: the rule of `placement.needs_gpu` on the spec."""
+    def start(self, launch: Launch) -> Reservation:
+        """Reserve and launch; returns the reservation (with its GPU index and cores)."""
         ...
 
     def cancel(self, job_id: str) -> None: ...
@@ -100,11 +100,6 @@ class Ledger:
         return sum(r.gpu_bytes for r in self.entries.values())
 
     @property
-    def gpu_jobs(self) -> int:
-        """Jobs holding a GPU (each GPU job gets a whole GPU)."""
-        return sum(1 for r in self.entries.values() if r.gpu_index is not None)
-
-    @property
     def free_gpu_indices(self) -> list[int]:
         busy = {r.gpu_index for r in self.entries.values()}
         return [i for i in range(self.gpu_count) if i not in busy]
@@ -122,9 +117,10 @@ class Ledger:
             return max(1, self.cpu_count // max(1, self.gpu_count))
         return max(1, self.cpu_count // (len(self.entries) + 1))
 
-    def reserve(self, job_id: str, host_bytes: int, gpu_bytes: int, needs_gpu: bool | None = None) -> Reservation:
+    def reserve(self, job_id: str, host_bytes: int, gpu_bytes: int, needs_gpu: bool | None = None,
+                tenant: str | None = None) -> Reservation:
         """Set aside host RAM, a free GPU (when `needs_gpu`; None: when gpu_bytes > 0 on a GPU node) and a
-        share of the cores; raise ReservationRefused when the node cannot take the job now."""
+        share of the cores for `tenant`'s job; raise ReservationRefused when the node cannot take it now."""
         if job_id in self.entries:
             return self.entries[job_id]
         gpu = bool(gpu_bytes) and self.gpu_count > 0 if needs_gpu is None else bool(needs_gpu)
@@ -139,7 +135,7 @@ class Ledger:
                     placement.gpus_busy(self.gpu_count) if self.gpu_count else "the node has none"))
             gpu_index = free[0]
         self.entries[job_id] = Reservation(job_id, int(host_bytes), int(gpu_bytes), time.time(),
-                                           gpu_index=gpu_index, cpu_threads=self.cpu_share(gpu))
+                                           gpu_index=gpu_index, cpu_threads=self.cpu_share(gpu), tenant=tenant)
         return self.entries[job_id]
 
     def release(self, job_id: str) -> None:
@@ -180,10 +176,10 @@ def engine_env(res: Reservation, gpu_ids: list[str], fixed: dict[str, str] | Non
     return env
 
 
-def read_metrics_lines(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
-    """Parsed complete lines of a metrics.jsonl from byte `offset`; returns (lines, next offset).
+def read_new_events(path: Path, offset: int) -> tuple[list[Event], int]:
+    """The events of the complete lines of a metrics.jsonl from byte `offset`; returns (events, next offset).
 
-    A torn last line (no newline yet) is left for the next read. A line that is not JSON (the tail of a
+    A torn last line (no newline yet) is left for the next read. A line that is not an event (the tail of a
     killed writer followed by a resumed one) is skipped. A file shorter than `offset` was rewritten:
     reading restarts at 0.
     """
@@ -193,21 +189,21 @@ def read_metrics_lines(path: Path, offset: int) -> tuple[list[dict[str, Any]], i
         return [], offset
     if size < offset:
         offset = 0
-    lines: list[dict[str, Any]] = []
+    events: list[Event] = []
     with open(path, "rb") as f:
         f.seek(offset)
-        while len(lines) < _MAX_LINES_PER_POLL:
+        while len(events) < _MAX_LINES_PER_POLL:
             raw = f.readline()
             if not raw.endswith(b"\n"):
                 break
             offset += len(raw)
             try:
-                obj = json.loads(raw)
+                event = decode(json.loads(raw))
             except ValueError:
                 continue
-            if isinstance(obj, dict):
-                lines.append(obj)
-    return lines, offset
+            if event is not None:
+                events.append(event)
+    return events, offset
 
 
 try:  # loaded once here: a dlopen between fork and exec in a threaded process can deadlock
@@ -273,9 +269,6 @@ class _Job:
     proc: subprocess.Popen
     output_dir: Path
     log_path: Path
-    planned_bytes: int
-    started: float
-    env: dict[str, str] = field(default_factory=dict)  # what the agent set in its environment (GPU, threads)
     rss_bytes: int = 0
     peak_rss_bytes: int = 0
     cancel_at: float | None = None  # when the cancel was asked (SIGTERM sent)
@@ -335,7 +328,7 @@ class NodeAgent:
             cpu_count=int(cpu_count if cpu_count is not None else len(os.sched_getaffinity(0))),
         )
         # argv prefix of a job; `--config <spec> --resume` is appended
-        self._command = list(command or [sys.executable, "-m", "horizon_ray", "finetune"])
+        self._command = list(command or [sys.executable, "-m", "horizon_ray.job"])
         self._env = env
         self._sample_interval_s = sample_interval_s
         self._kill_grace_s = kill_grace_s
@@ -353,18 +346,17 @@ class NodeAgent:
             return self._ledger.node_info(self.node_id, ray_node_id=self.ray_node_id,
                                           incarnation=self.incarnation)
 
-    def start(self, job_id: str, spec: dict[str, Any], output_dir: str, host_bytes: int, gpu_bytes: int,
-              metrics_offset: int = 0, attempt: int = 1, needs_gpu: bool | None = None) -> Reservation:
+    def start(self, launch: Launch) -> Reservation:
+        job_id = launch.job_id
         with self._lock:
             self._reap()
             if job_id in self._jobs and self._jobs[job_id].exit is None:
                 return self._ledger.entries[job_id]  # already running here: a retried start
             self._jobs.pop(job_id, None)
-            if needs_gpu is None:
-                needs_gpu = placement.needs_gpu(spec, self._ledger.gpu_count)
-            res = self._ledger.reserve(job_id, host_bytes, gpu_bytes, needs_gpu)
+            res = self._ledger.reserve(job_id, launch.host_bytes, launch.gpu_bytes,
+                                       _needs_gpu(launch, self._ledger.gpu_count), tenant=launch.tenant)
             try:
-                self._jobs[job_id] = self._launch(job_id, spec, Path(output_dir), res, attempt)
+                self._jobs[job_id] = self._launch(launch, res)
             except BaseException:
                 self._ledger.release(job_id)
                 raise
@@ -387,13 +379,11 @@ class NodeAgent:
             for job_id, job in self._jobs.items():
                 if job.forgotten:
                     continue
-                lines, next_offset = read_metrics_lines(job.output_dir / METRICS_FILE,
-                                                        int(offsets.get(job_id, 0)))
+                events, next_offset = read_new_events(job.output_dir / METRICS_FILE, int(offsets.get(job_id, 0)))
                 reports[job_id] = AgentJobReport(
                     job_id=job_id,
-                    lines=lines,
+                    events=events,
                     next_offset=next_offset,
-                    checkpointing=job.exit is None and _is_checkpointing(job.output_dir, job.proc.pid),
                     rss_bytes=job.rss_bytes if job.exit is None else 0,
                     peak_rss_bytes=job.peak_rss_bytes,
                     exit=job.exit,
@@ -440,35 +430,29 @@ class NodeAgent:
 
     # ---- internals -----------------------------------------------------------------------------------
 
-    def _launch(self, job_id: str, spec: dict[str, Any], output_dir: Path, res: Reservation, attempt: int) -> _Job:
+    def _launch(self, launch: Launch, res: Reservation) -> _Job:
+        job_id, output_dir = launch.job_id, Path(launch.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
-        spec = dict(spec, output_dir=str(output_dir))
+        spec = dict(launch.spec, output_dir=str(output_dir))
         engine = spec.get("engine")
         if isinstance(engine, dict) and str(engine.get("device", "")).startswith("cuda:"):
             # The agent picks the GPU; the child sees only that one, as cuda:0.
             spec["engine"] = dict(engine, device="cuda")
         spec_path = output_dir / SPEC_FILE
-        tmp = spec_path.with_name(f"{SPEC_FILE}.tmp-{os.getpid()}")
-        tmp.write_text(yaml.safe_dump(spec, sort_keys=False))
-        os.replace(tmp, spec_path)
+        write_atomic(spec_path, yaml.safe_dump(spec, sort_keys=False).encode())
         log_dir = output_dir / "logs"
         log_dir.mkdir(exist_ok=True)
-        log_path = log_dir / f"attempt-{attempt}-{self.node_id}.log"
+        log_path = log_dir / f"attempt-{launch.attempt}-{self.node_id}.log"
         env = {**os.environ, **self._env}
-        # The child trains here: it must not hand its spec back to the coordinator (Ray Jobs path).
-        env["HORIZON_RAY_SUBMIT"] = "0"
-        env.pop("RAY_JOB_CONFIG_JSON_ENV_VAR", None)
         env["HORIZON_RAY_JOB_ID"] = job_id
         env["HORIZON_RAY_NODE_ID"] = self.node_id
-        mine = engine_env(res, self._gpu_ids, self._env)
-        env.update(mine)
+        env.update(engine_env(res, self._gpu_ids, self._env))
         argv = [*self._command, "--config", str(spec_path), "--resume"]
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     env=env, cwd=str(output_dir), start_new_session=True,
                                     preexec_fn=functools.partial(_set_pdeathsig, os.getpid()))
-        return _Job(job_id=job_id, proc=proc, output_dir=output_dir, log_path=log_path,
-                    planned_bytes=res.host_bytes, started=time.time(), env=mine)
+        return _Job(job_id=job_id, proc=proc, output_dir=output_dir, log_path=log_path)
 
     def _reap(self) -> None:
         """Record the exit of finished children and free their reservations. Caller holds the lock."""
@@ -526,13 +510,9 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _is_checkpointing(output_dir: Path, pid: int) -> bool:
-    ckpt_dir = output_dir / "checkpoints"
-    try:
-        names = os.listdir(ckpt_dir)
-    except OSError:
-        return False
-    return any(re.fullmatch(rf"step-\d+\.tmp-{pid}", n) for n in names)
+def _needs_gpu(launch: Launch, gpu_count: int) -> bool:
+    """The coordinator's decision, or the rule of `placement.needs_gpu` on the spec."""
+    return placement.needs_gpu(launch.spec, gpu_count) if launch.needs_gpu is None else launch.needs_gpu
 
 
 def _tail(path: Path) -> str:

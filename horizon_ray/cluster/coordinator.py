@@ -25,7 +25,6 @@ on several hosts, jobs_root must be a shared filesystem (NFS, a mounted bucket).
 from __future__ import annotations
 
 import builtins
-import signal
 import threading
 import time
 import uuid
@@ -34,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from horizon_ray import exit_codes
 from horizon_ray.cluster.agent import Agent, AgentUnavailable, ReservationRefused
 from horizon_ray.cluster.errors import (
     IdempotencyConflict,
@@ -45,6 +43,7 @@ from horizon_ray.cluster.errors import (
     JobRejected,
     QuotaExceeded,
 )
+from horizon_ray.cluster.exits import exit_outcome, last_line
 from horizon_ray.cluster.messages import (
     AgentJobReport,
     Checkpoint,
@@ -55,6 +54,7 @@ from horizon_ray.cluster.messages import (
     JobEvent,
     JobRecord,
     JobStatus,
+    Launch,
     NodeInfo,
     Reservation,
     can_transition,
@@ -68,15 +68,16 @@ from horizon_ray.cluster.placement import (
     never_fits_reason,
     waiting_reason,
 )
+from horizon_ray.cluster.reports import MemoryMark, apply_report
 from horizon_ray.cluster.store import JobStore
 from horizon_ray.cluster.tenants import TenantsConfig, check_tenant_name, fair_order, format_bytes
+from horizon_ray.errors import BadInput
 
 SpecValidator = Callable[[dict[str, Any]], dict[str, Any]]
 WAITING = (JobStatus.RECOVERING, JobStatus.QUEUED)
 ACTIVE = (JobStatus.RUNNING, JobStatus.CHECKPOINTING, JobStatus.CANCELLING)
 _NOT_TRAINING_KEYS = ("output_dir",)  # spec keys that may differ between two submits of one job
 _LIVE = tuple(s for s in JobStatus if not s.is_terminal())
-RETRY_AFTER_S = 10.0  # a job whose engine was stopped from outside is placed again no sooner than this
 
 
 def default_validate_spec(spec: dict[str, Any]) -> dict[str, Any]:
@@ -93,12 +94,6 @@ class _NodeState:
     alive: bool = False  # reachable at the last tick
     failed_since: float | None = None  # first failed contact of the current outage
     incarnation: str | None = None  # the agent's incarnation seen last
-
-
-@dataclass
-class _MemoryMark:
-    time: float = 0.0
-    peak: int = 0
 
 
 @dataclass
@@ -138,7 +133,7 @@ class Coordinator:
         self._nodes: dict[str, _NodeState] = {}
         self._plan_cache: dict = {}
         self._not_before: dict[str, float] = {}  # job -> earliest time to place it again (after a stop)
-        self._memory: dict[str, _MemoryMark] = {}
+        self._memory: dict[str, MemoryMark] = {}
         self._last_created = 0.0
         self._started = clock()
         self._last_served: dict[str, int] = dict(self.store.get_meta("last_served", {}))
@@ -178,10 +173,12 @@ class Coordinator:
                 if mine == theirs or mine.is_relative_to(theirs) or theirs.is_relative_to(mine):
                     who = f"job {other.id}" if other.tenant == tenant else "another job"
                     raise InvalidSpec(f"output_dir {full['output_dir']} is, holds or lies inside the output_dir of "
-                                      f"{who}, which has not ended; give this job a directory of its own")
+                                      f"{who}, which has not ended; give this job a directory of its own",
+                                      field="output_dir")
             if (mine / "DONE").exists():
                 raise InvalidSpec(f"output_dir {full['output_dir']} holds a finished run (its DONE marker); a job "
-                                  "there would only report that run; give this job a new output_dir")
+                                  "there would only report that run; give this job a new output_dir",
+                                  field="output_dir")
             now = self._created_time()
             job = JobRecord(id=job_id, tenant=tenant, name=name if name is not None else full.get("name"),
                             status=JobStatus.VALIDATING, priority=priority, created_at=now, updated_at=now,
@@ -385,84 +382,28 @@ class Coordinator:
 
     def _apply_report(self, job: JobRecord, report: AgentJobReport) -> None:
         now = self._clock()
-        events: list[tuple[float, EventType, dict]] = []
-        for line in report.lines:
-            kind, t = line.get("type"), float(line.get("time") or now)
-            if kind in ("metrics", "eval"):
-                job.metrics.update({k: v for k, v in line.items() if k not in ("type", "time")})
-                if kind == "metrics":
-                    p = job.progress
-                    p.step = int(line.get("step") or p.step)
-                    p.total_steps = line.get("total_steps", p.total_steps)
-                    p.tokens_per_s = line.get("tokens_per_s", p.tokens_per_s)
-                    p.eta_s = line.get("eta_s", p.eta_s)
-                events.append((t, EventType.METRICS, line))
-            elif kind == "checkpoint":
-                step = int(line.get("step") or 0)
-                self.store.add_checkpoint(job.id, Checkpoint(step=step, path=str(line.get("path")), time=t))
-                self.store.delete_checkpoints(job.id, [s for s in line.get("pruned") or [] if isinstance(s, int)])
-                job.last_checkpoint_step = step
-                events.append((t, EventType.CHECKPOINT, {"step": step, "path": line.get("path")}))
-            elif kind == "error":
-                events.append((t, EventType.ERROR, {"code": "engine_error", "message": line.get("message")}))
-            elif kind == "start":
-                if line.get("total_steps") is not None:
-                    job.progress.total_steps = line["total_steps"]
-            elif kind == "done":
-                job.progress.step = int(line.get("step") or job.progress.step)
-        mark = self._memory.setdefault(job.id, _MemoryMark())
-        planned = int((job.plan or {}).get("host_bytes") or 0)
-        # A memory event when the peak grew by a tenth of the plan (or 64 MiB), and at least every interval.
-        step = max(planned // 10, 64 * 2**20)
-        if report.peak_rss_bytes and (report.peak_rss_bytes > mark.peak + step
-                                      or now - mark.time >= self._memory_event_interval_s):
-            events.append((now, EventType.MEMORY, {"rss_bytes": report.rss_bytes,
-                                                   "peak_rss_bytes": report.peak_rss_bytes,
-                                                   "planned_bytes": planned}))
-            mark.time, mark.peak = now, report.peak_rss_bytes
+        mark = self._memory.setdefault(job.id, MemoryMark())
+        effects = apply_report(job, report, now, mark, self._memory_event_interval_s)
         with self.store.transaction():
-            for t, kind, data in events:
+            for ckpt in effects.checkpoints:
+                self.store.add_checkpoint(job.id, ckpt)
+            self.store.delete_checkpoints(job.id, effects.pruned)
+            for t, kind, data in effects.events:
                 self.store.add_event(job.id, t, kind, data)
-            if report.exit is None and job.status is JobStatus.RUNNING and report.checkpointing:
-                self._move(job, JobStatus.CHECKPOINTING, reason="writing a checkpoint")
-            elif job.status is JobStatus.CHECKPOINTING and not report.checkpointing and report.exit is None:
-                self._move(job, JobStatus.RUNNING, reason="checkpoint written")
+            if effects.move is not None:
+                self._move(job, effects.move[0], reason=effects.move[1])
             job.updated_at = now
             self.store.put_job(job, metrics_offset=report.next_offset)
 
     def _finish(self, job: JobRecord, ex: ExitInfo) -> None:
         planned = int((job.plan or {}).get("host_bytes") or 0)
-        data = {"returncode": ex.returncode, "peak_rss_bytes": ex.peak_rss_bytes, "planned_bytes": planned}
-        if ex.returncode == 0 and not ex.cancelled:
-            # also when a cancel was asked for but never reached the engine: it finished, its model is written
-            why = "engine exited 0" + (" before the cancel reached it" if job.status is JobStatus.CANCELLING else "")
-            self._move(job, JobStatus.SUCCEEDED, reason=why, data=data)
-            return
-        if job.status is JobStatus.CANCELLING or ex.cancelled:
-            self._move(job, JobStatus.CANCELLED, reason="engine stopped after cancel", data=data)
-            return
-        if ex.returncode in (exit_codes.TERMINATED, exit_codes.INTERRUPTED, -signal.SIGTERM):
-            # stopped from outside (node drain, pod eviction, shutdown), not by a cancel: resumable
-            self._lost(job, f"its engine was stopped by a signal (exit {ex.returncode}) on node {job.node_id}",
-                       retry_after_s=RETRY_AFTER_S)
-            return
-        if ex.returncode == exit_codes.OUTPUT_DIR_BUSY:
-            # an earlier engine of this job (a node that was cut off, now back) still holds output_dir
-            self._lost(job, f"its output directory was still held by an earlier engine ({_last_line(ex.stderr_tail)})",
-                       retry_after_s=RETRY_AFTER_S)
-            return
-        if ex.returncode < 0:
-            sig = _signal_name(-ex.returncode)
-            seen = (f"peak RSS {format_bytes(ex.peak_rss_bytes)} against {format_bytes(planned)} planned")
-            if -ex.returncode == signal.SIGKILL:
-                code, message = ErrorCode.OOM_KILLED, f"engine killed by {sig}, most likely out of memory ({seen})"
-            else:
-                code, message = ErrorCode.KILLED, f"engine killed by {sig} ({seen})"
+        out = exit_outcome(ex, job.status, planned, job.node_id)
+        if out.status is JobStatus.RECOVERING:
+            self._lost(job, out.reason, retry_after_s=out.retry_after_s)
+        elif out.status is JobStatus.FAILED:
+            self._fail(job, out.code, out.reason, **out.data)
         else:
-            last = _last_line(ex.stderr_tail)
-            code = ErrorCode.BAD_INPUT if ex.returncode == exit_codes.BAD_INPUT else ErrorCode.ENGINE_CRASHED
-            message = f"engine exited with code {ex.returncode}" + (f": {last}" if last else "")
-        self._fail(job, code, message, **data, stderr_tail=ex.stderr_tail[-2000:])
+            self._move(job, out.status, reason=out.reason, data=out.data)
 
     # ---- queue ---------------------------------------------------------------------------------------
 
@@ -530,14 +471,14 @@ class Coordinator:
         if agent is None:
             return f"node {best.node_id} has no agent"
         try:
-            res = agent.start(job.id, job.spec, job.output_dir, best.host_bytes, best.gpu_bytes,
-                              metrics_offset=self.store.metrics_offset(job.id), attempt=job.attempts + 1,
-                              needs_gpu=best.needs_gpu)
+            res = agent.start(Launch(job_id=job.id, tenant=job.tenant, spec=job.spec, output_dir=job.output_dir,
+                                     host_bytes=best.host_bytes, gpu_bytes=best.gpu_bytes,
+                                     attempt=job.attempts + 1, needs_gpu=best.needs_gpu))
         except (ReservationRefused, AgentUnavailable) as exc:
             return f"node {best.node_id} refused it: {exc}"
         except Exception as exc:  # noqa: BLE001 - the agent failed to launch it (e.g. output_dir not writable)
             self._fail(job, ErrorCode.START_FAILED, f"node {best.node_id} could not start it: "
-                                                     f"{type(exc).__name__}: {_last_line(str(exc))}")
+                                                     f"{type(exc).__name__}: {last_line(str(exc))}")
             return None
         self._placed(job, best, u, infos, res)
         return None
@@ -607,7 +548,7 @@ class Coordinator:
             try:
                 job.spec = self._validate_spec(job.spec)
                 self._admit(job)
-            except (ValueError, InvalidSpec) as exc:
+            except (BadInput, InvalidSpec) as exc:
                 self._fail(job, ErrorCode.INVALID_SPEC, str(exc))
             except (JobRejected, QuotaExceeded) as exc:
                 self._fail(job, ErrorCode.REJECTED, exc.message)
@@ -642,7 +583,7 @@ class Coordinator:
     def _check_tenant(self, tenant: str) -> None:
         try:
             check_tenant_name(tenant)
-        except ValueError as exc:
+        except BadInput as exc:
             raise InvalidRequest(str(exc)) from None
 
     def _normalise(self, spec: dict[str, Any], tenant: str, job_id: str) -> dict[str, Any]:
@@ -658,10 +599,9 @@ class Coordinator:
         output_dir = str(Path(given).expanduser().resolve()) if given else str(default)
         full = dict(spec, output_dir=output_dir)
         try:
-            out = self._validate_spec(full)
-        except ValueError as exc:
-            raise InvalidSpec(str(exc)) from None
-        return out
+            return self._validate_spec(full)
+        except BadInput as exc:
+            raise InvalidSpec(exc.message, **({"field": exc.field} if exc.field else {})) from None
 
     def _created_time(self) -> float:
         # Strictly increasing, so that submit order is FIFO order even when the clock does not move.
@@ -691,13 +631,3 @@ def _replace_alive(info: NodeInfo, alive: bool) -> NodeInfo:
     return out
 
 
-def _signal_name(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
-
-
-def _last_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1][:500] if lines else ""

@@ -78,12 +78,6 @@ class IdempotencyConflict(HorizonError):
     code = "idempotency_conflict"
 
 
-class EngineCrashed(HorizonError):
-    """The engine process of a job died; used as a job's error cause and by `submit_and_follow`."""
-
-    code = "engine_crashed"
-
-
 class CoordinatorUnavailable(HorizonError):
     """The coordinator cannot be reached or is not ready. 503."""
 
@@ -100,7 +94,6 @@ _BY_CODE: dict[str, type[HorizonError]] = {
         JobNotFound,
         InvalidTransition,
         IdempotencyConflict,
-        EngineCrashed,
         CoordinatorUnavailable,
     )
 }

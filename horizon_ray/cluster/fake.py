@@ -1,8 +1,8 @@
 """In-process twins of the node agents, for tests of the coordinator and of the API (no Ray, no engine).
 
-`FakeAgent` "runs" a job by emitting the metrics.jsonl lines a real engine would (start, one metrics line
-per step, checkpoints, done) on each poll, and keeps checkpoints in a `FakeStorage` shared by the agents
-of one fake cluster, so a job recovered on another agent resumes from its last checkpoint. Tests steer
+`FakeAgent` "runs" a job by emitting the events a real job runner would (`horizon_ray.job.events`: start,
+metrics per step, checkpoints, done) on each poll, and keeps checkpoints in a `FakeStorage` shared by the
+agents of one fake cluster, so a job recovered on another agent resumes from its last checkpoint. Tests steer
 it: hold a job, crash it, OOM-kill it, kill or restart the agent.
 
 `make_local_client` builds a `LocalClient` over a `Coordinator` with one fake agent per node, each declared
@@ -30,16 +30,17 @@ from typing import Any
 from horizon_ray.cluster import placement
 from horizon_ray.cluster.agent import AgentUnavailable, Ledger, engine_env
 from horizon_ray.cluster.client import LocalClient
-from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, NodeInfo, Reservation
+from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, Launch, NodeInfo, Reservation
 from horizon_ray.cluster.placement import default_planner
 from horizon_ray.cluster.tenants import TenantsConfig, parse_bytes
+from horizon_ray.job.events import Checkpoint, CheckpointBegin, Done, Error, Event, Metrics, Start
 
 
 @dataclass
 class FakeStorage:
-    """The shared filesystem of a fake cluster: metrics lines and checkpoints per output_dir."""
+    """The shared filesystem of a fake cluster: the runner's events and checkpoints per output_dir."""
 
-    lines: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # output_dir -> metrics lines
+    events: dict[str, list[Event]] = field(default_factory=dict)  # output_dir -> its metrics.jsonl
     checkpoints: dict[str, list[int]] = field(default_factory=dict)  # output_dir -> complete steps
 
 
@@ -52,7 +53,6 @@ class FakeJob:
     step: int = 0
     keep: int = 2  # the spec's checkpoint.keep: older checkpoints are pruned, as the runner does
     held: bool = False  # no progress while held
-    checkpointing: bool = False  # reported as writing a checkpoint
     cancel_requested: bool = False
     exit: ExitInfo | None = None
     planned_bytes: int = 0
@@ -95,14 +95,13 @@ class FakeAgent:
         self._check_alive()
         return self.ledger.node_info(self.node_id, incarnation=self.incarnation)
 
-    def start(self, job_id: str, spec: dict[str, Any], output_dir: str, host_bytes: int, gpu_bytes: int,
-              metrics_offset: int = 0, attempt: int = 1, needs_gpu: bool | None = None) -> Reservation:
+    def start(self, launch: Launch) -> Reservation:
         self._check_alive()
+        job_id, spec, output_dir, host_bytes = launch.job_id, launch.spec, launch.output_dir, launch.host_bytes
         if job_id in self.jobs and self.jobs[job_id].exit is None:
             return self.ledger.entries[job_id]
-        if needs_gpu is None:
-            needs_gpu = placement.needs_gpu(spec, self.ledger.gpu_count)
-        res = self.ledger.reserve(job_id, host_bytes, gpu_bytes, needs_gpu)
+        needs_gpu = placement.needs_gpu(spec, self.ledger.gpu_count) if launch.needs_gpu is None else launch.needs_gpu
+        res = self.ledger.reserve(job_id, host_bytes, launch.gpu_bytes, needs_gpu, tenant=launch.tenant)
         training = spec.get("training") or {}
         total = self.total_steps or training.get("max_steps") or 3
         every = self.checkpoint_every
@@ -115,7 +114,7 @@ class FakeAgent:
                       env=engine_env(res, [str(i) for i in range(self.ledger.gpu_count)]))
         self.jobs[job_id] = job
         self.started.append(job_id)
-        self._emit(job, "start", total_steps=job.total_steps)
+        self._emit(Start(step=job.step, total_steps=job.total_steps), job)
         return res
 
     def cancel(self, job_id: str) -> None:
@@ -133,11 +132,10 @@ class FakeAgent:
                     self._exit(job, -15)
                 elif self.auto and not job.held:
                     self.advance(job.job_id, self.steps_per_poll)
-            lines = self.storage.lines.get(job.output_dir, [])
-            start = min(int(offsets.get(job.job_id, 0)), len(lines))
+            events = self.storage.events.get(job.output_dir, [])
+            start = min(int(offsets.get(job.job_id, 0)), len(events))
             reports[job.job_id] = AgentJobReport(
-                job_id=job.job_id, lines=[dict(x) for x in lines[start:]], next_offset=len(lines),
-                checkpointing=job.checkpointing and job.exit is None,
+                job_id=job.job_id, events=events[start:], next_offset=len(events),
                 rss_bytes=job.rss_bytes if job.exit is None else 0, peak_rss_bytes=job.rss_bytes,
                 exit=job.exit)
         return reports
@@ -156,30 +154,33 @@ class FakeAgent:
             if job.exit is not None:
                 return
             job.step += 1
-            self._emit(job, "metrics", loss=1.0 / job.step, lr=1e-4, grad_norm=1.0, tokens_per_s=1000.0,
-                       host_rss_bytes=job.rss_bytes, total_steps=job.total_steps,
-                       eta_s=float(job.total_steps - job.step))
+            self._emit(Metrics(step=job.step, loss=1.0 / job.step, lr=1e-4, grad_norm=1.0, tokens_per_s=1000.0,
+                               host_rss_bytes=job.rss_bytes, total_steps=job.total_steps,
+                               eta_s=float(job.total_steps - job.step)), job)
             if job.checkpoint_every and job.step % job.checkpoint_every == 0:
                 kept = self.storage.checkpoints.setdefault(job.output_dir, [])
                 kept.append(job.step)
                 pruned, kept[:] = kept[:-job.keep], kept[-job.keep:]
-                self._emit(job, "checkpoint", path=f"{job.output_dir}/checkpoints/step-{job.step:08d}",
-                           pruned=pruned)
+                self._emit(CheckpointBegin(step=job.step), job)
+                self._emit(Checkpoint(step=job.step, path=f"{job.output_dir}/checkpoints/step-{job.step:08d}",
+                                      pruned=pruned), job)
             if job.step >= job.total_steps:
-                self._emit(job, "done", final_dir=f"{job.output_dir}/final")
+                self._emit(Done(step=job.step, final_dir=f"{job.output_dir}/final"), job)
                 self._exit(job, 0)
 
     def hold(self, job_id: str, held: bool = True) -> None:
         self.jobs[job_id].held = held
 
-    def set_checkpointing(self, job_id: str, on: bool = True) -> None:
-        self.jobs[job_id].checkpointing = on
+    def set_checkpointing(self, job_id: str) -> None:
+        """The job starts writing a checkpoint (and holds there until it advances)."""
+        job = self.jobs[job_id]
+        self._emit(CheckpointBegin(step=job.step), job)
 
     def crash(self, job_id: str, returncode: int = 1, message: str = "RuntimeError: boom") -> None:
         """The engine exits with `returncode` (negative: killed by that signal)."""
         job = self.jobs[job_id]
         if returncode > 0:
-            self._emit(job, "error", message=message)
+            self._emit(Error(step=job.step, message=message), job)
         self._exit(job, returncode, stderr=message)
 
     def oom(self, job_id: str, rss_bytes: int | None = None) -> None:
@@ -206,17 +207,13 @@ class FakeAgent:
         if not self.alive:
             raise AgentUnavailable(f"agent {self.node_id} is dead", definitive=True)
 
-    def _emit(self, job: FakeJob, kind: str, **fields: Any) -> None:
-        line = {"type": kind, "step": job.step, "time": time.time(), **fields}
-        self.storage.lines.setdefault(job.output_dir, []).append(line)
+    def _emit(self, event: Event, job: FakeJob) -> None:
+        self.storage.events.setdefault(job.output_dir, []).append(event)
 
     def _exit(self, job: FakeJob, returncode: int, stderr: str = "") -> None:
         job.exit = ExitInfo(returncode=returncode, cancelled=job.cancel_requested,
                             peak_rss_bytes=job.rss_bytes, stderr_tail=stderr, time=time.time())
         self.ledger.release(job.job_id)
-
-
-DummyAgent = FakeAgent
 
 
 def size_planner(spec: dict[str, Any], node: NodeInfo) -> dict[str, Any]:

@@ -1,14 +1,14 @@
 """Starting the service on a Ray cluster: a local cluster of simulated nodes, the agents and the coordinator.
 
-Used by `horizon-ray serve` and by the integration tests, so both run the same code::
+Used by `horizon-ray serve`, the demo and the integration tests, so all run the same code::
 
     nodes = parse_simulated_cluster("a=16GiB,b=512GiB:2gpu")           # or {"a": 16 * GiB, ...}
-    cluster = start_simulated_cluster(nodes)                           # real Ray nodes on this machine
-    ray.init(address=cluster.address, namespace=NAMESPACE)
-    service = start_service(root, ram_by_node=nodes)
-    ...
-    stop_service()
-    cluster.shutdown()
+    with simulated_service(root, nodes) as (cluster, service):         # real Ray nodes on this machine
+        ...                                                            # stopped on the way out
+
+or, step by step: ``start_simulated_cluster(nodes)``, ``ray.init(address=cluster.address,
+namespace=NAMESPACE)``, ``start_service(root, ram_by_node=nodes)``, then ``stop_service()``,
+``cluster.shutdown()``.
 
 A simulated node is declared as `NAME=RAM[:Ngpu[@GPU_MEMORY]][:Ncpu]`:
 - `a=16GiB`: 16 GiB of RAM, no GPU;
@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,6 +202,29 @@ def stop_service(timeout_s: float = 30.0) -> None:
             except Exception:  # noqa: BLE001 - a dead agent has nothing left to stop
                 pass
         ray.kill(handle, no_restart=True)
+
+
+@contextmanager
+def simulated_service(root: str | Path, nodes: dict[str, int | SimulatedNode], *, logging_level: str | None = None,
+                      **service: Any) -> Iterator[tuple[Any, Service]]:
+    """A local cluster of simulated `nodes`, this process connected to it, agents and coordinator started
+    (``start_service(root, ram_by_node=nodes, **service)``); everything stopped on the way out. Yields
+    (cluster, service)."""
+    import ray
+
+    from horizon_ray.cluster.client import NAMESPACE
+
+    cluster = start_simulated_cluster(nodes)
+    try:
+        extra = {"logging_level": logging_level} if logging_level else {}
+        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False, **extra)
+        yield cluster, start_service(root, ram_by_node=nodes, **service)
+    finally:
+        try:
+            stop_service()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
 
 
 def resolve_address(address: str | None = None, root: str | Path | None = None) -> str:

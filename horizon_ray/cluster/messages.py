@@ -2,7 +2,8 @@
 
 Everything here is a dataclass or an enum of plain values (str, int, float, dict, list), so it pickles
 through Ray, serialises to JSON for the job store and maps one-to-one onto the API's pydantic models.
-Byte counts are ints, times are unix seconds (floats).
+Byte counts are ints, times are unix seconds (floats). What a job's runner reports (its metrics.jsonl) is
+``horizon_ray.job.events``; a node agent hands those on, decoded, in ``AgentJobReport.events``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any
+
+from horizon_ray.job.events import Event
 
 
 class JobStatus(enum.StrEnum):
@@ -29,14 +32,6 @@ class JobStatus(enum.StrEnum):
     def is_terminal(self) -> bool:
         """True for states a job never leaves."""
         return self in TERMINAL_STATES
-
-    def holds_reservation(self) -> bool:
-        """True while an engine process may be alive on a node (the node's ledger holds its bytes)."""
-        return self in (JobStatus.RUNNING, JobStatus.CHECKPOINTING, JobStatus.CANCELLING)
-
-    def counts_against_quota(self) -> bool:
-        """True for jobs that take one of the tenant's concurrent-job slots."""
-        return self.holds_reservation() or self is JobStatus.RECOVERING
 
 
 TERMINAL_STATES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
@@ -98,7 +93,6 @@ class ErrorCode(enum.StrEnum):
     ENGINE_CRASHED = "engine_crashed"  # the engine process exited non-zero
     OOM_KILLED = "oom_killed"  # the engine process was SIGKILLed, most likely out of memory
     KILLED = "killed"  # the engine process died of another signal
-    NODE_LOST = "node_lost"  # its node died and no node can hold it any more
     START_FAILED = "start_failed"  # the agent could not start the engine process
 
 
@@ -187,6 +181,7 @@ class Reservation:
     since: float  # when it was taken
     gpu_index: int | None = None  # the node's GPU the job holds, alone (its CUDA_VISIBLE_DEVICES); None: CPU job
     cpu_threads: int = 0  # its share of the node's cores (OMP_NUM_THREADS, HORIZON_RAY_OPTIMIZER_THREADS)
+    tenant: str | None = None  # the job's tenant (the API shows a tenant its own jobs in a node's ledger)
 
 
 @dataclass
@@ -258,13 +253,26 @@ class ExitInfo:
 
 
 @dataclass
+class Launch:
+    """What the coordinator asks a node agent to start: one job's engine, with a reservation."""
+
+    job_id: str  # the job
+    tenant: str  # its tenant (kept on the reservation)
+    spec: dict[str, Any]  # the job spec, normalised by the coordinator
+    output_dir: str  # where it writes (the agent puts the spec there as job.yaml)
+    host_bytes: int  # host RAM to reserve: the planner's host_bytes on this node
+    gpu_bytes: int  # GPU memory it needs there (0 on CPU)
+    attempt: int = 1  # 1 + recoveries: names the attempt's log file
+    needs_gpu: bool | None = None  # the coordinator's decision; None: placement.needs_gpu's rule on the spec
+
+
+@dataclass
 class AgentJobReport:
     """What a node agent says about one of its jobs on each poll."""
 
     job_id: str  # the job
-    lines: list[dict[str, Any]]  # new parsed metrics.jsonl lines since `offset`
-    next_offset: int  # byte offset to ack on the next poll
-    checkpointing: bool  # an incomplete checkpoint directory exists (a save is in progress)
+    events: list[Event]  # the runner's new events since the acknowledged offset, decoded
+    next_offset: int  # byte offset of metrics.jsonl to ack on the next poll
     rss_bytes: int  # resident set of the process now (0 when it exited)
     peak_rss_bytes: int  # largest resident set seen
     exit: ExitInfo | None  # set once the process has exited (the reservation is already freed)

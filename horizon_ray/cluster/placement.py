@@ -27,6 +27,7 @@ from typing import Any
 from horizon_ray.cluster.errors import InvalidSpec
 from horizon_ray.cluster.messages import NodeInfo
 from horizon_ray.cluster.tenants import format_bytes
+from horizon_ray.errors import BadInput
 from horizon_ray.workload import resolve
 
 Planner = Callable[[dict[str, Any], NodeInfo], dict[str, Any]]
@@ -48,29 +49,9 @@ def default_planner(spec: dict[str, Any], node: NodeInfo) -> dict[str, Any]:
     """
     from horizon_ray import planner
 
-    node_spec = planner.NodeSpec(**_node_spec_kwargs(planner.NodeSpec, node))
+    node_spec = planner.NodeSpec.from_node_info(node)
     engines = node.gpu_count if node.gpu_count and needs_gpu(spec, node.gpu_count) else 1
     return plan_to_dict(planner.plan_for_spec(spec, node_spec, concurrent_engines=engines))
-
-
-def _node_spec_kwargs(node_spec_cls: type, node: NodeInfo) -> dict[str, Any]:
-    if not dataclasses.is_dataclass(node_spec_cls):
-        return {}
-    names = {f.name for f in dataclasses.fields(node_spec_cls)}
-    candidates = {
-        "name": node.node_id,
-        "node_id": node.node_id,
-        "ram_bytes": node.ram_bytes,
-        "host_bytes": node.ram_bytes,
-        "host_ram_bytes": node.ram_bytes,
-        "gpu_count": node.gpu_count,
-        "num_gpus": node.gpu_count,
-        "gpus": node.gpu_count,
-        "gpu_bytes": node.gpu_memory_bytes if node.gpu_count else 0,
-        "gpu_memory_bytes": node.gpu_memory_bytes if node.gpu_count else 0,
-        "gpu_mem_bytes": node.gpu_memory_bytes if node.gpu_count else 0,
-    }
-    return {k: v for k, v in candidates.items() if k in names}
 
 
 def plan_to_dict(plan: Any) -> dict[str, Any]:
@@ -137,8 +118,9 @@ def evaluate(spec: dict[str, Any], nodes: Iterable[NodeInfo], planner: Planner,
         else:
             try:
                 plan = plan_to_dict(planner(spec, node))
-            except ValueError as exc:  # the planner names what it cannot plan (model path, lora names, ...)
-                raise InvalidSpec(f"cannot plan the job: {exc}") from None
+            except BadInput as exc:  # the planner names what it cannot plan (model path, lora names, ...)
+                raise InvalidSpec(f"cannot plan the job: {exc}", **({"field": exc.field} if exc.field else {})
+                                  ) from None
             if cache is not None and cache_key is not None:
                 cache[key] = plan
         out.append(_candidate(node, plan, needs_gpu(spec, node.gpu_count)))

@@ -28,7 +28,7 @@ from horizon_ray.cluster.agent import AgentUnavailable, NodeAgent
 from horizon_ray.cluster.client import _METHODS, COORDINATOR_NAME, NAMESPACE
 from horizon_ray.cluster.coordinator import Coordinator
 from horizon_ray.cluster.errors import HorizonError
-from horizon_ray.cluster.messages import AgentJobReport, NodeInfo, Reservation
+from horizon_ray.cluster.messages import AgentJobReport, Launch, NodeInfo, Reservation
 from horizon_ray.cluster.tenants import TenantsConfig
 
 AGENT_PREFIX = "horizon-agent:"  # + logical node name
@@ -56,10 +56,8 @@ class RayAgentProxy:
     def info(self) -> NodeInfo:
         return self._call("info")
 
-    def start(self, job_id: str, spec: dict[str, Any], output_dir: str, host_bytes: int, gpu_bytes: int,
-              metrics_offset: int = 0, attempt: int = 1, needs_gpu: bool | None = None) -> Reservation:
-        return self._call("start", job_id, spec, output_dir, host_bytes, gpu_bytes, metrics_offset, attempt,
-                          needs_gpu)
+    def start(self, launch: Launch) -> Reservation:
+        return self._call("start", launch)
 
     def cancel(self, job_id: str) -> None:
         return self._call("cancel", job_id)

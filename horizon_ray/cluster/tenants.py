@@ -23,30 +23,17 @@ import yaml
 
 from horizon_ray.cluster.messages import JobRecord, TenantQuota
 from horizon_ray.errors import BadInput
+from horizon_ray.planner import node as planner_node
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
-    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
 _TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def parse_bytes(value: Any, *, what: str = "size") -> int:
-    """An int, or a string like "16GiB" / "1.5 TB", as bytes. Raises ValueError naming the fix."""
-    if isinstance(value, bool):
-        raise BadInput(f"{what} is {value!r}; give bytes as an int or a string like '16GiB'")
-    if isinstance(value, int):
-        n = value
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise BadInput(f"{what} is {value!r}; write bytes as an int or like '16GiB', '512MiB', '1TB'")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if n < 0:
-        raise BadInput(f"{what} is {value!r}; it must not be negative")
-    return n
+    """An int, or a string like "16GiB" / "1.5 TB", as bytes (the planner's units); BadInput naming `what`."""
+    try:
+        return planner_node.parse_bytes(value)
+    except BadInput as exc:
+        raise BadInput(f"{what}: {exc}") from None
 
 
 def format_bytes(n: int | float | None) -> str:

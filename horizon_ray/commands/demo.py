@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from horizon_ray.job import run_job
     from horizon_ray.job.demo import demo_spec, horizon_home, prepare_demo_assets
+    from horizon_ray.job.runner import run_job
 
     console = Console(highlight=False, soft_wrap=True)
     t0 = time.monotonic()
@@ -85,22 +86,19 @@ def _through_service(console, assets, spec, root: Path, args) -> _Summary:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import httpx
     import psutil
-    import ray
 
     from api.app import create_app
     from api.server import running_server
     from api.settings import ApiSettings
-    from horizon_ray.cluster.client import NAMESPACE, RayClient
-    from horizon_ray.cluster.local import start_service, start_simulated_cluster, stop_service
+    from horizon_ray.cluster.client import RayClient
+    from horizon_ray.cluster.local import simulated_service
 
     if root.exists():
         shutil.rmtree(root)  # the demo's service starts with an empty job table every time
     ram = {"local": psutil.virtual_memory().total}
-    with console.status("starting a local Ray cluster, its node agent, the coordinator and the API"):
-        cluster = start_simulated_cluster(ram)
-    try:
-        ray.init(address=cluster.address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
-        service = start_service(root, ram_by_node=ram)
+    with ExitStack() as stack:
+        with console.status("starting a local Ray cluster, its node agent, the coordinator and the API"):
+            cluster, service = stack.enter_context(simulated_service(root, ram, logging_level="ERROR"))
         key = secrets.token_urlsafe(16)
         settings = ApiSettings(api_keys={key: "demo"}, jobs_root=service.jobs_root, uploads_dir=root / "uploads",
                                data_roots=[assets.root], model_roots=[assets.root])
@@ -132,12 +130,6 @@ def _through_service(console, assets, spec, root: Path, args) -> _Summary:
                     pass
         out = Path(job["result"]["output_dir"])
         return _Summary(job["progress"]["total_steps"] or 0, time.monotonic() - t0, first, last, out, out / "final")
-    finally:
-        try:
-            stop_service()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
 
 
 def _follow(console, http, job_id: str, quiet: bool) -> tuple[float | None, float | None]:

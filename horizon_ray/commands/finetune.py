@@ -1,9 +1,11 @@
 """``horizon-ray finetune --config job.yaml [--resume] [key=value ...]``: run one job on this node.
 
-Exit codes (the cluster's node agent relies on them): 0 done, 2 bad input (a one-line message, nothing
-trained or the job refused to start), 1 crash (the traceback, then a one-line message), 143 stopped by
-SIGTERM and 130 by Ctrl-C (both resumable with --resume), 75 another runner holds the output directory
-(nothing done; retry once it has stopped). Outputs are described in docs/CONTRACTS.md.
+Exit codes (docs/CONTRACTS.md): 0 done, 2 bad input (a one-line message, nothing trained or the job refused
+to start), 1 crash (the traceback, then a one-line message), 143 stopped by SIGTERM and 130 by Ctrl-C (both
+resumable with --resume), 75 another runner holds the output directory (nothing done; retry once it has
+stopped). Inside a Ray job the command hands the spec to the service's coordinator instead (see
+``horizon_ray.cluster.follow``); the node agent runs its jobs with ``python -m horizon_ray.job``, which
+always trains here, with these exit codes (``run_here``).
 """
 
 from __future__ import annotations
@@ -39,18 +41,25 @@ def run(args: argparse.Namespace) -> int:
 
     if should_submit_to_coordinator():
         return submit_and_follow(spec.to_dict())
+    return run_here(spec, resume=args.resume, progress=not args.no_progress)
 
+
+def run_here(spec, *, resume: bool, progress: bool) -> int:
+    """Train `spec` (a checked JobSpec) in this process; the exit code of the module doc. BadInput
+    propagates (the caller's ``cli.refusing_bad_input`` makes it exit 2)."""
     from horizon_ray import exit_codes
-    from horizon_ray.job import JobTerminated, OutputDirBusy, run_job
+    from horizon_ray.errors import BadInput
+    from horizon_ray.job import runner
+    from horizon_ray.job.runner import JobTerminated, OutputDirBusy
 
     def on_sigterm(signum: int, frame: object) -> None:
         raise JobTerminated("stopped by SIGTERM; rerun with --resume to continue from the last checkpoint")
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        result = run_job(spec, resume=args.resume, progress=not args.no_progress)
-    except ValueError:
-        raise  # the CLI prints the one-line message and exits 2
+        result = runner.run_job(spec, resume=resume, progress=progress)
+    except BadInput:
+        raise
     except OutputDirBusy as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exit_codes.OUTPUT_DIR_BUSY

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from horizon_ray.engine.kernels import KERNELS
 from horizon_ray.engine.lora import LoraConfig
-from horizon_ray.engine.model import DTYPE_BYTES, PRECISIONS, UPDATES
+from horizon_ray.engine.model import DTYPE_BYTES, KERNELS, PRECISIONS, UPDATES
 from horizon_ray.errors import BadInput
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}

@@ -5,22 +5,23 @@ Layout under ``<output_dir>/checkpoints/``::
     step-00000040/           engine/ (Engine.save_state), job_state.json, COMPLETE (written last)
     step-00000060.tmp-4242/  being written by pid 4242, or left behind by a killed run: never read
 
-Writing: everything goes into ``step-XXXXXXXX.tmp-<pid>``, every file and directory is fsynced, the
-directory is renamed to ``step-XXXXXXXX`` (atomic within one filesystem), the parent is fsynced, and only
-then is ``COMPLETE`` written and fsynced. A checkpoint without ``COMPLETE`` does not exist. Deleting goes
-the other way round: ``COMPLETE`` first, then the files.
+Writing (``horizon_ray.atomic``): everything goes into ``step-XXXXXXXX.tmp-<pid>``, every file and
+directory is fsynced, the directory is renamed to ``step-XXXXXXXX`` (atomic within one filesystem), the
+parent is fsynced, and only then is ``COMPLETE`` written and fsynced. A checkpoint without ``COMPLETE``
+does not exist. Deleting goes the other way round: ``COMPLETE`` first, then the files.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from horizon_ray.atomic import atomic_path, fsync_dir, write_atomic
 
 COMPLETE = "COMPLETE"
 STATE_FILE = "job_state.json"
@@ -45,60 +46,19 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def fsync_tree(root: Path) -> None:
-    """fsync every file under ``root``, then every directory bottom-up (so that new names are durable)."""
-    dirs = []
-    for dirpath, _dirnames, filenames in os.walk(root):
-        dirs.append(dirpath)
-        for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    for d in reversed(dirs):
-        fsync_dir(Path(d))
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_durably(path: Path, data: bytes) -> None:
-    """Write ``path`` under a temporary name, fsync, rename, fsync the directory."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def write_checkpoint(
     root: Path, step: int, save_engine: Callable[[Path], None], state: dict[str, Any]
 ) -> Checkpoint:
     """Write one checkpoint atomically. ``save_engine(dir)`` writes the engine state into ``dir``."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
-    tmp = root / f"{checkpoint_name(step)}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_engine(tmp / ENGINE_DIR)
-    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-    fsync_tree(tmp)
-    if final.exists():
-        # An incomplete leftover of the same step (a run killed before COMPLETE): it is not a checkpoint.
-        assert not (final / COMPLETE).exists(), f"{final} is complete already"
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    fsync_dir(root)
-    write_file_durably(final / COMPLETE, json.dumps({"step": step}).encode() + b"\n")
+    # An incomplete leftover of the same step (a run killed before COMPLETE) is not a checkpoint: replaced.
+    assert not (final / COMPLETE).exists(), f"{final} is complete already"
+    with atomic_path(final) as tmp:
+        tmp.mkdir()
+        save_engine(tmp / ENGINE_DIR)
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    write_atomic(final / COMPLETE, json.dumps({"step": step}).encode() + b"\n")
     return Checkpoint(step, final)
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from horizon_ray.atomic import atomic_path
 from horizon_ray.jobspec import JobSpec
 
 # Bump when anything below changes what gets generated; old asset directories are then ignored.
@@ -110,18 +110,11 @@ def prepare_demo_assets(home: Path | None = None, rebuild: bool = False) -> tupl
                 return assets, False
         except json.JSONDecodeError:
             pass
-    tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(root) as tmp:
+        tmp.mkdir()
         _build(DemoAssets(tmp, tmp / "model", tmp / "train.jsonl", tmp / "eval.jsonl"))
         (tmp / "manifest.json").write_text(json.dumps(_manifest(), indent=2) + "\n")
-        if root.exists():
-            shutil.rmtree(root)
-        os.rename(tmp, root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return assets, True
 
 

@@ -1,23 +1,21 @@
-"""metrics.jsonl (the stream the cluster reads, format in docs/CONTRACTS.md) and the loss-curve PNG."""
+"""metrics.jsonl (the runner's events, ``events``; the stream the cluster reads) and the loss-curve PNG."""
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-EVENT_TYPES = ("start", "metrics", "eval", "checkpoint", "done", "error")
+from horizon_ray.atomic import atomic_path
+from horizon_ray.job.events import Eval, Event, Metrics, encode, read_events
 
 
 class MetricsWriter:
-    """Appends one JSON object per line; each line is flushed at once so that a tailing reader sees it.
+    """Appends one event (``events.encode``) per line; each line is flushed at once so that a tailing reader
+    sees it.
 
-    A resumed job appends to the same file after a ``start`` event that carries ``resumed_from``; lines
-    after it supersede earlier lines of the same step (the steps the interrupted run did after its last
-    checkpoint).
+    A resumed job appends to the same file after a ``Start`` that carries ``resumed_from``; lines after it
+    supersede earlier lines of the same step (the steps the interrupted run did after its last checkpoint).
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -32,14 +30,11 @@ class MetricsWriter:
                 self._file.write("\n")
                 self._file.flush()
 
-    def write(self, type: str, step: int, **fields: Any) -> dict[str, Any]:
-        assert type in EVENT_TYPES, type
-        record = {"type": type, "step": int(step), "time": round(time.time(), 3)}
-        record.update({k: _plain(v) for k, v in fields.items()})
+    def write(self, event: Event) -> Event:
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(encode(event))
             self._file.flush()
-        return record
+        return event
 
     def close(self) -> None:
         if self._file is not None:
@@ -53,36 +48,15 @@ class MetricsWriter:
         self.close()
 
 
-def _plain(value: Any) -> Any:
-    # JSON has no NaN/inf; a diverged loss is written as null rather than producing invalid JSON.
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All complete records of a metrics.jsonl; a torn last line (the writer was killed) is skipped."""
-    records = []
-    p = Path(path)
-    if not p.exists():
-        return records
-    for line in p.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
-
-
-def curves(records: list[dict[str, Any]]) -> tuple[dict[int, dict], dict[int, float]]:
-    """Latest ``metrics`` record per step and latest eval loss per step (later lines win after a resume)."""
-    train: dict[int, dict] = {}
+def curves(events: list[Event]) -> tuple[dict[int, Metrics], dict[int, float]]:
+    """Latest ``Metrics`` per step and latest eval loss per step (later lines win after a resume)."""
+    train: dict[int, Metrics] = {}
     evals: dict[int, float] = {}
-    for r in records:
-        if r.get("type") == "metrics":
-            train[r["step"]] = r
-        elif r.get("type") == "eval" and r.get("eval_loss") is not None:
-            evals[r["step"]] = r["eval_loss"]
+    for e in events:
+        if isinstance(e, Metrics):
+            train[e.step] = e
+        elif isinstance(e, Eval) and e.eval_loss is not None:
+            evals[e.step] = e.eval_loss
     return dict(sorted(train.items())), dict(sorted(evals.items()))
 
 
@@ -93,10 +67,10 @@ def plot_loss_curve(metrics_path: str | os.PathLike, png_path: str | os.PathLike
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train, evals = curves(read_metrics(metrics_path))
+    train, evals = curves(read_events(metrics_path))
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    steps = [s for s, r in train.items() if r.get("loss") is not None]
-    losses = [train[s]["loss"] for s in steps]
+    steps = [s for s, m in train.items() if m.loss is not None]
+    losses = [train[s].loss for s in steps]
     if steps:
         ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=1, label="train loss")
         ax.plot(steps, _ema(losses, 0.8), color="tab:blue", linewidth=1.5, label="train loss (EMA)")
@@ -113,10 +87,9 @@ def plot_loss_curve(metrics_path: str | os.PathLike, png_path: str | os.PathLike
     ax.legend()
     fig.tight_layout()
     out = Path(png_path)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}.png")
-    fig.savefig(tmp)
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
-    os.replace(tmp, out)
     return out
 
 

@@ -17,14 +17,18 @@ import os
 import shutil
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from horizon_ray.atomic import atomic_path, write_atomic
 from horizon_ray.errors import BadInput
 from horizon_ray.job import checkpoints as ckpt_io
+from horizon_ray.job.events import Checkpoint, CheckpointBegin, Done, Error, Eval, Metrics, Start
 from horizon_ray.job.metrics import MetricsWriter, plot_loss_curve
 from horizon_ray.job.progress import Progress
 from horizon_ray.job.schedule import lr_at
@@ -94,7 +98,8 @@ def total_steps_for(spec: JobSpec, steps_per_epoch: int) -> int:
 
 
 def run_job(spec: JobSpec, resume: bool = False, progress: bool = True) -> JobResult:
-    """Run the job described by ``spec`` to completion. ValueError: bad input (nothing trained)."""
+    """Run the job described by ``spec`` to completion. BadInput: the spec, its model, data or output
+    directory cannot work (the message names the fix; nothing trained); anything else escaping is a crash."""
     spec.check()
     spec.check_paths()
     out = Path(spec.output_dir).expanduser()
@@ -105,10 +110,21 @@ def run_job(spec: JobSpec, resume: bool = False, progress: bool = True) -> JobRe
             return job.run(resume)
         except BaseException as exc:
             # KeyboardInterrupt too: the cluster should see why the job stopped. SIGKILL leaves no line.
-            plain = isinstance(exc, ValueError | JobTerminated)
-            message = str(exc) if plain else f"{type(exc).__name__}: {exc}"
-            metrics.write("error", job.step, message=message)
+            plain = isinstance(exc, BadInput | JobTerminated)
+            metrics.write(Error(step=job.step, message=str(exc) if plain else f"{type(exc).__name__}: {exc}"))
             raise
+
+
+@contextmanager
+def _reading(what: str) -> Iterator[None]:
+    """The engine's ValueErrors while it reads `what` (a model directory, a checkpoint) are refusals of that
+    input, not crashes: the engine raises them for files it cannot use."""
+    try:
+        yield
+    except BadInput:
+        raise
+    except ValueError as exc:
+        raise BadInput(f"{what}: {exc}") from exc
 
 
 class _Job:
@@ -129,25 +145,28 @@ class _Job:
         if finished is not None:
             return finished
         latest = self._checkpoint_to_resume(resume)
-        ckpt_io.write_file_durably(self.out / "job.yaml", self.spec.to_yaml().encode())
+        write_atomic(self.out / "job.yaml", self.spec.to_yaml().encode())
         self._load_data()
         cfg = engine_config(self.spec)
-        eng = Engine.from_pretrained(str(Path(self.spec.model.path).expanduser()), cfg)
+        model_dir = Path(self.spec.model.path).expanduser()
+        with _reading(f"model.path {model_dir}"):
+            eng = Engine.from_pretrained(str(model_dir), cfg)
         try:
             if latest is not None:
-                eng.load_state(str(latest.engine_dir))
+                with _reading(f"checkpoint {latest.path}"):
+                    eng.load_state(str(latest.engine_dir))
                 _restore_rng(latest.state())
                 self.step = latest.step
                 assert eng.step == self.step, (eng.step, self.step)
             start = self.step
-            self.metrics.write(
-                "start", start, total_steps=self.total, resumed_from=start if latest else None,
+            self.metrics.write(Start(
+                step=start, total_steps=self.total, resumed_from=start if latest else None,
                 name=self.spec.name, device=cfg.device, compute_dtype=cfg.compute_dtype,
                 num_params=eng.num_params, trainable_params=eng.trainable_params, method=self.spec.method,
                 train_examples=len(self.train_ds.examples),
                 eval_examples=len(self.eval_ds.examples) if self.eval_ds is not None else 0,
                 steps_per_epoch=self.sampler.steps_per_epoch, training_hash=self.spec.training_hash(),
-            )
+            ))
             first_eval, final_eval, last_loss = self._train(eng)
             final_dir = self._save_final(eng)
         finally:
@@ -159,9 +178,9 @@ class _Job:
         wall = time.monotonic() - t0
         done = {"training_hash": self.spec.training_hash(), "total_steps": self.total,
                 "final_dir": str(final_dir), "eval_loss": final_eval}
-        ckpt_io.write_file_durably(self.out / DONE, json.dumps(done, indent=2).encode() + b"\n")
-        self.metrics.write("done", self.total, final_dir=str(final_dir), eval_loss=final_eval,
-                           wall_s=round(wall, 2))
+        write_atomic(self.out / DONE, json.dumps(done, indent=2).encode() + b"\n")
+        self.metrics.write(Done(step=self.total, final_dir=str(final_dir), eval_loss=final_eval,
+                                wall_s=round(wall, 2)))
         return JobResult(self.out, final_dir, self.total, start, first_eval, final_eval, last_loss, wall)
 
     def _finished_run(self, resume: bool) -> JobResult | None:
@@ -180,8 +199,7 @@ class _Job:
             raise BadInput(f"{self.out} holds a finished run of a different job spec; choose another "
                            "output_dir")
         self.step = done["total_steps"]
-        self.metrics.write("done", self.step, final_dir=done["final_dir"], eval_loss=done["eval_loss"],
-                           wall_s=0.0)
+        self.metrics.write(Done(step=self.step, final_dir=done["final_dir"], eval_loss=done["eval_loss"]))
         return JobResult(self.out, Path(done["final_dir"]), self.step, self.step, None, done["eval_loss"],
                          None, 0.0)
 
@@ -243,16 +261,17 @@ class _Job:
                 secs = sum(w[0] for w in window)
                 tps = sum(w[1] for w in window) / secs if secs > 0 else 0.0
                 eta = secs / len(window) * (total - done)
-                self.metrics.write("metrics", done, loss=last_loss, lr=lr,
-                                   grad_norm=float(eng.last_grad_norm), tokens_per_s=round(tps, 1),
-                                   host_rss_bytes=_rss(), total_steps=total, eta_s=round(eta, 1))
+                self.metrics.write(Metrics(step=done, loss=last_loss, lr=lr, grad_norm=float(eng.last_grad_norm),
+                                           tokens_per_s=round(tps, 1), host_rss_bytes=_rss(), total_steps=total,
+                                           eta_s=round(eta, 1)))
                 bar.update(done, last_loss, tps, eta)
 
                 if _due(spec.checkpoint.every_steps, done, total):
+                    self.metrics.write(CheckpointBegin(step=done))
                     saved = _save_checkpoint(eng, self.ckpt_root, done, spec)
                     # announced before they go: a kill in between leaves checkpoints unlisted, never listed gone
                     stale = ckpt_io.complete_checkpoints(self.ckpt_root)[:-spec.checkpoint.keep]
-                    self.metrics.write("checkpoint", done, path=str(saved.path), pruned=[c.step for c in stale])
+                    self.metrics.write(Checkpoint(step=done, path=str(saved.path), pruned=[c.step for c in stale]))
                     ckpt_io.prune(self.ckpt_root, spec.checkpoint.keep)
                 if self.evals and _due(spec.eval.every_steps, done, total):
                     loss = self._evaluate(eng)
@@ -272,29 +291,24 @@ class _Job:
             loss_sum += float(s)
             n_tokens += int(n)
         loss = loss_sum / max(1, n_tokens)
-        self.metrics.write("eval", self.step, eval_loss=loss, eval_tokens=n_tokens)
+        self.metrics.write(Eval(step=self.step, eval_loss=loss, eval_tokens=n_tokens))
         return loss
 
     def _save_final(self, eng: Any) -> Path:
-        """final/ appears whole or not at all: written under a temporary name, fsynced, renamed."""
+        """final/ appears whole or not at all (``horizon_ray.atomic``)."""
         final = self.out / "final"
-        tmp = self.out / f"final.tmp-{os.getpid()}"
-        for stale in self.out.glob("final.tmp-*"):  # ours from before, or a crashed attempt's (we hold the lock)
+        for stale in self.out.glob("final.tmp-*"):  # a crashed attempt's (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
-        eng.save_pretrained(str(tmp))  # with LoRA: the adapter
-        dirs = [tmp]
-        if self.spec.method == "lora" and self.spec.lora.merge:
-            dirs.append(eng.save_merged(str(tmp / "merged")))
-        for d in dirs:
-            for name in TOKENIZER_FILES:
-                src = self.tokenizer_dir / name
-                if src.is_file() and not (d / name).exists():
-                    shutil.copy2(src, d / name)
-        ckpt_io.fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        ckpt_io.fsync_dir(self.out)
+        with atomic_path(final) as tmp:
+            eng.save_pretrained(str(tmp))  # with LoRA: the adapter
+            dirs = [tmp]
+            if self.spec.method == "lora" and self.spec.lora.merge:
+                dirs.append(eng.save_merged(str(tmp / "merged")))
+            for d in dirs:
+                for name in TOKENIZER_FILES:
+                    src = self.tokenizer_dir / name
+                    if src.is_file() and not (d / name).exists():
+                        shutil.copy2(src, d / name)
         return final
 
 

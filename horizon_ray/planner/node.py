@@ -94,8 +94,9 @@ class NodeSpec:
     @classmethod
     def from_node_info(cls, info, **overrides) -> NodeSpec:
         """From anything with the cluster's NodeInfo fields (ram_bytes, gpu_count, gpu_memory_bytes)."""
-        kw = {"ram_bytes": int(info.ram_bytes), "gpus": int(getattr(info, "gpu_count", 0) or 0),
-              "gpu_mem_bytes": int(getattr(info, "gpu_memory_bytes", 0) or 0),
+        gpus = int(getattr(info, "gpu_count", 0) or 0)
+        kw = {"ram_bytes": int(info.ram_bytes), "gpus": gpus,
+              "gpu_mem_bytes": int(getattr(info, "gpu_memory_bytes", 0) or 0) if gpus else 0,
               "name": str(getattr(info, "node_id", "node"))}
         kw.update(overrides)
         return cls(**kw)

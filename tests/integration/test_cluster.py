@@ -66,27 +66,15 @@ def wide_model(demo_dir: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory, assets):
-    import ray
-
-    from horizon_ray.cluster.client import NAMESPACE, RayClient
-    from horizon_ray.cluster.local import start_service, start_simulated_cluster, stop_service
+    from horizon_ray.cluster.client import RayClient
+    from horizon_ray.cluster.local import simulated_service
 
     root = tmp_path_factory.mktemp("service")
     tenants = root / "tenants.yaml"
     tenants.write_text(TENANTS)
-    cluster = start_simulated_cluster(RAM)
-    try:
-        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-        svc = start_service(root, ram_by_node=RAM, tenants_file=tenants, node_dead_after_s=5,
-                            agent_env={"OMP_NUM_THREADS": "1"})
-        yield {"cluster": cluster, "client": RayClient(), "root": root, "svc": svc,
-               "address": cluster.address}
-    finally:
-        try:
-            stop_service()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
+    with simulated_service(root, RAM, tenants_file=tenants, node_dead_after_s=5,
+                           agent_env={"OMP_NUM_THREADS": "1"}) as (cluster, svc):
+        yield {"cluster": cluster, "client": RayClient(), "root": root, "svc": svc, "address": cluster.address}
 
 
 def spec(assets, *, steps=3, mb=2, seq=64, every=0, data="small", model="model", **extra):

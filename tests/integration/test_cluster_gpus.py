@@ -22,15 +22,8 @@ GiB = 2**30
 
 @pytest.fixture(scope="module")
 def gpu_service(tmp_path_factory):
-    import ray
-
-    from horizon_ray.cluster.client import NAMESPACE, RayClient
-    from horizon_ray.cluster.local import (
-        parse_simulated_cluster,
-        start_service,
-        start_simulated_cluster,
-        stop_service,
-    )
+    from horizon_ray.cluster.client import RayClient
+    from horizon_ray.cluster.local import parse_simulated_cluster, simulated_service
     from horizon_ray.job.demo import prepare_demo_assets
 
     home = tmp_path_factory.mktemp("assets")
@@ -39,17 +32,8 @@ def gpu_service(tmp_path_factory):
     small.write_text("".join(demo.train_path.read_text().splitlines(keepends=True)[:32]))
     nodes = parse_simulated_cluster("g=8GiB:2gpu:4cpu")
     root = tmp_path_factory.mktemp("service")
-    cluster = start_simulated_cluster(nodes)
-    try:
-        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-        start_service(root, ram_by_node=nodes, node_dead_after_s=5)
+    with simulated_service(root, nodes, node_dead_after_s=5):
         yield {"client": RayClient(), "model": str(demo.model_dir), "data": str(small)}
-    finally:
-        try:
-            stop_service()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
 
 
 def spec(svc, steps: int) -> dict:

@@ -25,7 +25,8 @@ if not hasattr(engine_mod, "Engine"):
     pytest.skip("horizon_ray.engine does not provide Engine yet", allow_module_level=True)
 
 from horizon_ray.job import checkpoints as ck  # noqa: E402
-from horizon_ray.job.metrics import curves, read_metrics  # noqa: E402
+from horizon_ray.job.events import read_events  # noqa: E402
+from horizon_ray.job.metrics import curves  # noqa: E402
 from horizon_ray.jobspec import JobSpec  # noqa: E402
 from tests.tiny import job_assets  # noqa: E402
 
@@ -61,15 +62,10 @@ def _write_spec(assets: Path, out: Path) -> Path:
     return path
 
 
-def _finetune(config: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "horizon_ray", "finetune", "--config", str(config), *extra],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-
-
 @pytest.fixture(scope="module")
-def baseline(assets, tmp_path_factory):
+def baseline(assets, tmp_path_factory, finetune):
     out = tmp_path_factory.mktemp("runs") / "baseline"
-    proc = _finetune(_write_spec(assets, out))
+    proc = finetune(_write_spec(assets, out))
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -79,21 +75,23 @@ def _weights(final_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_finetune_writes_the_contract_outputs(baseline):
-    records = read_metrics(baseline / "metrics.jsonl")
-    types = [r["type"] for r in records]
+    records = read_events(baseline / "metrics.jsonl")
+    types = [r.TYPE for r in records]
     assert types[0] == "start" and types[-1] == "done"
-    assert set(types) == {"start", "metrics", "eval", "checkpoint", "done"}
-    metrics = [r for r in records if r["type"] == "metrics"]
-    assert [r["step"] for r in metrics] == list(range(1, TOTAL_STEPS + 1))
+    assert set(types) == {"start", "metrics", "eval", "checkpoint-begin", "checkpoint", "done"}
+    metrics = [r for r in records if r.TYPE == "metrics"]
+    assert [r.step for r in metrics] == list(range(1, TOTAL_STEPS + 1))
     for r in metrics:
         for key in ("loss", "lr", "grad_norm", "tokens_per_s", "host_rss_bytes", "total_steps", "eta_s", "time"):
-            assert r[key] is not None, key
-        assert r["total_steps"] == TOTAL_STEPS and r["tokens_per_s"] > 0 and r["host_rss_bytes"] > 2**20
-    evals = [r for r in records if r["type"] == "eval"]
-    assert [r["step"] for r in evals] == [0, 4, 8, TOTAL_STEPS]
-    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
-    assert [r["step"] for r in records if r["type"] == "checkpoint"] == [4, 8]
-    assert records[-1]["final_dir"] == str(baseline / "final")
+            assert getattr(r, key) is not None, key
+        assert r.total_steps == TOTAL_STEPS and r.tokens_per_s > 0 and r.host_rss_bytes > 2**20
+    evals = [r for r in records if r.TYPE == "eval"]
+    assert [r.step for r in evals] == [0, 4, 8, TOTAL_STEPS]
+    assert evals[-1].eval_loss < evals[0].eval_loss
+    # each checkpoint announced before it is written, then reported complete
+    assert [(r.TYPE, r.step) for r in records if r.TYPE.startswith("checkpoint")] == [
+        ("checkpoint-begin", 4), ("checkpoint", 4), ("checkpoint-begin", 8), ("checkpoint", 8)]
+    assert records[-1].final_dir == str(baseline / "final")
 
     # keep=2 and no checkpoint after the last step: steps 4 and 8, both complete, nothing else.
     assert [c.step for c in ck.complete_checkpoints(baseline / "checkpoints")] == [4, 8]
@@ -180,14 +178,14 @@ def _stopped_run(config: Path, mode: str, at: int, flag: Path, sig: signal.Signa
     ids=["sigkill-between-checkpoints", "sigkill-mid-checkpoint-write", "sigterm-between-checkpoints"],
 )
 def test_resume_after_a_kill_matches_the_uninterrupted_run(assets, baseline, tmp_path, mode, at, sig,
-                                                            resumes_from):
+                                                            resumes_from, finetune):
     out = tmp_path / "run"
     config = _write_spec(assets, out)
     err = _stopped_run(config, mode, at, tmp_path / "parked", sig)
     if sig == signal.SIGTERM:
         assert err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM")
-        last = read_metrics(out / "metrics.jsonl")[-1]
-        assert last["type"] == "error" and "SIGTERM" in last["message"] and last["step"] == at
+        last = read_events(out / "metrics.jsonl")[-1]
+        assert last.TYPE == "error" and "SIGTERM" in last.message and last.step == at
 
     # The kill left the run without final/ and with `resumes_from` as the newest complete checkpoint.
     assert not (out / "final").exists()
@@ -195,18 +193,16 @@ def test_resume_after_a_kill_matches_the_uninterrupted_run(assets, baseline, tmp
     if mode == "checkpoint":
         assert any(".tmp-" in p.name for p in (out / "checkpoints").iterdir()), "no torn checkpoint was left"
 
-    proc = _finetune(config, "--resume")
+    proc = finetune(config, "--resume")
     assert proc.returncode == 0, proc.stderr
-    starts = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "start"]
-    assert [s["resumed_from"] for s in starts] == [None, resumes_from]
+    starts = [r for r in read_events(out / "metrics.jsonl") if r.TYPE == "start"]
+    assert [s.resumed_from for s in starts] == [None, resumes_from]
     assert not [p for p in (out / "checkpoints").iterdir() if ".tmp-" in p.name]
 
     # Same data, same schedule: every step's loss and lr match the uninterrupted run...
-    base_train, base_eval = curves(read_metrics(baseline / "metrics.jsonl"))
-    train, evals = curves(read_metrics(out / "metrics.jsonl"))
-    assert [(s, r["loss"], r["lr"]) for s, r in train.items()] == [
-        (s, r["loss"], r["lr"]) for s, r in base_train.items()
-    ]
+    base_train, base_eval = curves(read_events(baseline / "metrics.jsonl"))
+    train, evals = curves(read_events(out / "metrics.jsonl"))
+    assert [(s, r.loss, r.lr) for s, r in train.items()] == [(s, r.loss, r.lr) for s, r in base_train.items()]
     # ...and so do the final weights, bit for bit.
     expected, got = _weights(baseline / "final"), _weights(out / "final")
     assert expected.keys() == got.keys()
@@ -215,29 +211,29 @@ def test_resume_after_a_kill_matches_the_uninterrupted_run(assets, baseline, tmp
     assert evals[TOTAL_STEPS] == base_eval[TOTAL_STEPS]
 
 
-def test_rerunning_a_finished_job(baseline, tmp_path):
+def test_rerunning_a_finished_job(baseline, tmp_path, finetune):
     out = tmp_path / "copy"
     shutil.copytree(baseline, out)
     config = out.parent / "copy.yaml"
     config.write_text((baseline.parent / "baseline.yaml").read_text().replace(str(baseline), str(out)))
     before = _weights(out / "final")
-    proc = _finetune(config, "--resume")  # a requeued job that had finished: nothing to redo
+    proc = finetune(config, "--resume")  # a requeued job that had finished: nothing to redo
     assert proc.returncode == 0, proc.stderr
     assert "already finished" in proc.stdout
-    records = read_metrics(out / "metrics.jsonl")
-    assert [r["type"] for r in records[-2:]] == ["done", "done"]
+    records = read_events(out / "metrics.jsonl")
+    assert [r.TYPE for r in records[-2:]] == ["done", "done"]
     assert all(torch.equal(before[k], v) for k, v in _weights(out / "final").items())
-    proc = _finetune(config)  # a fresh run must not overwrite it
+    proc = finetune(config)  # a fresh run must not overwrite it
     assert proc.returncode == 2
     assert "already holds a finished run" in proc.stderr
 
 
-def test_resume_without_checkpoint_starts_fresh(assets, baseline, tmp_path):
+def test_resume_without_checkpoint_starts_fresh(assets, baseline, tmp_path, finetune):
     out = tmp_path / "fresh"
-    proc = _finetune(_write_spec(assets, out), "--resume", "checkpoint.every_steps=0")
+    proc = finetune(_write_spec(assets, out), "--resume", "checkpoint.every_steps=0")
     assert proc.returncode == 0, proc.stderr
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
     expected, got = _weights(baseline / "final"), _weights(out / "final")
     assert all(torch.equal(expected[k], got[k]) for k in expected)
-    done = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "done"]
-    assert json.loads(json.dumps(done[0]))["final_dir"] == str(out / "final")
+    done = [r for r in read_events(out / "metrics.jsonl") if r.TYPE == "done"]
+    assert json.loads(json.dumps(done[0].to_dict()))["final_dir"] == str(out / "final")

@@ -14,7 +14,7 @@ if not hasattr(engine_mod, "Engine"):
     pytest.skip("horizon_ray.engine does not provide Engine yet", allow_module_level=True)
 
 from horizon_ray.job.demo import demo_spec, prepare_demo_assets  # noqa: E402
-from horizon_ray.job.metrics import read_metrics  # noqa: E402
+from horizon_ray.job.events import Eval, read_events  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ def test_short_demo_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "held-out eval loss" in proc.stdout and "held-out accuracy" in proc.stdout
     assert str(out / "final") in proc.stdout
-    evals = [r["eval_loss"] for r in read_metrics(out / "metrics.jsonl") if r["type"] == "eval"]
+    evals = [r.eval_loss for r in read_events(out / "metrics.jsonl") if isinstance(r, Eval)]
     assert len(evals) == 3
     assert evals[-1] < 0.6 * evals[0], evals
     assert (out / "final" / "model.safetensors").is_file() and (out / "final" / "tokenizer.json").is_file()
@@ -85,6 +85,6 @@ def test_demo_goes_through_the_local_service(tmp_path):
     assert "submitted job job-" in proc.stdout and "over REST" in proc.stdout
     finals = list((root / "jobs" / "demo").glob("job-*/final/model.safetensors"))
     assert len(finals) == 1
-    evals = [r["eval_loss"] for r in read_metrics(finals[0].parent.parent / "metrics.jsonl") if r["type"] == "eval"]
+    evals = [r.eval_loss for r in read_events(finals[0].parent.parent / "metrics.jsonl") if isinstance(r, Eval)]
     assert len(evals) == 3 and evals[-1] < evals[0]
     assert "checkpoint step=10" in proc.stdout  # events arrived through the SSE stream

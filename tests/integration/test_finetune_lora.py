@@ -15,7 +15,8 @@ import yaml
 from safetensors.torch import load_file
 
 from horizon_ray.job import checkpoints as ck
-from horizon_ray.job.metrics import curves, read_metrics
+from horizon_ray.job.events import read_events
+from horizon_ray.job.metrics import curves
 from tests.tiny import job_assets
 
 pytestmark = pytest.mark.slow
@@ -50,15 +51,10 @@ def _write_spec(assets: Path, out: Path) -> Path:
     return path
 
 
-def _finetune(config: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "horizon_ray", "finetune", "--config", str(config), *extra],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-
-
 @pytest.fixture(scope="module")
-def baseline(assets, tmp_path_factory):
+def baseline(assets, tmp_path_factory, finetune):
     out = tmp_path_factory.mktemp("runs") / "baseline"
-    proc = _finetune(_write_spec(assets, out))
+    proc = finetune(_write_spec(assets, out))
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -76,10 +72,10 @@ def test_lora_job_writes_an_adapter_and_a_merged_model(assets, baseline):
     saved = load_file(final / "adapter_model.safetensors")
     prefix = "base_model.model.model."
     assert {prefix + "norm.weight", prefix + "layers.0.input_layernorm.weight"} <= set(saved)
-    start = read_metrics(baseline / "metrics.jsonl")[0]
-    assert start["method"] == "lora" and 0 < start["trainable_params"] < start["num_params"]
-    evals = [r for r in read_metrics(baseline / "metrics.jsonl") if r["type"] == "eval"]
-    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    start = read_events(baseline / "metrics.jsonl")[0]
+    assert start.method == "lora" and 0 < start.trainable_params < start.num_params
+    evals = [r for r in read_events(baseline / "metrics.jsonl") if r.TYPE == "eval"]
+    assert evals[-1].eval_loss < evals[0].eval_loss
 
     ids = torch.randint(3, 262, (2, 20), generator=torch.Generator().manual_seed(0))
     base = AutoModelForCausalLM.from_pretrained(assets / "model", local_files_only=True, dtype=torch.float32)
@@ -111,7 +107,7 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
-def test_resume_after_sigkill_matches_the_uninterrupted_run(assets, baseline, tmp_path):
+def test_resume_after_sigkill_matches_the_uninterrupted_run(assets, baseline, tmp_path, finetune):
     out = tmp_path / "run"
     config = _write_spec(assets, out)
     flag = tmp_path / "parked"
@@ -126,11 +122,11 @@ def test_resume_after_sigkill_matches_the_uninterrupted_run(assets, baseline, tm
     proc.communicate(timeout=60)
     assert ck.latest_checkpoint(out / "checkpoints").step == 4
 
-    done = _finetune(config, "--resume")
+    done = finetune(config, "--resume")
     assert done.returncode == 0, done.stderr
-    base_train, _ = curves(read_metrics(baseline / "metrics.jsonl"))
-    train, _ = curves(read_metrics(out / "metrics.jsonl"))
-    assert [(s, r["loss"]) for s, r in train.items()] == [(s, r["loss"]) for s, r in base_train.items()]
+    base_train, _ = curves(read_events(baseline / "metrics.jsonl"))
+    train, _ = curves(read_events(out / "metrics.jsonl"))
+    assert [(s, r.loss) for s, r in train.items()] == [(s, r.loss) for s, r in base_train.items()]
     expected = load_file(baseline / "final" / "adapter_model.safetensors")
     got = load_file(out / "final" / "adapter_model.safetensors")
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)

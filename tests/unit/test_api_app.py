@@ -199,3 +199,26 @@ def test_a_diverged_loss_does_not_break_the_job_page(bed):
         assert job.json()["progress"]["tokens_per_s"] is None and job.json()["progress"]["eta_s"] is None
         events = http.get("/finetune/job-000000000001/events", headers=bed.auth("acme"))
         assert events.status_code == 200 and events.json()["data"][0]["data"]["loss"] == "nan"
+
+
+def test_nodes_show_a_tenant_its_own_reservations_with_one_coordinator_call(http, bed):
+    mine = http.post("/finetune", json=bed.spec(), headers=bed.auth("acme")).json()
+    theirs = http.post("/finetune", json=bed.spec(), headers=bed.auth("globex")).json()
+    assert mine["status"] == theirs["status"] == "running"
+
+    class Counting:
+        """The testbed's client, recording which methods the route calls."""
+
+        def __init__(self, client):
+            self.client, self.calls = client, []
+
+        def __getattr__(self, name):
+            self.calls.append(name)
+            return getattr(self.client, name)
+
+    counting = Counting(bed.client)
+    with TestClient(create_app(counting, bed.settings), raise_server_exceptions=False) as c:
+        nodes = c.get("/nodes", headers=bed.auth("acme")).json()["data"]
+    assert counting.calls == ["nodes"]  # the reservation names its tenant: no call per job
+    ledger = [r for n in nodes for r in n["ledger"]]
+    assert sorted((r["mine"], r["job_id"]) for r in ledger) == [(False, None), (True, mine["id"])]

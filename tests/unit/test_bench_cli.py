@@ -10,6 +10,8 @@ import pytest
 
 from horizon_ray.bench.metrics import REQUIRED_KEYS
 
+pytestmark = pytest.mark.slow  # seconds each: out of the fast tier (README, Tests)
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--shape", "tiny", "--device", "cpu", "--seq", "64", "--micro", "2", "--accum", "1,2", "--warmup", "1",
         "--steps", "1", "--commit", "test"]

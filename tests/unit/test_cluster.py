@@ -21,9 +21,9 @@ from horizon_ray.cluster import (
 )
 from horizon_ray.cluster.coordinator import Coordinator, default_validate_spec
 from horizon_ray.cluster.errors import HorizonError
-from horizon_ray.cluster.fake import FakeAgent, FakeStorage, make_local_client, size_planner
+from horizon_ray.cluster.fake import FakeAgent, FakeStorage, size_planner
 from horizon_ray.cluster.follow import format_event, should_submit_to_coordinator, submit_and_follow
-from horizon_ray.cluster.messages import TERMINAL_STATES, TRANSITIONS, EventType, JobEvent, can_transition
+from horizon_ray.cluster.messages import TERMINAL_STATES, TRANSITIONS, EventType, JobEvent, Launch, can_transition
 from horizon_ray.cluster.tenants import TenantsConfig, fair_order, parse_bytes
 
 GiB = 2**30
@@ -35,15 +35,18 @@ def spec(size: str = "10GiB", steps: int = 3, every: int = 0, **extra) -> dict:
 
 
 @pytest.fixture
-def client(tmp_path):
-    c = make_local_client(tmp_path, {"a": "16GiB", "b": "64GiB", "c": "256GiB"}, auto=False,
-                          tenants={"default": {"max_concurrent_jobs": 10}})
-    yield c
-    c.close()
+def client(fake_cluster):
+    return fake_cluster({"a": "16GiB", "b": "64GiB", "c": "256GiB"}, auto=False,
+                        tenants={"default": {"max_concurrent_jobs": 10}})
 
 
 def agents(c):
     return c.coordinator.fake_agents
+
+
+def launch_of(job, host_bytes=10 * GiB):
+    return Launch(job_id=job.id, tenant=job.tenant, spec=job.spec, output_dir=job.output_dir, host_bytes=host_bytes,
+                  gpu_bytes=0)
 
 
 def statuses(c, tenant, ids):
@@ -185,8 +188,8 @@ def test_idempotency_key_returns_the_same_job(client):
 # ---- quotas and fairness ---------------------------------------------------------------------------------
 
 
-def test_quotas_bound_concurrency_and_reserved_ram(tmp_path):
-    c = make_local_client(tmp_path, {"c": "256GiB"}, auto=False, tenants={
+def test_quotas_bound_concurrency_and_reserved_ram(fake_cluster):
+    c = fake_cluster({"c": "256GiB"}, auto=False, tenants={
         "default": {"max_concurrent_jobs": 2, "max_reserved_bytes": "50GiB", "max_queued_jobs": 2}})
     a1, a2 = c.submit("acme", spec("10GiB")), c.submit("acme", spec("10GiB"))
     a3 = c.submit("acme", spec("10GiB"))
@@ -203,12 +206,11 @@ def test_quotas_bound_concurrency_and_reserved_ram(tmp_path):
         c.submit("acme", spec("10GiB"))
     agents(c)["c"].advance(a1.id, 3)
     assert c.get("acme", a3.id).status is JobStatus.RUNNING
-    c.close()
 
 
-def test_burst_from_two_tenants_is_served_fairly(tmp_path):
+def test_burst_from_two_tenants_is_served_fairly(fake_cluster):
     # One node that holds one job at a time: the start order is the service order.
-    c = make_local_client(tmp_path, {"n": "16GiB"}, auto=False)
+    c = fake_cluster({"n": "16GiB"}, auto=False)
     blocker = c.submit("zed", spec("10GiB"))
     a = [c.submit("acme", spec("10GiB", steps=1)) for _ in range(4)]
     b = [c.submit("beta", spec("10GiB", steps=1)) for _ in range(2)]
@@ -224,17 +226,15 @@ def test_burst_from_two_tenants_is_served_fairly(tmp_path):
         node.advance(running[0].job_id, 1)
     c.tick()
     assert node.started[1:] == [a[0].id, b[0].id, a[1].id, b[1].id, a[2].id, a[3].id]
-    c.close()
 
 
-def test_priority_orders_jobs_within_a_tenant_only(tmp_path):
-    c = make_local_client(tmp_path, {"n": "16GiB"}, auto=False)
+def test_priority_orders_jobs_within_a_tenant_only(fake_cluster):
+    c = fake_cluster({"n": "16GiB"}, auto=False)
     c.submit("zed", spec("10GiB"))
     low = c.submit("acme", spec("10GiB"), priority=0)
     high = c.submit("acme", spec("10GiB"), priority=5)
     other = c.submit("beta", spec("10GiB"), priority=0)
     assert [j.id for j in c.queue()] == [high.id, other.id, low.id]
-    c.close()
 
 
 def test_fair_order_prefers_the_least_recently_served_tenant():
@@ -250,8 +250,8 @@ def test_fair_order_prefers_the_least_recently_served_tenant():
 # ---- cancel -----------------------------------------------------------------------------------------------
 
 
-def test_cancel_in_every_non_terminal_state_frees_the_reservation(tmp_path):
-    c = make_local_client(tmp_path, {"a": "16GiB", "b": "16GiB"}, auto=False)
+def test_cancel_in_every_non_terminal_state_frees_the_reservation(fake_cluster):
+    c = fake_cluster({"a": "16GiB", "b": "16GiB"}, auto=False)
     fa, fb = agents(c)["a"], agents(c)["b"]
     running = c.submit("acme", spec("10GiB", steps=100))
     checkpointing = c.submit("acme", spec("10GiB", steps=100))
@@ -298,7 +298,6 @@ def test_cancel_in_every_non_terminal_state_frees_the_reservation(tmp_path):
         c.cancel("acme", done.id)
     statuses_seen = [e.data["to"] for e in c.events("acme", running.id) if e.type is EventType.STATUS]
     assert statuses_seen == ["validating", "queued", "running", "cancelling", "cancelled"]
-    c.close()
 
 
 def test_cancel_of_a_job_caught_validating_by_a_restart(tmp_path):
@@ -330,17 +329,14 @@ def test_a_spec_the_planner_cannot_plan_is_refused_and_leaves_nothing(client):
     assert client.submit("acme", spec("10GiB"), idempotency_key="k1").status is JobStatus.RUNNING  # key free
 
 
-def test_a_bf16_state_job_for_a_cpu_node_is_accepted_as_finetune_runs_it(tmp_path):
+def test_a_bf16_state_job_for_a_cpu_node_is_accepted_as_finetune_runs_it(fake_cluster):
     # compute_dtype auto with precision bf16-state: the runner computes in bfloat16 on a CPU, so the real
     # planner must plan that (it refused the spec as float32 compute, a job `finetune` runs)
-    c = make_local_client(tmp_path, {"cpu": "64GiB"})
-    try:
-        job = c.submit("acme", {"model": {"path": "qwen2.5-0.5b"}, "data": {"path": "/data/train.jsonl"},
-                                "training": {"max_steps": 3}, "engine": {"precision": "bf16-state"}})
-        assert job.status in (JobStatus.QUEUED, JobStatus.RUNNING)
-        assert (job.plan["device"], job.plan["compute_dtype"], job.plan["mode"]) == ("cpu", "bfloat16", "bf16-state")
-    finally:
-        c.close()
+    c = fake_cluster({"cpu": "64GiB"})
+    job = c.submit("acme", {"model": {"path": "qwen2.5-0.5b"}, "data": {"path": "/data/train.jsonl"},
+                            "training": {"max_steps": 3}, "engine": {"precision": "bf16-state"}})
+    assert job.status in (JobStatus.QUEUED, JobStatus.RUNNING)
+    assert (job.plan["device"], job.plan["compute_dtype"], job.plan["mode"]) == ("cpu", "bfloat16", "bf16-state")
 
 
 def test_jobs_queued_before_any_node_was_known_fail_alone_when_they_cannot_run(tmp_path):
@@ -372,10 +368,10 @@ def test_an_agent_that_cannot_start_a_job_fails_that_job_only(client, monkeypatc
     a = agents(client)["a"]
     real = a.start
 
-    def start(job_id, spec_, output_dir, *args, **kwargs):
-        if output_dir.endswith("unwritable"):
-            raise PermissionError(13, "Permission denied", output_dir)
-        return real(job_id, spec_, output_dir, *args, **kwargs)
+    def start(launch):
+        if launch.output_dir.endswith("unwritable"):
+            raise PermissionError(13, "Permission denied", launch.output_dir)
+        return real(launch)
 
     monkeypatch.setattr(a, "start", start)
     bad = client.submit("acme", {**spec("10GiB"), "output_dir": "/tmp/unwritable"})
@@ -388,11 +384,11 @@ def test_an_agent_that_cannot_start_a_job_fails_that_job_only(client, monkeypatc
     assert [n.reserved_bytes for n in client.nodes() if n.node_id == "a"] == [10 * GiB]
 
 
-def test_an_engine_stopped_from_outside_resumes_after_a_pause(tmp_path):
+def test_an_engine_stopped_from_outside_resumes_after_a_pause(fake_cluster):
     """SIGTERM that no cancel sent (a node drain, a pod eviction), and exit 75 (an earlier engine of the job
     still held the output directory), are resumable: the job recovers from its checkpoint after a pause."""
     now = [1000.0]
-    c = make_local_client(tmp_path, {"a": "16GiB"}, auto=False, clock=lambda: now[0])
+    c = fake_cluster({"a": "16GiB"}, auto=False, clock=lambda: now[0])
     job = c.submit("acme", spec("10GiB", steps=6, every=2))
     agents(c)["a"].advance(job.id, 3)
     for code, message in ((143, "error: stopped by SIGTERM; rerun with --resume"),
@@ -409,7 +405,6 @@ def test_an_engine_stopped_from_outside_resumes_after_a_pause(tmp_path):
     assert rec.attempts == 3
     agents(c)["a"].advance(job.id, 4)
     assert c.get("acme", job.id).status is JobStatus.SUCCEEDED
-    c.close()
 
 
 def test_a_lost_cancel_is_sent_again_and_a_job_that_finished_first_succeeds(client, monkeypatch):
@@ -539,8 +534,8 @@ def test_checkpoints_the_runner_pruned_are_no_longer_listed(client):
     assert [ck.step for ck in client.checkpoints("acme", job.id)] == [3, 4]
 
 
-def test_node_loss_recovers_the_job_from_its_last_checkpoint_elsewhere(tmp_path):
-    c = make_local_client(tmp_path, {"small": "16GiB", "big": "64GiB"}, auto=False)
+def test_node_loss_recovers_the_job_from_its_last_checkpoint_elsewhere(fake_cluster):
+    c = fake_cluster({"small": "16GiB", "big": "64GiB"}, auto=False)
     job = c.submit("acme", spec("10GiB", steps=6, every=2))
     assert job.node_id == "small"
     agents(c)["small"].advance(job.id, 3)  # checkpoint at 2, then step 3 (lost with the node)
@@ -560,11 +555,10 @@ def test_node_loss_recovers_the_job_from_its_last_checkpoint_elsewhere(tmp_path)
     assert "resumes from checkpoint step 2" in moves[-3][1]
     assert moves[-2] == ("running", "resumed on node big from checkpoint step 2")
     assert {n.node_id: n.alive for n in c.nodes()} == {"big": True, "small": False}
-    c.close()
 
 
-def test_recovering_job_waits_with_reason_when_no_node_has_room(tmp_path):
-    c = make_local_client(tmp_path, {"a": "16GiB", "b": "16GiB"}, auto=False)
+def test_recovering_job_waits_with_reason_when_no_node_has_room(fake_cluster):
+    c = fake_cluster({"a": "16GiB", "b": "16GiB"}, auto=False)
     j1 = c.submit("acme", spec("10GiB", steps=100))
     j2 = c.submit("beta", spec("10GiB", steps=100))
     queued = c.submit("acme", spec("10GiB"))
@@ -580,7 +574,6 @@ def test_recovering_job_waits_with_reason_when_no_node_has_room(tmp_path):
     c.tick()
     assert c.get(lost.tenant, lost.id).status is JobStatus.RUNNING
     assert c.get("acme", queued.id).status is JobStatus.QUEUED
-    c.close()
 
 
 def test_agent_restart_loses_its_jobs_which_recover(client):
@@ -667,7 +660,7 @@ def test_coordinator_adopts_a_job_started_just_before_it_crashed(tmp_path):
     core = Coordinator(store_path=store, jobs_root=jobs, agents=fakes, planner=size_planner)
     job = core.submit("acme", spec("10GiB"))  # no tick yet: the node is unknown, the job waits
     assert job.status is JobStatus.QUEUED
-    fakes["a"].start(job.id, job.spec, job.output_dir, 10 * GiB, 0)  # started; the table never heard
+    fakes["a"].start(launch_of(job))  # started; the table never heard
     core.tick()
     rec = core.get("acme", job.id)
     assert rec.status is JobStatus.RUNNING and rec.node_id == "a" and fakes["a"].started == [job.id]
@@ -678,7 +671,7 @@ def test_stray_engine_of_a_finished_job_is_stopped(client):
     job = client.submit("acme", spec("10GiB", steps=10))
     client.cancel("acme", job.id)
     a = agents(client)["a"]
-    a.start(job.id, job.spec, job.output_dir, 10 * GiB, 0)
+    a.start(launch_of(job))
     client.tick()
     assert job.id not in a.jobs and a.ledger.reserved_bytes == 0
 
@@ -686,8 +679,8 @@ def test_stray_engine_of_a_finished_job_is_stopped(client):
 # ---- submit_and_follow and the Ray Jobs hook -------------------------------------------------------------
 
 
-def test_submit_and_follow_exits_zero_on_success_and_one_on_failure(tmp_path):
-    c = make_local_client(tmp_path, {"a": "16GiB"})
+def test_submit_and_follow_exits_zero_on_success_and_one_on_failure(fake_cluster):
+    c = fake_cluster({"a": "16GiB"})
     out = io.StringIO()
     assert submit_and_follow(spec("1GiB", steps=2), tenant="acme", client=c, poll_s=0, out=out) == 0
     text = out.getvalue()
@@ -695,7 +688,7 @@ def test_submit_and_follow_exits_zero_on_success_and_one_on_failure(tmp_path):
     assert "step 2/2: loss 0.5000" in text
     assert submit_and_follow(spec("300GiB"), tenant="acme", client=c, poll_s=0, out=out) == 2
 
-    c2 = make_local_client(tmp_path / "2", {"a": "16GiB"}, auto=False)
+    c2 = fake_cluster({"a": "16GiB"}, auto=False)
     job_out = io.StringIO()
 
     class Crashing:
@@ -708,8 +701,6 @@ def test_submit_and_follow_exits_zero_on_success_and_one_on_failure(tmp_path):
             return c2.events(tenant, job_id, after_seq)
 
     assert submit_and_follow(spec("1GiB"), tenant="acme", client=Crashing(), poll_s=0, out=job_out) == 1
-    c.close()
-    c2.close()
 
 
 def test_should_submit_to_coordinator_reads_the_environment():

@@ -13,34 +13,35 @@ from pathlib import Path
 import psutil
 import pytest
 
-from horizon_ray.cluster.agent import NodeAgent, ReservationRefused, read_metrics_lines
+from horizon_ray.cluster.agent import NodeAgent, ReservationRefused, read_new_events
+from horizon_ray.cluster.messages import Launch
+from horizon_ray.job import events
 
 GiB = 2**30
 
-# Stands in for `python -m horizon_ray finetune --config spec.yaml --resume`: behaviour from spec["stand_in"].
+# Stands in for `python -m horizon_ray.job --config spec.yaml --resume`: behaviour from spec["stand_in"].
 STAND_IN = textwrap.dedent("""
-    import json, os, sys, time, yaml
+    import os, sys, time, yaml
+    from horizon_ray.job import events as ev
     spec = yaml.safe_load(open(sys.argv[sys.argv.index("--config") + 1]))
-    assert "--resume" in sys.argv and os.environ["HORIZON_RAY_SUBMIT"] == "0"
+    assert "--resume" in sys.argv
     cfg = spec["stand_in"]
     out = spec["output_dir"]
     ballast = bytearray(cfg.get("alloc_mb", 0) * 2**20)
     for i in range(len(ballast) // 4096):
         ballast[i * 4096] = 1
-    def line(**kw):
+    def line(event):
         with open(os.path.join(out, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps({"time": time.time(), **kw}) + "\\n")
-    line(type="start", step=0, total_steps=cfg["steps"])
+            f.write(ev.encode(event))
+    line(ev.Start(step=0, total_steps=cfg["steps"]))
     for step in range(1, cfg["steps"] + 1):
         time.sleep(cfg.get("sleep", 0.0))
-        line(type="metrics", step=step, loss=1.0 / step, total_steps=cfg["steps"])
+        line(ev.Metrics(step=step, loss=1.0 / step, total_steps=cfg["steps"]))
     if cfg.get("checkpoint_hold"):
-        tmp = os.path.join(out, "checkpoints", f"step-00000001.tmp-{os.getpid()}")
-        os.makedirs(tmp)
+        line(ev.CheckpointBegin(step=1))
         while not os.path.exists(os.path.join(out, "release")):
             time.sleep(0.05)
-        os.rename(tmp, os.path.join(out, "checkpoints", "step-00000001"))
-        line(type="checkpoint", step=1, path=os.path.join(out, "checkpoints", "step-00000001"))
+        line(ev.Checkpoint(step=1, path=os.path.join(out, "checkpoints", "step-00000001")))
     if cfg.get("leave_child"):  # a helper it started that ignores SIGTERM, still running when it exits
         import subprocess
         code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
@@ -71,7 +72,7 @@ def wait_exit(agent, job_id, timeout=30.0):
     offset, lines = 0, []
     while time.time() < deadline:
         report = agent.poll({job_id: offset})[job_id]
-        lines += report.lines
+        lines += report.events
         offset = report.next_offset
         if report.exit is not None:
             return report, lines
@@ -81,7 +82,8 @@ def wait_exit(agent, job_id, timeout=30.0):
 
 def start(agent, tmp_path, job_id, host=GiB, **cfg):
     out = tmp_path / job_id
-    agent.start(job_id, {"stand_in": {"steps": 3, **cfg}}, str(out), host, 0)
+    agent.start(Launch(job_id=job_id, tenant="acme", spec={"stand_in": {"steps": 3, **cfg}}, output_dir=str(out),
+                       host_bytes=host, gpu_bytes=0))
     return out
 
 
@@ -91,7 +93,7 @@ def test_job_runs_to_the_end_and_its_reservation_is_freed(agent, tmp_path):
     assert info.reserved_bytes == 4 * GiB and [r.job_id for r in info.ledger] == ["j1"]
     report, lines = wait_exit(agent, "j1")
     assert report.exit.returncode == 0 and not report.exit.cancelled
-    assert [ln["type"] for ln in lines] == ["start", "metrics", "metrics", "metrics"]
+    assert [type(e) for e in lines] == [events.Start, events.Metrics, events.Metrics, events.Metrics]
     assert report.peak_rss_bytes > 64 * 2**20
     assert agent.info().reserved_bytes == 0
     assert (out / "job.yaml").is_file() and list((out / "logs").iterdir())
@@ -127,12 +129,12 @@ def test_cancel_stops_the_process_group_and_sigkill_is_seen(agent, tmp_path):
 def test_checkpoint_in_progress_is_reported(agent, tmp_path):
     out = start(agent, tmp_path, "j5", steps=1, checkpoint_hold=True)
     deadline = time.time() + 20
-    while not agent.poll({})["j5"].checkpointing:
+    while not isinstance((agent.poll({})["j5"].events or [None])[-1], events.CheckpointBegin):
         assert time.time() < deadline
         time.sleep(0.05)
     (out / "release").write_text("")
     report, lines = wait_exit(agent, "j5")
-    assert not report.checkpointing and lines[-1]["type"] == "checkpoint"
+    assert isinstance(lines[-1], events.Checkpoint) and lines[-1].step == 1
 
 
 def test_ledger_refuses_what_does_not_fit_and_forget_kills(agent, tmp_path):
@@ -180,15 +182,16 @@ def test_a_cancel_after_a_clean_exit_is_not_a_cancel(tmp_path):
 
 def test_metrics_reader_skips_torn_and_garbage_lines(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"type": "metrics", "step": 1}\n{"type": "met{"type": "start"}\n{"type": "metrics", "st')
-    lines, offset = read_metrics_lines(path, 0)
-    assert lines == [{"type": "metrics", "step": 1}]
+    path.write_text('{"type": "metrics", "step": 1, "loss": 2.0}\n{"type": "met{"type": "start"}\n'
+                    '{"type": "metrics", "st')
+    lines, offset = read_new_events(path, 0)
+    assert [(e.step, e.loss) for e in lines] == [(1, 2.0)]
     with open(path, "a") as f:
-        f.write('ep": 2}\n')
-    more, offset2 = read_metrics_lines(path, offset)
-    assert more == [{"type": "metrics", "step": 2}] and offset2 == path.stat().st_size
-    path.write_text('{"type": "start"}\n')  # rewritten: shorter than the offset
-    assert read_metrics_lines(path, offset2)[0] == [{"type": "start"}]
+        f.write('ep": 2, "loss": 1.0}\n')
+    more, offset2 = read_new_events(path, offset)
+    assert [(e.step, e.loss) for e in more] == [(2, 1.0)] and offset2 == path.stat().st_size
+    path.write_text('{"type": "start", "step": 0, "total_steps": 3}\n')  # rewritten: shorter than the offset
+    assert [(type(e), e.total_steps) for e in read_new_events(path, offset2)[0]] == [(events.Start, 3)]
 
 
 def test_engine_dies_with_its_agent(tmp_path):
@@ -199,7 +202,9 @@ def test_engine_dies_with_its_agent(tmp_path):
         import sys, time
         from horizon_ray.cluster.agent import NodeAgent
         a = NodeAgent("n", ram_bytes=2**30, gpu_count=0, command=[sys.executable, {str(script)!r}])
-        a.start("j", {{"stand_in": {{"steps": 1, "hang": True}}}}, {str(tmp_path / "j")!r}, 1, 0)
+        from horizon_ray.cluster.messages import Launch
+        a.start(Launch(job_id="j", tenant="acme", spec={{"stand_in": {{"steps": 1, "hang": True}}}},
+                       output_dir={str(tmp_path / "j")!r}, host_bytes=1, gpu_bytes=0))
         print(a._jobs["j"].proc.pid, flush=True)
         time.sleep(600)
     """)

@@ -16,8 +16,8 @@ import pytest
 
 from horizon_ray.cluster import JobRejected, JobStatus
 from horizon_ray.cluster.agent import Ledger, NodeAgent, ReservationRefused, detect_gpus
-from horizon_ray.cluster.fake import make_local_client
 from horizon_ray.cluster.local import SimulatedNode, parse_simulated_cluster, parse_simulated_nodes
+from horizon_ray.cluster.messages import Launch
 from horizon_ray.cluster.placement import needs_gpu
 
 GiB, MiB = 2**30, 2**20
@@ -80,11 +80,8 @@ def test_ledger_hands_out_distinct_gpus_and_splits_cores():
 
 
 @pytest.fixture
-def gpu_client(tmp_path):
-    c = make_local_client(tmp_path, {"g": "512GiB:2gpu:8cpu"}, auto=False,
-                          tenants={"default": {"max_concurrent_jobs": 10}})
-    yield c
-    c.close()
+def gpu_client(fake_cluster):
+    return fake_cluster({"g": "512GiB:2gpu:8cpu"}, auto=False, tenants={"default": {"max_concurrent_jobs": 10}})
 
 
 def test_concurrent_jobs_on_one_node_get_distinct_gpus_and_a_share_of_the_cores(gpu_client):
@@ -127,8 +124,8 @@ def test_gpu_job_waits_for_a_gpu_though_ram_is_free_and_takes_the_one_freed(gpu_
     assert c.nodes()[0].busy_gpus == [1]
 
 
-def test_gpus_and_ram_are_placed_together(tmp_path):
-    c = make_local_client(tmp_path, {"cpu": "64GiB", "big": "512GiB:2gpu", "small": "32GiB:1gpu"}, auto=False,
+def test_gpus_and_ram_are_placed_together(fake_cluster):
+    c = fake_cluster({"cpu": "64GiB", "big": "512GiB:2gpu", "small": "32GiB:1gpu"}, auto=False,
                           tenants={"default": {"max_concurrent_jobs": 10}})
     # Best fit on RAM among the nodes with a free GPU: small, then big (small's one GPU is busy).
     first, second = c.submit("acme", spec("10GiB")), c.submit("acme", spec("10GiB"))
@@ -142,15 +139,13 @@ def test_gpus_and_ram_are_placed_together(tmp_path):
     waiting = c.submit("acme", spec("10GiB"))
     assert waiting.queue_reason == "waiting for a free GPU (node big: all 2 GPUs busy; node small: its 1 GPU busy)"
     # cuda on a cluster without GPUs can never run: rejected with the reason
-    c2 = make_local_client(tmp_path / "2", {"a": "64GiB"}, auto=False)
+    c2 = fake_cluster({"a": "64GiB"}, auto=False)
     with pytest.raises(JobRejected, match="needs a GPU and no node has one"):
         c2.submit("acme", spec(device="cuda"))
-    c.close()
-    c2.close()
 
 
-def test_recovery_reassigns_a_gpu_on_another_node(tmp_path):
-    c = make_local_client(tmp_path, {"a": "64GiB:2gpu", "b": "128GiB:2gpu"}, auto=False,
+def test_recovery_reassigns_a_gpu_on_another_node(fake_cluster):
+    c = fake_cluster({"a": "64GiB:2gpu", "b": "128GiB:2gpu"}, auto=False,
                           tenants={"default": {"max_concurrent_jobs": 10}})
     first, second = (c.submit("acme", spec("30GiB", every=1)) for _ in range(2))
     other = c.submit("beta", spec("30GiB"))
@@ -170,19 +165,17 @@ def test_recovery_reassigns_a_gpu_on_another_node(tmp_path):
     second = c.get("acme", second.id)
     assert (second.status, second.node_id, second.gpu_index) == (JobStatus.RUNNING, "b", 0)
     assert agents(c)["b"].jobs[second.id].step == 2 and env_of(c, second)["CUDA_VISIBLE_DEVICES"] == "0"
-    c.close()
 
 
-def test_cpu_jobs_on_a_gpu_less_node_split_its_cores(tmp_path):
-    c = make_local_client(tmp_path, {"n": "64GiB:8cpu"}, auto=False)
+def test_cpu_jobs_on_a_gpu_less_node_split_its_cores(fake_cluster):
+    c = fake_cluster({"n": "64GiB:8cpu"}, auto=False)
     first, second = c.submit("acme", spec(device="auto")), c.submit("acme", spec(device="cpu"))
     assert env_of(c, first)["OMP_NUM_THREADS"] == "8" and env_of(c, second)["OMP_NUM_THREADS"] == "4"
     assert env_of(c, first)["HORIZON_RAY_OPTIMIZER_THREADS"] == "8" and first.gpu_index is None
-    c.close()
 
 
-def test_the_real_planner_plans_gpu_jobs_for_a_full_node(tmp_path):
-    c = make_local_client(tmp_path, {"n": "1TiB:2gpu", "cpu": "1TiB"}, auto=False)
+def test_the_real_planner_plans_gpu_jobs_for_a_full_node(fake_cluster):
+    c = fake_cluster({"n": "1TiB:2gpu", "cpu": "1TiB"}, auto=False)
     seven_b = {"model": {"path": "qwen2.5-7b"}, "data": {"path": "/d.jsonl"}, "training": {"max_steps": 1}}
     dry = c.plan("acme", seven_b)
     by_node = {n["node_id"]: n for n in dry["nodes"]}
@@ -193,7 +186,6 @@ def test_the_real_planner_plans_gpu_jobs_for_a_full_node(tmp_path):
     assert "with 2 engines sharing the host" in job.plan["reason"]
     cpu = c.plan("acme", {**seven_b, "engine": {"device": "cpu"}})
     assert cpu["plan"]["concurrent_engines"] == 1 and cpu["plan"]["device"] == "cpu"
-    c.close()
 
 
 # ---- the real agent: what each child process sees -------------------------------------------------------
@@ -228,7 +220,8 @@ def gpu_agent(tmp_path):
 
 def launch(agent, tmp_path, job_id, device, host=GiB):
     out = tmp_path / job_id
-    res = agent.start(job_id, {"engine": {"device": device}}, str(out), host, GiB if device != "cpu" else 0)
+    res = agent.start(Launch(job_id=job_id, tenant="acme", spec={"engine": {"device": device}}, output_dir=str(out),
+                             host_bytes=host, gpu_bytes=GiB if device != "cpu" else 0))
     return out, res
 
 

@@ -4,6 +4,8 @@ import pytest
 
 from tests.rss_probe import measure
 
+pytestmark = pytest.mark.slow  # seconds each: out of the fast tier (README, Tests)
+
 CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256,
           "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
           "vocab_size": 4000, "tie_word_embeddings": False}

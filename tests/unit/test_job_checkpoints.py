@@ -87,7 +87,7 @@ def test_a_checkpoint_cut_off_by_sigkill_is_ignored(tmp_path, stage):
         # Killed after the rename, just before the marker is written.
         script = script.replace(
             "ck.write_checkpoint(root, 20",
-            "ck.write_file_durably = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
+            "ck.write_atomic = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
             "ck.write_checkpoint(root, 20",
         ).replace("save_then_die, {", "lambda d: (d.mkdir(parents=True), (d / 'w').write_bytes(b'new')), {")
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, capture_output=True)

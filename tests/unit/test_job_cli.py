@@ -1,6 +1,7 @@
 """`horizon-ray finetune` exit codes and messages, as the node agent relies on them (docs/CONTRACTS.md):
 0 done, 2 bad input with a one-line message and no traceback, 1 crash."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import yaml
 
 from horizon_ray.cli import main
 from horizon_ray.job import checkpoints as ck
-from horizon_ray.job.metrics import read_metrics
+from horizon_ray.job.events import Error, read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,8 +65,8 @@ def test_existing_run_without_resume_exits_2_and_logs_the_error(job, capsys, tmp
     ck.write_checkpoint(out / "checkpoints", 3, lambda d: d.mkdir(), {"step": 3})
     assert main(["finetune", "--config", str(job)]) == 2
     assert "--resume" in _one_line_error(capsys.readouterr().err)
-    errors = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "error"]
-    assert errors and "--resume" in errors[0]["message"]
+    errors = [r for r in read_events(out / "metrics.jsonl") if isinstance(r, Error)]
+    assert errors and "--resume" in errors[0].message
 
 
 def test_resume_of_another_spec_exits_2(job, capsys, tmp_path):
@@ -85,16 +86,19 @@ def test_a_second_runner_on_the_same_output_dir_is_refused(job, capsys, tmp_path
     assert "another job is running" in _one_line_error(capsys.readouterr().err)
 
 
-def test_a_crash_exits_1(job, capsys, monkeypatch):
-    import horizon_ray.job
+# Only BadInput is bad input (exit 2); any other exception, a ValueError of a bug too, is a crash (exit 1).
+@pytest.mark.parametrize("exc", [RuntimeError("the engine fell over"), ValueError("too many values to unpack")])
+def test_a_crash_exits_1_with_its_traceback(job, capsys, monkeypatch, exc):
+    from horizon_ray.job import runner
 
     def boom(*args, **kwargs):
-        raise RuntimeError("the engine fell over")
+        raise exc
 
-    monkeypatch.setattr(horizon_ray.job, "run_job", boom)
+    monkeypatch.setattr(runner, "run_job", boom)
     assert main(["finetune", "--config", str(job)]) == 1
     err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1] == "error: the job crashed: RuntimeError: the engine fell over"
+    assert "Traceback" in err
+    assert err.strip().splitlines()[-1] == f"error: the job crashed: {type(exc).__name__}: {exc}"
 
 
 def test_print_spec_shows_the_resolved_spec(job, capsys):
@@ -116,3 +120,37 @@ def test_submit_of_a_misshapen_spec_exits_2_naming_the_section(tmp_path, capsys)
     bad.write_text("model: /models/x\ndata: {path: /d.jsonl}\n")
     assert main(["submit", str(bad)]) == 2  # refused before any connection is made
     assert _one_line_error(capsys.readouterr().err) == "error: model must be a mapping of keys to values, not str"
+
+
+def test_the_agents_child_trains_here_whatever_the_environment(job, tmp_path):
+    # `python -m horizon_ray.job` is the node agent's child: never a Ray Jobs entrypoint that submits its spec
+    import os
+
+    out = tmp_path / "out"
+    ck.write_checkpoint(out / "checkpoints", 3, lambda d: d.mkdir(), {"step": 3, "training_hash": "other"})
+    env = {**os.environ, "HORIZON_RAY_SUBMIT": "1", "RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}
+    proc = subprocess.run([sys.executable, "-m", "horizon_ray.job", "--config", str(job), "--resume"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr  # refused, here, by the runner (not handed to a coordinator)
+    assert "different job spec" in _one_line_error(proc.stderr)
+    errors = [e for e in read_events(out / "metrics.jsonl") if isinstance(e, Error)]
+    assert errors and "different job spec" in errors[0].message
+
+
+def test_an_engine_refusing_the_model_files_is_bad_input(tmp_path, capsys):
+    # the engine raises ValueError for files it cannot use; reading the spec's model, that is bad input
+    from horizon_ray.data import build_demo_tokenizer
+    from tests.tiny import llama_config
+
+    model = tmp_path / "model"
+    build_demo_tokenizer(model)
+    (model / "config.json").write_text(json.dumps(llama_config(2, vocab=262)))  # and no weights
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"instruction": "say hi", "output": "hi"}\n' * 4)
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump({"model": {"path": str(model)}, "data": {"path": str(data), "eval_fraction": 0},
+                                    "training": {"max_steps": 1, "micro_batch_size": 1, "seq_len": 32},
+                                    "engine": {"device": "cpu"}, "output_dir": str(tmp_path / "out")}))
+    assert main(["finetune", "--config", str(spec)]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert f"model.path {model}" in line and "model.safetensors" in line

@@ -6,6 +6,8 @@ import pytest
 from horizon_ray.planner import PROCESS_BASELINE_BYTES, NodeSpec, plan
 from tests.rss_probe import measure
 
+pytestmark = pytest.mark.slow  # seconds each: out of the fast tier (README, Tests)
+
 # Llama-style, untied: 12 layers of 12.85M params + 2 x [32000 x 1024] = 219.7M params, 3.5 GB in exact fp32.
 CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 1024,
           "intermediate_size": 2816, "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 16,
