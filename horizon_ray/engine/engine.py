@@ -46,6 +46,7 @@ from horizon_ray.engine.slots import DeviceWeights, HostWeights
 from horizon_ray.engine.stash import KeptStash, OffloadStash
 from horizon_ray.engine.store import HostStore
 from horizon_ray.engine.units import Units
+from horizon_ray.errors import BadInput
 
 # from_config draws its random matrices in chunks of this many elements, in parallel
 _INIT_CHUNK = 1 << 22
@@ -137,13 +138,13 @@ class Engine:
         if cfg.lora is None:
             cfg = replace(cfg, lora=lora)
         elif _shape_of(cfg.lora) != _shape_of(lora):
-            raise ValueError(f"the adapter in {adapter_dir} has r={lora.r}, alpha={lora.alpha}, targets "
+            raise BadInput(f"the adapter in {adapter_dir} has r={lora.r}, alpha={lora.alpha}, targets "
                              f"{list(lora.ordered_targets)}, modules_to_save {list(lora.modules_to_save)} but the "
                              f"engine's lora config asks for r={cfg.lora.r}, alpha={cfg.lora.alpha}, targets "
                              f"{list(cfg.lora.ordered_targets)}, modules_to_save {list(cfg.lora.modules_to_save)}; "
                              "pass lora=None to take the adapter's")
         if not base or lora_io.is_adapter_dir(Path(base)) or not (Path(base) / "config.json").is_file():
-            raise ValueError(f"the adapter in {adapter_dir} names base model {base!r}, which is not an HF model "
+            raise BadInput(f"the adapter in {adapter_dir} names base model {base!r}, which is not an HF model "
                              "directory here; load the base with from_pretrained and call load_adapter")
         eng = cls.from_pretrained(base, cfg)
         eng.load_adapter(adapter_dir)
@@ -205,14 +206,14 @@ class Engine:
 
     def set_lr(self, lr: float) -> None:
         if not lr >= 0:
-            raise ValueError(f"learning rate must be >= 0, got {lr}")
+            raise BadInput(f"learning rate must be >= 0, got {lr}")
         self.lr = float(lr)
 
     def train_step(self, micro_batches) -> float:
         """One optimizer step over the micro-batches; the mean loss over their non-ignored tokens."""
         mbs, n_targets = self._prepare(micro_batches)
         if n_targets == 0:
-            raise ValueError("every label of this step is -100 (ignored): nothing to train on; check the "
+            raise BadInput("every label of this step is -100 (ignored): nothing to train on; check the "
                              "loss mask and that sequences are longer than their prompt")
         self._optimizer.check()  # a failed update leaves inconsistent weights: no step may train on them
         k = self._steps
@@ -278,7 +279,7 @@ class Engine:
         """LoRA only: the full model in HF format with every adapter merged, W + scaling x B A (computed in
         fp32, written in save_dtype)."""
         if self.lora is None:
-            raise ValueError("save_merged merges LoRA adapters; this engine fine-tunes the whole model, whose "
+            raise BadInput("save_merged merges LoRA adapters; this engine fine-tunes the whole model, whose "
                              "save_pretrained already writes the full model")
         self._optimizer.wait_all()
         return io.save_pretrained(self.store, self.model.hf, Path(out_dir), getattr(torch, self.cfg.save_dtype),
@@ -289,7 +290,7 @@ class Engine:
         """LoRA only: set the adapters' weights from a PEFT adapter directory (same r and targets). The
         AdamW state is left as it is: to resume training exactly, use load_state."""
         if self.lora is None:
-            raise ValueError("load_adapter needs an engine built with EngineConfig(lora=LoraConfig(...))")
+            raise BadInput("load_adapter needs an engine built with EngineConfig(lora=LoraConfig(...))")
         self._optimizer.wait_all()
         self._sync_device()  # no copy of the adapters to the device may still read them
         lora_io.load_adapter(self.store.adapters, Path(adapter_dir))
@@ -406,12 +407,12 @@ class Engine:
 
     def _prepare(self, micro_batches) -> tuple[list[MicroBatch], int]:
         if not micro_batches:
-            raise ValueError("train_step needs at least one micro-batch")
+            raise BadInput("train_step needs at least one micro-batch")
         V = self.model.vocab_size
         out, total = [], 0
         for i, item in enumerate(micro_batches):
             if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
-                raise ValueError(f"micro-batch {i} must be (input_ids, labels) or (input_ids, labels, position_ids)")
+                raise BadInput(f"micro-batch {i} must be (input_ids, labels) or (input_ids, labels, position_ids)")
             ids, labels = item[0], item[1]
             pos = item[2] if len(item) == 3 else None
             for name, t in (("input_ids", ids), ("labels", labels), ("position_ids", pos)):
@@ -419,17 +420,17 @@ class Engine:
                     continue
                 if not isinstance(t, torch.Tensor) or t.dtype != torch.long or t.dim() != 2:
                     got = f"{t.dtype} with {t.dim()} dims" if isinstance(t, torch.Tensor) else type(t).__name__
-                    raise ValueError(f"micro-batch {i}: {name} must be a 2-D torch.long tensor [B, T], got {got}")
+                    raise BadInput(f"micro-batch {i}: {name} must be a 2-D torch.long tensor [B, T], got {got}")
                 if t.shape != ids.shape:
-                    raise ValueError(
+                    raise BadInput(
                         f"micro-batch {i}: {name} has shape {tuple(t.shape)}, input_ids {tuple(ids.shape)}")
             if ids.numel() == 0:
-                raise ValueError(f"micro-batch {i} is empty")
+                raise BadInput(f"micro-batch {i} is empty")
             if int(ids.min()) < 0 or int(ids.max()) >= V:
-                raise ValueError(f"micro-batch {i}: token ids must lie in [0, {V}) (the model's vocab_size)")
+                raise BadInput(f"micro-batch {i}: token ids must lie in [0, {V}) (the model's vocab_size)")
             bad = (labels != -100) & ((labels < 0) | (labels >= V))
             if bool(bad.any()):
-                raise ValueError(f"micro-batch {i}: labels must be -100 or lie in [0, {V})")
+                raise BadInput(f"micro-batch {i}: labels must be -100 or lie in [0, {V})")
             B, T = ids.shape
             targets = torch.cat([labels[:, 1:], torch.full((B, 1), -100, dtype=torch.long)], dim=1)
             positions = pos if pos is not None else torch.arange(T).expand(B, T)

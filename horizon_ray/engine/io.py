@@ -9,8 +9,6 @@ failure never leaves a half-written model behind.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +16,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from horizon_ray.atomic import atomic_path
 from horizon_ray.engine.store import HostStore
+from horizon_ray.errors import BadInput
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -32,12 +32,12 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
             weight_map = json.load(f)["weight_map"]
         missing = sorted({v for v in weight_map.values() if not (model_dir / v).is_file()})
         if missing:
-            raise ValueError(f"{index} names shard(s) that do not exist: {missing}; copy the complete model")
+            raise BadInput(f"{index} names shard(s) that do not exist: {missing}; copy the complete model")
         return {k: model_dir / v for k, v in weight_map.items()}
     if single.is_file():
         with safe_open(single, framework="pt") as f:
             return {k: single for k in f.keys()}
-    raise ValueError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+    raise BadInput(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
 def load_into(store: HostStore, model_dir: Path, tied: bool) -> None:
@@ -46,11 +46,11 @@ def load_into(store: HostStore, model_dir: Path, tied: bool) -> None:
     unexpected = sorted(k for k in files if k not in expected and not k.endswith(_IGNORED_SUFFIXES)
                         and not (tied and k == "lm_head.weight"))
     if unexpected:
-        raise ValueError(f"{model_dir} holds tensors the config does not describe, e.g. {unexpected[:3]}: "
+        raise BadInput(f"{model_dir} holds tensors the config does not describe, e.g. {unexpected[:3]}: "
                          "the config.json does not match the weights")
     missing = sorted(expected - files.keys())
     if missing:
-        raise ValueError(f"{model_dir} lacks tensors the config needs, e.g. {missing[:3]} "
+        raise BadInput(f"{model_dir} lacks tensors the config needs, e.g. {missing[:3]} "
                          f"({len(missing)} missing): the config.json does not match the weights")
     handles: dict[Path, object] = {}
     try:
@@ -62,10 +62,10 @@ def load_into(store: HostStore, model_dir: Path, tied: bool) -> None:
                     handles[path] = safe_open(path, framework="pt").__enter__()
                 src = handles[path].get_tensor(t.name)
                 if tuple(src.shape) != t.shape:
-                    raise ValueError(f"tensor {t.name} has shape {tuple(src.shape)} in {path.name} but the "
+                    raise BadInput(f"tensor {t.name} has shape {tuple(src.shape)} in {path.name} but the "
                                      f"config implies {t.shape}: the config.json does not match the weights")
                 if not src.is_floating_point():
-                    raise ValueError(f"tensor {t.name} has dtype {src.dtype}; expected a floating-point tensor")
+                    raise BadInput(f"tensor {t.name} has dtype {src.dtype}; expected a floating-point tensor")
                 views[t.key].copy_(src)
             store.refresh_wire(unit)
     finally:
@@ -73,43 +73,12 @@ def load_into(store: HostStore, model_dir: Path, tied: bool) -> None:
             h.__exit__(None, None, None)
 
 
-def _atomic_dir(out_dir: Path):
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    return out_dir, tmp
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _commit(tmp: Path, out_dir: Path) -> None:
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    _fsync_dir(tmp)
-    old = None
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    _fsync_dir(out_dir.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def save_pretrained(store: HostStore, hf_config: dict, out_dir: Path, dtype: torch.dtype, max_shard_bytes: int,
                     tied: bool, merge: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Path:
     """``merge``: HF name, weights -> the weights to write (LoRA's merged W + scaling B A)."""
-    out_dir, tmp = _atomic_dir(out_dir)
-    try:
+    out_dir = Path(out_dir)
+    with atomic_path(out_dir) as tmp:  # the directory appears whole or not at all
+        tmp.mkdir(parents=True)
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for unit in store.units:
@@ -140,10 +109,6 @@ def save_pretrained(store: HostStore, hf_config: dict, out_dir: Path, dtype: tor
         config["tie_word_embeddings"] = tied
         with open(tmp / "config.json", "w") as f:
             json.dump(config, f, indent=2)
-        _commit(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -165,23 +130,23 @@ def save_state(store: HostStore, out_dir: Path) -> None:
 def load_state(store: HostStore, state_dir: Path) -> None:
     path = Path(state_dir) / "engine_state.safetensors"
     if not path.is_file():
-        raise ValueError(f"no engine_state.safetensors in {state_dir}: not an engine checkpoint")
+        raise BadInput(f"no engine_state.safetensors in {state_dir}: not an engine checkpoint")
     with safe_open(path, framework="pt") as f:
         keys = set(f.keys())
         if store.frozen != any(k.startswith("lora.") for k in keys):
             want, got = ("LoRA", "full fine-tuning") if store.frozen else ("full fine-tuning", "LoRA")
-            raise ValueError(f"{path} holds the state of a {got} run and this engine does {want}: resume "
+            raise BadInput(f"{path} holds the state of a {got} run and this engine does {want}: resume "
                              "with the settings the checkpoint was written with")
         for u in store.trained:
             name = u.layout.name
             for kind in ("master", "exp_avg", "exp_avg_sq"):
                 key = f"{name}.{kind}"
                 if key not in keys:
-                    raise ValueError(f"{path} lacks {key}: it was written for another model")
+                    raise BadInput(f"{path} lacks {key}: it was written for another model")
                 src = f.get_tensor(key)
                 dst = getattr(u, kind)
                 if src.shape != dst.shape or src.dtype != dst.dtype:
-                    raise ValueError(f"{path}: {key} is {tuple(src.shape)} {src.dtype}, the engine expects "
+                    raise BadInput(f"{path}: {key} is {tuple(src.shape)} {src.dtype}, the engine expects "
                                      f"{tuple(dst.shape)} {dst.dtype} (another model, precision mode or LoRA "
                                      "rank/targets)")
                 dst.copy_(src)

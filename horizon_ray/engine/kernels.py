@@ -24,9 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from horizon_ray.engine.model import KERNELS
+from horizon_ray.errors import BadInput
+
 log = logging.getLogger(__name__)
 
-KERNELS = ("auto", "torch", "liger")
 _CUDA_ATTENTION = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                    SDPBackend.MATH]
 
@@ -42,18 +44,18 @@ def liger_available() -> bool:
 def resolve_kernels(name: str, device: torch.device) -> str:
     """'auto' -> 'liger' on CUDA when Liger-Kernel imports, else 'torch'; 'liger' off CUDA is refused."""
     if name not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, got {name!r}")
+        raise BadInput(f"kernels must be one of {KERNELS}, got {name!r}")
     if name == "torch":
         return "torch"
     if device.type != "cuda":
         if name == "liger":
-            raise ValueError("kernels='liger' runs Triton kernels on a CUDA device; this engine runs on "
+            raise BadInput("kernels='liger' runs Triton kernels on a CUDA device; this engine runs on "
                              f"{device.type}: use kernels='auto' or 'torch'")
         return "torch"
     if liger_available():
         return "liger"
     if name == "liger":
-        raise ValueError("kernels='liger' needs the liger-kernel package (pip install 'horizon-ray[gpu]'); "
+        raise BadInput("kernels='liger' needs the liger-kernel package (pip install 'horizon-ray[gpu]'); "
                          "or use kernels='auto', which falls back to torch ops")
     log.warning("liger-kernel is not installed: the layer template runs unfused torch ops on CUDA "
                 "(pip install 'horizon-ray[gpu]' for the fused kernels)")

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +42,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from horizon_ray.atomic import atomic_path
 from horizon_ray.engine.model import (
     LAYER_NORMS,
     PROJECTIONS,
@@ -227,10 +227,9 @@ def adapter_config_json(lora: LoraConfig, base_model: str | None) -> dict:
 
 def save_adapter(adapters, lora: LoraConfig, base_model: str | None, out_dir: Path) -> Path:
     """adapter_config.json + adapter_model.safetensors (fp32) into out_dir, atomically."""
-    from horizon_ray.engine.io import _atomic_dir, _commit
-
-    out_dir, tmp = _atomic_dir(out_dir)
-    try:
+    out_dir = Path(out_dir)
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir(parents=True)
         tensors = {}
         for unit in adapters:
             views = unit.layout.views(unit.master)
@@ -239,10 +238,6 @@ def save_adapter(adapters, lora: LoraConfig, base_model: str | None, out_dir: Pa
         save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
         with open(tmp / ADAPTER_CONFIG, "w") as f:
             json.dump(adapter_config_json(lora, base_model), f, indent=2)
-        _commit(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -117,14 +117,12 @@ def run_job(spec: JobSpec, resume: bool = False, progress: bool = True) -> JobRe
 
 @contextmanager
 def _reading(what: str) -> Iterator[None]:
-    """The engine's ValueErrors while it reads `what` (a model directory, a checkpoint) are refusals of that
-    input, not crashes: the engine raises them for files it cannot use."""
+    """The engine's refusals while it reads `what` (a model directory, a checkpoint) name that input: the
+    engine raises BadInput (a ValueError) for files it cannot use."""
     try:
         yield
-    except BadInput:
-        raise
     except ValueError as exc:
-        raise BadInput(f"{what}: {exc}") from exc
+        raise BadInput(f"{what}: {exc}", field=getattr(exc, "field", None)) from exc
 
 
 class _Job:
