@@ -7,6 +7,8 @@ once a step), so each kernel does a unit's chunk in one loop through the cores:
   the master and moments, writes them and the new bf16 wire: 28 bytes a parameter. torch's fused CPU AdamW
   needs an fp32 gradient and leaves the narrowing to another op, so the torch path moves the chunk three
   times through the cores (widen, update, narrow).
+- ``adamw_f32_redo``: the speculative update's rollback: inverts an unclipped ``adamw_f32`` step from the
+  kept gradient and redoes it clipped, in the same single pass (28 bytes a parameter, like one update).
 - ``adamw_bf16``: "bf16-state": master (which is the wire), moments and gradient in bf16, the arithmetic in
   fp32 as torch's fused kernel does for bf16 tensors: 14 bytes a parameter, half of exact's.
 Both follow torch.optim.AdamW's arithmetic (decoupled decay, lerp for m, bias corrections as torch computes
@@ -97,6 +99,48 @@ void adamw_f32(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor exp_avg
     });
 }
 
+// Undo an unclipped update of fp32 master and moments from its bf16 gradient (inverting its arithmetic: a few
+// ulps, not bit for bit), then redo it with the clip coefficient, in one pass; writes the new bf16 wire
+void adamw_f32_redo(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor exp_avg_sq, torch::Tensor grad,
+                    torch::Tensor wire, double lr, double beta1, double beta2, double eps, double weight_decay,
+                    double step, double clip) {
+    TORCH_CHECK(param.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous() &&
+                grad.is_contiguous() && wire.is_contiguous(), "contiguous tensors expected");
+    TORCH_CHECK(param.scalar_type() == at::kFloat && grad.scalar_type() == at::kBFloat16 &&
+                wire.scalar_type() == at::kBFloat16, "dtypes");
+    pybind11::gil_scoped_release no_gil;
+    float* p = param.data_ptr<float>();
+    float* m = exp_avg.data_ptr<float>();
+    float* v = exp_avg_sq.data_ptr<float>();
+    const uint16_t* g = reinterpret_cast<const uint16_t*>(grad.data_ptr<at::BFloat16>());
+    uint16_t* w = reinterpret_cast<uint16_t*>(wire.data_ptr<at::BFloat16>());
+    const Hyper h(lr, beta1, beta2, eps, weight_decay, step, clip);
+    // reciprocals: the inverse need not be bit-exact, and multiplies vectorise where divisions crawl
+    const float inv_keep1 = 1.0f / (1.0f - h.w1);  // m' = (1 - w1) m + w1 g
+    const float inv_decay = 1.0f / h.decay;
+    const float inv_b2 = 1.0f / h.b2;
+    at::parallel_for(0, param.numel(), 1 << 15, [&](int64_t begin, int64_t end) {
+        #pragma omp simd
+        for (int64_t i = begin; i < end; ++i) {
+            const float gi = bf16_to_f32(g[i]);  // the gradient the speculative update used, unclipped
+            const float d1 = std::sqrt(v[i]) / h.bc2_sqrt + h.e;
+            const float p0 = (p[i] + h.step_size * m[i] / d1) * inv_decay;
+            const float m0 = (m[i] - h.w1 * gi) * inv_keep1;
+            const float vr = (v[i] - h.w2 * gi * gi) * inv_b2;
+            const float v0 = vr > 0.0f ? vr : 0.0f;
+            const float gc = gi * h.c;
+            const float mi = m0 + h.w1 * (gc - m0);
+            const float vi = h.b2 * v0 + h.w2 * gc * gc;
+            const float denom = std::sqrt(vi) / h.bc2_sqrt + h.e;
+            const float pn = p0 * h.decay - h.step_size * mi / denom;
+            m[i] = mi;
+            v[i] = vi;
+            p[i] = pn;
+            w[i] = f32_to_bf16(pn);
+        }
+    });
+}
+
 // bf16 master (the wire), bf16 moments and gradient; fp32 arithmetic
 void adamw_bf16(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor exp_avg_sq, torch::Tensor grad,
                 double lr, double beta1, double beta2, double eps, double weight_decay, double step,
@@ -149,7 +193,8 @@ def kernel():
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name="horizon_ray_adamw_v4", cpp_sources=[_SOURCE], functions=["adamw_f32", "adamw_bf16"],
+                    name="horizon_ray_adamw_v6", cpp_sources=[_SOURCE],
+                    functions=["adamw_f32", "adamw_bf16", "adamw_f32_redo"],
                     # -fno-math-errno lets the compiler vectorise sqrt
                     extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],
@@ -171,6 +216,18 @@ def adamw_f32(master, exp_avg, exp_avg_sq, grad, wire, *, lr, betas, eps, weight
         return False
     mod.adamw_f32(master, exp_avg, exp_avg_sq, grad, wire, lr, betas[0], betas[1], eps, weight_decay, float(step),
                   float(clip))
+    return True
+
+
+def adamw_f32_redo(master, exp_avg, exp_avg_sq, grad, wire, *, lr, betas, eps, weight_decay, step: float,
+                   clip: float) -> bool:
+    """Undo a chunk's unclipped update of step ``step`` (fp32 master, bf16 gradient) and redo it with ``clip``,
+    in one pass; False when the kernel is unavailable (nothing was touched)."""
+    mod = kernel()
+    if mod is None:
+        return False
+    mod.adamw_f32_redo(master, exp_avg, exp_avg_sq, grad, wire, lr, betas[0], betas[1], eps, weight_decay,
+                       float(step), float(clip))
     return True
 
 

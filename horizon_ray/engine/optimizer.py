@@ -188,21 +188,21 @@ class HostAdamW:
 
     def _finish(self, k: int, lr: float, clip_coef: float) -> None:
         t0 = self._spec_t0 if self._spec_step == k else time.perf_counter()
-        done = self._speculated if self._spec_step == k else []
-        if done and clip_coef < 1.0:
-            # the norm passed max_grad_norm after these were updated: undo them and redo the step clipped
-            for u in reversed(done):
-                self.rollback(self.store.trained[u], lr, k)
-            self.rollbacks += 1
-            done = []
-        self.speculated_units = len(done)
-        for u in done:
-            self.updates.mark(u)
-        taken = set(done)
-        for u, unit in enumerate(self.store.trained):
-            if u not in taken:
-                self.update(unit, lr, clip_coef, k)
+        done = set(self._speculated if self._spec_step == k else [])
+        redo = clip_coef < 1.0 and bool(done)  # the norm passed max_grad_norm after these were updated
+        self.rollbacks += redo
+        self.speculated_units = 0 if redo else len(done)
+        if not redo:
+            for u in sorted(done):  # committed as they are: exactly exact mode's update
                 self.updates.mark(u)
+        for u, unit in enumerate(self.store.trained):  # forward order: what the next forward needs first
+            if u in done and redo:
+                self.redo(unit, lr, clip_coef, k)
+            elif u not in done:
+                self.update(unit, lr, clip_coef, k)
+            else:
+                continue
+            self.updates.mark(u)
         self._speculated, self._spec_step = [], None
         self.last_update_s = time.perf_counter() - t0
 
@@ -261,6 +261,20 @@ class HostAdamW:
             )
             if narrow:
                 wire[lo:hi].copy_(unit.master[lo:hi])
+
+    def redo(self, unit: UnitState, lr: float, clip_coef: float, k: int) -> None:
+        """Undo a unit's unclipped speculative update of step k and redo it with the clip coefficient: one pass
+        of the one-pass kernel where the layout allows, else rollback() and update()."""
+        grad, wire = unit.grad_of(k), unit.wire_of(k)
+        if self.one_pass and unit.master.dtype == torch.float32 and grad.dtype == wire.dtype == torch.bfloat16 \
+                and grad is not wire:
+            if cpu_adam.adamw_f32_redo(unit.master, unit.exp_avg, unit.exp_avg_sq, grad, wire, lr=lr,
+                                       betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                                       step=float(unit.step), clip=min(clip_coef, 1.0)):
+                unit.wire_written(k)
+                return
+        self.rollback(unit, lr, k)
+        self.update(unit, lr, clip_coef, k)
 
     def rollback(self, unit: UnitState, lr: float, k: int) -> None:
         """Undo an unclipped update of step k by inverting its arithmetic from the kept gradient: the master,
