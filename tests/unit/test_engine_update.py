@@ -13,9 +13,10 @@ CFG = llama_config(4)
 HP = dict(lr=1e-3, weight_decay=0.1, seed=0)
 
 
-def _state(eng):
+def _state(eng, wires=True):
     eng.synchronize()
-    return [t.clone() for u in eng.store.trained for t in (u.master, u.exp_avg, u.exp_avg_sq, u.wire)]
+    return [t.clone() for u in eng.store.trained
+            for t in (u.master, u.exp_avg, u.exp_avg_sq, *([u.wire] if wires else []))]
 
 
 def _run(update, steps=3, max_grad_norm=1e6, batches=None, **kw):
@@ -63,7 +64,8 @@ def test_a_clipping_step_rolls_back_and_lands_within_tolerance_of_exact(dtype):
     spec, ls = _run("speculative", batches=batches[:1], max_grad_norm=limit, compute_dtype=dtype)
     spec.synchronize()  # stats() describe the updates that have finished
     assert spec.stats().rollbacks == 1 and ls == le
-    assert _max_deviation(_state(exact)[:-1], _state(spec)[:-1]) < 1e-5
+    # (the wires are the masters rounded to bf16: one a few ulps off may round to the other neighbour)
+    assert _max_deviation(_state(exact, wires=False), _state(spec, wires=False)) < 1e-5
     # three steps: with bf16 compute a master one fp32 ulp off can round to the other bf16 neighbour on the
     # wire, after which the runs differ at the level of bf16 roundoff (2^-8), as any two bf16 runs would
     for run in (exact, spec):
