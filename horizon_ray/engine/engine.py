@@ -42,6 +42,7 @@ from horizon_ray.engine.layers import LoraCall, MicroBatch, Template, attention_
 from horizon_ray.engine.model import ModelConfig, unit_layouts
 from horizon_ray.engine.optimizer import HostAdamW
 from horizon_ray.engine.pinned import HostBuffers
+from horizon_ray.engine.ranks import Ranks, SharedFence
 from horizon_ray.engine.slots import DeviceWeights, HostWeights
 from horizon_ray.engine.stash import KeptStash, OffloadStash
 from horizon_ray.engine.store import HostStore
@@ -71,7 +72,10 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: ModelConfig, cfg: EngineConfig):
+    def __init__(self, model: ModelConfig, cfg: EngineConfig, store: HostStore | None = None,
+                 ranks: Ranks | None = None):
+        """``store`` and ``ranks``: one rank of a job of several on one node (ranks.py), over a store that
+        ``Engine.new_store(..., world=N)`` made in shared memory and filled; None: a job of one."""
         cfg.validate()
         self.cfg = cfg
         self.model = model
@@ -84,22 +88,33 @@ class Engine:
         self.last_grad_norm = math.nan
         self.lora = cfg.lora
         self.update_mode = cfg.update
+        self.ranks = ranks or Ranks()
+        if self.ranks.many and cfg.update == "speculative":
+            raise BadInput("update speculative needs the partial gradient norm after every unit, which several "
+                           "ranks would have to all-reduce unit by unit: use update exact or delayed with several "
+                           "GPUs", field="training.update")
         self.base_model_path: str | None = None  # the model directory the base came from (from_pretrained)
         self._steps = 0  # optimizer steps launched: the index k of the next step, and of its dropout seeds
         self._last_clipped = False  # the last step's gradient was clipped (speculation skips the next one)
+        self._row_groups = 0  # row groups of the micro-batches being run (numbers dropout masks across ranks)
         cuda = self.device.type == "cuda"
-        adapters = lora_io.adapter_layouts(model, cfg.lora) if cfg.lora is not None else None
-        n_trained = len(adapters) if adapters is not None else self.units.count
-        self._spec_order = self._speculation_order(cfg.update, cfg.speculate_units, n_trained)
-        self.store = HostStore(unit_layouts(model), cfg.dtype, cfg.master_dtype, pin=cuda, adapter_layouts=adapters,
-                               wires=2 if cfg.update == "delayed" else 1, own_grads=frozenset(self._spec_order))
-        if cfg.lora is not None:
-            lora_io.init_adapters(self.store.adapters, cfg.seed)
-        self._updates = Fence(n_trained, "updates")  # the optimizer marks: a unit's update is committed
+        self._spec_order = self._speculation_order(cfg.update, cfg.speculate_units, self._n_trained(model, cfg))
+        if store is None:
+            self.store = Engine.new_store(model, cfg, pin=cuda)
+        else:
+            if store.world != self.ranks.world or [u.layout for u in store.units] != unit_layouts(model):
+                raise BadInput(f"the shared store was made for {store.world} rank(s) and another layout; this "
+                               f"engine is rank {self.ranks.rank} of {self.ranks.world}")
+            self.store = store
+            store.attach(pin=cuda)
+        n_trained = len(self.store.trained)
+        # the optimizer marks: a unit's update is committed (with several ranks: every rank's shard of it)
+        self._updates = SharedFence(self.store.versions, self.ranks.rank, "updates") if self.ranks.many \
+            else Fence(n_trained, "updates")
         self._grads = Fence(n_trained, "grads")  # the training thread marks: a unit's gradient is on the host
         threads = cfg.optimizer_threads or (max(1, (os.cpu_count() or 4) - 2) if cuda else 0)
         self._optimizer = HostAdamW(self.store, cfg.betas, cfg.eps, cfg.weight_decay, self._updates, self._grads,
-                                    threads=threads)
+                                    threads=threads, ranks=self.ranks)
         offload = cfg.offload_checkpoints if cfg.offload_checkpoints != "auto" else cuda
         lag = _LAG[cfg.update]
         self._buffers = HostBuffers(self.store.pool)
@@ -107,16 +122,50 @@ class Engine:
             h2d, d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
             self._weights = DeviceWeights(self.store, self.units, self._updates, lag, self.device, self._buffers, h2d)
             self._stash = OffloadStash(self.device, self._buffers, h2d, d2h) if offload else KeptStash()
-            self._grad_sink = DeviceGrads(self.store, self.units, self._grads, self.device, self._buffers, d2h)
+            self._grad_sink = DeviceGrads(self.store, self.units, self._grads, self.device, self.ranks, self._buffers,
+                                          d2h)
         else:
             self._weights = HostWeights(self.store, self.units, self._updates, lag)
             self._stash = KeptStash()
-            self._grad_sink = HostGrads(self.store, self.units, self._grads, self.device)
+            self._grad_sink = HostGrads(self.store, self.units, self._grads, self.device, self.ranks)
         self.offload_checkpoints = isinstance(self._stash, OffloadStash)
         self.inv_freq = inv_frequencies(model)
         self.template = Template(model, Kernels(resolve_kernels(cfg.kernels, self.device)))
 
     # ---- construction --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _n_trained(model: ModelConfig, cfg: EngineConfig) -> int:
+        if cfg.lora is None:
+            return model.num_layers + 2
+        return len(lora_io.adapter_layouts(model, cfg.lora))
+
+    @staticmethod
+    def new_store(model: ModelConfig, cfg: EngineConfig, pin: bool, world: int = 1) -> HostStore:
+        """The host store this engine keeps for these settings (LoRA adapters initialised); ``world`` > 1: in
+        shared memory for that many ranks (each then builds ``Engine(model, cfg, store, Ranks(r, world))``)."""
+        adapters = lora_io.adapter_layouts(model, cfg.lora) if cfg.lora is not None else None
+        units = Units(model.num_layers, min(cfg.checkpoint_every, max(model.num_layers, 1)))
+        spec = Engine._speculation_order_of(units, cfg.update, cfg.speculate_units, Engine._n_trained(model, cfg))
+        store = HostStore(unit_layouts(model), cfg.dtype, cfg.master_dtype, pin=pin, adapter_layouts=adapters,
+                          wires=2 if cfg.update == "delayed" else 1, own_grads=frozenset(spec), world=world)
+        if cfg.lora is not None:
+            lora_io.init_adapters(store.adapters, cfg.seed)
+        return store
+
+    @classmethod
+    def shared_store(cls, source: str | Path | dict, cfg: EngineConfig, world: int) -> tuple[ModelConfig, HostStore]:
+        """The model (an HF model directory, or a config for random initialisation as from_config draws it)
+        and its store in shared memory, filled, for ``world`` ranks of one job."""
+        model = ModelConfig.load(source)
+        store = cls.new_store(model, cfg, pin=False, world=world)
+        if isinstance(source, dict) or not (Path(source).is_dir()):
+            _init_random(store, model, cfg)
+        else:
+            io.load_into(store, Path(source), model.tie_word_embeddings)
+        if cfg.lora is not None:
+            lora_io.copy_base_norms(store)
+        return model, store
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, cfg: EngineConfig) -> Engine:
@@ -155,27 +204,7 @@ class Engine:
         """Random initialisation with HF's conventions: N(0, initializer_range) matrices, zero biases,
         unit norms."""
         eng = cls(ModelConfig.load(config), cfg)
-        std = eng.model.initializer_range
-        normal = []  # (flat view, seed): matrices drawn in chunks on all cores, each chunk from its own seed
-        for u, unit in enumerate(eng.store.units):
-            for i, t in enumerate(unit.layout.tensors):
-                flat = unit.master[t.offset:t.offset + t.numel]
-                if len(t.shape) == 2:
-                    normal += [(flat[lo:lo + _INIT_CHUNK], lora_io.mix_seed(cfg.seed, u, i, lo))
-                               for lo in range(0, t.numel, _INIT_CHUNK)]
-                elif t.key.startswith(("ln", "norm")):
-                    flat.fill_(1.0)
-                else:
-                    flat.zero_()
-
-        def draw(item):
-            view, seed = item
-            view.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
-
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            list(pool.map(draw, normal))
-        for unit in eng.store.units:
-            eng.store.refresh_wire(unit)
+        _init_random(eng.store, eng.model, cfg)
         eng._base_loaded()
         return eng
 
@@ -212,9 +241,11 @@ class Engine:
     def train_step(self, micro_batches) -> float:
         """One optimizer step over the micro-batches; the mean loss over their non-ignored tokens."""
         mbs, n_targets = self._prepare(micro_batches)
+        # several ranks: the loss is the mean over every rank's targets (each rank's backward scales by it)
+        n_targets = self.ranks.all_reduce_int(n_targets, self.device)
         if n_targets == 0:
             raise BadInput("every label of this step is -100 (ignored): nothing to train on; check the "
-                             "loss mask and that sequences are longer than their prompt")
+                           "loss mask and that sequences are longer than their prompt")
         self._optimizer.check()  # a failed update leaves inconsistent weights: no step may train on them
         k = self._steps
         try:
@@ -230,7 +261,7 @@ class Engine:
             if self.lora is None:  # with LoRA the embedding is frozen
                 self._embedding_backward(dhs, mbs, tied_acc, k)
             norm = self._grad_sink.finish()  # the step's one host sync
-            loss = float(loss)
+            loss = float(self.ranks.all_reduce(loss))
             self.last_grad_norm = norm
             if not math.isfinite(norm):
                 raise FloatingPointError(f"gradient norm is {norm} at step {k + 1}: the update was skipped; "
@@ -269,7 +300,7 @@ class Engine:
     def save_pretrained(self, out_dir: str | Path) -> Path:
         """The model in HF format; with LoRA the adapter in PEFT's format (adapter_config.json +
         adapter_model.safetensors, fp32), which peft.PeftModel.from_pretrained loads onto the base."""
-        self._optimizer.wait_all()
+        self.synchronize()
         if self.lora is not None:
             return lora_io.save_adapter(self.store.adapters, self.lora, self.base_model_path, Path(out_dir))
         return io.save_pretrained(self.store, self.model.hf, Path(out_dir), getattr(torch, self.cfg.save_dtype),
@@ -298,13 +329,19 @@ class Engine:
             a.wire_written(0)  # the device copies are stale
 
     def save_state(self, out_dir: str | Path) -> None:
-        self._optimizer.wait_all()
+        """Several ranks: the shared store is saved once, by whichever rank calls this (the job's first)."""
+        self.synchronize()
         io.save_state(self.store, Path(out_dir))
 
     def load_state(self, state_dir: str | Path) -> None:
-        self._optimizer.wait_all()
+        """Several ranks: every rank calls it; the first writes the shared store, every rank takes the step."""
+        self.synchronize()
         self._sync_device()  # no copy to the device may still read the host buffers about to change
-        io.load_state(self.store, Path(state_dir))
+        if self.ranks.rank == 0:
+            io.load_state(self.store, Path(state_dir))
+        else:
+            io.load_steps(self.store, Path(state_dir))
+        self.ranks.barrier()  # the shared store is whole before any rank reads it
         self._steps = int(self.store.trained[0].step)
         self._restart_fences()
 
@@ -312,6 +349,9 @@ class Engine:
         """Switch the update mode between steps (benchmarks run every mode on one model): waits for the pending
         update, then adds or frees the host buffers the new mode keeps (store.py)."""
         replace(self.cfg, update=update, speculate_units=speculate_units).validate()
+        if self.ranks.many:
+            raise BadInput("set_update changes the host buffers, which the ranks of a job share: build the "
+                           "engines with the update mode instead")
         self._optimizer.wait_all()
         self._sync_device()  # no copy may still read a buffer about to be freed
         self._spec_order = self._speculation_order(update, speculate_units, len(self.store.trained))
@@ -323,8 +363,12 @@ class Engine:
         self._restart_fences()
 
     def synchronize(self) -> None:
-        """Wait until the last step's update is on the host (the weights, moments and wires are final)."""
+        """Wait until the last step's update is on the host (the weights, moments and wires are final; with
+        several ranks, every rank's shard of it)."""
         self._optimizer.wait_all()
+        if self.ranks.many:
+            for u in range(len(self.store.trained)):
+                self._updates.wait(u, self._steps)
 
     def memory_report(self) -> dict[str, dict[str, int]]:
         return {"host": self.store.bytes_by_kind(), "device": self._device_bytes()}
@@ -348,11 +392,15 @@ class Engine:
     # ---- the step's parts ----------------------------------------------------------------------------
 
     def _speculation_order(self, update: str, limit: int | None, n_trained: int) -> list[int]:
+        return self._speculation_order_of(self.units, update, limit, n_trained)
+
+    @staticmethod
+    def _speculation_order_of(units: Units, update: str, limit: int | None, n_trained: int) -> list[int]:
         """The units the speculative update may update during the backward, head first; never the embedding
         (its gradient comes last, when the norm is known anyway)."""
         if update != "speculative":
             return []
-        return self.units.backward_order(n_trained)[:-1][:limit]
+        return units.backward_order(n_trained)[:-1][:limit]
 
     def _max_norm(self) -> float:
         return self.cfg.max_grad_norm if self.cfg.clipping else math.inf
@@ -402,7 +450,8 @@ class Engine:
             return None
         if not (train and self.lora.dropout > 0):
             return LoraCall(self.lora.scaling, 0.0)
-        seed = lora_io.mix_seed(self.cfg.seed, self._steps, j, i)
+        # several ranks: row groups numbered across the ranks, as one process with all their rows would
+        seed = lora_io.mix_seed(self.cfg.seed, self._steps, j, i + self.ranks.rank * self._row_groups)
         return LoraCall(self.lora.scaling, self.lora.dropout, seed)
 
     def _prepare(self, micro_batches) -> tuple[list[MicroBatch], int]:
@@ -442,6 +491,7 @@ class Engine:
                 mb = self._micro_batch(ids[part], targets[part], positions[part], None if pos is None else pos[part])
                 total += mb.n_targets
                 out.append(mb)
+        self._row_groups = len(out)
         return out, total
 
     def _micro_batch(self, ids, targets, positions, pos) -> MicroBatch:
@@ -587,6 +637,32 @@ class Engine:
         for dh, mb in zip(dhs, mbs):
             g.index_add_(0, mb.input_ids_BT.reshape(-1), dh.reshape(-1, dh.shape[-1]).to(g.dtype))
         G.flush(self.units.embed, acc, k)
+
+
+def _init_random(store: HostStore, model: ModelConfig, cfg: EngineConfig) -> None:
+    """Random initialisation with HF's conventions: N(0, initializer_range) matrices, zero biases, unit norms;
+    the matrices drawn in chunks on every core, each chunk from its own seed (deterministic whatever the cores)."""
+    std = model.initializer_range
+    normal = []  # (flat view, seed)
+    for u, unit in enumerate(store.units):
+        for i, t in enumerate(unit.layout.tensors):
+            flat = unit.master[t.offset:t.offset + t.numel]
+            if len(t.shape) == 2:
+                normal += [(flat[lo:lo + _INIT_CHUNK], lora_io.mix_seed(cfg.seed, u, i, lo))
+                           for lo in range(0, t.numel, _INIT_CHUNK)]
+            elif t.key.startswith(("ln", "norm")):
+                flat.fill_(1.0)
+            else:
+                flat.zero_()
+
+    def draw(item):
+        view, seed = item
+        view.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(draw, normal))
+    for unit in store.units:
+        store.refresh_wire(unit)
 
 
 def _shape_of(lora):

@@ -10,6 +10,9 @@ layer-sized staging buffers (so a layer's accumulator is free for the next layer
 head through the same staging piece by piece. LoRA's adapter gradients accumulate in one of two pooled fp32
 buffers of the largest adapter's size, so device memory does not grow with the layer count.
 On the CPU (``HostGrads``) an fp32 host gradient buffer is its own accumulator.
+
+With several ranks (ranks.py) a unit's accumulator is reduce-scattered before it leaves: this rank copies
+only its shard of the summed gradient to the host, counts only it in the norm, and the norm is all-reduced.
 """
 
 from __future__ import annotations
@@ -18,45 +21,66 @@ import torch
 
 from horizon_ray.engine.fence import Fence
 from horizon_ray.engine.pinned import HostBuffers
+from horizon_ray.engine.ranks import Ranks
 from horizon_ray.engine.store import HostStore
 from horizon_ray.engine.units import Units
 
 
 class HostGrads:
-    def __init__(self, store: HostStore, units: Units, grads: Fence, device: torch.device):
+    def __init__(self, store: HostStore, units: Units, grads: Fence, device: torch.device, ranks: Ranks):
         self.store = store
         self.units = units
         self.grads = grads  # marked when a trained unit's gradient of the step is on the host
+        self.ranks = ranks
         self.norm_sq = torch.zeros((), dtype=torch.float32, device=device)  # squared grad norm of the step
+        self._adapter_acc: dict[int, torch.Tensor] = {}  # several ranks: adapter -> its private accumulator
 
     def accumulator(self, u: int, k: int) -> torch.Tensor:
-        """A zeroed fp32 flat buffer for unit u's gradient of step k."""
+        """A zeroed fp32 flat buffer for unit u's gradient of step k (several ranks: padded for the
+        reduce-scatter; the layout's views take its first elements)."""
         unit = self.store.units[u]
-        if unit.grad_own is not None and unit.grad_own.dtype == torch.float32:
+        if not self.ranks.many and unit.grad_own is not None and unit.grad_own.dtype == torch.float32:
             return unit.grad_own.zero_()
-        # the gradient lands in the wire the step is still reading (or is narrower): accumulate apart
-        return torch.zeros(unit.layout.numel)
+        # the gradient lands in the wire the step is still reading, is narrower, or is the shared store's,
+        # which every rank writes its shard of: accumulate apart
+        return torch.zeros(self.ranks.padded(unit.layout.numel))
 
     def flush(self, u: int, acc: torch.Tensor, k: int) -> None:
-        """Unit u's gradient is complete in acc: count it in the norm and send it to the host."""
+        """Unit u's gradient is complete in acc: count it in the norm and send it (this rank's shard) to the
+        host."""
+        self._send(self.store.units[u], acc, k)
+        self.grads.mark(u, (None, self.norm_sq.clone()))
+
+    def _send(self, unit, acc: torch.Tensor, k: int) -> None:
+        g = unit.grad_of(k)
+        if self.ranks.many:
+            shard, part = self.ranks.reduce_scatter(acc), self.ranks.shard(unit.layout.numel)
+            self.norm_sq += torch.linalg.vector_norm(shard).square()
+            g[part].copy_(shard[: part.stop - part.start])
+            return
         self.norm_sq += torch.linalg.vector_norm(acc).square()
-        g = self.store.units[u].grad_of(k)
         if acc.data_ptr() != g.data_ptr():
             g.copy_(acc)
-        self.grads.mark(u, (None, self.norm_sq.clone()))
 
     def adapter_grads(self, a: int, k: int) -> dict[str, torch.Tensor]:
         """Zeroed fp32 views for adapter a's gradient (LoRA)."""
         adapter = self.store.adapters[a]
+        if self.ranks.many:
+            acc = self._adapter_acc[a] = torch.zeros(self.ranks.padded(adapter.layout.numel))
+            return adapter.layout.views(acc)
         return adapter.layout.views(adapter.grad_of(k).zero_())
 
     def flush_adapter(self, a: int, k: int) -> None:
-        self.norm_sq += torch.linalg.vector_norm(self.store.adapters[a].grad_of(k)).square()
+        adapter = self.store.adapters[a]
+        if self.ranks.many:
+            self._send(adapter, self._adapter_acc.pop(a), k)
+        else:
+            self.norm_sq += torch.linalg.vector_norm(adapter.grad_of(k)).square()
         self.grads.mark(a, (None, self.norm_sq.clone()))
 
     def finish(self) -> float:
         """Every gradient of the step is on the host: the global gradient norm (the step's one host sync)."""
-        norm = float(self.norm_sq.sqrt())
+        norm = float(self.ranks.all_reduce(self.norm_sq).sqrt())
         self.norm_sq.zero_()
         return norm
 
@@ -68,9 +92,9 @@ class HostGrads:
 
 
 class DeviceGrads(HostGrads):
-    def __init__(self, store: HostStore, units: Units, grads: Fence, device: torch.device, buffers: HostBuffers,
-                 d2h: torch.cuda.Stream):
-        super().__init__(store, units, grads, device)
+    def __init__(self, store: HostStore, units: Units, grads: Fence, device: torch.device, ranks: Ranks,
+                 buffers: HostBuffers, d2h: torch.cuda.Stream):
+        super().__init__(store, units, grads, device, ranks)
         self.compute = torch.cuda.current_stream(device)
         self.d2h = d2h
         self._acc: dict = {}
@@ -78,7 +102,7 @@ class DeviceGrads(HostGrads):
         # the partial norm after each trained unit, copied to the host behind its gradient
         self._partial = buffers.get("partial_norms", (len(store.trained),), torch.float32)
         if store.frozen:
-            max_adapter = max((a.layout.numel for a in store.adapters), default=1)
+            max_adapter = ranks.padded(max((a.layout.numel for a in store.adapters), default=1))
             self._adapter_pool = [torch.empty(max_adapter, device=device) for _ in range(2)]
             self._adapter_free: list = [None, None]  # event: the pool buffer's D2H finished
             self._adapter_held: dict[int, int] = {}  # adapter -> pool buffer its gradient accumulates in
@@ -88,17 +112,18 @@ class DeviceGrads(HostGrads):
         dtype = store.compute_dtype
         max_layer = max((u.layout.numel for u in units_[1:-1]), default=1)
         big = max(units_[0].layout.numel, units_[-1].layout.numel)
+        pad = ranks.padded  # several ranks reduce-scatter whole accumulators
         # with a narrower compute dtype a layer's gradient is cast into a staging buffer right away, which
         # frees its accumulator for the next layer at once: one suffices. In fp32 two alternate.
         staged = dtype != torch.float32
-        layer_acc = torch.empty(max_layer, device=device)
-        self._acc = {0: layer_acc, 1: layer_acc if staged else torch.empty(max_layer, device=device)}
+        layer_acc = torch.empty(pad(max_layer), device=device)
+        self._acc = {0: layer_acc, 1: layer_acc if staged else torch.empty(pad(max_layer), device=device)}
         tied = all(t.key != "lm_head" for t in units_[-1].layout.tensors)
         if tied:
-            self._acc["embed"] = torch.empty(units_[0].layout.numel, device=device)
-            self._acc["head"] = torch.empty(units_[-1].layout.numel, device=device)
+            self._acc["embed"] = torch.empty(pad(units_[0].layout.numel), device=device)
+            self._acc["head"] = torch.empty(pad(units_[-1].layout.numel), device=device)
         else:  # untied embedding and head share one: their gradients are never live together
-            self._acc["embed"] = self._acc["head"] = torch.empty(big, device=device)
+            self._acc["embed"] = self._acc["head"] = torch.empty(pad(big), device=device)
         self._acc_free = {id(b): None for b in self._acc.values()}  # buffer -> event: its D2H finished
         if staged:  # a layer's gradient is cast before it leaves; two casts in flight
             self._stage = [torch.empty(max_layer, dtype=dtype, device=device) for _ in range(2)]
@@ -114,10 +139,16 @@ class DeviceGrads(HostGrads):
         if free is not None:
             # the buffer's previous gradient must have left for the host before it is overwritten
             self.compute.wait_event(free)
-        return buf[:self.store.units[u].layout.numel].zero_()
+        return buf[:self.ranks.padded(self.store.units[u].layout.numel)].zero_()
 
     def flush(self, u: int, acc: torch.Tensor, k: int) -> None:
-        host = self.store.units[u].grad_of(k)
+        unit = self.store.units[u]
+        host = unit.grad_of(k)
+        if self.ranks.many:  # the sum over the ranks of this rank's shard; only it leaves
+            part = self.ranks.shard(unit.layout.numel)
+            acc, host = self.ranks.reduce_scatter(acc)[: part.stop - part.start], host[part]
+        else:
+            acc = acc[:unit.layout.numel]
         self.norm_sq += torch.linalg.vector_norm(acc).square()
         if self._stage is None:
             self._acc_free[id(self._acc[self._acc_key(u)])] = self._d2h(host, acc)
@@ -145,14 +176,20 @@ class DeviceGrads(HostGrads):
             self.compute.wait_event(self._adapter_free[i])
         self._adapter_held[a] = i
         adapter = self.store.adapters[a]
-        return adapter.layout.views(self._adapter_pool[i][:adapter.layout.numel].zero_())
+        return adapter.layout.views(self._adapter_pool[i][:self.ranks.padded(adapter.layout.numel)].zero_())
 
     def flush_adapter(self, a: int, k: int) -> None:
         adapter = self.store.adapters[a]
         i = self._adapter_held.pop(a)
-        grad = self._adapter_pool[i][:adapter.layout.numel]
+        n = adapter.layout.numel
+        grad, host = self._adapter_pool[i][:self.ranks.padded(n)], adapter.grad_of(k)
+        if self.ranks.many:
+            part = self.ranks.shard(n)
+            grad, host = self.ranks.reduce_scatter(grad)[: part.stop - part.start], host[part]
+        else:
+            grad = grad[:n]
         self.norm_sq += torch.linalg.vector_norm(grad).square()
-        self._adapter_free[i] = self._d2h(adapter.grad_of(k), grad)
+        self._adapter_free[i] = self._d2h(host, grad)
         self._mark(a)
 
     def _mark(self, t: int) -> None:
@@ -172,7 +209,7 @@ class DeviceGrads(HostGrads):
         return done
 
     def finish(self) -> float:
-        norm = float(self.norm_sq.sqrt())
+        norm = float(self.ranks.all_reduce(self.norm_sq).sqrt())
         self.d2h.synchronize()
         self.norm_sq.zero_()
         return norm

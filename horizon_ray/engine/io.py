@@ -127,6 +127,14 @@ def save_state(store: HostStore, out_dir: Path) -> None:
     save_file(tensors, out_dir / "engine_state.safetensors")
 
 
+def load_steps(store: HostStore, state_dir: Path) -> None:
+    """Only the AdamW step counts of a saved state (a rank of several: another rank loads the shared tensors)."""
+    path = Path(state_dir) / "engine_state.safetensors"
+    with safe_open(path, framework="pt") as f:
+        for u in store.trained:
+            u.step.copy_(f.get_tensor(f"{u.layout.name}.step")[0])
+
+
 def load_state(store: HostStore, state_dir: Path) -> None:
     path = Path(state_dir) / "engine_state.safetensors"
     if not path.is_file():

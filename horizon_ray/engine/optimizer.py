@@ -23,6 +23,7 @@ committed; the training thread marks ``grads`` when a unit's gradient of a step 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -32,6 +33,7 @@ import torch
 
 from horizon_ray.engine import cpu_adam
 from horizon_ray.engine.fence import Fence
+from horizon_ray.engine.ranks import Ranks
 from horizon_ray.engine.store import HostStore, UnitState
 
 # Units are updated in chunks small enough (16 MB of fp32) to stay in the last-level cache between the
@@ -45,8 +47,10 @@ class _Abandoned(Exception):
 
 class HostAdamW:
     def __init__(self, store: HostStore, betas: tuple[float, float], eps: float, weight_decay: float,
-                 updates: Fence | None = None, grads: Fence | None = None, threads: int = 0):
+                 updates: Fence | None = None, grads: Fence | None = None, threads: int = 0,
+                 ranks: Ranks | None = None):
         self.store = store
+        self.ranks = ranks or Ranks()  # several ranks: each updates its shard of every unit (ranks.py)
         self.betas = betas
         self.eps = eps
         self.weight_decay = weight_decay
@@ -98,7 +102,7 @@ class HostAdamW:
             self._raise()
             lr = self._spec_lr
             for u in reversed(self._speculated):
-                self.rollback(self.store.trained[u], lr, k)
+                self.rollback(self._shard(self.store.trained[u]), lr, k)
             self._speculated = []
         finally:
             self.grads.reset([k] * len(self.store.trained))
@@ -183,7 +187,7 @@ class HostAdamW:
                 event.synchronize()  # the gradient (and the partial norm after it) has landed
             if not float(norm_sq) <= max_norm * max_norm:  # NaN compares false: stop as well
                 break
-            self.update(self.store.trained[u], lr, 1.0, k)
+            self.update(self._shard(self.store.trained[u]), lr, 1.0, k)
             self._speculated.append(u)
 
     def _finish(self, k: int, lr: float, clip_coef: float) -> None:
@@ -195,7 +199,8 @@ class HostAdamW:
         if not redo:
             for u in sorted(done):  # committed as they are: exactly exact mode's update
                 self.updates.mark(u)
-        for u, unit in enumerate(self.store.trained):  # forward order: what the next forward needs first
+        for u, whole in enumerate(self.store.trained):  # forward order: what the next forward needs first
+            unit = self._shard(whole)
             if u in done and redo:
                 self.redo(unit, lr, clip_coef, k)
             elif u not in done:
@@ -207,6 +212,17 @@ class HostAdamW:
         self.last_update_s = time.perf_counter() - t0
 
     # ---- one unit --------------------------------------------------------------------------------------------
+
+    def _shard(self, unit: UnitState) -> UnitState:
+        """The unit as this rank updates it: views of its share of every buffer (the whole unit alone)."""
+        if not self.ranks.many:
+            return unit
+        s = self.ranks.shard(unit.layout.numel)
+        master = unit.master[s]
+        return dataclasses.replace(
+            unit, master=master, exp_avg=unit.exp_avg[s], exp_avg_sq=unit.exp_avg_sq[s],
+            wires=[master if w is unit.master else w[s] for w in unit.wires],
+            grad_own=None if unit.grad_own is None else unit.grad_own[s])
 
     def update(self, unit: UnitState, lr: float, clip_coef: float, k: int = 0) -> None:
         """One AdamW step of a unit from step k's gradient, then the wire that step k + 2 (delayed) or k + 1

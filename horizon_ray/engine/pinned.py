@@ -16,20 +16,28 @@ _REGISTER_MIN_BYTES = 1 << 20
 
 
 class PinnedPool:
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, shared: bool = False):
         self.enabled = enabled
+        self.shared = shared  # buffers in shared memory, for the ranks of a job to map (ranks.py)
         self._registered: list[int] = []  # data pointers this pool registered
         self._finalizer = weakref.finalize(self, _unregister_all, self._registered)
 
     def empty(self, shape, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
         make = torch.zeros if zero else torch.empty
+        if self.shared:
+            return make(shape, dtype=dtype).share_memory_()
         if not self.enabled:
             return make(shape, dtype=dtype)
         probe = torch.empty(0, dtype=dtype)
         nbytes = probe.element_size() * _numel(shape)
         if nbytes < _REGISTER_MIN_BYTES:
             return make(shape, dtype=dtype, pin_memory=True)
-        t = make(shape, dtype=dtype)
+        return self.register(make(shape, dtype=dtype))
+
+    def register(self, t: torch.Tensor) -> torch.Tensor:
+        """Page-lock an existing buffer (a rank pins the shared store in its own CUDA context)."""
+        if not self.enabled or t.nbytes == 0 or t.data_ptr() in self._registered:
+            return t
         rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0)
         if int(getattr(rc, "value", rc)) != 0:
             raise RuntimeError(f"cudaHostRegister of {t.nbytes} bytes failed with CUDA error {rc}; "

@@ -75,14 +75,16 @@ class UnitState:
 class HostStore:
     def __init__(self, layouts: list[UnitLayout], compute_dtype: torch.dtype, master_dtype: torch.dtype,
                  pin: bool, adapter_layouts: list[UnitLayout] | None = None, wires: int = 1,
-                 own_grads: frozenset[int] = frozenset()):
+                 own_grads: frozenset[int] = frozenset(), world: int = 1):
         """``wires``: 2 for the delayed update; ``own_grads``: trained units whose gradient must not share the
-        wire (the units the speculative update may roll back)."""
+        wire (the units the speculative update may roll back); ``world`` > 1: every buffer in shared memory,
+        for that many ranks to map (ranks.py), each pinning it in its own CUDA context (``attach``)."""
         self.layouts = layouts
         self.compute_dtype = compute_dtype
         self.master_dtype = master_dtype
         self.pinned = pin
-        self.pool = PinnedPool(pin)
+        self.world = world
+        self.pool = PinnedPool(pin and world == 1, shared=world > 1)
         self.frozen = adapter_layouts is not None  # LoRA: the base units are never updated
         if self.frozen:
             self.units = [self._frozen_unit(layout, compute_dtype) for layout in layouts]
@@ -94,6 +96,29 @@ class HostStore:
                          for layout in adapter_layouts or []]
         self.trained: list[UnitState] = self.adapters if self.frozen else self.units
         self.by_name = {u.layout.name: u for u in self.units + self.adapters}
+        # several ranks: the updates fence's table of versions, one row per rank (ranks.SharedFence)
+        self.versions = torch.zeros(world, len(self.trained), dtype=torch.int64).share_memory_() \
+            if world > 1 else None
+
+    def __getstate__(self):
+        # a rank receives the store through torch.multiprocessing (shared memory); the pool is per process
+        state = dict(self.__dict__)
+        state["pool"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.pool = PinnedPool(False)
+
+    def attach(self, pin: bool) -> None:
+        """In a rank's process: page-lock the buffers that cross PCIe in this process's CUDA context."""
+        self.pool = PinnedPool(pin)
+        self.pinned = pin
+        for unit in self.units + self.adapters:
+            unit.step = unit.step.clone()  # each rank counts the steps of its shard's AdamW
+            for t in (*unit.wires, unit.grad_own):
+                if t is not None:
+                    self.pool.register(t)
 
     def _trained_unit(self, layout: UnitLayout, compute_dtype: torch.dtype, master_dtype: torch.dtype,
                       wires: int, own_grad: bool) -> UnitState:
