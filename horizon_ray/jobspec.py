@@ -191,6 +191,13 @@ class EngineSpec(_Section):
         "is nothing to offload)"))
 
 
+class ResourcesSpec(_Section):
+    gpus: Int = Field(1, ge=1, description=(
+        "GPUs of one node the job uses, one rank each over one host copy of the model; each rank runs "
+        "training.grad_accum micro-batches a step, so a step has gpus x grad_accum of them (on a CPU node: that "
+        "many ranks)"))
+
+
 class LoraSpec(_Section):
     r: Int = Field(_A.r, ge=1, description="rank of every adapter")
     alpha: Float = Field(16.0, description="the adapters' output is scaled by alpha / r")
@@ -230,6 +237,7 @@ class JobSpec(_Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     lora: LoraSpec | None = Field(None, description="method lora only; absent: the defaults")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     output_dir: PathStr = Field("", description=(
         "metrics.jsonl, checkpoints/, final/ go here. Required in a file; over the API optional, relative to your "
         "output namespace (default: one directory per job)"))
@@ -278,6 +286,8 @@ class JobSpec(_Section):
         d = self.to_dict()
         for key in ("name", "output_dir", "eval", "checkpoint", "engine"):
             d.pop(key)
+        if d["resources"]["gpus"] == 1:
+            d.pop("resources")  # one GPU hashes as it did before several existed
         d["training"].pop("kernels")
         if d["training"]["update"] == "exact":
             d["training"].pop("update")
@@ -304,7 +314,7 @@ class JobSpec(_Section):
                         packed=t.packing, checkpoint_every=e.activation_checkpoint_every,
                         loss_chunk_tokens=e.loss_chunk_tokens, layer_chunk_tokens=e.layer_chunk_tokens,
                         device=e.device, compute_dtype=e.compute_dtype, offload_checkpoints=e.offload_checkpoints,
-                        update=t.update)
+                        update=t.update, gpus=self.resources.gpus)
 
     # ---- checks --------------------------------------------------------------------------------------
 
@@ -322,6 +332,14 @@ class JobSpec(_Section):
                            "remove the lora section", field="lora")
         e = self.engine
         self.resolve(gpu=False)  # refuses a device that is none of auto, cpu, cuda, cuda:N
+        if self.resources.gpus > 1 and self.training.update == "speculative":
+            raise BadInput("training.update speculative needs the gradient norm after every unit, which several "
+                           "ranks would have to all-reduce unit by unit; with resources.gpus > 1 use exact or "
+                           "delayed", field="training.update")
+        if self.resources.gpus > 1 and e.device.startswith("cuda:"):
+            raise BadInput(f"engine.device {e.device} names one GPU but resources.gpus is {self.resources.gpus}; "
+                           "set engine.device to cuda (or auto): rank r takes the r-th GPU given to the job",
+                           field="engine.device")
         if e.precision == "bf16-state" and e.compute_dtype == "float32":
             raise BadInput("engine.precision bf16-state computes in bfloat16; set engine.compute_dtype to "
                            "bfloat16 (or auto), or use precision exact", field="engine.compute_dtype")

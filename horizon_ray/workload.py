@@ -122,9 +122,10 @@ class Workload:
     compute_dtype: str = "auto"  # engine.compute_dtype; "float32" or "bfloat16" once resolved
     offload_checkpoints: bool | str = "auto"  # checkpoints wait in pinned host memory; a bool once resolved
     update: str = "exact"  # training.update: when the host AdamW runs
+    gpus: int = 1  # resources.gpus: ranks of the job on one node, each with grad_accum micro-batches a step
 
     _POSITIVE = ("seq_len", "micro_batch_size", "grad_accum", "checkpoint_every", "loss_chunk_tokens",
-                 "layer_chunk_tokens")
+                 "layer_chunk_tokens", "gpus")
 
     def __post_init__(self) -> None:
         for name in self._POSITIVE:
@@ -151,7 +152,13 @@ class Workload:
 
     @property
     def tokens_per_step(self) -> int:
+        """Tokens of one rank's share of a step (the whole step with one GPU)."""
         return self.seq_len * self.micro_batch_size * self.grad_accum
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens of the whole optimizer step, every rank's."""
+        return self.tokens_per_step * self.gpus
 
     @property
     def rows_per_group(self) -> int:

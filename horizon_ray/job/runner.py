@@ -28,6 +28,7 @@ import torch
 from horizon_ray.atomic import atomic_path, write_atomic
 from horizon_ray.errors import BadInput
 from horizon_ray.job import checkpoints as ckpt_io
+from horizon_ray.job import ranks
 from horizon_ray.job.events import Checkpoint, CheckpointBegin, Done, Error, Eval, Metrics, Start
 from horizon_ray.job.metrics import MetricsWriter, plot_loss_curve
 from horizon_ray.job.progress import Progress
@@ -85,6 +86,44 @@ def speculate_units(spec: JobSpec, cfg: Any) -> int | None:
     node = NodeSpec(ram_bytes=psutil.virtual_memory().total, gpus=torch.cuda.device_count() if cuda else 0,
                     gpu_mem_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else 0, name="this node")
     return plan_for_spec(spec, node, suggest=False).speculate_units
+
+
+@dataclass
+class Data:
+    """A job's data as its ranks read it (load_data)."""
+
+    train_ds: Any  # the training split
+    eval_ds: Any  # the eval split, or None
+    sampler: Any  # StepSampler: the micro-batches of every step, a pure function of the step
+    total: int  # optimizer steps of the whole job
+    evals: list | None  # eval micro-batches, or None (no eval data)
+
+
+def load_data(spec: JobSpec) -> Data:
+    """The job's datasets and step sampler (a step has resources.gpus x grad_accum micro-batches: every
+    rank's), its step count and its eval micro-batches."""
+    from horizon_ray.data import StepSampler, build_datasets, eval_batches, load_tokenizer
+
+    t = spec.training
+    tokenizer = load_tokenizer(Path(spec.model.tokenizer_path or spec.model.path).expanduser())
+    train_ds, eval_ds = build_datasets(
+        spec.data.path, spec.data.format, tokenizer, t.seq_len,
+        # eval_path replaces the held-out fraction (the data API takes one or the other)
+        eval_fraction=0.0 if spec.data.eval_path else spec.data.eval_fraction,
+        eval_path=spec.data.eval_path, seed=t.seed,
+    )
+    sampler = StepSampler(train_ds, t.seq_len, micro_batch_size=t.micro_batch_size,
+                           grad_accum=t.grad_accum * spec.resources.gpus, packing=t.packing, seed=t.seed)
+    total = total_steps_for(spec, sampler.steps_per_epoch)
+    if t.schedule.warmup_steps >= total:
+        raise BadInput(f"training.schedule.warmup_steps ({t.schedule.warmup_steps}) must be smaller "
+                       f"than the job's {total} steps; lower the warmup", field="training.schedule.warmup_steps")
+    evals = None
+    if eval_ds is not None and eval_ds.examples:
+        evals = eval_batches(eval_ds, t.seq_len, micro_batch_size=t.micro_batch_size,
+                             packing=t.packing)[: spec.eval.max_batches]
+    return Data(train_ds, eval_ds, sampler, total, evals)
+
 
 
 def total_steps_for(spec: JobSpec, steps_per_epoch: int) -> int:
@@ -147,12 +186,19 @@ class _Job:
         self._load_data()
         cfg = engine_config(self.spec)
         model_dir = Path(self.spec.model.path).expanduser()
+        self.world = self.spec.resources.gpus
+        group = None
         with _reading(f"model.path {model_dir}"):
-            eng = Engine.from_pretrained(str(model_dir), cfg)
+            if self.world > 1:  # ranks 1..N-1 in child processes over one host store (job/ranks.py)
+                eng, group = ranks.start(self.spec, cfg, model_dir, latest.engine_dir if latest else None,
+                                         latest.step if latest else 0)
+            else:
+                eng = Engine.from_pretrained(str(model_dir), cfg)
         try:
             if latest is not None:
-                with _reading(f"checkpoint {latest.path}"):
-                    eng.load_state(str(latest.engine_dir))
+                if group is None:
+                    with _reading(f"checkpoint {latest.path}"):
+                        eng.load_state(str(latest.engine_dir))
                 _restore_rng(latest.state())
                 self.step = latest.step
                 assert eng.step == self.step, (eng.step, self.step)
@@ -166,9 +212,13 @@ class _Job:
                 steps_per_epoch=self.sampler.steps_per_epoch, training_hash=self.spec.training_hash(),
             ))
             first_eval, final_eval, last_loss = self._train(eng)
+            if group is not None:
+                ranks.finish(group)  # every rank's last update is in the store
             final_dir = self._save_final(eng)
         finally:
             eng.close()
+            if group is not None:
+                ranks.stop(group)
         try:
             plot_loss_curve(self.out / "metrics.jsonl", self.out / "loss_curve.png", self.spec.name or "")
         except Exception as exc:  # a missing plot must not fail a finished job
@@ -216,26 +266,9 @@ class _Job:
         return latest
 
     def _load_data(self) -> None:
-        from horizon_ray.data import StepSampler, build_datasets, eval_batches, load_tokenizer
-
-        spec, t = self.spec, self.spec.training
-        tokenizer = load_tokenizer(self.tokenizer_dir)
-        self.train_ds, self.eval_ds = build_datasets(
-            spec.data.path, spec.data.format, tokenizer, t.seq_len,
-            # eval_path replaces the held-out fraction (the data API takes one or the other)
-            eval_fraction=0.0 if spec.data.eval_path else spec.data.eval_fraction,
-            eval_path=spec.data.eval_path, seed=t.seed,
-        )
-        self.sampler = StepSampler(self.train_ds, t.seq_len, micro_batch_size=t.micro_batch_size,
-                                   grad_accum=t.grad_accum, packing=t.packing, seed=t.seed)
-        self.total = total_steps_for(spec, self.sampler.steps_per_epoch)
-        if t.schedule.warmup_steps >= self.total:
-            raise BadInput(f"training.schedule.warmup_steps ({t.schedule.warmup_steps}) must be smaller "
-                           f"than the job's {self.total} steps; lower the warmup")
-        self.evals = None
-        if self.eval_ds is not None and self.eval_ds.examples:
-            self.evals = eval_batches(self.eval_ds, t.seq_len, micro_batch_size=t.micro_batch_size,
-                                      packing=t.packing)[: spec.eval.max_batches]
+        data = load_data(self.spec)
+        self.train_ds, self.eval_ds, self.sampler, self.total, self.evals = (
+            data.train_ds, data.eval_ds, data.sampler, data.total, data.evals)
 
     def _train(self, eng: Any) -> tuple[float | None, float | None, float | None]:
         """The step loop. Returns (first eval loss of this run, final eval loss, last training loss)."""
@@ -251,7 +284,7 @@ class _Job:
                 tick = time.monotonic()
                 lr = lr_at(step, total, t.lr, t.schedule)
                 eng.set_lr(lr)
-                batches = self.sampler.batches_for_step(step)
+                batches = ranks.my_batches(self.sampler.batches_for_step(step), 0, self.world)
                 last_loss = float(eng.train_step(batches))
                 self.step = done = step + 1
 

@@ -161,6 +161,12 @@ def host_breakdown(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: 
         dev = device_items(shape, mode, job, lora)
         out["checkpoints"] = dev.pop("checkpoints") + dev.pop("recompute_inputs")
         out["workspace"] = sum(dev.values())
+    if job.gpus > 1:
+        # several ranks share the store; each has its own process, checkpoints, gathered rows, workspace and
+        # optimizer scratch (and pins its own checkpoint and row buffers)
+        pinned += (job.gpus - 1) * (out["checkpoints"] + out["embed_rows"] if cuda else 0)
+        for key in ("checkpoints", "embed_rows", "baseline", "workspace", "optimizer_scratch", "pinned_padding"):
+            out[key] *= job.gpus
     step_transient = out["checkpoints"] + out["optimizer_scratch"] + out["workspace"]
     out["load_staging"] = max(0, 4 * largest_tensor(shape) - step_transient)
     return out, pinned

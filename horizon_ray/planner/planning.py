@@ -44,7 +44,7 @@ class Plan:
     micro_batch_size: int
     grad_accum: int
     checkpoint_every: int
-    tokens_per_step: int  # seq_len x micro_batch_size x grad_accum
+    tokens_per_step: int  # seq_len x micro_batch_size x grad_accum x gpus: the whole optimizer step
     host_bytes: int  # host RAM the job needs at its peak, process baseline included
     gpu_bytes: int  # GPU memory the job needs at its peak (0 on device cpu)
     pinned_bytes: int  # part of host_bytes that is page-locked (CUDA)
@@ -68,6 +68,7 @@ class Plan:
     pinned_pow2: bool = PINNED_POW2_ROUNDING  # pinned buffers rounded up to powers of two (torch's allocator)
     concurrent_engines: int = 1  # engines sharing the host's DRAM bandwidth and cores (one per GPU) in the timing
     update: str = "exact"  # training.update: when the host AdamW runs (delayed is not exact AdamW)
+    gpus: int = 1  # resources.gpus: ranks of the job, one per GPU, over one host copy (host bytes are once)
     # speculative: how many units (head first, then layers from the top) the engine may update during the
     # backward, as many as the node's RAM holds their own gradient buffers for (EngineConfig.speculate_units)
     speculate_units: int | None = None
@@ -87,7 +88,8 @@ def plan(model, *, method: str | None = None, mode: str | None = None, seq_len: 
          gpu_budget_bytes: int | None = None, lora: Adapters | dict | None = None,
          loss_chunk_tokens: int | None = None, packed: bool = False, suggest: bool = True,
          pinned_pow2: bool = PINNED_POW2_ROUNDING, layer_chunk_tokens: int | None = None,
-         offload_checkpoints: bool | str | None = None, concurrent_engines: int = 1, update: str | None = None) -> Plan:
+         offload_checkpoints: bool | str | None = None, concurrent_engines: int = 1, update: str | None = None,
+         gpus: int | None = None) -> Plan:
     """Plan one job on one node.
 
     ``model``: a preset name, a config.json path or model directory, an HF config dict, a ModelShape, or a
@@ -111,7 +113,8 @@ def plan(model, *, method: str | None = None, mode: str | None = None, seq_len: 
     method = method or ("lora" if mode == "lora" else "full")
     given = {"seq_len": seq_len, "micro_batch_size": micro_batch_size, "grad_accum": grad_accum,
              "checkpoint_every": checkpoint_every, "loss_chunk_tokens": loss_chunk_tokens,
-             "layer_chunk_tokens": layer_chunk_tokens, "offload_checkpoints": offload_checkpoints, "update": update}
+             "layer_chunk_tokens": layer_chunk_tokens, "offload_checkpoints": offload_checkpoints, "update": update,
+             "gpus": gpus}
     job = Workload(packed=bool(packed), device=device, compute_dtype=compute_dtype,
                    **{k: v for k, v in given.items() if v is not None})
     return _plan_job(shape, method, mode, job, Adapters.of(lora) if method == "lora" else None, node,
@@ -225,21 +228,21 @@ def _plan(shape: ModelShape, pm: PrecisionMode, job: Workload, node: NodeSpec, g
     # a budget caps what the job may take of the GPU; it cannot add memory the GPU does not have
     gpu_limit = node.gpu_mem_bytes if gpu_budget_bytes is None else min(gpu_budget_bytes, node.gpu_mem_bytes)
     host_ok = host_bytes <= node.usable_ram_bytes
-    gpu_ok = not cuda or (node.gpus > 0 and gpu_bytes <= gpu_limit)
+    gpu_ok = not cuda or (node.gpus >= job.gpus and gpu_bytes <= gpu_limit)
     p = Plan(
         model=shape.name, params=shape.num_params, trainable_params=trainable, method=pm.method, mode=pm.name,
         compute_dtype=job.compute_dtype, device=job.device, seq_len=job.seq_len,
         micro_batch_size=job.micro_batch_size, grad_accum=job.grad_accum, checkpoint_every=job.checkpoint_every,
-        tokens_per_step=job.tokens_per_step, host_bytes=host_bytes, gpu_bytes=gpu_bytes, pinned_bytes=pinned,
+        tokens_per_step=job.step_tokens, host_bytes=host_bytes, gpu_bytes=gpu_bytes, pinned_bytes=pinned,
         host_limit_bytes=node.usable_ram_bytes, gpu_limit_bytes=gpu_limit if cuda else 0,
         fits=host_ok and gpu_ok, reason="", breakdown={"host": host, "gpu": gpu},
         bytes_per_param=state / shape.num_params, step_time_s=t["step_s"],
-        tokens_per_s=job.tokens_per_step / t["step_s"],
+        tokens_per_s=job.step_tokens / t["step_s"],
         mfu=t["model_flops"] / t["step_s"] / node.ceilings.matmul_flops,
         mfu_datasheet=t["model_flops"] / t["step_s"] / node.ceilings.datasheet_matmul_flops, bound=t["bound"],
         timing=t, gives_up=pm.gives_up, engine_supported=pm.engine_supported,
         lora=dataclasses.asdict(lora) if lora else None, node=node.to_dict(), pinned_pow2=pinned_pow2,
-        concurrent_engines=concurrent_engines, speculate_units=spec_units,
+        concurrent_engines=concurrent_engines, speculate_units=spec_units, gpus=job.gpus,
     )
     if suggest and not p.fits:
         p.alternatives = _alternatives(shape, p, job, node, gpu_budget_bytes, lora)
@@ -313,6 +316,9 @@ def _reason(p: Plan, node: NodeSpec, shape, job, gpu_budget_bytes, lora, host_ok
     if p.device == "cuda" and not gpu_ok:
         if node.gpus == 0:
             parts.append("does not fit: the node has no GPU; plan with device='cpu' or pick a GPU node.")
+        elif node.gpus < job.gpus:
+            parts.append(f"does not fit: the job asks for {job.gpus} GPUs (resources.gpus) and node {node.name} "
+                         f"has {node.gpus}; lower resources.gpus or pick a node with more GPUs.")
         else:
             missing = p.gpu_bytes - p.gpu_limit_bytes
             acts = sum(p.breakdown["gpu"][k] for k in ("checkpoints", "recompute_inputs", "hidden_states"))

@@ -95,7 +95,9 @@ def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapt
     """Seconds of each term and the predicted step of one engine while `concurrent_engines` engines share
     the host, plus the name of the bound. ``speculated_params``: parameters the speculative update may update
     during the backward (Plan.speculate_units' units)."""
-    share = host_share(ceil, concurrent_engines)
+    # several ranks of one job share the host like as many engines, and each moves its 1/N of the gradients
+    # and of the update (ranks.py); each GPU runs its own tokens_per_step and streams every unit
+    share = host_share(ceil, concurrent_engines * job.gpus)
     compute_dtype = job.compute_dtype
     c = DTYPE_BYTES[compute_dtype]
     L, H, V = shape.num_layers, shape.hidden_size, shape.vocab_size
@@ -124,6 +126,8 @@ def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapt
     adapter_wire = L * adapter_layer * 4
     embed_opt_work = shape.embed_params * pb.optimizer_bytes
     embed_grad_down = shape.embed_params * pb.grad_bytes
+    grads_down, opt_work = grads_down / job.gpus, opt_work / job.gpus
+    embed_opt_work, embed_grad_down = embed_opt_work / job.gpus, embed_grad_down / job.gpus
     checkpoints = ceil_div(L, K) * tokens * H * c if job.offload_checkpoints else 0
     h2d_fwd = sum(wire.values()) + adapter_wire - wire["embed"]
     h2d_bwd = max(0, L - 2 * K) * wire.get("layer.0", 0) + checkpoints
