@@ -1,6 +1,6 @@
 """Host and GPU bytes of one job, item by item, as the engine allocates them.
 
-Host (``horizon_ray.engine.store`` / ``streamer``): the per-unit buffers of the mode (see ``modes``), the
+Host (``horizon_ray.engine.store``, ``stash``, ``slots``): the per-unit buffers of the mode (see ``modes``), the
 activation checkpoints (offloaded to pinned host buffers on CUDA, the engine's default), the rounding of
 pinned buffers, the optimizer's scratch chunk, the process baseline, and the load's transient: loading
 materialises one tensor at a time before copying it into its unit (the safetensors read, or
@@ -10,9 +10,9 @@ what the load needs beyond those (the host peak is the larger of the two phases)
 engine's device-side working set (checkpoints, a layer's autograd workspace, the loss chunk) lives in
 host RAM and is counted there.
 
-GPU (``streamer`` and ``engine``), c = bytes of the compute dtype, T = tokens of the optimizer step (all
-micro-batches), m = tokens of one row group (a micro-batch split at layer_chunk_tokens), K = checkpoint
-interval, L = layers:
+GPU (``slots``, ``grads``, ``stash`` and ``engine``), c = bytes of the compute dtype, T = tokens of the
+optimizer step (all micro-batches), m = tokens of one row group (a micro-batch split at layer_chunk_tokens),
+K = checkpoint interval, L = layers:
 
     weight_slots       2 x min(K, L) x layer x c     two groups of K layer slots (a block + the next one)
     embed_slot         V x H x c, tied only          (untied: rows are gathered on the host, T x H crosses)
