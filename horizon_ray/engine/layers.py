@@ -6,11 +6,11 @@ numerics can be pinned against them.
 
 With LoRA the weights of a layer also hold its adapters ("q.lora_A" [r, in], "q.lora_B" [out, r], ...), and
 every adapted projection computes PEFT's ``base(x) + lora_B(lora_A(dropout(x))) * scaling``: the adapter
-path in the adapters' dtype (fp32) on the input cast to it, added to the base output, the sum cast back
-to the compute dtype (what PEFT does with fp32 adapters on a bf16 base). One autograd function does the
-adapter part (``_LoraAdd``): for its backward it keeps only the input x, which the base projection keeps
-anyway, and the [tokens, r] intermediate; the fp32 cast of x and its dropout mask are rebuilt in the
-backward (the mask from its seed), so an adapter adds no activation memory of the input's size.
+path in the compute dtype, the fp32 adapters cast to it for the matmuls (what PEFT does under autocast with
+fp32 adapters on a bf16 base; in fp32 it is plain fp32), added to the base output. One autograd function
+does the adapter part (``_LoraAdd``): for its backward it keeps only the input x, which the base projection
+keeps anyway, and the [tokens, r] intermediate; the dropout mask is rebuilt in the backward from its seed, so
+an adapter adds no activation memory of the input's size and no widened copy of it.
 """
 
 from __future__ import annotations
@@ -108,36 +108,36 @@ def _adapter_input(x: torch.Tensor, dtype: torch.dtype, dropout: float, seed: in
 
 
 class _LoraAdd(torch.autograd.Function):
-    """y + (dropout(x) A^T) B^T * scaling, computed in A's dtype and returned in y's dtype."""
+    """y + (dropout(x) A^T) B^T * scaling in y's dtype (the compute dtype): the fp32 adapters are cast to it for
+    the matmuls, as PEFT's adapters are under autocast, and their gradients come back in fp32. No activation
+    of the input's or output's size is ever widened: the backward scales the [tokens, r] products, not the
+    incoming gradient."""
 
     @staticmethod
     def forward(ctx, x, y, a, b, scaling: float, dropout: float, seed: int):
-        u = F.linear(_adapter_input(x, a.dtype, dropout, seed), a)  # [..., r]
+        dt = y.dtype
+        u = F.linear(_adapter_input(x, dt, dropout, seed), a.to(dt))  # [..., r]
         ctx.save_for_backward(x, a, b, u)
         ctx.lora = (scaling, dropout, seed)
-        return F.linear(u, b).mul_(scaling).add_(y).to(y.dtype)
+        return torch.add(y, F.linear(u, b.to(dt)), alpha=scaling)
 
     @staticmethod
     def backward(ctx, grad):
         x, a, b, u = ctx.saved_tensors
         scaling, dropout, seed = ctx.lora
         need_x, need_y, need_a, need_b = ctx.needs_input_grad[:4]
-        r = a.shape[0]
-        g = grad.to(a.dtype) * scaling  # dL/d(x_d A^T B^T), [..., out]
-        g2 = g.reshape(-1, g.shape[-1])
-        grad_b = g2.T @ u.reshape(-1, r) if need_b else None
-        gu = g @ b  # [..., r]
-        del g, g2  # the fp32 temporaries go one at a time: at most one of [tokens, out] or [tokens, in] lives
+        dt, r = grad.dtype, a.shape[0]
+        grad_b = (grad.reshape(-1, grad.shape[-1]).T @ u.reshape(-1, r)).float().mul_(scaling) if need_b else None
+        gu = (grad @ b.to(dt)).mul_(scaling)  # dL/du, [..., r]
         grad_a = grad_x = None
         if need_a:
-            x_d = _adapter_input(x, a.dtype, dropout, seed)  # rebuilt: the forward kept only x
-            grad_a = gu.reshape(-1, r).T @ x_d.reshape(-1, x_d.shape[-1])
+            x_d = _adapter_input(x, dt, dropout, seed)  # rebuilt: the forward kept only x (x itself at p = 0)
+            grad_a = (gu.reshape(-1, r).T @ x_d.reshape(-1, x_d.shape[-1])).float()
             del x_d
         if need_x:
-            gx = gu @ a
+            grad_x = gu @ a.to(dt)
             if dropout > 0:  # through the same mask: dropout of a tensor of ones is keep / (1 - p)
-                gx = gx * _adapter_input(torch.ones_like(gx), a.dtype, dropout, seed)
-            grad_x = gx.to(x.dtype)
+                grad_x = grad_x * _adapter_input(torch.ones_like(grad_x), dt, dropout, seed)
         return grad_x, grad if need_y else None, grad_a, grad_b, None, None, None
 
 

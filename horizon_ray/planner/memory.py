@@ -29,7 +29,7 @@ K = checkpoint interval, L = layers:
     hidden_states      2 x T x H x c                 a layer's input and output lists (dL/dy and dL/dx)
     layer_workspace    one row group through one layer under autograd (LAYER_* coefficients below)
                        + the layer's weight gradients, returned at once by torch.autograd.grad; with LoRA
-                       + an adapter backward's fp32 [tokens, in + out] of the widest target
+                       + an adapter backward's [tokens, in + out] of the widest target
     loss_workspace     chunk x V x (12 + 2c) + V x H x c   logits (c, fp32), log-softmax, their grads;
                        dL/dW of the LM head as autograd returns it; counted beyond layer_workspace only, as
                        the two are never live together
@@ -213,10 +213,10 @@ def device_items(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Ad
     transient = m * c * (LAYER_BACKWARD_I * shape.intermediate_size + LAYER_BACKWARD_Q * shape.q_dim)
     out["layer_workspace"] = saved + transient + trained_layer * (c if full else 4)
     if not full:
-        # an adapter's backward (layers._LoraAdd) widens its output gradient and rebuilds its input in fp32, and
-        # returns dL/dx in fp32 before the cast: [tokens, in + out] x 4 for the widest target, transient
+        # an adapter's backward (layers._LoraAdd) rebuilds its dropped-out input and returns dL/dx, each
+        # [tokens, in] in the compute dtype, beside the incoming [tokens, out]: the widest target, transient
         dims = shape.linear_shapes()
-        out["layer_workspace"] += m * 4 * max(sum(dims[t]) for t in lora.targets)
+        out["layer_workspace"] += m * c * max(sum(dims[t]) for t in lora.targets)
     chunk = min(job.loss_chunk_tokens, m)
     loss = chunk * V * (12 + 2 * c) + (shape.embed_params * c if full else 0)
     # the loss runs after the last layer's forward and before the first layer's backward: its workspace and
