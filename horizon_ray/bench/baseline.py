@@ -16,10 +16,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import torch
-
 from horizon_ray.bench import hf
-from horizon_ray.bench.metrics import LIGER, Unavailable, unavailable
+from horizon_ray.bench.metrics import Unavailable, unavailable
 from horizon_ray.bench.runtime import device_and_dtype, sync
 from horizon_ray.bench.shapes import resolve_shape
 
@@ -30,15 +28,8 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
     why = unavailable(args.system, dev)
     if why:
         raise Unavailable(why)
-    extra = {"liger": hf.apply_liger(shape)} if args.system in LIGER else {}
-    device = torch.device(dev)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    torch.manual_seed(0)
-    t0 = time.perf_counter()
-    with device:
-        model = hf.build_model(shape, getattr(torch, dtype))
-    every = hf.enable_checkpointing(model, args.checkpoint_every)
+    extra: dict = {}
+    model, device, every, t0 = hf.prepare_peer(args, shape, dev, dtype, extra)
     model.train()
     opt = hf.FallbackAdamW(model.parameters())
     sync(device)

@@ -13,6 +13,7 @@ from importlib import metadata
 import torch
 
 from horizon_ray.bench.metrics import (
+    LIGER,
     Unavailable,
     base_record,
     error_reason,
@@ -237,3 +238,19 @@ def measure(system: str, shape, model, opt, args, emit: Callable[[dict], None], 
                 out["split_error"] = f"{type(exc).__name__}: {exc}"[:300]
             emit(out)
     return results
+
+
+def prepare_peer(args, shape, dev: str, dtype: str, extra: dict):
+    """An in-GPU peer's model on its device: Liger patched in first for the Liger peers, seeded, built,
+    checkpointed. Returns (model, device, checkpoint interval, build start time)."""
+    if args.system in LIGER:
+        extra["liger"] = apply_liger(shape)
+    device = torch.device(dev)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with device:
+        model = build_model(shape, getattr(torch, dtype))
+    every = enable_checkpointing(model, args.checkpoint_every)
+    return model, device, every, t0

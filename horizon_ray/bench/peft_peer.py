@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from horizon_ray.bench import hf
-from horizon_ray.bench.metrics import LIGER, Unavailable, unavailable
+from horizon_ray.bench.metrics import Unavailable, unavailable
 from horizon_ray.bench.planning import lora_alpha, lora_settings
 from horizon_ray.bench.runtime import device_and_dtype, sync
 from horizon_ray.bench.shapes import resolve_shape
@@ -34,16 +34,7 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
     lora = lora_settings(args, "lora")
     lora.check()
     extra = {"peft": hf.require_peft()}
-    if args.system in LIGER:
-        extra["liger"] = hf.apply_liger(shape)
-    device = torch.device(dev)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    torch.manual_seed(0)
-    t0 = time.perf_counter()
-    with device:
-        model = hf.build_model(shape, getattr(torch, dtype))
-    every = hf.enable_checkpointing(model, args.checkpoint_every)
+    model, device, every, t0 = hf.prepare_peer(args, shape, dev, dtype, extra)
     model = hf.peft_lora(model, lora.r, lora_alpha(lora.r), lora.targets)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]

@@ -66,14 +66,19 @@ struct Hyper {
     }
 };
 
-// fp32 master and moments; bf16 gradient and bf16 wire (which may be the same buffer)
-void adamw_f32(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor exp_avg_sq, torch::Tensor grad,
-               torch::Tensor wire, double lr, double beta1, double beta2, double eps, double weight_decay,
-               double step, double clip) {
+static void check_f32(const torch::Tensor& param, const torch::Tensor& exp_avg, const torch::Tensor& exp_avg_sq,
+                      const torch::Tensor& grad, const torch::Tensor& wire) {
     TORCH_CHECK(param.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous() &&
                 grad.is_contiguous() && wire.is_contiguous(), "contiguous tensors expected");
     TORCH_CHECK(param.scalar_type() == at::kFloat && grad.scalar_type() == at::kBFloat16 &&
                 wire.scalar_type() == at::kBFloat16, "dtypes");
+}
+
+// fp32 master and moments; bf16 gradient and bf16 wire (which may be the same buffer)
+void adamw_f32(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor exp_avg_sq, torch::Tensor grad,
+               torch::Tensor wire, double lr, double beta1, double beta2, double eps, double weight_decay,
+               double step, double clip) {
+    check_f32(param, exp_avg, exp_avg_sq, grad, wire);
     // the training thread must keep launching device work while this runs: drop the GIL
     pybind11::gil_scoped_release no_gil;
     float* p = param.data_ptr<float>();
@@ -104,10 +109,7 @@ void adamw_f32(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor exp_avg
 void adamw_f32_redo(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor exp_avg_sq, torch::Tensor grad,
                     torch::Tensor wire, double lr, double beta1, double beta2, double eps, double weight_decay,
                     double step, double clip) {
-    TORCH_CHECK(param.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous() &&
-                grad.is_contiguous() && wire.is_contiguous(), "contiguous tensors expected");
-    TORCH_CHECK(param.scalar_type() == at::kFloat && grad.scalar_type() == at::kBFloat16 &&
-                wire.scalar_type() == at::kBFloat16, "dtypes");
+    check_f32(param, exp_avg, exp_avg_sq, grad, wire);
     pybind11::gil_scoped_release no_gil;
     float* p = param.data_ptr<float>();
     float* m = exp_avg.data_ptr<float>();
@@ -193,7 +195,7 @@ def kernel():
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name="horizon_ray_adamw_v6", cpp_sources=[_SOURCE],
+                    name="horizon_ray_adamw_v7", cpp_sources=[_SOURCE],
                     functions=["adamw_f32", "adamw_bf16", "adamw_f32_redo"],
                     # -fno-math-errno lets the compiler vectorise sqrt
                     extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
