@@ -1,6 +1,6 @@
 """The KubeRay manifests under k8s/, checked offline.
 
-- KubeRay kinds (RayCluster, RayJob) against the CRD schemas of KubeRay v1.7.0 in ../shared/kuberay-crds,
+- KubeRay kinds (RayCluster, RayJob) against the CRD schemas of KubeRay v1.7.0 in tests/data/kuberay-crds,
   made strict (a misspelled key fails; see that folder's README); core kinds, and the pod templates inside
   the RayCluster, with kubernetes-validate for one Kubernetes version.
 - Every worker group's pods hold the job spec it is sized for: the planner plans that spec on a node with
@@ -28,7 +28,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
-CRD_DIR = ROOT.parent / "shared" / "kuberay-crds" / "v1.7.0"  # CI puts shared/ beside the clone
+CRD_DIR = ROOT / "tests" / "data" / "kuberay-crds" / "v1.7.0"  # KubeRay v1.7.0, Apache-2.0 (README there)
 K8S_VERSION = "1.30.0"  # the Kubernetes version the core kinds are validated for
 IMAGE = "ghcr.io/horizon-ray/horizon-ray:0.1.0"
 CRD_SCHEMAS = {"RayCluster": "rayclusters", "RayJob": "rayjobs", "RayService": "rayservices"}
@@ -180,7 +180,7 @@ def quantity(text: str | int) -> float:
 
 def strict_schema(schema: Any) -> Any:
     """The CRD schema with `additionalProperties: false` wherever it lists properties and does not keep
-    unknown fields, and x-kubernetes-int-or-string as integer-or-string (shared/kuberay-crds/README.md)."""
+    unknown fields, and x-kubernetes-int-or-string as integer-or-string (tests/data/kuberay-crds/README.md)."""
     if isinstance(schema, list):
         return [strict_schema(s) for s in schema]
     if not isinstance(schema, dict):
@@ -203,9 +203,6 @@ def strict_schema(schema: Any) -> Any:
 
 
 def crd_validator(kind: str, strict: bool = True):
-    if not CRD_DIR.is_dir():
-        pytest.skip(f"the KubeRay CRD schemas are not at {CRD_DIR} (../shared beside the repository); "
-                    "CRD validation needs them")
     jsonschema = pytest.importorskip("jsonschema", reason="jsonschema (dev extra) validates the CRD kinds")
     schema = json.loads((CRD_DIR / f"{CRD_SCHEMAS[kind]}.schema.json").read_text())
     return jsonschema.Draft7Validator(strict_schema(schema) if strict else schema)
