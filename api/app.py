@@ -64,12 +64,14 @@ def create_app(client: CoordinatorClient, settings: ApiSettings) -> FastAPI:
 
 def app_from_env() -> FastAPI:
     """`uvicorn --factory api.app:app_from_env`: settings from HORIZON_* variables, the Ray coordinator
-    at HORIZON_RAY_ADDRESS (default "auto")."""
+    at HORIZON_RAY_ADDRESS (default "auto"). The connection to Ray is made in the background and made again
+    after a loss (a head restart): /readyz answers 503 until the coordinator answers."""
     import os
 
     from horizon_ray.cluster.client import RayClient
 
-    return create_app(RayClient(os.environ.get("HORIZON_RAY_ADDRESS") or None), ApiSettings.from_env())
+    settings = ApiSettings.from_env()  # bad settings fail here, before anything connects
+    return create_app(RayClient(os.environ.get("HORIZON_RAY_ADDRESS") or None, lazy=True), settings)
 
 
 # The dashboard loads nothing from elsewhere and runs no inline script.

@@ -25,6 +25,10 @@ ENV_DATA_ROOTS = "HORIZON_DATA_ROOTS"  # os.pathsep-separated read-only dataset 
 ENV_MODEL_ROOTS = "HORIZON_MODEL_ROOTS"  # os.pathsep-separated read-only base-model roots
 ENV_MODEL_CATALOGUE = "HORIZON_MODEL_CATALOGUE"  # "name=/models/dir,name2=/models/dir2"
 ENV_MAX_BODY = "HORIZON_API_MAX_BODY_BYTES"
+# Words of the keys that examples and templates ship (k8s/examples/api-keys.secret.yaml): a key holding one
+# was copied, not generated, and anyone who read the same example could use it.
+PLACEHOLDER_KEY_WORDS = ("replace-me", "replace_me", "replaceme", "change-me", "change_me", "changeme",
+                         "placeholder", "your-key", "your_key", "your-api-key", "example")
 ENV_MAX_UPLOAD = "HORIZON_API_MAX_UPLOAD_BYTES"
 
 
@@ -59,6 +63,11 @@ class ApiSettings:
         for key, tenant in self.api_keys.items():
             if not key or not key.strip():
                 raise BadInput("an API key is empty; give every tenant a non-empty key")
+            if any(word in key.lower() for word in PLACEHOLDER_KEY_WORDS):
+                raise BadInput(
+                    f"the API key of tenant {tenant!r} is a placeholder ({key[:12]}...), which anyone who read the "
+                    f"example knows; put a random key in its place ({ENV_KEYS_FILE} or {ENV_KEYS}), e.g. from "
+                    "python -c 'import secrets; print(secrets.token_urlsafe(32))'")
             check_tenant_name(tenant)  # a tenant name becomes a directory name
         self.uploads_dir = Path(self.uploads_dir).resolve()
         self.jobs_root = Path(self.jobs_root).resolve()

@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("horizon_ray.commands.serve", "run the service: Ray cluster, node agents, coordinator, API"),
     "submit": ("horizon_ray.commands.submit", "submit a job spec to the running service's coordinator"),
     "status": ("horizon_ray.commands.status", "show the service's nodes, jobs and queue, or one job"),
+    "drain": ("horizon_ray.commands.drain", "checkpoint and stop this node's jobs (a worker pod's preStop hook)"),
     "plan": ("horizon_ray.commands.plan", "plan host RAM, GPU memory and step time of a job on a node"),
     "bench": ("horizon_ray.commands.bench", "benchmark the engine against in-GPU training on a random-init model"),
 }

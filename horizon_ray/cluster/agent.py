@@ -9,7 +9,16 @@ Several engines run side by side on one node, one per GPU, all drawing on the on
 sees only its GPU (CUDA_VISIBLE_DEVICES=<its index>, CUDA_DEVICE_ORDER=PCI_BUS_ID so that the index is
 nvidia-smi's; "" for a CPU job) and gets its share of the node's cores (see `Ledger.cpu_share`) as
 OMP_NUM_THREADS / MKL_NUM_THREADS and HORIZON_RAY_OPTIMIZER_THREADS (the threads its CPU AdamW should use).
-A thread variable given explicitly in the agent's `env` wins over the share.
+The node's cores are its CPU limit where it has one (`node_cpu_count`: a pod's limit through the downward
+API or the cgroup's quota), not the host's. A thread variable given explicitly in the agent's `env` (the Ray
+wrapper puts there the ones the node's container sets) wins over the share.
+
+The RAM offered to jobs is the node's (a pod's memory limit) less what Ray itself takes in the same
+container, `ray_reserved_bytes` (its object store and its processes): the engines share the limit with them.
+
+`drain` (a pod's preStop hook, `horizon-ray drain`) refuses new jobs and asks every engine to write a
+checkpoint at the end of its current step and stop (SIGUSR1, exit 143), so that a pod deletion or a node
+drain loses no work: the coordinator resumes the jobs elsewhere from those checkpoints.
 
 The coordinator polls: `poll` returns the new events of each job (its metrics.jsonl, decoded with
 `horizon_ray.job.events`, from the byte offset the coordinator acknowledged, so nothing is lost or repeated
@@ -27,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import math
 import os
 import shutil
 import signal
@@ -62,7 +72,12 @@ class AgentUnavailable(Exception):
 
 
 class ReservationRefused(Exception):
-    """The agent's ledger has no room for the job (the coordinator's view was stale)."""
+    """The agent's ledger has no room for the job (the coordinator's view was stale), or it is draining."""
+
+
+# Ray's own processes in a node besides its object store: raylet, dashboard agent, log monitor, runtime-env
+# agent and this agent (measured: ~0.6 GiB on an idle node; 1 GiB leaves room for their growth).
+RAY_PROCESSES_BYTES = 1 << 30
 
 
 class Agent(Protocol):
@@ -214,7 +229,10 @@ except OSError:  # not glibc Linux: no parent-death signal
 
 def _set_pdeathsig(parent: int) -> None:
     # Runs in the child between fork and exec: ask the kernel to SIGKILL it when its parent dies, and exit if
-    # the parent already died before the request took effect (then it would never come).
+    # the parent already died before the request took effect (then it would never come). SIGUSR1 (drain) is
+    # blocked, so that it waits until the engine has installed its handler and unblocks it: its default action
+    # would kill an engine still starting.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     if _LIBC is not None:
         _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:
@@ -276,6 +294,67 @@ class _Job:
     forgotten: bool = False  # killed by forget(): dropped (and its reservation released) once it is reaped
 
 
+def node_cpu_count(env: dict[str, str], *, proc_cgroup: str = "/proc/self/cgroup",
+                   cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The cores this node's engines may use: $HORIZON_NODE_CPUS (a pod's CPU limit, from the downward API),
+    the cgroup's CPU quota (v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`, rounded up), and the
+    cores this process may run on, whichever is smallest. A pod's CPU limit is a quota, not an affinity: the
+    affinity alone counts the host's cores (192 OpenMP threads per engine in a 24-CPU pod)."""
+    cores = len(os.sched_getaffinity(0))
+    text = (env.get("HORIZON_NODE_CPUS") or "").strip()
+    if text:
+        try:
+            declared = float(text)
+        except ValueError:
+            declared = 0.0
+        if not declared > 0:
+            raise ValueError(f"HORIZON_NODE_CPUS={text!r} is not a number of cores; set it to the pod's CPU "
+                             "limit (resourceFieldRef limits.cpu) or leave it unset")
+        cores = min(cores, math.ceil(declared))
+    quota = cgroup_cpu_quota(proc_cgroup, cgroup_root)
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return cores
+
+
+def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> float | None:
+    """The smallest CPU quota (in cores) of this process's cgroup and its ancestors; None without one."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":  # cgroup v2
+            for d in _cgroup_dirs(Path(cgroup_root), path):
+                parts = _read(d / "cpu.max").split()
+                if len(parts) == 2 and parts[0] != "max" and parts[0].isdigit() and parts[1].isdigit():
+                    quotas.append(int(parts[0]) / max(1, int(parts[1])))
+        elif "cpu" in controllers.split(","):  # cgroup v1
+            for d in _cgroup_dirs(Path(cgroup_root) / controllers, path) + _cgroup_dirs(Path(cgroup_root) / "cpu",
+                                                                                     path):
+                q, period = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
+                if q.lstrip("-").isdigit() and int(q) > 0 and period.isdigit():
+                    quotas.append(int(q) / max(1, int(period)))
+    return min(quotas) if quotas else None
+
+
+def _cgroup_dirs(mount: Path, path: str) -> list[Path]:
+    """The cgroup directory of `path` under `mount` and its ancestors up to the mount (inside a container's
+    cgroup namespace the path is "/" and the mount is the container's own cgroup)."""
+    parts = [p for p in path.split("/") if p]
+    return [mount.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
 def node_ram_bytes(env: dict[str, str]) -> int:
     """The RAM this node offers to jobs: $HORIZON_NODE_RAM_BYTES (a pod's memory limit, set by the k8s
     manifests), else the cgroup's memory limit when there is one, else the machine's RAM. In a container
@@ -309,10 +388,20 @@ class NodeAgent:
         env: dict[str, str] | None = None,
         sample_interval_s: float = 0.2,
         kill_grace_s: float = 10.0,
+        ray_reserved_bytes: int = 0,
     ):
         """`gpu_count` None: the node's GPUs from nvidia-smi (see detect_gpus); a number declares logical
-        GPUs 0..N-1 (simulated nodes). `cpu_count` None: the cores this process may run on."""
+        GPUs 0..N-1 (simulated nodes). `cpu_count` None: the node's CPU limit (`node_cpu_count`). `ram_bytes`
+        None: the node's RAM (`node_ram_bytes`) less `ray_reserved_bytes`, what Ray takes of it."""
         env = dict(env or {})
+        if ram_bytes is None:
+            total = node_ram_bytes({**os.environ, **env})
+            ram_bytes = total - int(ray_reserved_bytes)
+            if ram_bytes <= 0:
+                raise ValueError(f"node {node_id} has {total} bytes of RAM (HORIZON_NODE_RAM_BYTES or its memory "
+                                 f"limit) and Ray takes {ray_reserved_bytes} of them (object store and processes): "
+                                 "nothing is left for jobs; raise the pod's memory limit or lower the Ray start "
+                                 "parameter object-store-memory")
         if gpu_count is None:
             self._gpu_ids, detected_mem = detect_gpus({**os.environ, **env})
             gpu_memory_bytes = gpu_memory_bytes or detected_mem
@@ -322,10 +411,10 @@ class NodeAgent:
         self.ray_node_id = ray_node_id
         self.incarnation = uuid.uuid4().hex[:12]
         self._ledger = Ledger(
-            ram_bytes=int(ram_bytes if ram_bytes is not None else node_ram_bytes({**os.environ, **env})),
+            ram_bytes=int(ram_bytes),
             gpu_count=len(self._gpu_ids),
             gpu_memory_bytes=int(gpu_memory_bytes or 0),
-            cpu_count=int(cpu_count if cpu_count is not None else len(os.sched_getaffinity(0))),
+            cpu_count=int(cpu_count if cpu_count is not None else node_cpu_count({**os.environ, **env})),
         )
         # argv prefix of a job; `--config <spec> --resume` is appended
         self._command = list(command or [sys.executable, "-m", "horizon_ray.job"])
@@ -333,6 +422,7 @@ class NodeAgent:
         self._sample_interval_s = sample_interval_s
         self._kill_grace_s = kill_grace_s
         self._jobs: dict[str, _Job] = {}
+        self._draining = False  # set by drain(): no new job starts here
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_loop, name=f"agent-{node_id}", daemon=True)
@@ -352,6 +442,9 @@ class NodeAgent:
             self._reap()
             if job_id in self._jobs and self._jobs[job_id].exit is None:
                 return self._ledger.entries[job_id]  # already running here: a retried start
+            if self._draining:
+                raise ReservationRefused(f"node {self.node_id} is draining (its pod is stopping); job {job_id} "
+                                         "goes to another node")
             self._jobs.pop(job_id, None)
             res = self._ledger.reserve(job_id, launch.host_bytes, launch.gpu_bytes,
                                        _needs_gpu(launch, self._ledger.gpu_count), tenant=launch.tenant)
@@ -424,6 +517,26 @@ class NodeAgent:
                     job.proc.wait()
             self._reap()
         self._stop.set()
+
+    def drain(self) -> list[str]:
+        """Take no new job and ask every running engine to checkpoint at the end of its current step and stop
+        (SIGUSR1; it exits 143, resumable). Returns the ids of the engines still running; `running` follows them."""
+        with self._lock:
+            self._draining = True
+            self._reap()
+            running = [job for job in self._jobs.values() if job.exit is None]
+            for job in running:
+                try:
+                    os.kill(job.proc.pid, signal.SIGUSR1)  # the engine only: its helpers stop with it
+                except ProcessLookupError:
+                    pass
+            return [job.job_id for job in running]
+
+    def running(self) -> list[str]:
+        """The ids of the jobs whose engine has not exited."""
+        with self._lock:
+            self._reap()
+            return [job.job_id for job in self._jobs.values() if job.exit is None]
 
     def ping(self) -> str:
         return self.incarnation

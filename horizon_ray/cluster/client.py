@@ -17,6 +17,7 @@ import builtins
 import os
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from horizon_ray.cluster.errors import CoordinatorUnavailable, HorizonError
@@ -234,6 +235,11 @@ class RayClient(_Delegating):
     Connects to Ray at `address` ("auto", "ray://...", or None for the already initialised one) in the
     coordinator's namespace. Domain errors come back as plain data and are re-raised as their typed class;
     an unreachable coordinator raises CoordinatorUnavailable.
+
+    A long-lived client (the API) survives the loss of the cluster's head: when a call finds the connection
+    gone (the head restarted: a Ray Client session does not outlive its server), the client drops it and
+    connects again on a background thread, answering CoordinatorUnavailable (`ready()` False) until it is
+    back. With `lazy`, the first connection is made that way too, so the process starts before the head.
     """
 
     def __init__(
@@ -243,16 +249,59 @@ class RayClient(_Delegating):
         name: str = COORDINATOR_NAME,
         namespace: str = NAMESPACE,
         timeout_s: float = 60.0,
+        lazy: bool = False,
+        retry_s: float = 2.0,
     ):
-        connect_ray(address, namespace)
+        self._address = address
         self._name = name
         self._namespace = namespace
         self._timeout_s = timeout_s
+        self._retry_s = retry_s
         self._actor = None
+        self._lock = threading.Lock()
+        self._connected = threading.Event()
+        self._connector: threading.Thread | None = None
+        self._last_error = "not connected yet"
+        # a connection this process made before (serve's driver) is its owner's to keep: no reconnecting it
+        # (ray is not imported here: connect_ray must see it unimported to choose loopback)
+        ray = sys.modules.get("ray")
+        self._owns_connection = lazy or ray is None or not ray.is_initialized()
+        if lazy:
+            self._reconnect("starting")
+        else:
+            connect_ray(address, namespace)
+            self._connected.set()
+
+    def _reconnect(self, why: str) -> None:
+        """Drop the connection and connect again on a background thread (one at a time)."""
+        with self._lock:
+            self._connected.clear()
+            self._actor = None
+            self._last_error = why
+            if self._connector is not None and self._connector.is_alive():
+                return
+            self._connector = threading.Thread(target=self._connect_loop, name="ray-reconnect", daemon=True)
+            self._connector.start()
+
+    def _connect_loop(self) -> None:
+        import ray
+
+        while not self._connected.is_set():
+            try:
+                if ray.is_initialized():
+                    ray.shutdown()
+                connect_ray(self._address, self._namespace)
+                self._connected.set()
+            except Exception as exc:  # noqa: BLE001 - not up yet: try again
+                self._last_error = _first_line(exc)
+                time.sleep(self._retry_s)
 
     def _handle(self):
         import ray
 
+        if not self._connected.is_set():
+            raise CoordinatorUnavailable(f"not connected to the Ray cluster at {self._address or 'auto'} "
+                                         f"({self._last_error}); retrying")
         if self._actor is None:
             try:
                 self._actor = ray.get_actor(self._name, namespace=self._namespace)
@@ -260,21 +309,35 @@ class RayClient(_Delegating):
                 raise CoordinatorUnavailable(f"no coordinator actor {self._name!r} is running") from exc
         return self._actor
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def _call(self, method: str, *args: Any, _timeout_s: float | None = None, **kwargs: Any) -> Any:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
         try:
-            reply = ray.get(self._handle().call.remote(method, *args, **kwargs), timeout=self._timeout_s)
+            reply = ray.get(self._handle().call.remote(method, *args, **kwargs),
+                            timeout=_timeout_s or self._timeout_s)
         except (RayActorError, GetTimeoutError) as exc:
             self._actor = None
             raise CoordinatorUnavailable(f"coordinator did not answer {method}: {exc}") from exc
+        except CoordinatorUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the connection itself is gone (e.g. the head restarted)
+            if not self._owns_connection:
+                raise
+            self._reconnect(f"lost the connection: {_first_line(exc)}")
+            raise CoordinatorUnavailable(f"lost the Ray cluster at {self._address or 'auto'} during {method} "
+                                         f"({_first_line(exc)}); reconnecting") from exc
         if "error" in reply:
             raise HorizonError.from_wire(reply["error"])
         return reply["ok"]
 
     def ready(self) -> bool:
         try:
-            return bool(self._call("ready"))
+            return bool(self._call("ready", _timeout_s=10.0))  # a probe: answer fast
         except CoordinatorUnavailable:
             return False
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return (lines[0][:300] if lines else "") or type(exc).__name__

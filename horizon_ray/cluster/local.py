@@ -156,9 +156,10 @@ class Service:
 
 def start_service(root: str | Path, *, ram_by_node: dict[str, int | SimulatedNode] | None = None,
                   tenants_file: str | Path | None = None, node_dead_after_s: float = 10.0,
-                  agent_env: dict[str, str] | None = None, planner: str | None = None) -> Service:
+                  agent_env: dict[str, str] | None = None, planner: str | None = None,
+                  skip_head: bool = False) -> Service:
     """Agents on every node (only the simulated ones when `ram_by_node` is given: bytes of RAM or a
-    SimulatedNode per node) and the coordinator.
+    SimulatedNode per node; not on the head with `skip_head`) and the coordinator.
 
     Needs `ray.init` done. The job table is `<root>/coordinator.sqlite`; jobs without an output_dir write
     to `<root>/jobs/<tenant>/<job_id>/`.
@@ -167,7 +168,7 @@ def start_service(root: str | Path, *, ram_by_node: dict[str, int | SimulatedNod
 
     root = Path(root).expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
-    agents = ensure_agents(ram_by_node, env=agent_env, only_simulated=bool(ram_by_node))
+    agents = ensure_agents(ram_by_node, env=agent_env, only_simulated=bool(ram_by_node), skip_head=skip_head)
     store, jobs = root / "coordinator.sqlite", root / "jobs"
     coordinator = start_coordinator(store, jobs, tenants_file=str(tenants_file) if tenants_file else None,
                                     node_dead_after_s=node_dead_after_s, planner=planner)

@@ -9,6 +9,10 @@
 Simulated nodes (`horizon-ray serve --simulate-nodes a=16GiB,b=512GiB:2gpu,...`): every Ray node carries a
 custom resource `horizon_node_<name>` and its agent declares the given RAM, logical GPUs and cores to the
 planner. The agent takes no GPU from Ray: it hands the node's GPUs out to its engines itself.
+
+Real nodes (a KubeRay pod): the agent offers the node's RAM less Ray's share of it (the node's object store and
+`RAY_PROCESSES_BYTES`), keeps the thread variables the node's container sets, and, with `skip_head`, no agent
+runs on the head (a head without job capacity: no data volumes, the GCS beside it).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from horizon_ray.cluster.agent import AgentUnavailable, NodeAgent
+from horizon_ray.cluster.agent import RAY_PROCESSES_BYTES, THREAD_VARS, AgentUnavailable, NodeAgent
 from horizon_ray.cluster.client import _METHODS, COORDINATOR_NAME, NAMESPACE
 from horizon_ray.cluster.coordinator import Coordinator
 from horizon_ray.cluster.errors import HorizonError
@@ -147,24 +151,46 @@ def node_name_of(node: dict[str, Any]) -> str:
     return node["NodeID"][:12]
 
 
+HEAD_RESOURCE = "node:__internal_head__"  # the resource Ray gives its head node
+
+
+def agent_nodes(nodes: list[dict[str, Any]], declared: set[str] | None = None, *, only_simulated: bool = False,
+                skip_head: bool = False) -> list[dict[str, Any]]:
+    """The alive Ray nodes (entries of `ray.nodes()`) that get an agent: with `only_simulated`, those named in
+    `declared`; with `skip_head`, not the head."""
+    out = []
+    for node in nodes:
+        if not node.get("Alive"):
+            continue
+        if only_simulated and node_name_of(node) not in (declared or set()):
+            continue
+        if skip_head and HEAD_RESOURCE in node.get("Resources", {}):
+            continue
+        out.append(node)
+    return out
+
+
+def ray_reserved_bytes(node: dict[str, Any]) -> int:
+    """What Ray itself takes of a node's RAM: its object store and its processes."""
+    return int(node.get("Resources", {}).get("object_store_memory", 0)) + RAY_PROCESSES_BYTES
+
+
 def ensure_agents(ram_by_node: dict[str, Any] | None = None, *, command: list[str] | None = None,
-                  env: dict[str, str] | None = None, only_simulated: bool = False) -> dict[str, Any]:
+                  env: dict[str, str] | None = None, only_simulated: bool = False,
+                  skip_head: bool = False) -> dict[str, Any]:
     """Start a NodeAgent on every alive Ray node that has none; returns node name -> handle.
 
     `ram_by_node`: what simulated nodes declare (by logical name): bytes of RAM or a `local.SimulatedNode`
-    (RAM, logical GPUs, cores); other nodes report their real RAM, GPUs (nvidia-smi) and cores.
-    `only_simulated`: skip nodes without a `horizon_node_*` resource (the head of a simulated cluster).
+    (RAM, logical GPUs, cores); other nodes report their real RAM (less Ray's share), GPUs (nvidia-smi) and
+    cores. `only_simulated`: skip nodes without a `horizon_node_*` resource (the head of a simulated cluster).
+    `skip_head`: no agent on the head node (jobs run on worker nodes only).
     """
     from horizon_ray.cluster.local import parse_node_value
 
     declared = {name: parse_node_value(name, value) for name, value in (ram_by_node or {}).items()}
     handles = {}
-    for node in ray.nodes():
-        if not node.get("Alive"):
-            continue
+    for node in agent_nodes(ray.nodes(), set(declared), only_simulated=only_simulated, skip_head=skip_head):
         name = node_name_of(node)
-        if only_simulated and name not in declared:
-            continue
         sim = declared.get(name)
         handles[name] = NodeAgentActor.options(
             name=AGENT_PREFIX + name,
@@ -177,7 +203,8 @@ def ensure_agents(ram_by_node: dict[str, Any] | None = None, *, command: list[st
             scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
         ).remote(name, ram_bytes=sim.ram_bytes if sim else None, gpu_count=sim.gpu_count if sim else None,
                  gpu_memory_bytes=sim.gpu_memory_bytes if sim else None, cpu_count=sim.cpu_count if sim else None,
-                 ray_node_id=node["NodeID"], command=command, env=env)
+                 ray_node_id=node["NodeID"], command=command, env=env,
+                 ray_reserved_bytes=0 if sim else ray_reserved_bytes(node))
     for handle in handles.values():
         ray.get(handle.ping.remote(), timeout=120)
     return handles
@@ -235,5 +262,27 @@ def _first_line(exc: BaseException) -> str:
     return text[0][:300] if text else type(exc).__name__
 
 
-NodeAgentActor = ray.remote(NodeAgent)
+def node_thread_vars(ppid: int | None = None) -> dict[str, str]:
+    """The thread variables (OMP_NUM_THREADS, ...) of the environment this Ray node was started with: its
+    raylet's, the parent of every Ray worker process. Ray puts OMP_NUM_THREADS=1 in the environment of an actor
+    that takes no CPU (this agent) unless the node's environment sets it, so the agent's own environment
+    cannot tell Ray's 1 from a value the container sets."""
+    try:
+        raw = Path(f"/proc/{ppid or os.getppid()}/environ").read_bytes()
+    except OSError:
+        return {}
+    env = dict(item.split("=", 1) for item in raw.decode("utf-8", "replace").split("\0") if "=" in item)
+    return {k: env[k] for k in THREAD_VARS if env.get(k)}
+
+
+class RayNodeAgent(NodeAgent):
+    """The NodeAgent as a Ray actor: the thread variables its node's container sets are kept for every engine
+    (an explicit `env` still wins)."""
+
+    def __init__(self, node_id: str, **kwargs: Any):
+        kwargs["env"] = {**node_thread_vars(), **(kwargs.get("env") or {})}
+        super().__init__(node_id, **kwargs)
+
+
+NodeAgentActor = ray.remote(RayNodeAgent)
 CoordinatorActorRemote = ray.remote(CoordinatorActor)

@@ -5,7 +5,8 @@ to start), 1 crash (the traceback, then a one-line message), 143 stopped by SIGT
 resumable with --resume), 75 another runner holds the output directory (nothing done; retry once it has
 stopped). Inside a Ray job the command hands the spec to the service's coordinator instead (see
 ``horizon_ray.cluster.follow``); the node agent runs its jobs with ``python -m horizon_ray.job``, which
-always trains here, with these exit codes (``run_here``).
+always trains here, with these exit codes (``run_here``). SIGUSR1 (the node agent's drain) stops it after
+the current step with a checkpoint of that step, exit 143.
 """
 
 from __future__ import annotations
@@ -50,12 +51,17 @@ def run_here(spec, *, resume: bool, progress: bool) -> int:
     from horizon_ray import exit_codes
     from horizon_ray.errors import BadInput
     from horizon_ray.job import runner
-    from horizon_ray.job.runner import JobTerminated, OutputDirBusy
+    from horizon_ray.job.runner import STOP_AFTER_STEP, JobTerminated, OutputDirBusy
 
     def on_sigterm(signum: int, frame: object) -> None:
         raise JobTerminated("stopped by SIGTERM; rerun with --resume to continue from the last checkpoint")
 
+    def on_sigusr1(signum: int, frame: object) -> None:
+        STOP_AFTER_STEP.set()  # the node drains: checkpoint at the end of this step, then exit 143
+
     previous = signal.signal(signal.SIGTERM, on_sigterm)
+    previous_usr1 = signal.signal(signal.SIGUSR1, on_sigusr1)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})  # the node agent starts engines with it blocked
     try:
         result = runner.run_job(spec, resume=resume, progress=progress)
     except BadInput:
@@ -75,6 +81,7 @@ def run_here(spec, *, resume: bool, progress: bool) -> int:
         return exit_codes.CRASHED
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGUSR1, previous_usr1)
     if result.start_step == result.total_steps:
         print(f"done: the job had already finished; final model in {result.final_dir}")
         return 0

@@ -3,6 +3,7 @@
     horizon-ray serve --simulate-nodes "a=16GiB,b=64GiB,c=256GiB"   # a local cluster of simulated nodes
     horizon-ray serve --simulate-nodes "a=64GiB,b=512GiB:2gpu"      # b: 2 logical GPUs, one job on each
     horizon-ray serve --address 10.0.0.1:6379                        # join a running Ray cluster
+    horizon-ray serve --address 10.0.0.1:6379 --no-head-agent --no-api   # KubeRay: jobs on worker pods only
 
 Starts (or joins) the cluster, a NodeAgent on every node, the detached coordinator, then the API
 (`api.app:create_app`) on --host/--port; Ctrl-C stops what serve started. On a joined cluster the
@@ -36,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="API host (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="API port (default 8000)")
     parser.add_argument("--no-api", action="store_true", help="start the coordinator and agents only")
+    parser.add_argument("--no-head-agent", action="store_true",
+                        help="start no node agent on the Ray head node, so that jobs run on worker nodes only (a "
+                             "KubeRay head holds the GCS and the coordinator, not the data volumes)")
     parser.add_argument("--node-dead-after", type=float, default=10.0, metavar="SECONDS",
                         help="a node unreachable this long loses its jobs to recovery (default 10)")
     parser.add_argument("--stop-on-exit", action="store_true",
@@ -50,7 +54,13 @@ def run(args: argparse.Namespace) -> int:
     if simulated and args.address:
         raise BadInput("--simulate-nodes starts its own local cluster; drop --address, or drop "
                        "--simulate-nodes to join the cluster at --address")
+    if args.no_head_agent and not args.address:
+        raise BadInput("--no-head-agent is for a joined cluster: add --address HOST:PORT (a local or "
+                       "--simulate-nodes cluster needs the agent of its head, or runs none there already)")
     TenantsConfig.load(args.tenants)  # fail here, with the file's error, not inside the actor
+    # Absolute, not resolved: a mounted ConfigMap file is a symlink into a timestamped folder that the kubelet
+    # replaces on every edit of the ConfigMap; the coordinator (re)opens the path as given.
+    tenants = args.tenants.absolute() if args.tenants else None
     root = (args.root or default_root()).expanduser().resolve()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
@@ -70,9 +80,8 @@ def run(args: argparse.Namespace) -> int:
         ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     started_cluster = cluster is not None or not args.address
     try:
-        service = start_service(root, ram_by_node=simulated,
-                                tenants_file=args.tenants.resolve() if args.tenants else None,
-                                node_dead_after_s=args.node_dead_after)
+        service = start_service(root, ram_by_node=simulated, tenants_file=tenants,
+                                node_dead_after_s=args.node_dead_after, skip_head=args.no_head_agent)
         client = RayClient()
         address = ray.get_runtime_context().gcs_address
         print(f"horizon-ray service on Ray cluster {address} (namespace {NAMESPACE})")
@@ -84,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  job table {service.store_path}; job outputs default to {service.jobs_root}/<tenant>/<job>")
         print(f"  clients: horizon-ray submit JOB.yaml --address {address}  (or --root {root})", flush=True)
         if not simulated:
-            threading.Thread(target=_rescan_nodes, name="agent-rescan", daemon=True).start()
+            threading.Thread(target=_rescan_nodes, args=(args.no_head_agent,), name="agent-rescan",
+                             daemon=True).start()
         if args.no_api:
             _wait()
         else:
@@ -109,14 +119,14 @@ def _wait() -> None:
         time.sleep(3600)
 
 
-def _rescan_nodes() -> None:
+def _rescan_nodes(skip_head: bool) -> None:
     """On a real cluster, start an agent on every node that joins."""
     from horizon_ray.cluster.ray_actors import ensure_agents
 
     while True:
         time.sleep(5)
         try:
-            ensure_agents()
+            ensure_agents(skip_head=skip_head)
         except Exception as exc:  # noqa: BLE001 - try again at the next scan
             print(f"warning: starting agents on new nodes: {exc}", file=sys.stderr)
 

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -43,6 +44,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 class OutputDirBusy(RuntimeError):
     """Another runner holds the job's output directory (its flock): exit_codes.OUTPUT_DIR_BUSY."""
+
+
+# Set by SIGUSR1 (the node agent's drain: its pod is stopping): checkpoint at the end of the current step and
+# stop, resumable, instead of losing the steps since the last periodic checkpoint.
+STOP_AFTER_STEP = threading.Event()
 
 
 class JobTerminated(BaseException):
@@ -297,23 +303,33 @@ class _Job:
                                            eta_s=round(eta, 1)))
                 bar.update(done, last_loss, tps, eta)
 
-                if _due(spec.checkpoint.every_steps, done, total):
-                    self.metrics.write(CheckpointBegin(step=done))
-                    saved = _save_checkpoint(eng, self.ckpt_root, done, spec)
-                    # announced before they go: a kill in between leaves checkpoints unlisted, never listed gone
-                    stale = ckpt_io.complete_checkpoints(self.ckpt_root)[:-spec.checkpoint.keep]
-                    self.metrics.write(Checkpoint(step=done, path=str(saved.path), pruned=[c.step for c in stale]))
-                    ckpt_io.prune(self.ckpt_root, spec.checkpoint.keep)
+                checkpointed = _due(spec.checkpoint.every_steps, done, total)
+                if checkpointed:
+                    self._checkpoint(eng, done)
                 if self.evals and _due(spec.eval.every_steps, done, total):
                     loss = self._evaluate(eng)
                     first_eval = loss if first_eval is None else first_eval
                     bar.note(f"step {done}: eval loss {loss:.4f}")
+                if STOP_AFTER_STEP.is_set() and done < total:
+                    if not checkpointed:
+                        self._checkpoint(eng, done)
+                    raise JobTerminated(f"stopped after step {done} to leave its node (drain); the checkpoint of "
+                                        "that step is written: rerun with --resume to continue from it")
             final_eval = self._evaluate(eng) if self.evals else None
             if final_eval is not None:
                 bar.note(f"eval loss after training: {final_eval:.4f}")
         finally:
             bar.close()
         return first_eval, final_eval, last_loss
+
+    def _checkpoint(self, eng: Any, done: int) -> None:
+        spec = self.spec
+        self.metrics.write(CheckpointBegin(step=done))
+        saved = _save_checkpoint(eng, self.ckpt_root, done, spec)
+        # announced before they go: a kill in between leaves checkpoints unlisted, never listed gone
+        stale = ckpt_io.complete_checkpoints(self.ckpt_root)[:-spec.checkpoint.keep]
+        self.metrics.write(Checkpoint(step=done, path=str(saved.path), pruned=[c.step for c in stale]))
+        ckpt_io.prune(self.ckpt_root, spec.checkpoint.keep)
 
     def _evaluate(self, eng: Any) -> float:
         loss_sum, n_tokens = 0.0, 0

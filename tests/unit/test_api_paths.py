@@ -55,6 +55,16 @@ def test_settings_from_env_and_keys_file(tmp_path):
     assert s.model_catalogue == {"tiny": tmp_path / "m" / "tiny"}
 
 
+@pytest.mark.parametrize("key", ["replace-me-with-a-random-key-for-team-a", "CHANGEME", "your-api-key-here",
+                                 "example-key-0001"])
+def test_placeholder_api_keys_are_refused(tmp_path, key):
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text(f"keys:\n  {key}: team-a\n")
+    with pytest.raises(ValueError, match="API key of tenant 'team-a' is a placeholder.*HORIZON_API_KEYS_FILE"):
+        ApiSettings.from_env({"HORIZON_API_KEYS_FILE": str(keys_file)})
+    assert ApiSettings(api_keys={"4dbd0a5f0f6b4a4c9d41c0a0e8c2b7f1": "team-a"}).api_keys  # a random key is fine
+
+
 @pytest.mark.parametrize("tenant", ["../etc", "a/b", "", "x" * 65, ".hidden"])
 def test_tenant_names_that_are_not_directory_safe_are_refused(tenant):
     with pytest.raises(ValueError, match="tenant name"):

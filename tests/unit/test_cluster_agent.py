@@ -232,3 +232,38 @@ def test_spec_written_for_the_engine_has_the_output_dir(agent, tmp_path):
     wait_exit(agent, "j8")
     written = yaml.safe_load((out / "job.yaml").read_text())
     assert written["output_dir"] == str(out) and Path(written["output_dir"]).is_dir()
+
+
+@pytest.mark.slow
+def test_drain_checkpoints_each_engine_at_its_step_and_stops_it_resumably(tmp_path):
+    """What a worker pod's preStop hook does (`horizon-ray drain`): the real engine writes a checkpoint of the
+    step it is in, although no periodic checkpoint is due, and exits 143; the node takes no new job."""
+    import yaml
+
+    from horizon_ray.job.demo import prepare_demo_assets
+
+    demo, _ = prepare_demo_assets(tmp_path / "home")
+    spec = {"model": {"path": str(demo.model_dir)},
+            "data": {"path": str(demo.train_path), "format": "messages", "eval_fraction": 0.0},
+            "training": {"max_steps": 500, "micro_batch_size": 2, "seq_len": 64, "schedule": {"type": "constant"}},
+            "checkpoint": {"every_steps": 1000, "keep": 1}, "engine": {"device": "cpu"}}
+    agent = NodeAgent("n1", ram_bytes=16 * GiB, gpu_count=0, cpu_count=1, sample_interval_s=0.05,
+                      kill_grace_s=30.0)
+    try:
+        out = tmp_path / "job"
+        agent.start("j1", spec, str(out), GiB, 0)
+        assert agent.drain() == ["j1"]  # while it still starts: the signal stays pending until its handler is in
+        with pytest.raises(ReservationRefused, match="draining"):
+            agent.start("j2", spec, str(tmp_path / "job2"), GiB, 0)
+        report, lines = wait_exit(agent, "j1", timeout=240)
+        steps = [ln["step"] for ln in lines if ln["type"] == "metrics"]
+        assert report.exit.returncode == 143 and not report.exit.cancelled, report.exit.stderr_tail
+        assert steps and steps[-1] < 500
+        ckpt = [ln for ln in lines if ln["type"] == "checkpoint"]
+        assert [c["step"] for c in ckpt] == [steps[-1]], lines[-3:]
+        assert (out / "checkpoints" / Path(ckpt[0]["path"]).name).is_dir()
+        assert "drain" in lines[-1].get("message", ""), lines[-1]
+        assert agent.running() == []
+        assert yaml.safe_load((out / "job.yaml").read_text())["output_dir"] == str(out)
+    finally:
+        agent.shutdown()
