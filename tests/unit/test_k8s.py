@@ -30,15 +30,15 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 CRD_DIR = ROOT / "tests" / "data" / "kuberay-crds" / "v1.7.0"  # KubeRay v1.7.0, Apache-2.0 (README there)
 K8S_VERSION = "1.30.0"  # the Kubernetes version the core kinds are validated for
-IMAGE = "ghcr.io/horizon-ray/horizon-ray:0.1.0"
+IMAGE = "ghcr.io/horizon-ray/horizon-ray:0.1.0"  # Ray head and workers, RayJob submitters
+API_IMAGE = "ghcr.io/horizon-ray/horizon-ray-api:0.1.0"  # the API: k8s/Dockerfile's CPU-only target "api"
 CRD_SCHEMAS = {"RayCluster": "rayclusters", "RayJob": "rayjobs", "RayService": "rayservices"}
 CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "StorageClass", "ClusterRole", "ClusterRoleBinding"}
 SIZED_FOR = "horizon-ray.io/sized-for"  # worker group annotation: the job spec its pods are sized for
 JOBS_CONFIGMAP = "horizon-ray-jobs"
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"  # GPU feature discovery: MiB of one GPU
-# Ray's own processes in a worker pod besides the engine: raylet, dashboard agent, the NodeAgent actor,
-# log monitor. The object store (rayStartParams object-store-memory) comes on top.
-RAY_PROCESSES_BYTES = 1 << 30
+NODE_SHAPE = "horizon-ray.io/node-shape"  # worker group annotation: the node its pods are cut from (JSON)
+TOKEN_SECRET = ("horizon-ray", "auth_token")  # the Secret KubeRay generates for authOptions.mode token
 GiB, MiB = 1 << 30, 1 << 20
 
 VARIANTS = ["base"] + sorted(
@@ -313,8 +313,19 @@ def worker_node(group: dict[str, Any]):
             floors.append(min((int(v) + (e["operator"] == "Gt")) for e in exprs for v in e["values"]) if exprs
                           else 0)
         gpu_mem = min(floors, default=0) * MiB
-    return NodeSpec(ram_bytes=int(quantity(limits["memory"])), gpus=gpus, gpu_mem_bytes=gpu_mem,
-                    name=group["groupName"])
+    return NodeSpec(ram_bytes=offered_ram(group), gpus=gpus, gpu_mem_bytes=gpu_mem, name=group["groupName"])
+
+
+def offered_ram(group: dict[str, Any]) -> int:
+    """The RAM a worker group's agent offers to jobs: the pod's memory limit less what Ray takes of it, its
+    object store and its processes (horizon_ray.cluster.ray_actors.ray_reserved_bytes)."""
+    from horizon_ray.cluster.agent import RAY_PROCESSES_BYTES
+
+    limit = int(quantity(group["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]))
+    store = group.get("rayStartParams", {}).get("object-store-memory")
+    assert store, (f"worker group {group['groupName']} sets no object-store-memory: Ray would take 30 % of the "
+                   "pod's memory for it")
+    return limit - int(quantity(store)) - RAY_PROCESSES_BYTES
 
 
 def planned_spec(text: str) -> dict[str, Any]:
@@ -349,14 +360,8 @@ def fit_problems(docs: list[dict[str, Any]]) -> list[str]:
             continue
         p = plan_for_spec(planned_spec(jobs[key]), node)
         if not p.fits:
-            problems.append(f"worker group {name}: {key} does not fit its pods: {p.reason}")
-            continue
-        store = int(quantity(group.get("rayStartParams", {}).get("object-store-memory", 0)))
-        total = p.host_bytes + RAY_PROCESSES_BYTES + store
-        if total > node.ram_bytes:
-            problems.append(f"worker group {name}: {key} plans {format_bytes(p.host_bytes)} and Ray takes "
-                            f"{format_bytes(RAY_PROCESSES_BYTES + store)} (object store included): "
-                            f"{format_bytes(total)} over the {format_bytes(node.ram_bytes)} limit")
+            problems.append(f"worker group {name}: {key} does not fit its pods ({format_bytes(node.ram_bytes)} "
+                            f"offered after Ray's share): {p.reason}")
     return problems
 
 
@@ -376,8 +381,12 @@ def test_a_memory_limit_below_the_plan_fails_the_fit_check():
                                                                       ["annotations"][SIZED_FOR]])
     host = plan_for_spec(spec, node).host_bytes
     assert 100 * GiB < host < 110 * GiB  # the 7B sample job: 104.3 GiB
-    # The smallest limit that holds it, less 1 GiB, set the way a hand edit would (requests too).
-    below = f"{(node.ram_needed_for(host) - GiB) // MiB}Mi"
+    # The smallest limit that holds it with Ray's share, less 1 GiB, set the way a hand edit would (requests
+    # too): it would have held the job were Ray's share not counted.
+    limit = int(quantity(group["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]))
+    ray_share = limit - node.ram_bytes
+    assert ray_share == 3 * GiB  # a 2 GiB object store and Ray's processes
+    below = f"{(node.ram_needed_for(host) + ray_share - GiB) // MiB}Mi"
     resources = group["template"]["spec"]["containers"][0]["resources"]
     resources["limits"]["memory"] = resources["requests"]["memory"] = below
     problems = fit_problems(docs)
@@ -420,7 +429,7 @@ def test_a_request_below_its_limit_is_caught():
     c = one(docs, "RayCluster")["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
     c["resources"]["requests"]["memory"] = "64Gi"
     assert memory_mismatches(docs) == ["RayCluster horizon-ray group gpu-bigmem container ray-worker: memory "
-                                       "requests 64Gi != limits 120Gi"]
+                                       "requests 64Gi != limits 232Gi"]
 
 
 def test_ray_takes_its_memory_and_gpus_from_the_limits(variant):
@@ -437,8 +446,12 @@ def test_ray_takes_its_memory_and_gpus_from_the_limits(variant):
         env = env_of(c)
         assert env["HORIZON_NODE_RAM_BYTES"] == {"resourceFieldRef": {"containerName": c["name"],
                                                                       "resource": "limits.memory"}}
-        assert env["OMP_NUM_THREADS"] == {"resourceFieldRef": {"containerName": c["name"],
-                                                               "resource": "limits.cpu"}}
+        # the agent splits the pod's cores among its engines; a thread variable set here would be kept as is
+        # for every engine, however many run (horizon_ray.cluster.agent)
+        assert env["HORIZON_NODE_CPUS"] == {"resourceFieldRef": {"containerName": c["name"],
+                                                                 "resource": "limits.cpu"}}
+        assert not {"OMP_NUM_THREADS", "MKL_NUM_THREADS", "HORIZON_RAY_OPTIMIZER_THREADS"} & set(env), group[
+            "groupName"]
 
 
 def test_job_specs_load_strictly(variant):
@@ -483,6 +496,7 @@ def test_head_runs_the_coordinator_with_a_persistent_job_table(variant, tmp_path
     head = container(template, "ray-head")
     root = str(args.root)
     assert args.no_api and args.address == "${MY_POD_IP}:6379"
+    assert args.no_head_agent, "an agent on the head would take jobs there (no data volumes, beside the GCS)"
     assert env_of(control)["MY_POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     # The coordinator actor runs in ray-head and the serve driver in the sidecar: same state volume in both.
     state = one(docs, "PersistentVolumeClaim", "horizon-ray-state")
@@ -505,6 +519,30 @@ def test_head_runs_the_coordinator_with_a_persistent_job_table(variant, tmp_path
     TenantsConfig.load(_write(tmp_path, "tenants.yaml", text))
 
 
+def test_everything_the_coordinator_opens_is_mounted_where_it_runs(variant):
+    """The coordinator is a Ray actor pinned to the head: Ray starts it in the Ray container (ray-head), not in
+    the sidecar that asked for it. Every path it opens must be mounted there, at the path it is given."""
+    _, docs = variant
+    args, control, template = control_args(docs)
+    head = container(template, "ray-head")
+    api = env_of(container(one(docs, "Deployment", "horizon-ray-api")["spec"]["template"], "api"))
+    opened = {
+        "job table (--root)": str(args.root),
+        "job outputs (<root>/jobs)": f"{args.root}/jobs",
+        "tenants file (--tenants)": str(args.tenants),
+        "models it plans from": api["HORIZON_MODEL_ROOTS"],
+        "datasets it checks": api["HORIZON_DATA_ROOTS"],
+    }
+    missing = {what: path for what, path in opened.items()
+               if not any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts(head))}
+    assert not missing, f"ray-head does not mount what the coordinator opens: {missing}"
+    # the same volume where both containers mount it (serve checks the tenants file before handing it over)
+    both = set(mounts(head)) & set(mounts(control))
+    assert {str(args.root), str(Path(args.tenants).parent)} <= both
+    for path in both:
+        assert mounts(head)[path]["name"] == mounts(control)[path]["name"], path
+
+
 def _write(directory: Path, name: str, text: str) -> Path:
     path = directory / name
     path.write_text(text)
@@ -518,8 +556,9 @@ def test_job_outputs_live_on_shared_storage_at_one_path(variant):
     api = container(one(docs, "Deployment", "horizon-ray-api")["spec"]["template"], "api")
     assert env_of(api)["HORIZON_JOBS_ROOT"] == jobs_root
     uploads = env_of(api)["HORIZON_UPLOADS_DIR"]
+    # the coordinator (in ray-head), the engines (workers) and the API; the sidecar only starts the service
     readers = [(w, t, c) for w, t in pod_templates(docs) if w.startswith(("RayCluster", "Deployment"))
-               for c in t["spec"]["containers"]]
+               for c in t["spec"]["containers"] if c["name"] != "horizon-control"]
     for where, template, c in readers:
         m = mounts(c).get(jobs_root)
         assert m and volume_claim(template, m) == "horizon-ray-shared" and m.get("subPath") == "jobs", \
@@ -584,11 +623,15 @@ def test_api_settings_come_from_known_variables_and_keys_from_a_secret(variant, 
     keys_file = Path(env[settings.ENV_KEYS_FILE])
     mount = mounts(api)[str(keys_file.parent)]
     secret_name = next(v for v in template["spec"]["volumes"] if v["name"] == mount["name"])["secret"]["secretName"]
-    secret = one(docs, "Secret", secret_name)
-    text = secret.get("stringData", {}).get(keys_file.name)
-    assert text, f"Secret {secret_name} has no {keys_file.name}"
+    # The operator creates the Secret: `kubectl apply -k` must never reset it to a placeholder.
+    rendered = render(K8S / name) if (name := variant[0]) else []
+    assert not [d for d in rendered if d["kind"] == "Secret"], "a kustomization that ships a Secret resets the keys"
+    example = one(load_docs(K8S / "examples" / "api-keys.secret.yaml"), "Secret", secret_name)
+    text = example["stringData"][keys_file.name]
     keys = settings.load_api_keys_file(_write(tmp_path, keys_file.name, text))
-    settings.ApiSettings(api_keys=keys)  # tenant names are valid
+    with pytest.raises(ValueError, match="placeholder"):  # the example's key does not start an API
+        settings.ApiSettings(api_keys=keys)
+    settings.ApiSettings(api_keys={"a-random-key-0f3c2d9e8b7a6f5e": tenant for tenant in keys.values()})
     settings.ApiSettings.from_env({k: v for k, v in env.items() if isinstance(v, str) and k != settings.ENV_KEYS_FILE})
 
 
@@ -620,16 +663,230 @@ def test_rayjob_runs_finetune_on_a_mounted_spec_through_the_coordinator(variant)
     assert any(plan_for_spec(spec, worker_node(g)).fits for g in cluster["spec"]["workerGroupSpecs"])
 
 
-def test_one_image_everywhere_and_ray_versions_agree(variant):
+def test_two_images_and_ray_versions_agree(variant):
+    """The API runs the CPU-only image, every Ray pod the full one; Ray Client needs the same Ray on both."""
     _, docs = variant
-    images = {c["image"] for c in _all_containers(docs)}
-    assert images == {IMAGE}, "Ray Client needs the API and the head on the same image"
+    api = container(one(docs, "Deployment", "horizon-ray-api")["spec"]["template"], "api")
+    assert api["image"] == API_IMAGE
+    others = {c["image"] for c in _all_containers(docs) if c is not api}
+    assert others == {IMAGE}
     dockerfile = (K8S / "Dockerfile").read_text()
-    ray_version = re.search(r"^ARG RAY_VERSION=(\S+)$", dockerfile, re.M).group(1)
-    assert one(docs, "RayCluster")["spec"]["rayVersion"] == ray_version
+    assert re.search(r"^FROM \S+ AS api$", dockerfile, re.M), "k8s/Dockerfile has no `api` target"
+    ray_versions = set(re.findall(r"^ARG RAY_VERSION=(\S+)$", dockerfile, re.M))
+    assert ray_versions == {one(docs, "RayCluster")["spec"]["rayVersion"]}
     import horizon_ray
 
-    assert IMAGE.rsplit(":", 1)[1] == horizon_ray.__version__
+    assert IMAGE.rsplit(":", 1)[1] == API_IMAGE.rsplit(":", 1)[1] == horizon_ray.__version__
+
+
+def test_the_api_image_installs_what_the_api_imports():
+    """The `api` target installs a list of distributions instead of the project's dependencies (torch and its
+    CUDA libraries are not needed to serve HTTP): every distribution `api.app` imports must be on it."""
+    import importlib.metadata as md
+    import subprocess
+    import sys
+
+    # what api.app imports, less what any interpreter loads at startup; Ray (imported when the client
+    # connects) is on the list as ray[client]
+    def top_modules(statement: str) -> set[str]:
+        code = f"import sys; {statement}; print('\\n'.join({{m.split('.')[0] for m in sys.modules}}))"
+        return set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                  timeout=300, cwd=ROOT).stdout.split())
+
+    owners = md.packages_distributions()
+    needed = [{d.lower().replace("_", "-") for d in owners[m]}  # a namespace package has several owners
+              for m in top_modules("import api.app") - top_modules("pass") if m in owners]
+    needed = [ds for ds in needed if "horizon-ray" not in ds]
+    dockerfile = (K8S / "Dockerfile").read_text()
+    stage = dockerfile[dockerfile.index(" AS api"):dockerfile.index("\nFROM ", dockerfile.index(" AS api"))]
+    listed = {m.group(1).lower() for m in re.finditer(r'"([A-Za-z0-9_.-]+)(?:\[[a-z,]+\])?[=<>]', stage)}
+    assert "ray" in listed
+    have = _closure(listed)
+    missing = sorted(" or ".join(sorted(ds)) for ds in needed if not ds & have)
+    assert not missing, f"the api image misses {missing}: add them to k8s/Dockerfile's api stage"
+    assert not any("torch" in ds for ds in needed), "the API imports torch: the CPU-only image would not start"
+
+
+def _closure(dists: set[str]) -> set[str]:
+    """`dists` and everything they require, transitively (installed distributions only)."""
+    import importlib.metadata as md
+
+    seen, todo = set(), list(dists)
+    while todo:
+        d = todo.pop()
+        if d in seen:
+            continue
+        seen.add(d)
+        try:
+            reqs = md.requires(d) or []
+        except md.PackageNotFoundError:
+            continue
+        todo += [re.split(r"[ ;<>=!\[]", r, maxsplit=1)[0].lower().replace("_", "-") for r in reqs
+                 if "extra ==" not in r]
+    return seen
+
+
+# ---- what a real cluster checks: node sizes, security, networking --------------------------------------
+
+
+def pod_requests(template: dict[str, Any]) -> dict[str, float]:
+    """A pod's scheduling requests: its containers' summed, or its largest init container's if larger."""
+    total: dict[str, float] = {}
+    for c in template["spec"]["containers"]:
+        for key, q in c.get("resources", {}).get("requests", {}).items():
+            total[key] = total.get(key, 0.0) + quantity(q)
+    for c in template["spec"].get("initContainers", []):
+        for key, q in c.get("resources", {}).get("requests", {}).items():
+            total[key] = max(total.get(key, 0.0), quantity(q))
+    return total
+
+
+def node_fit_problems(docs: list[dict[str, Any]]) -> list[str]:
+    """Worker groups whose pods, `podsPerNode` of them beside the DaemonSets, exceed the allocatable resources
+    of the node shape they declare (annotation horizon-ray.io/node-shape). A shape `sharedWithTheRest` (a
+    one-node dev cluster) holds the head and the API replicas too."""
+    cluster = one(docs, "RayCluster")
+    problems = []
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        name = group["groupName"]
+        raw = group["template"].get("metadata", {}).get("annotations", {}).get(NODE_SHAPE)
+        if not raw:
+            problems.append(f"worker group {name} declares no {NODE_SHAPE}: its pods' size is not derived from a node")
+            continue
+        shape = json.loads(raw)
+        used = {k: quantity(v) for k, v in shape["daemonSets"].items()}
+        pods = [group["template"]] * int(shape["podsPerNode"])
+        if shape.get("sharedWithTheRest"):
+            pods.append(cluster["spec"]["headGroupSpec"]["template"])
+            api = one(docs, "Deployment", "horizon-ray-api")
+            pods += [api["spec"]["template"]] * int(api["spec"].get("replicas", 1))
+        for template in pods:
+            for key, value in pod_requests(template).items():
+                used[key] = used.get(key, 0.0) + value
+        for key, value in used.items():
+            allocatable = quantity(shape["allocatable"].get(key, 0))
+            if value > allocatable:
+                problems.append(f"worker group {name}: {key} {value:g} requested on a node with {allocatable:g} "
+                                "allocatable")
+        for key, cap in shape["capacity"].items():
+            assert quantity(shape["allocatable"][key]) <= quantity(cap), f"{name}: allocatable above capacity"
+    return problems
+
+
+def test_pods_fit_the_allocatable_resources_of_their_nodes(variant):
+    name, docs = variant
+    assert node_fit_problems(docs) == [], name
+
+
+def test_a_pod_too_big_for_its_node_is_caught():
+    docs = docs_of("overlays/h200-2tib")
+    c = one(docs, "RayCluster")["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    c["resources"]["requests"]["cpu"] = c["resources"]["limits"]["cpu"] = "24"  # 8 x 24 = 192 > 191.45
+    assert node_fit_problems(docs) == ["worker group gpu-bigmem: cpu 194 requested on a node with 191.45 "
+                                       "allocatable"]
+
+
+def test_ray_token_authentication_reaches_every_client_of_ray(variant):
+    _, docs = variant
+    cluster = one(docs, "RayCluster")
+    assert cluster["spec"]["authOptions"] == {"mode": "token"}
+    assert TOKEN_SECRET[0] == cluster["metadata"]["name"], "KubeRay names the token Secret after the cluster"
+    token = {"secretKeyRef": {"name": TOKEN_SECRET[0], "key": TOKEN_SECRET[1]}}
+    # KubeRay puts RAY_AUTH_MODE/RAY_AUTH_TOKEN in the Ray container (the first) and the RayJob submitter;
+    # every other container that talks to Ray gets them from the manifests.
+    clients = [container(cluster["spec"]["headGroupSpec"]["template"], "horizon-control"),
+               container(one(docs, "Deployment", "horizon-ray-api")["spec"]["template"], "api")]
+    for c in clients:
+        env = env_of(c)
+        assert env.get("RAY_AUTH_MODE") == "token" and env.get("RAY_AUTH_TOKEN") == token, c["name"]
+    job = one(docs, "RayJob")
+    assert job["spec"]["clusterSelector"] == {"ray.io/cluster": cluster["metadata"]["name"]}
+
+
+def test_only_this_deployment_reaches_rays_ports(variant):
+    _, docs = variant
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    ray = next(p for p in policies if p["spec"]["podSelector"].get("matchLabels") == {
+        "ray.io/cluster": one(docs, "RayCluster")["metadata"]["name"]})
+    assert ray["spec"]["policyTypes"] == ["Ingress"]
+    ours = {"app.kubernetes.io/name": "horizon-ray"}
+    peers = [peer for rule in ray["spec"]["ingress"] for peer in rule["from"]]
+    assert {"podSelector": {"matchLabels": ours}} in peers
+    for peer in peers:  # nothing opens Ray to any pod or address
+        assert "ipBlock" not in peer and peer.get("podSelector", {}).get("matchLabels"), peer
+    # every pod that talks to Ray carries the label the policy admits
+    for where, template in pod_templates(docs):
+        assert template["metadata"]["labels"].items() >= ours.items(), where
+
+
+def test_pods_pass_the_restricted_pod_security_level(variant):
+    """Pod Security Standards, level "restricted" (the parts a manifest controls)."""
+    _, docs = variant
+    for where, template in pod_templates(docs):
+        spec = template["spec"]
+        pod = spec.get("securityContext", {})
+        assert pod.get("runAsNonRoot") is True and pod.get("runAsUser", 0) != 0, where
+        assert pod.get("seccompProfile", {}).get("type") in ("RuntimeDefault", "Localhost"), where
+        assert not any(spec.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), where
+        assert not any("hostPath" in v for v in spec.get("volumes", [])), where
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c.get("securityContext", {})
+            assert sc.get("allowPrivilegeEscalation") is False, f"{where} {c['name']}"
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], f"{where} {c['name']}"
+            assert not sc.get("privileged") and sc.get("runAsUser", 1) != 0, f"{where} {c['name']}"
+
+
+def test_ray_containers_have_a_shared_memory_object_store(variant):
+    _, docs = variant
+    cluster = one(docs, "RayCluster")["spec"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        template = group["template"]
+        mount = mounts(template["spec"]["containers"][0]).get("/dev/shm")
+        assert mount, f"{group.get('groupName', 'head')}: no /dev/shm volume for the object store"
+        vol = next(v for v in template["spec"]["volumes"] if v["name"] == mount["name"])["emptyDir"]
+        store = quantity(group["rayStartParams"]["object-store-memory"])
+        assert vol["medium"] == "Memory" and store <= quantity(vol["sizeLimit"]), group.get("groupName", "head")
+
+
+def test_worker_pods_checkpoint_before_they_stop(variant):
+    import argparse
+
+    from horizon_ray.commands import drain
+
+    _, docs = variant
+    for group in one(docs, "RayCluster")["spec"]["workerGroupSpecs"]:
+        spec = group["template"]["spec"]
+        c = spec["containers"][0]
+        argv = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert argv[:2] == ["horizon-ray", "drain"], group["groupName"]
+        parser = argparse.ArgumentParser()
+        drain.add_arguments(parser)
+        timeout = parser.parse_args(argv[2:]).timeout
+        # the grace period covers the hook and leaves Ray time to stop after SIGTERM
+        assert spec["terminationGracePeriodSeconds"] >= timeout + 30, group["groupName"]
+        if "nvidia.com/gpu" in c["resources"]["limits"]:
+            caps = set(env_of(c)["NVIDIA_DRIVER_CAPABILITIES"].split(","))
+            assert {"compute", "utility"} <= caps, "CUDA needs compute, nvidia-smi utility"
+
+
+def test_head_and_api_stay_off_gpu_nodes(variant):
+    _, docs = variant
+    off_gpu = {"key": "nvidia.com/gpu.present", "operator": "NotIn", "values": ["true"]}
+    for template in (one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"],
+                     one(docs, "Deployment", "horizon-ray-api")["spec"]["template"]):
+        terms = template["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"]
+        assert terms and all(off_gpu in t["matchExpressions"] for t in terms)
+
+
+def test_the_shared_volume_names_its_storage_class(variant):
+    name, docs = variant
+    shared = one(docs, "PersistentVolumeClaim", "horizon-ray-shared")["spec"]
+    if shared["accessModes"] == ["ReadWriteMany"]:
+        # the default class of most clouds is block storage, on which a ReadWriteMany claim stays Pending
+        assert shared.get("storageClassName"), f"{name}: the ReadWriteMany claim names no storage class"
+    else:
+        assert name == "overlays/dev-cpu", f"{name}: only a one-node dev cluster may share a ReadWriteOnce volume"
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed; the renderer is "
