@@ -14,6 +14,7 @@ IdempotencyConflict, CoordinatorUnavailable).
 from __future__ import annotations
 
 import builtins
+import logging
 import os
 import sys
 import threading
@@ -26,6 +27,7 @@ from horizon_ray.cluster.messages import Checkpoint, JobEvent, JobRecord, JobSta
 if TYPE_CHECKING:
     from horizon_ray.cluster.coordinator import Coordinator
 
+_log = logging.getLogger("horizon_ray.cluster")
 COORDINATOR_NAME = "horizon-coordinator"  # name of the detached coordinator actor
 NAMESPACE = "horizon-ray"  # Ray namespace of the coordinator and the node agents
 
@@ -286,14 +288,22 @@ class RayClient(_Delegating):
     def _connect_loop(self) -> None:
         import ray
 
+        failures = 0
         while not self._connected.is_set():
             try:
                 if ray.is_initialized():
                     ray.shutdown()
+                _drop_client_sessions()
                 connect_ray(self._address, self._namespace)
                 self._connected.set()
+                if failures:
+                    _log.warning("connected to the Ray cluster at %s again", self._address or "auto")
             except Exception as exc:  # noqa: BLE001 - not up yet: try again
                 self._last_error = _first_line(exc)
+                if failures % 30 == 0:  # the first failure, then one line a minute or so
+                    _log.warning("cannot connect to the Ray cluster at %s (%s); retrying every %.0f s",
+                                 self._address or "auto", self._last_error, self._retry_s)
+                failures += 1
                 time.sleep(self._retry_s)
 
     def _handle(self):
@@ -336,6 +346,15 @@ class RayClient(_Delegating):
             return bool(self._call("ready", _timeout_s=10.0))  # a probe: answer fast
         except CoordinatorUnavailable:
             return False
+
+
+def _drop_client_sessions() -> None:
+    """Forget a Ray Client session whose server went away: Ray keeps it registered (ray.is_initialized() is
+    False, yet a new ray.init refuses: "The client has already connected to the cluster ...")."""
+    import ray.util.client
+
+    if ray.util.client.num_connected_contexts() > 0:
+        ray.util.client.ray.disconnect()
 
 
 def _first_line(exc: BaseException) -> str:

@@ -503,6 +503,8 @@ def test_head_runs_the_coordinator_with_a_persistent_job_table(variant, tmp_path
     for c in (head, control):
         assert volume_claim(template, mounts(c)[root]) == "horizon-ray-state", c["name"]
         assert "/tmp/ray" in mounts(c), "the sidecar reaches the head's raylet through /tmp/ray"
+    # ... and a Ray driver finds the raylet of its node among the processes it sees
+    assert template["spec"].get("shareProcessNamespace") is True, "the sidecar's driver cannot see the raylet"
     assert state["spec"]["accessModes"] == ["ReadWriteOnce"]
     # Only the head mounts the job table.
     for where, t in pod_templates(docs):
