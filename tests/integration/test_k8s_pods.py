@@ -14,6 +14,8 @@ its pod spec mounts, and runs as the pod's user. Through that deployment:
 - the RayJob example's entrypoint runs through the token-protected job server: as shipped it asks for the
   7B job, which the coordinator turns down on the dev overlay's small worker, naming why; with the spec the
   example names for the dev overlay it trains on the worker;
+- the worker pod is deleted while a job trains: its preStop hook checkpoints the job at its step, and the
+  job resumes from that step on the pod that replaces it;
 - the head dies and comes back: the API reconnects, the job table survives, the worker rejoins;
 - no Ray port of any pod answers a request without Ray's token;
 - no container's processes use more memory than its limit;
