@@ -251,18 +251,19 @@ def test_drain_checkpoints_each_engine_at_its_step_and_stops_it_resumably(tmp_pa
                       kill_grace_s=30.0)
     try:
         out = tmp_path / "job"
-        agent.start("j1", spec, str(out), GiB, 0)
+        agent.start(Launch(job_id="j1", tenant="acme", spec=spec, output_dir=str(out), host_bytes=GiB, gpu_bytes=0))
         assert agent.drain() == ["j1"]  # while it still starts: the signal stays pending until its handler is in
         with pytest.raises(ReservationRefused, match="draining"):
-            agent.start("j2", spec, str(tmp_path / "job2"), GiB, 0)
+            agent.start(Launch(job_id="j2", tenant="acme", spec=spec, output_dir=str(tmp_path / "job2"),
+                               host_bytes=GiB, gpu_bytes=0))
         report, lines = wait_exit(agent, "j1", timeout=240)
-        steps = [ln["step"] for ln in lines if ln["type"] == "metrics"]
+        steps = [e.step for e in lines if isinstance(e, events.Metrics)]
         assert report.exit.returncode == 143 and not report.exit.cancelled, report.exit.stderr_tail
         assert steps and steps[-1] < 500
-        ckpt = [ln for ln in lines if ln["type"] == "checkpoint"]
-        assert [c["step"] for c in ckpt] == [steps[-1]], lines[-3:]
-        assert (out / "checkpoints" / Path(ckpt[0]["path"]).name).is_dir()
-        assert "drain" in lines[-1].get("message", ""), lines[-1]
+        ckpt = [e for e in lines if isinstance(e, events.Checkpoint)]
+        assert [c.step for c in ckpt] == [steps[-1]], lines[-3:]
+        assert (out / "checkpoints" / Path(ckpt[0].path).name).is_dir()
+        assert isinstance(lines[-1], events.Error) and "drain" in lines[-1].message, lines[-1]
         assert agent.running() == []
         assert yaml.safe_load((out / "job.yaml").read_text())["output_dir"] == str(out)
     finally:
