@@ -300,7 +300,7 @@ def host_mounts_for(paths: list[str]) -> list[str]:
 class Network:
     """A bridge in a network namespace of its own, to which every pod's namespace is joined."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self) -> None:
         self.holder = popen(["unshare", "--net", "--", "sleep", "infinity"])
         self.netns = f"/proc/{self.holder.pid}/ns/net"
         self._wait_ns(self.holder.pid)
@@ -697,7 +697,7 @@ class Simulation:
         self.pods: dict[str, Pod] = {}
         self.services: dict[str, str] = {}
         self._forwards: list[subprocess.Popen] = []
-        self.net = Network(workdir)
+        self.net = Network()
 
     # -- objects --
 

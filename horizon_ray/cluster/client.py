@@ -321,7 +321,7 @@ class RayClient(_Delegating):
 
     def _call(self, method: str, *args: Any, _timeout_s: float | None = None, **kwargs: Any) -> Any:
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         try:
             reply = ray.get(self._handle().call.remote(method, *args, **kwargs),
@@ -329,8 +329,8 @@ class RayClient(_Delegating):
         except (RayActorError, GetTimeoutError) as exc:
             self._actor = None
             raise CoordinatorUnavailable(f"coordinator did not answer {method}: {exc}") from exc
-        except CoordinatorUnavailable:
-            raise
+        except (CoordinatorUnavailable, RayTaskError):
+            raise  # a RayTaskError is the coordinator's own crash: the connection is fine
         except Exception as exc:  # noqa: BLE001 - the connection itself is gone (e.g. the head restarted)
             if not self._owns_connection:
                 raise

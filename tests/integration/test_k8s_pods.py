@@ -45,8 +45,7 @@ from typing import Any
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import podsim  # noqa: E402
+from tests import podsim
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
