@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from horizon_ray.engine.model import DTYPE_BYTES, PROJECTIONS, UPDATES
+from horizon_ray.engine.model import DTYPE_BYTES, LORA_TARGETS, UPDATES
 from horizon_ray.errors import BadInput
 
 
@@ -85,11 +85,11 @@ class Adapters:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
             raise BadInput(f"lora.r must be an integer >= 1 (e.g. 8), got {self.r!r}", field="lora.r")
         if not self.targets:
-            raise BadInput(f"lora.targets is empty; list one or more of {', '.join(PROJECTIONS)}",
+            raise BadInput(f"lora.targets is empty; list one or more of {', '.join(LORA_TARGETS)}",
                            field="lora.targets")
-        bad = [t for t in self.targets if t not in PROJECTIONS]
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
         if bad:
-            raise BadInput(f"lora.targets {bad} are not valid; choose one or more of {', '.join(PROJECTIONS)}",
+            raise BadInput(f"lora.targets {bad} are not valid; choose one or more of {', '.join(LORA_TARGETS)}",
                            field="lora.targets")
         if len(set(self.targets)) != len(self.targets):
             raise BadInput(f"lora.targets {list(self.targets)} names a projection twice; list each once",

@@ -27,6 +27,125 @@ def tiny_qwen2(tmp_path, name="model"):
     return save(model, tmp_path, name)
 
 
+def _varied(model, offset_norms=False, seed=0):
+    """Norm weights away from their initial value (1, or 0 for Gemma's (1 + w) norms) and biases away from 0,
+    so that their gradients and the template's use of them are tested."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_((0.0 if offset_norms else 1.0) + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.normal_(0, 0.02, generator=g)
+    return model
+
+
+# The families beyond Llama / Qwen2 / Mistral, each tiny, in fp32, with what sets it apart switched on.
+# Sizes are multiples of 8 (the expert GEMMs' layout rule on CUDA).
+_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def tiny_qwen3(tmp_path, name="model", **kw):
+    """Qwen3: per-head q/k RMSNorm, an explicit head_dim (24, not hidden / heads = 16), no q/k/v bias."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=24, vocab_size=V, tie_word_embeddings=False, **_IDS, **kw)
+    return save(_varied(Qwen3ForCausalLM(cfg)), tmp_path, name)
+
+
+def tiny_phi3(tmp_path, name="model", **kw):
+    """Phi-3 / Phi-4: q/k/v fused in qkv_proj and gate/up in gate_up_proj (on disk and in the unit)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Phi3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=V, tie_word_embeddings=False, **_IDS, **kw)
+    return save(_varied(Phi3ForCausalLM(cfg)), tmp_path, name)
+
+
+def tiny_gemma2(tmp_path, name="model", **kw):
+    """Gemma 2: (1 + w) norms around attention and the MLP, GELU-tanh, scaled embeddings, query_pre_attn_scalar,
+    even layers sliding (window 5 of 12 tokens), attention and final logits soft-capped tightly enough that the
+    caps bend the numbers."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    kw = {"attn_logit_softcapping": 0.5, "final_logit_softcapping": 1.0, **kw}
+    cfg = Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=V, query_pre_attn_scalar=24, sliding_window=5,
+                       **_IDS, **kw)
+    return save(_varied(Gemma2ForCausalLM(cfg), offset_norms=True), tmp_path, name)
+
+
+def tiny_gemma3(tmp_path, name="model", **kw):
+    """Gemma 3 (text): Gemma 2's layer with q/k norms and no attention cap, sliding and global layers with their
+    own RoPE (the global ones interpolated by 4), a final logit cap."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    rope = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    kw = {"final_logit_softcapping": 1.0, "rope_parameters": rope, **kw}
+    cfg = Gemma3TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=V, query_pre_attn_scalar=24,
+                           sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 2, **_IDS, **kw)
+    return save(_varied(Gemma3ForCausalLM(cfg), offset_norms=True), tmp_path, name)
+
+
+def tiny_mixtral(tmp_path, name="model", **kw):
+    """Mixtral: 4 experts, top-2 (renormalised), the router's load-balancing loss switched on with a weight
+    large enough to move the numbers."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    kw = {"output_router_logits": True, "router_aux_loss_coef": 0.1, **kw}
+    cfg = MixtralConfig(hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=V, tie_word_embeddings=False, num_local_experts=4,
+                        num_experts_per_tok=2, **_IDS, **kw)
+    return save(_varied(MixtralForCausalLM(cfg)), tmp_path, name)
+
+
+def tiny_qwen3_moe(tmp_path, name="model", **kw):
+    """Qwen3-MoE: 8 experts of width 32, top-2 renormalised (norm_topk_prob), q/k norms, the aux loss on."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    kw = {"output_router_logits": True, "router_aux_loss_coef": 0.05, "norm_topk_prob": True, "num_experts": 8,
+          "num_experts_per_tok": 2, **kw}
+    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=V,
+                         tie_word_embeddings=False, **_IDS, **kw)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():  # HF initialises the router at zero: every token would tie
+        for name_, p in model.named_parameters():
+            if name_.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    return save(_varied(model), tmp_path, name)
+
+
+def tiny_olmoe(tmp_path, name="model", **kw):
+    """OLMoE: q/k norms over the whole projection, 8 experts, top-2 not renormalised, the aux loss on."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    torch.manual_seed(0)
+    kw = {"output_router_logits": True, "router_aux_loss_coef": 0.05, **kw}
+    cfg = OlmoeConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=V, num_experts=8, num_experts_per_tok=2,
+                      tie_word_embeddings=False, **_IDS, **kw)
+    model = OlmoeForCausalLM(cfg)
+    with torch.no_grad():
+        for name_, p in model.named_parameters():
+            if name_.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    return save(_varied(model), tmp_path, name)
+
+
+FAMILY_BUILDERS = {"qwen3": tiny_qwen3, "phi3": tiny_phi3, "gemma2": tiny_gemma2, "gemma3": tiny_gemma3,
+                   "mixtral": tiny_mixtral, "qwen3_moe": tiny_qwen3_moe, "olmoe": tiny_olmoe}
+
+
 def save(model, tmp_path, name="model"):
     path = tmp_path / name
     model.float().save_pretrained(path)
@@ -55,18 +174,23 @@ def random_batches(steps, micro, B=2, T=12, seed=1, prompt=3, vocab=V):
     return out
 
 
-def reference_step(model, params: dict, opt, mbs, max_norm):
+def reference_step(model, params: dict, opt, mbs, max_norm, aux_coef: float = 0.0):
     """One step of the HF reference: summed token CE / the step's target count, backward per micro-batch,
-    clip_grad_norm_ over ``params`` (name -> parameter), opt.step(). Returns (loss, norm, clipped grads)."""
+    clip_grad_norm_ over ``params`` (name -> parameter), opt.step(). Returns (loss, norm, clipped grads).
+    ``aux_coef``: a MoE model's load-balancing loss (HF's aux_loss of each forward call) weighted by it and
+    averaged over the micro-batches is added, as the engine defines the step's loss."""
     import torch.nn.functional as F
 
     n = sum(int((lab[:, 1:] != -100).sum()) for _, lab in mbs)
     opt.zero_grad()
     total = 0.0
     for ids, lab in mbs:
-        logits = model(input_ids=ids).logits.float()
+        out = model(input_ids=ids, output_router_logits=True) if aux_coef else model(input_ids=ids)
+        logits = out.logits.float()
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), lab[:, 1:].reshape(-1),
                                ignore_index=-100, reduction="sum") / n
+        if aux_coef:
+            loss = loss + aux_coef * out.aux_loss / len(mbs)
         loss.backward()
         total += loss.item()
     norm = float(torch.nn.utils.clip_grad_norm_(params.values(), max_norm))

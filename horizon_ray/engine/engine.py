@@ -38,8 +38,8 @@ from horizon_ray.engine.config import EngineConfig, resolve_device
 from horizon_ray.engine.fence import Fence
 from horizon_ray.engine.grads import DeviceGrads, HostGrads
 from horizon_ray.engine.kernels import Kernels, resolve_kernels
-from horizon_ray.engine.layers import LoraCall, MicroBatch, Template, attention_mask, inv_frequencies, rope_tables
-from horizon_ray.engine.model import ModelConfig, unit_layouts
+from horizon_ray.engine.layers import LoraCall, MicroBatch, Template
+from horizon_ray.engine.model import NORM_KEYS, ModelConfig, unit_layouts
 from horizon_ray.engine.optimizer import HostAdamW
 from horizon_ray.engine.pinned import HostBuffers
 from horizon_ray.engine.ranks import Ranks, SharedFence
@@ -129,7 +129,6 @@ class Engine:
             self._stash = KeptStash()
             self._grad_sink = HostGrads(self.store, self.units, self._grads, self.device, self.ranks)
         self.offload_checkpoints = isinstance(self._stash, OffloadStash)
-        self.inv_freq = inv_frequencies(model)
         self.template = Template(model, Kernels(resolve_kernels(cfg.kernels, self.device)))
 
     # ---- construction --------------------------------------------------------------------------------
@@ -257,6 +256,9 @@ class Engine:
             self._stash.prefetch(self.K * ((self.L - 1) // self.K))  # the top block's checkpoint
             loss, dhs, tied_acc = self._loss(hs, mbs, n_targets, k, backward=True)
             del hs
+            aux = self.template.router_loss(mbs)  # MoE: the routers' load-balancing loss, when asked for
+            if aux is not None:
+                loss = loss + aux
             dhs = self._backward(dhs, mbs, k)
             if self.lora is None:  # with LoRA the embedding is frozen
                 self._embedding_backward(dhs, mbs, tied_acc, k)
@@ -293,7 +295,7 @@ class Engine:
         k = self._newest()
         h = torch.cat(self._forward(mbs, k, train=False))
         w = self._weights.head_weights(k)
-        logits = F.linear(self.template.final_norm(h, w["norm"]), w["lm_head"]).float().cpu()
+        logits = self.template.logits(h, w).cpu()
         self._weights.release_head()
         return logits
 
@@ -315,7 +317,7 @@ class Engine:
         self._optimizer.wait_all()
         return io.save_pretrained(self.store, self.model.hf, Path(out_dir), getattr(torch, self.cfg.save_dtype),
                                   self.cfg.max_shard_bytes, self.model.tie_word_embeddings,
-                                  merge=lora_io.merge_fn(self.store.adapters, self.lora))
+                                  merge=lora_io.merge_fn(self.store.adapters, self.lora, self.model))
 
     def load_adapter(self, adapter_dir: str | Path) -> None:
         """LoRA only: set the adapters' weights from a PEFT adapter directory (same r and targets). The
@@ -488,24 +490,15 @@ class Engine:
             rows = max(1, self.cfg.layer_chunk_tokens // T)
             for lo in range(0, B, rows):
                 part = slice(lo, lo + rows)
-                mb = self._micro_batch(ids[part], targets[part], positions[part], None if pos is None else pos[part])
+                mb = self._micro_batch(ids[part], targets[part], positions[part], None if pos is None else pos[part],
+                                       self.template.router_stats(i, ids[part].numel()))
                 total += mb.n_targets
                 out.append(mb)
         self._row_groups = len(out)
         return out, total
 
-    def _micro_batch(self, ids, targets, positions, pos) -> MicroBatch:
-        dev = self.device
-        cos, sin = rope_tables(self.inv_freq, positions, self.dtype)
-        return MicroBatch(
-            input_ids_host=ids,
-            input_ids_BT=ids.to(dev, non_blocking=True),
-            targets_BT=targets.to(dev, non_blocking=True),
-            cos_BTd=cos.to(dev, non_blocking=True),
-            sin_BTd=sin.to(dev, non_blocking=True),
-            mask_B1TT=_to(attention_mask(pos, ids.shape[1], self.model.sliding_window, "cpu"), dev),
-            n_targets=int((targets != -100).sum()),
-        )
+    def _micro_batch(self, ids, targets, positions, pos, router) -> MicroBatch:
+        return self.template.micro_batch(ids, targets, positions, pos, self.device, self.dtype, router)
 
     def _forward(self, mbs: list[MicroBatch], k: int, train: bool):
         """The layers' forward of step k without autograd; with train, the checkpoints are kept and dropout
@@ -526,7 +519,7 @@ class Engine:
             if train and j % self.K == 0:
                 self._stash.stash(j, hs)
             with torch.no_grad():
-                hs = [self.template.layer(h, w, mb, self._lora_call(j, i, train))
+                hs = [self.template.layer(h, w, mb, self._lora_call(j, i, train), j=j)
                       for i, (h, mb) in enumerate(zip(hs, mbs))]
             W.release(u)
         return hs
@@ -577,7 +570,7 @@ class Engine:
                 self._stash.prefetch(blocks[b - 1][0])
             with torch.no_grad():  # recompute the inputs of the block's other layers
                 for j in range(s, e - 1):
-                    inputs[j + 1] = [self.template.layer(x, ws[j], mb, self._lora_call(j, i, True))
+                    inputs[j + 1] = [self.template.layer(x, ws[j], mb, self._lora_call(j, i, True), j=j)
                                      for i, (x, mb) in enumerate(zip(inputs[j], mbs))]
             for j in reversed(range(s, e)):
                 if self.lora is None:
@@ -600,7 +593,7 @@ class Engine:
         for x, dy, mb in zip(xs, dys, mbs):
             x = x.detach().requires_grad_()
             with torch.enable_grad():
-                y = self.template.layer(x, w, mb, sinks=sinks)
+                y = self.template.layer(x, w, mb, sinks=sinks, j=j)
             grads = torch.autograd.grad(y, [x, *leaves.values()], dy)
             dxs.append(grads[0])
             for key, g in zip(leaves, grads[1:]):
@@ -620,7 +613,7 @@ class Engine:
         for i, (x, dy, mb) in enumerate(zip(xs, dys, mbs)):
             x = x.detach().requires_grad_(need_dx)
             with torch.enable_grad():
-                y = self.template.layer(x, w, mb, self._lora_call(j, i, True))
+                y = self.template.layer(x, w, mb, self._lora_call(j, i, True), j=j)
             grads = torch.autograd.grad(y, [x, *leaves.values()] if need_dx else list(leaves.values()), dy)
             if need_dx:
                 dxs.append(grads[0])
@@ -634,8 +627,12 @@ class Engine:
         G = self._grad_sink
         acc = tied_acc if tied_acc is not None else G.accumulator(self.units.embed, k)
         g = self.store.units[0].layout.views(acc)["embed"]
+        pad = self.model.padding_idx
         for dh, mb in zip(dhs, mbs):
-            g.index_add_(0, mb.input_ids_BT.reshape(-1), dh.reshape(-1, dh.shape[-1]).to(g.dtype))
+            ids, rows = mb.input_ids_BT.reshape(-1), dh.reshape(-1, dh.shape[-1]).to(g.dtype)
+            if pad is not None:  # HF's padding_idx: lookups of the padding token give its row no gradient
+                rows = rows.masked_fill((ids == pad)[:, None], 0.0)
+            g.index_add_(0, ids, rows)
         G.flush(self.units.embed, acc, k)
 
 
@@ -650,8 +647,8 @@ def _init_random(store: HostStore, model: ModelConfig, cfg: EngineConfig) -> Non
             if len(t.shape) == 2:
                 normal += [(flat[lo:lo + _INIT_CHUNK], lora_io.mix_seed(cfg.seed, u, i, lo))
                            for lo in range(0, t.numel, _INIT_CHUNK)]
-            elif t.key.startswith(("ln", "norm")):
-                flat.fill_(1.0)
+            elif t.key in NORM_KEYS:  # 1, or 0 where norms scale by (1 + w) (Gemma)
+                flat.fill_(1.0 - model.norm_offset)
             else:
                 flat.zero_()
 
@@ -669,6 +666,3 @@ def _shape_of(lora):
     """What must agree between an adapter on disk and the engine's LoRA config (dropout may differ)."""
     return lora.r, lora.alpha, set(lora.targets), set(lora.modules_to_save)
 
-
-def _to(t, device):
-    return None if t is None else t.to(device, non_blocking=True)

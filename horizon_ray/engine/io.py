@@ -55,7 +55,6 @@ def load_into(store: HostStore, model_dir: Path, tied: bool) -> None:
     handles: dict[Path, object] = {}
     try:
         for unit in store.units:
-            views = unit.layout.views(unit.master)
             for t in unit.layout.tensors:
                 path = files[t.name]
                 if path not in handles:
@@ -66,7 +65,7 @@ def load_into(store: HostStore, model_dir: Path, tied: bool) -> None:
                                      f"config implies {t.shape}: the config.json does not match the weights")
                 if not src.is_floating_point():
                     raise BadInput(f"tensor {t.name} has dtype {src.dtype}; expected a floating-point tensor")
-                views[t.key].copy_(src)
+                t.view_of(unit.master).copy_(src)
             store.refresh_wire(unit)
     finally:
         for h in handles.values():
@@ -82,13 +81,13 @@ def save_pretrained(store: HostStore, hf_config: dict, out_dir: Path, dtype: tor
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for unit in store.units:
-            views = unit.layout.views(unit.master)
             for t in unit.layout.tensors:
                 nbytes = t.numel * dtype.itemsize
                 if shards[-1] and size + nbytes > max_shard_bytes:
                     shards.append({})
                     size = 0
-                w = views[t.key] if merge is None else merge(t.name, views[t.key])
+                w = t.view_of(unit.master)
+                w = w if merge is None else merge(t.name, w)
                 shards[-1][t.name] = w.to(dtype).contiguous()
                 size += nbytes
         total = sum(v.nbytes for s in shards for v in s.values())

@@ -9,6 +9,13 @@ Two sets of kernels compute the same functions:
   installed (``pip install horizon-ray[gpu]``). Each kernel rounds once where the torch ops round after
   every op, so bf16 results differ from HF's in the last bits; in float32 they agree to roundoff.
 
+The families beyond Llama add: RMSNorm scaling by (1 + w) in fp32 (Gemma; Liger's "gemma" casting with offset
+1), the GELU-tanh gated MLP (torch's gelu), soft-capped logits in the loss (Liger's kernel caps in place),
+attention with soft-capped scores (``softcap_attention``: SDPA cannot cap, so an exact attention over blocks
+of queries that recomputes its probabilities in the backward, memory O(block x keys)), and the experts of a
+mixture-of-experts layer (``expert_linear``: tokens sorted by expert, one GEMM per expert, or torch's grouped
+GEMM for all of them on CUDA in bfloat16).
+
 Weight gradients never exist as tensors of their own: ``linear`` takes the fp32 accumulator of its weight
 (a view of the unit's gradient buffer on the device) and its backward adds ``dy^T x`` into it, on CUDA
 inside the GEMM (``addmm`` with an fp32 output from bf16 operands), so a layer's backward writes each
@@ -104,6 +111,164 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, gw: 
     return _SinkLinear.apply(x, w, b, gw, gb)
 
 
+# ---- mixture-of-experts: one GEMM per expert over its tokens -----------------------------------------------
+
+
+def _grouped(x: torch.Tensor, w_EOI: torch.Tensor) -> bool:
+    """torch's grouped GEMM serves: CUDA, bfloat16, rows of 16-byte multiples (its kernels' layout rule)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and w_EOI.dtype == x.dtype and hasattr(F, "grouped_mm")
+            and x.shape[-1] % 8 == 0 and w_EOI.shape[-2] % 8 == 0 and w_EOI.shape[-1] % 8 == 0)
+
+
+def _expert_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Rows of x sorted by expert, counts_E[e] of them for expert e: each block times its expert's W^T."""
+    if _grouped(x_MI, w_EOI):
+        # offsets stay on the device: no host sync in the forward
+        offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
+        return F.grouped_mm(x_MI, w_EOI.transpose(-2, -1), offs=offs)
+    out = x_MI.new_empty(x_MI.shape[0], w_EOI.shape[1])
+    lo = 0
+    for e, n in enumerate(counts_E.tolist()):  # one GEMM per expert that has tokens
+        if n:
+            torch.mm(x_MI[lo:lo + n], w_EOI[e].t(), out=out[lo:lo + n])
+            lo += n
+    return out
+
+
+class _ExpertLinear(torch.autograd.Function):
+    """y = x W_e^T for each expert's block of rows; the backward returns dL/dx, dL/dW when W needs it (LoRA's
+    stacked adapters), and adds each expert's dL/dW into the fp32 accumulator ``gw`` when one is given."""
+
+    @staticmethod
+    def forward(ctx, x, w, counts, gw):
+        ctx.save_for_backward(x, w, counts)
+        ctx.gw = gw
+        return _expert_mm(x, w, counts)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w, counts = ctx.saved_tensors
+        gw = ctx.gw
+        need_x, need_w = ctx.needs_input_grad[:2]
+        gx = None
+        if need_x:
+            if _grouped(gy, w):
+                gx = F.grouped_mm(gy, w, offs=torch.cumsum(counts, 0, dtype=torch.int32))
+            else:
+                gx = _expert_mm(gy, w.transpose(-2, -1), counts)
+        gw_out = torch.zeros_like(w) if need_w else None
+        if gw is not None or need_w:
+            lo = 0
+            for e, n in enumerate(counts.tolist()):  # an expert without tokens adds nothing
+                if n:
+                    gy_e, x_e = gy[lo:lo + n], x[lo:lo + n]
+                    if gw is not None:
+                        accumulate_mm(gw[e], gy_e.t(), x_e)
+                    if gw_out is not None:
+                        gw_out[e] = gy_e.t() @ x_e
+                    lo += n
+        return gx, gw_out, None, None
+
+
+def expert_linear(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor,
+                  gw_EOI: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts' projection of rows sorted by expert (``counts_E[e]`` rows for expert e, in expert order):
+    [M, in] -> [M, out] with w [E, out, in]. With gw (fp32, w's shape) the backward adds each expert's weight
+    gradient there; an expert without rows gets none (its AdamW step then sees a zero gradient)."""
+    if not torch.is_grad_enabled() or not (x_MI.requires_grad or w_EOI.requires_grad):
+        return _expert_mm(x_MI, w_EOI, counts_E)
+    return _ExpertLinear.apply(x_MI, w_EOI, counts_E, gw_EOI)
+
+
+# ---- attention with soft-capped scores -----------------------------------------------------------------------
+
+# Elements of one block's scores [B, heads, queries, keys] in fp32: 64 Mi (256 MiB).
+_SOFTCAP_BLOCK_ELEMENTS = 1 << 26
+
+
+def _query_blocks(q_BHTd: torch.Tensor, T: int):
+    rows = max(1, min(T, _SOFTCAP_BLOCK_ELEMENTS // max(1, q_BHTd.shape[0] * q_BHTd.shape[1] * T)))
+    return [(lo, min(lo + rows, T)) for lo in range(0, T, rows)]
+
+
+def _capped_scores(q_blk, k, scale: float, cap: float, mask_blk, lo: int, hi: int):
+    """(scores after the cap, with -inf where masked; tanh(s / cap)) of queries lo..hi against every key, fp32:
+    q [B, kvH, G, n, d], k [B, kvH, 1, T, d], mask [B | 1, 1, n, T] bool or None (causal)."""
+    s = torch.matmul(q_blk, k.transpose(-2, -1)).float() * scale
+    t = torch.tanh(s / cap)
+    s = t * cap
+    if mask_blk is None:
+        qi = torch.arange(lo, hi, device=s.device)[:, None]
+        allowed = torch.arange(k.shape[-2], device=s.device)[None, :] <= qi
+    else:
+        allowed = mask_blk[:, :, None]  # [B, 1, 1, n, T] against [B, kvH, G, n, T]
+    return s.masked_fill(~allowed, float("-inf")), t
+
+
+def _softcap_forward(q, k, v, mask, scale: float, cap: float):
+    """(output [B, kvH, G, T, d], log-sum-exp of each row's capped scores [B, kvH, G, T] in fp32)."""
+    B, Hq, T, d = q.shape
+    Hkv = k.shape[1]
+    q5, k5, v5 = q.view(B, Hkv, Hq // Hkv, T, d), k[:, :, None], v[:, :, None]
+    out = torch.empty_like(q5)
+    lse = torch.empty(q5.shape[:-1], dtype=torch.float32, device=q.device)
+    for lo, hi in _query_blocks(q, T):
+        s, _ = _capped_scores(q5[:, :, :, lo:hi], k5, scale, cap, None if mask is None else mask[:, :, lo:hi], lo, hi)
+        m = torch.logsumexp(s, dim=-1)
+        lse[..., lo:hi] = m
+        out[:, :, :, lo:hi] = torch.matmul(torch.exp(s - m[..., None]).to(v.dtype), v5)
+    return out, lse
+
+
+class _SoftcapAttention(torch.autograd.Function):
+    """softmax(cap tanh(q k^T scale / cap) + mask) v, exact, over blocks of queries: the forward keeps the
+    output and each row's log-sum-exp, the backward recomputes each block's probabilities from them, so no
+    [T, T] score matrix outlives its block. Grouped-query heads: query head h reads key/value head h // G."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale: float, cap: float):
+        out, lse = _softcap_forward(q, k, v, mask, scale, cap)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.args = (scale, cap)
+        return out.view(q.shape)
+
+    @staticmethod
+    def backward(ctx, g_out):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        scale, cap = ctx.args
+        B, Hq, T, d = q.shape
+        Hkv = k.shape[1]
+        G = Hq // Hkv
+        q5, k5, v5 = q.view(B, Hkv, G, T, d), k[:, :, None], v[:, :, None]
+        go = g_out.reshape(B, Hkv, G, T, d)
+        gq = torch.empty_like(q5)
+        gk = torch.zeros(B, Hkv, T, d, dtype=torch.float32, device=q.device)
+        gv = torch.zeros_like(gk)
+        # D_i = sum_j P_ij dP_ij = dO_i . O_i (the softmax's backward, row by row)
+        D = (go.float() * out.float()).sum(-1)
+        for lo, hi in _query_blocks(q, T):
+            qb = q5[:, :, :, lo:hi]
+            s, t = _capped_scores(qb, k5, scale, cap, None if mask is None else mask[:, :, lo:hi], lo, hi)
+            p = torch.exp(s - lse[..., lo:hi, None])  # [B, kvH, G, n, T]
+            gob = go[:, :, :, lo:hi]
+            gv += torch.matmul(p.transpose(-2, -1), gob.float()).sum(2)
+            dp = torch.matmul(gob, v5.transpose(-2, -1)).float()
+            ds = p * (dp - D[..., lo:hi, None])
+            ds = ds * (1.0 - t * t) * scale  # through the cap and the scale
+            gq[:, :, :, lo:hi] = torch.matmul(ds.to(q.dtype), k5)
+            gk += torch.matmul(ds.transpose(-2, -1), qb.float()).sum(2)
+        return gq.view(B, Hq, T, d), gk.to(k.dtype), gv.to(v.dtype), None, None, None
+
+
+def softcap_attention(q_BHTd, k_BHTd, v_BHTd, mask_B1TT, scale: float, cap: float) -> torch.Tensor:
+    """Causal (or masked) attention whose scores are soft-capped, c tanh(s / c), before the mask and softmax
+    (Gemma 2), with grouped-query heads; [B, heads, T, head_dim]."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q_BHTd, k_BHTd, v_BHTd)):
+        return _SoftcapAttention.apply(q_BHTd, k_BHTd, v_BHTd, mask_B1TT, scale, cap)
+    with torch.no_grad():
+        return _softcap_forward(q_BHTd, k_BHTd, v_BHTd, mask_B1TT, scale, cap)[0].view(q_BHTd.shape)
+
+
 # ---- the elementwise kernels ------------------------------------------------------------------------------
 
 
@@ -122,7 +287,9 @@ class Kernels:
     def fused(self) -> bool:
         return self.name == "liger"
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+        if offset:
+            return self._rms_norm_offset(x, weight, eps, offset)
         if self.fused and weight.dtype == x.dtype:
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
@@ -135,6 +302,16 @@ class Kernels:
         # a trained fp32 norm (LoRA's modules_to_save) on narrower activations: the product in fp32, so that
         # the weight is used, and its gradient accumulated, at full precision; HF's bits for a bf16 weight
         return (weight * x32.to(x.dtype).float()).to(x.dtype)
+
+    def _rms_norm_offset(self, x, weight, eps: float, offset: float) -> torch.Tensor:
+        """Gemma's RMSNorm: x / rms(x) x (offset + w), all in fp32, cast back once."""
+        if self.fused and weight.dtype == x.dtype:
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+            return LigerRMSNormFunction.apply(x, weight, eps, offset, "gemma", False)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return (x32 * (offset + weight.float())).to(x.dtype)
 
     def rope(self, q_BHTd: torch.Tensor, k_BHTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor):
         """HF's rotate-half RoPE of q and k ([B, heads, T, head_dim]); cos/sin [B, T, head_dim]."""
@@ -167,23 +344,38 @@ class Kernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) * up of a [..., 2 x ffn] tensor holding gate then up."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def cross_entropy_(self, logits_NV: torch.Tensor, targets_N: torch.Tensor, scale: float,
-                       grad: bool) -> torch.Tensor:
+                       grad: bool, softcap: float | None = None) -> torch.Tensor:
         """Sum over the chunk of scale x CE(logits, targets) (float32 scalar, -100 ignored), computed on
-        float32 logits as HF does. With grad, the logits are overwritten by the gradient of that sum."""
+        float32 logits as HF does; with ``softcap`` on c tanh(logits / c). With grad, the logits are overwritten
+        by the gradient of that sum (by the logits before the cap)."""
         if self.fused:
-            return _liger_cross_entropy_(logits_NV, targets_N, scale, grad)
+            return _liger_cross_entropy_(logits_NV, targets_N, scale, grad, softcap)
         if not grad:
-            return F.cross_entropy(logits_NV.float(), targets_N, ignore_index=-100, reduction="sum") * scale
+            return F.cross_entropy(cap_logits(logits_NV.float(), softcap), targets_N, ignore_index=-100,
+                                   reduction="sum") * scale
         with torch.enable_grad():
             leaf = logits_NV.detach().requires_grad_()
-            loss = F.cross_entropy(leaf.float(), targets_N, ignore_index=-100, reduction="sum") * scale
+            loss = F.cross_entropy(cap_logits(leaf.float(), softcap), targets_N, ignore_index=-100,
+                                   reduction="sum") * scale
             (g,) = torch.autograd.grad(loss, [leaf])
         logits_NV.copy_(g)
         return loss.detach()
 
 
-def _liger_cross_entropy_(logits_NV, targets_N, scale: float, grad: bool) -> torch.Tensor:
+def cap_logits(z: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """c tanh(z / c), HF's soft-capping; z itself without a cap."""
+    if softcap is None:
+        return z
+    return torch.tanh(z / softcap) * softcap
+
+
+def _liger_cross_entropy_(logits_NV, targets_N, scale: float, grad: bool, softcap: float | None) -> torch.Tensor:
     import triton
     from liger_kernel.ops.cross_entropy import liger_cross_entropy_kernel
 
@@ -196,9 +388,9 @@ def _liger_cross_entropy_(logits_NV, targets_N, scale: float, grad: bool) -> tor
         weight_ptr=None, loss_ptr=loss_N, z_loss_ptr=None, loss_stride=loss_N.stride(-1),
         token_accuracy_ptr=None, token_accuracy_stride=0, predicted_tokens_ptr=None, predicted_tokens_stride=0,
         n_cols=V, n_non_ignore=1.0 / scale, sum_non_ignore_weight=1.0 / scale, weight_sum=0.0, ignore_index=-100,
-        lse_square_scale=0.0, label_smoothing=0.0, reduction="mean", softcap=None, RETURN_Z_LOSS=False,
+        lse_square_scale=0.0, label_smoothing=0.0, reduction="mean", softcap=softcap, RETURN_Z_LOSS=False,
         RETURN_TOKEN_ACCURACY=False, RETURN_PREDICTED_TOKENS=False,
-        BLOCK_SIZE=min(32768, triton.next_power_of_2(V)), HAS_WEIGHT=False, HAS_SOFTCAPPING=False,
+        BLOCK_SIZE=min(32768, triton.next_power_of_2(V)), HAS_WEIGHT=False, HAS_SOFTCAPPING=softcap is not None,
         HAS_GRADIENTS=grad, num_warps=32,
     )
     return loss_N.sum()

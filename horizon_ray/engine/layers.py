@@ -1,8 +1,21 @@
 """The stateless layer template: pure functions over weight views, no nn.Module, no kept graph.
 
-Each function computes exactly what HF transformers' Llama / Qwen2 / Mistral modules compute (RMSNorm in
-float32, RoPE from float32 frequencies, SDPA with grouped-query attention, SwiGLU), so the engine's
-numerics can be pinned against them.
+Each function computes exactly what HF transformers' modules of the model's family compute (model.py lists
+the families: RMSNorm in float32, RoPE from float32 frequencies, SDPA with grouped-query attention, SwiGLU;
+Qwen3's q/k norms; Phi-3's fused projections; Gemma's (1 + w) norms around attention and the MLP, GELU-tanh,
+scaled embeddings, soft-capped attention scores and logits, sliding and global layers with their own RoPE;
+a mixture of experts in place of the MLP), so the engine's numerics can be pinned against them.
+
+Layers of one model may differ: a Gemma layer is a sliding-window or a global one, and the bottom layer
+scales the embeddings (so that its backward carries the factor into the embedding's gradient). ``layer``
+takes the layer's index ``j`` for that.
+
+A mixture-of-experts layer routes each token to its top-k experts (the router's softmax in fp32, HF's
+top-k and renormalisation), sorts the token copies by expert and runs each expert once over its tokens
+(kernels.expert_linear), then sums each token's k outputs weighted by the router. When the config asks for
+the router's load-balancing loss, each micro-batch's routing statistics are kept during the forward
+(``RouterStats``), the loss of the step is computed from them once the forward is done
+(``Template.router_loss``), and each layer's backward adds its gradient through the router's softmax.
 
 With LoRA the weights of a layer also hold its adapters ("q.lora_A" [r, in], "q.lora_B" [out, r], ...), and
 every adapted projection computes PEFT's ``base(x) + lora_B(lora_A(dropout(x))) * scaling``: the adapter
@@ -16,14 +29,26 @@ an adapter adds no activation memory of the input's size and no widened copy of 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from horizon_ray.engine.kernels import Kernels, accumulate_mm, linear
+from horizon_ray.engine.kernels import Kernels, accumulate_mm, cap_logits, expert_linear, linear, softcap_attention
 from horizon_ray.engine.lora import mix_seed
 from horizon_ray.engine.model import LEAF_KEYS, ModelConfig
+
+
+@dataclass
+class RouterStats:
+    """The routing of one row group of a micro-batch through every MoE layer, for the load-balancing loss."""
+
+    group: int  # the micro-batch of the step it belongs to (its row groups share one loss term)
+    tokens: int  # rows x sequence of this row group
+    counts: dict = field(default_factory=dict)  # layer -> [E] fp32: top-k assignments per expert
+    probs: dict = field(default_factory=dict)  # layer -> [E] fp32: routing probabilities summed over tokens
+    # d(step loss) / d(routing probability of expert e) at every token of every layer: set after the forward
+    grad_E: torch.Tensor | None = None
 
 
 @dataclass
@@ -33,10 +58,20 @@ class MicroBatch:
     input_ids_host: torch.Tensor  # the same ids on the host (the embedding may be gathered there)
     input_ids_BT: torch.Tensor
     targets_BT: torch.Tensor  # next-token targets (labels shifted left by one), -100 where ignored
-    cos_BTd: torch.Tensor  # RoPE tables in the compute dtype
+    cos_BTd: torch.Tensor  # RoPE tables in the compute dtype (of the global layers, where layers differ)
     sin_BTd: torch.Tensor
     mask_B1TT: torch.Tensor | None  # bool, True = may attend; None = plain causal
     n_targets: int  # count of targets != -100
+    # (cos, sin, mask) of the sliding-window layers of a model whose layers differ (Gemma, Qwen3 with a
+    # window on some layers); None: every layer reads the tables above
+    sliding: tuple | None = None
+    router: RouterStats | None = None  # MoE with the load-balancing loss: this row group's routing
+
+    def attention_inputs(self, kind: str) -> tuple:
+        """(cos, sin, mask) of a layer of this kind ("full_attention" | "sliding_attention")."""
+        if kind == "sliding_attention" and self.sliding is not None:
+            return self.sliding
+        return self.cos_BTd, self.sin_BTd, self.mask_B1TT
 
 
 @dataclass(frozen=True)
@@ -50,9 +85,15 @@ class LoraCall:
     seed: int = 0
 
 
-def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
+def inv_frequencies(cfg: ModelConfig, kind: str = "full_attention") -> torch.Tensor:
+    """RoPE's inverse frequencies of a layer of this kind: the sliding layers' own base where they have one
+    (Gemma 3), else the global layers' (with Llama 3's rescaling or linear interpolation, where set)."""
     d = cfg.head_dim
+    if kind == "sliding_attention" and cfg.local_rope_theta is not None:
+        return 1.0 / (cfg.local_rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if cfg.rope_linear != 1.0:
+        inv = inv / cfg.rope_linear
     if cfg.rope_llama3 is None:
         return inv
     # Llama 3 frequency rescaling: long wavelengths slowed by `factor`, short kept, a smooth ramp between.
@@ -93,7 +134,8 @@ def attention_mask(position_ids_BT: torch.Tensor | None, T: int, sliding_window:
     return mask[:, None]
 
 
-_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+# Adapted projections by key; a projection's index seeds its dropout masks (new keys go at the end).
+_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")
 
 
 def _adapter_input(x: torch.Tensor, dtype: torch.dtype, dropout: float, seed: int) -> torch.Tensor:
@@ -151,55 +193,233 @@ def _lora_add(x: torch.Tensor, y: torch.Tensor, w: dict, key: str, lora: LoraCal
     return _LoraAdd.apply(x, y, a, w[key + ".lora_B"], lora.scaling, lora.dropout, seed)
 
 
+class _RouterAuxGrad(torch.autograd.Function):
+    """The router's logits, unchanged; the backward adds the load-balancing loss's gradient: with c_e its
+    derivative by the routing probability p_e, through the softmax, p_e (c_e - sum_f p_f c_f)."""
+
+    @staticmethod
+    def forward(ctx, logits_NE, c_E):
+        ctx.save_for_backward(logits_NE, c_E)
+        return logits_NE.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, c = ctx.saved_tensors
+        p = torch.softmax(logits.float(), dim=-1)
+        extra = p * (c - (p * c).sum(-1, keepdim=True))
+        return grad + extra.to(grad.dtype), None
+
+
 class Template:
     """The decoder layer and the LM head of one model, as pure functions of weight views.
 
     ``layer`` computes what HF's decoder layer computes. With ``sinks`` (the fp32 gradient accumulators of
     the unit's weights, by the same keys) every projection's weight gradient is added there by the
     backward; the other weights of the unit (the norms) are the autograd leaves that ``leaf_keys`` names.
-    A unit's fused keys (``qkv``, ``gate_up``: members adjacent in its flat buffer) run as one GEMM.
+    A unit's fused keys (``qkv``, ``gate_up``: members adjacent in its flat buffer, or one tensor on disk as
+    in Phi-3) run as one GEMM.
     """
 
     def __init__(self, cfg: ModelConfig, kernels: Kernels | None = None):
         self.cfg = cfg
         self.ops = kernels or Kernels()
+        self.inv_freq = {kind: inv_frequencies(cfg, kind) for kind in sorted(set(cfg.layer_types))}
+        self._uniform = len(set(cfg.layer_types)) == 1 and not cfg.embed_scale
 
     @staticmethod
     def leaf_keys(w: dict) -> list[str]:
         """Keys of a layer's weights whose gradient autograd returns (the rest go to sinks)."""
         return [k for k in w if k in LEAF_KEYS]
 
+    # ---- inputs ------------------------------------------------------------------------------------------
+
+    def micro_batch(self, ids_BT, targets_BT, positions_BT, position_ids_BT, device, dtype,
+                    router: RouterStats | None = None) -> MicroBatch:
+        """A micro-batch's ids and targets on the device with the RoPE tables and masks its layers read.
+        ``position_ids_BT``: the caller's (packed documents), or None; ``positions_BT``: those or 0..T-1."""
+        cfg, T = self.cfg, ids_BT.shape[1]
+
+        def tables(kind: str) -> tuple:
+            cos, sin = rope_tables(self.inv_freq[kind], positions_BT, dtype)
+            window = cfg.sliding_window if kind == "sliding_attention" else None
+            mask = attention_mask(position_ids_BT, T, window, "cpu")
+            return (cos.to(device, non_blocking=True), sin.to(device, non_blocking=True),
+                    None if mask is None else mask.to(device, non_blocking=True))
+
+        kinds = set(cfg.layer_types)
+        main = "full_attention" if "full_attention" in kinds else "sliding_attention"
+        cos, sin, mask = tables(main)
+        return MicroBatch(
+            input_ids_host=ids_BT,
+            input_ids_BT=ids_BT.to(device, non_blocking=True),
+            targets_BT=targets_BT.to(device, non_blocking=True),
+            cos_BTd=cos, sin_BTd=sin, mask_B1TT=mask,
+            n_targets=int((targets_BT != -100).sum()),
+            sliding=tables("sliding_attention") if main != "sliding_attention" and len(kinds) > 1 else None,
+            router=router,
+        )
+
+    def router_stats(self, group: int, tokens: int) -> RouterStats | None:
+        """What a row group keeps of its routing, when the config asks for the load-balancing loss."""
+        return RouterStats(group, tokens) if self.cfg.moe and self.cfg.router_aux_coef else None
+
+    def router_loss(self, mbs: list[MicroBatch]) -> torch.Tensor | None:
+        """The step's load-balancing loss, once the forward has routed every row group (None when the config
+        does not ask for it), and the gradient each layer's backward adds through its router.
+
+        HF's loss of one forward call (a micro-batch of N tokens through L MoE layers, R = L N rows): with
+        f_e the share of the R x k top-k assignments that went to expert e and P_e the mean routing probability
+        of e over the R rows, aux = E sum_e f_e P_e, weighted by router_aux_loss_coef. The step's loss adds the
+        mean of its micro-batches' terms (one micro-batch: exactly HF's loss), so that the term's weight does
+        not grow with gradient accumulation. d aux / d p = E f_e / R at every row (f_e does not depend on p)."""
+        cfg = self.cfg
+        stats = [mb.router for mb in mbs if mb.router is not None]
+        if not stats:
+            return None
+        E, L, coef = cfg.num_experts, cfg.num_layers, cfg.router_aux_coef
+        groups: dict[int, list] = {}
+        for st in stats:
+            c = torch.stack(list(st.counts.values())).sum(0)
+            p = torch.stack(list(st.probs.values())).sum(0)
+            g = groups.setdefault(st.group, [0, 0, 0])
+            g[0], g[1], g[2] = g[0] + c, g[1] + p, g[2] + st.tokens
+        total, grads = 0, {}
+        for group, (c, p, tokens) in groups.items():
+            rows = L * tokens
+            f, P = c / rows, p / rows
+            total = total + E * (f * P).sum()
+            grads[group] = (coef / len(groups)) * E * f / rows
+        for st in stats:
+            st.grad_E = grads[st.group]
+        return total * (coef / len(groups))
+
+    # ---- the decoder layer -------------------------------------------------------------------------------
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.cfg.norm_offset:
+            return self.ops.rms_norm(x, weight, self.cfg.rms_norm_eps, self.cfg.norm_offset)
+        return self.ops.rms_norm(x, weight, self.cfg.rms_norm_eps)
+
     def _proj(self, x, w, key, lora, sinks):
         sink = sinks or {}
         y = linear(x, w[key], w.get(key + "_b"), sink.get(key), sink.get(key + "_b"))
         return _lora_add(x, y, w, key, lora)
 
+    def _kind(self, j: int | None) -> str:
+        if j is None:
+            if not self._uniform:
+                raise ValueError(f"the layers of this {self.cfg.arch} model differ: pass the layer's index j")
+            return self.cfg.layer_types[0]
+        return self.cfg.layer_types[j]
+
     def layer(self, x_BTD: torch.Tensor, w: dict, mb: MicroBatch, lora: LoraCall | None = None,
-              sinks: dict | None = None) -> torch.Tensor:
+              sinks: dict | None = None, j: int | None = None) -> torch.Tensor:
+        """Decoder layer j (the index matters where layers differ: Gemma's sliding and global layers, the
+        embedding's scale at the bottom, a MoE layer's routing statistics)."""
         cfg, ops = self.cfg, self.ops
+        cos, sin, mask = mb.attention_inputs(self._kind(j))
+        if cfg.embed_scale and j == 0:
+            # Gemma scales the embeddings by sqrt(hidden) in their dtype, here at the bottom layer's input so
+            # that its backward carries the factor into the embedding's gradient
+            x_BTD = x_BTD * torch.tensor(cfg.hidden_size**0.5).to(x_BTD.dtype)
         B, T, D = x_BTD.shape
         hd = cfg.head_dim
-        h = ops.rms_norm(x_BTD, w["ln1"], cfg.rms_norm_eps)
+        h = self._norm(x_BTD, w["ln1"])
         if "qkv" in w:
             q, k, v = self._proj(h, w, "qkv", lora, sinks).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
         else:
             q, k, v = (self._proj(h, w, key, lora, sinks) for key in ("q", "k", "v"))
-        q = q.view(B, T, cfg.num_heads, hd).transpose(1, 2)
-        k = k.view(B, T, cfg.num_kv_heads, hd).transpose(1, 2)
+        if cfg.qk_norm == "proj":  # OLMoE: over the whole projection
+            q, k = self._norm(q, w["q_norm"]), self._norm(k, w["k_norm"])
+        q = q.view(B, T, cfg.num_heads, hd)
+        k = k.view(B, T, cfg.num_kv_heads, hd)
+        if cfg.qk_norm == "head":  # Qwen3, Gemma 3: each head
+            q, k = self._norm(q, w["q_norm"]), self._norm(k, w["k_norm"])
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(B, T, cfg.num_kv_heads, hd).transpose(1, 2)
-        q, k = ops.rope(q, k, mb.cos_BTd, mb.sin_BTd)
+        q, k = ops.rope(q, k, cos, sin)
         # grouped-query attention without materialising repeated k/v heads
-        attn = ops.attention(q, k, v, mb.mask_B1TT, hd**-0.5).transpose(1, 2).reshape(B, T, cfg.q_dim)
-        x_BTD = x_BTD + self._proj(attn, w, "o", lora, sinks)
-        h = ops.rms_norm(x_BTD, w["ln2"], cfg.rms_norm_eps)
-        if "gate_up" in w:
-            mlp = ops.swiglu(self._proj(h, w, "gate_up", lora, sinks))
+        if cfg.attn_softcap:
+            attn = softcap_attention(q, k, v, mask, cfg.attn_scale, cfg.attn_softcap)
         else:
+            attn = ops.attention(q, k, v, mask, cfg.attn_scale)
+        attn = attn.transpose(1, 2).reshape(B, T, cfg.q_dim)
+        if cfg.sandwich_norms:
+            x_BTD = x_BTD + self._norm(self._proj(attn, w, "o", lora, sinks), w["ln1_post"])
+        else:
+            x_BTD = x_BTD + self._proj(attn, w, "o", lora, sinks)
+        h = self._norm(x_BTD, w["ln2"])
+        if cfg.moe:
+            return x_BTD + self._experts(h, w, mb, lora, sinks, j)
+        if "gate_up" in w:
+            gate_up = self._proj(h, w, "gate_up", lora, sinks)
+            mlp = ops.swiglu(gate_up) if cfg.hidden_act == "silu" else ops.geglu(gate_up)
+        elif cfg.hidden_act == "silu":
             mlp = F.silu(self._proj(h, w, "gate", lora, sinks)) * self._proj(h, w, "up", lora, sinks)
+        else:
+            mlp = F.gelu(self._proj(h, w, "gate", lora, sinks), approximate="tanh") * self._proj(h, w, "up", lora,
+                                                                                              sinks)
+        if cfg.sandwich_norms:
+            return x_BTD + self._norm(self._proj(mlp, w, "down", lora, sinks), w["ln2_post"])
         return x_BTD + self._proj(mlp, w, "down", lora, sinks)
 
+    def _experts(self, h_BTD, w, mb: MicroBatch, lora: LoraCall | None, sinks: dict | None, j: int | None):
+        """The mixture of experts of a MoE layer: route, sort the token copies by expert, run each expert once
+        over its tokens, sum each token's k outputs weighted by the router."""
+        cfg, ops = self.cfg, self.ops
+        B, T, D = h_BTD.shape
+        E, k = cfg.num_experts, cfg.experts_per_token
+        x_ND = h_BTD.reshape(-1, D)
+        logits_NE = self._proj(x_ND, w, "router", lora, sinks)
+        stats = mb.router
+        if stats is not None and stats.grad_E is not None and torch.is_grad_enabled():
+            logits_NE = _RouterAuxGrad.apply(logits_NE, stats.grad_E)
+        probs_NE = torch.softmax(logits_NE.float(), dim=-1)
+        top_w, top_e = torch.topk(probs_NE, k, dim=-1)
+        if cfg.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        if stats is not None:  # idempotent: the recompute of the backward writes the same numbers again
+            stats.counts[j] = torch.bincount(top_e.reshape(-1), minlength=E).float()
+            stats.probs[j] = probs_NE.detach().sum(0)
+        flat_e = top_e.reshape(-1)
+        order = torch.argsort(flat_e, stable=True)  # token copies grouped by expert, in token order within
+        counts_E = torch.bincount(flat_e, minlength=E)
+        x_MD = x_ND[order // k]
+        gate_up = self._expert_proj(x_MD, w, "experts.gate_up", counts_E, lora, sinks)
+        out_MD = self._expert_proj(ops.swiglu(gate_up), w, "experts.down", counts_E, lora, sinks)
+        weights_M = top_w.reshape(-1)[order]
+        if cfg.arch == "mixtral":  # HF keeps Mixtral's routing weights in fp32 for the product
+            out_MD = (out_MD * weights_M[:, None]).to(x_ND.dtype)
+        else:
+            out_MD = out_MD * weights_M.to(x_ND.dtype)[:, None]
+        # back to token order, then each token's k outputs summed
+        y = out_MD.new_empty(out_MD.shape).index_copy(0, order, out_MD)
+        return y.view(B, T, k, D).sum(2)
+
+    def _expert_proj(self, x_MI, w, key: str, counts_E, lora: LoraCall | None, sinks: dict | None):
+        """One stacked projection of the experts, with its LoRA adapter when the layer has one: PEFT's adapter of
+        a stacked parameter, A [r x E, in] (expert e's rows e r .. e r + r - 1) and B [out, r x E] (expert e's
+        columns e, E + e, ..., every E-th), scaling x B_e A_e added to each expert's weight."""
+        y = expert_linear(x_MI, w[key], counts_E, (sinks or {}).get(key))
+        a = w.get(key + ".lora_A")
+        if a is None:
+            return y
+        E = self.cfg.num_experts
+        r = a.shape[0] // E
+        b = w[key + ".lora_B"]
+        a3, b3 = a.view(E, r, a.shape[1]), b.view(b.shape[0], r, E).permute(2, 0, 1)
+        # in the compute dtype, the fp32 factors cast to it (as _LoraAdd and PEFT under autocast do)
+        u = expert_linear(x_MI, a3.to(y.dtype), counts_E)
+        return torch.add(y, expert_linear(u, b3.to(y.dtype), counts_E), alpha=lora.scaling)
+
+    # ---- the head ------------------------------------------------------------------------------------------
+
     def final_norm(self, h: torch.Tensor, norm_w: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(h, norm_w, self.cfg.rms_norm_eps)
+        return self._norm(h, norm_w)
+
+    def logits(self, h: torch.Tensor, w: dict) -> torch.Tensor:
+        """The LM head's logits in float32 (soft-capped where the config caps them)."""
+        return cap_logits(F.linear(self.final_norm(h, w["norm"]), w["lm_head"]).float(), self.cfg.final_softcap)
 
     def head_loss(self, h_ND: torch.Tensor, w: dict, targets_N: torch.Tensor, scale: float, chunk: int,
                   sinks: dict | None = None, need_dh: bool = False):
@@ -210,12 +430,13 @@ class Template:
         sinks = sinks or {}
         train = need_dh or bool(sinks)
         norm_w, lm_w = w["norm"], w["lm_head"]
+        cap = self.cfg.final_softcap
         if not train:
             hn = self.final_norm(h_ND, norm_w)
             total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
             for lo in range(0, hn.shape[0], chunk):
                 total += self.ops.cross_entropy_(F.linear(hn[lo:lo + chunk], lm_w), targets_N[lo:lo + chunk], scale,
-                                                 grad=False)
+                                                 grad=False, softcap=cap)
             return total, None
         h_leaf = h_ND.detach().requires_grad_(need_dh)
         norm_leaf = norm_w.detach().requires_grad_("norm" in sinks)
@@ -227,7 +448,7 @@ class Template:
         for lo in range(0, hn_d.shape[0], chunk):
             hi = min(lo + chunk, hn_d.shape[0])
             logits = F.linear(hn_d[lo:hi], lm_w)
-            total += self.ops.cross_entropy_(logits, targets_N[lo:hi], scale, grad=True)
+            total += self.ops.cross_entropy_(logits, targets_N[lo:hi], scale, grad=True, softcap=cap)
             # the logits now hold dL/dlogits: back through the LM head's matmul
             torch.mm(logits, lm_w, out=d_hn[lo:hi])
             if "lm_head" in sinks:

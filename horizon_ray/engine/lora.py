@@ -18,9 +18,16 @@ an fp32 copy of the base's, trained with AdamW like the adapters: a layer's sele
 adapter unit under the base's keys ("ln1", "ln2"), so the layer template reads them in place of the base's;
 the final norm, when selected, is one more adapter unit (``lora.head``) after the layers'.
 
-Supported: targets among q/k/v/o/gate/up/down_proj, one rank and alpha for all, ``use_rslora=False``
-(scaling alpha / r), no DoRA, no bias training, no trainable embeddings or LM head: such adapters are
-refused on load with the reason.
+Supported: targets among the family's projections (q/k/v/o/gate/up/down_proj; Phi-3's qkv_proj and
+gate_up_proj; a MoE layer's experts), one rank and alpha for all, ``use_rslora=False`` (scaling alpha / r),
+no DoRA, no bias training, no trainable embeddings or LM head: such adapters are refused on load with the
+reason.
+
+The experts of a MoE layer are adapted as PEFT adapts a stacked parameter (``target_parameters``:
+``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``, named here ``experts.gate_up_proj`` and
+``experts.down_proj``): one A [r x E, in] and one B [out, r x E] per layer and target, expert e's update
+scaling x B_e A_e with A_e rows e r .. e r + r - 1 and B_e every E-th column from e; PEFT names the innermost
+of two wrapped parameters ``experts.base_layer.lora_A`` and allows no dropout there (neither does the engine).
 
 Initialisation is PEFT's default: A kaiming-uniform with a = sqrt(5) (uniform in +-1/sqrt(in)), B zero,
 so the adapted model starts as the base; drawn from a generator seeded by ``EngineConfig.seed``.
@@ -44,11 +51,15 @@ from safetensors.torch import save_file
 
 from horizon_ray.atomic import atomic_path
 from horizon_ray.engine.model import (
+    _EXPERT_NAMES,
+    EXPERT_TARGETS,
     LAYER_NORMS,
-    PROJECTIONS,
+    LORA_TARGETS,
     ModelConfig,
     UnitLayout,
     _unit,
+    check_targets,
+    layer_entries,
     modules_to_save_norms,
     projection_shapes,
 )
@@ -81,10 +92,10 @@ class LoraConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise BadInput(f"lora dropout must lie in [0, 1), got {self.dropout!r}")
         targets = tuple(self.targets) if not isinstance(self.targets, str) else (self.targets,)
-        bad = [t for t in targets if t not in PROJECTIONS]
+        bad = [t for t in targets if t not in LORA_TARGETS]
         if bad or not targets:
             raise BadInput(f"lora targets {list(bad or targets)} are not valid; choose one or more of "
-                           f"{', '.join(PROJECTIONS)}")
+                           f"{', '.join(LORA_TARGETS)}")
         if len(set(targets)) != len(targets):
             raise BadInput(f"lora targets {list(targets)} name a projection twice; list each once")
         if isinstance(self.modules_to_save, str):
@@ -103,27 +114,41 @@ class LoraConfig:
     def ordered_targets(self) -> tuple[str, ...]:
         """The targets in the layer's order (q, k, v, o, gate, up, down): the adapter unit's layout."""
         chosen = set(self.targets)
-        return tuple(t for t in PROJECTIONS if t in chosen)
+        return tuple(t for t in LORA_TARGETS if t in chosen)
 
 
 def adapter_layouts(cfg: ModelConfig, lora: LoraConfig) -> list[UnitLayout]:
-    """One adapter unit per decoder layer, ``lora.{i}``: A [r, in] then B [out, r] of each target, then the
-    layer's selected norms; and ``lora.head`` with the final norm when it is selected. The tensor names are
-    PEFT's saved names; the keys ("q.lora_A", "ln1", ...) are what the layer template reads."""
+    """One adapter unit per decoder layer, ``lora.{i}``: A [r, in] then B [out, r] of each target (of the
+    experts: A [r x E, in], B [out, r x E]), then the layer's selected norms; and ``lora.head`` with the final
+    norm when it is selected. The tensor names are PEFT's saved names; the keys ("q.lora_A", "ln1", ...) are
+    what the layer template reads."""
+    check_targets(cfg, lora.targets)
+    experts = [t for t in lora.ordered_targets if t in EXPERT_TARGETS]
+    if experts and lora.dropout > 0:
+        raise BadInput(f"lora dropout={lora.dropout} with targets {experts}: PEFT adapts the experts' stacked "
+                       "parameters without dropout (ParamWrapper); set dropout to 0 or leave the experts out",
+                       field="lora.dropout")
     shapes = projection_shapes(cfg)
-    norms, final = modules_to_save_norms(cfg.num_layers, lora.modules_to_save)
+    table = cfg.layer_norms
+    norms, final = modules_to_save_norms(cfg, lora.modules_to_save)
     H = cfg.hidden_size
     units = []
     for i in range(cfg.num_layers):
         entries = []
         for t in lora.ordered_targets:
-            key, module = PROJECTIONS[t]
+            key, module = LORA_TARGETS[t]
             fan_in, fan_out = shapes[t]
+            rank = lora.r * (cfg.num_experts if t in EXPERT_TARGETS else 1)
             name = f"{_PEFT_PREFIX}model.layers.{i}.{module}"
-            entries.append((f"{name}.lora_A.weight", f"{key}.lora_A", (lora.r, fan_in)))
-            entries.append((f"{name}.lora_B.weight", f"{key}.lora_B", (fan_out, lora.r)))
+            if t in EXPERT_TARGETS:
+                # PEFT nests one wrapper per stacked parameter, the first of the module's inside
+                name += ".base_layer" * (len(experts) - 1 - experts.index(t))
+            entries.append((f"{name}.lora_A.weight", f"{key}.lora_A", (rank, fan_in)))
+            entries.append((f"{name}.lora_B.weight", f"{key}.lora_B", (fan_out, rank)))
+        shape_of = {name: shape for name, _, shape in layer_entries(cfg, i)}
         for n in norms[i]:
-            entries.append((f"{_PEFT_PREFIX}model.layers.{i}.{n}.weight", LAYER_NORMS[n], (H,)))
+            name = f"model.layers.{i}.{n}.weight"
+            entries.append((_PEFT_PREFIX + name, table[n], shape_of[name]))
         units.append(_unit(f"lora.{i}", entries))
     if final:
         units.append(_unit("lora.head", [(f"{_PEFT_PREFIX}model.norm.weight", "norm", (H,))]))
@@ -173,16 +198,31 @@ def mix_seed(*parts: int) -> int:
     return x & 0x7FFFFFFFFFFFFFFF
 
 
-def merge_fn(adapters, lora: LoraConfig):
-    """For saving a merged model: HF base tensor name, tensor -> W + scaling x B A in fp32, a trained norm
-    in place of the base's (others as is)."""
-    where, norms = {}, {}
+def merge_fn(adapters, lora: LoraConfig, cfg: ModelConfig | None = None):
+    """For saving a merged model: HF base tensor name, tensor -> W + scaling x B A in fp32 (each expert's
+    W + scaling x B_e A_e, split into its gate and up rows where the checkpoint keeps them apart), a trained
+    norm in place of the base's (others as is)."""
+    where, norms, experts = {}, {}, {}
     for unit in adapters:
         for t in unit.layout.tensors:
-            if t.key.endswith(".lora_A"):
+            if t.key.startswith("experts.") and t.key.endswith(".lora_A"):
+                layer = int(t.name.split(".layers.")[1].split(".")[0])
+                experts[(layer, t.key.removesuffix(".lora_A"))] = unit
+            elif t.key.endswith(".lora_A"):
                 where[_base_tensor(t.name).replace(".lora_A.", ".")] = (unit, t.key.removesuffix(".lora_A"))
             elif not t.key.endswith(".lora_B"):
                 norms[_base_tensor(t.name)] = (unit, t.key)
+    # each expert's base tensor -> (adapter unit, stacked key, expert, first row, rows)
+    for (layer, key), unit in experts.items():
+        block, _, gate, up, down = _EXPERT_NAMES[cfg.arch]
+        W = cfg.moe_intermediate_size
+        for e in range(cfg.num_experts):
+            p = f"model.layers.{layer}.{block}.experts.{e}."
+            if key == "experts.gate_up":
+                where[p + f"{gate}.weight"] = (unit, key, e, 0, W)
+                where[p + f"{up}.weight"] = (unit, key, e, W, W)
+            else:
+                where[p + f"{down}.weight"] = (unit, key, e, 0, cfg.hidden_size)
 
     def merge(name: str, w: torch.Tensor) -> torch.Tensor:
         if name in norms:
@@ -190,9 +230,15 @@ def merge_fn(adapters, lora: LoraConfig):
             return unit.layout.views(unit.master)[key].clone()
         if name not in where:
             return w
-        unit, key = where[name]
+        unit, key, *expert = where[name]
         views = unit.layout.views(unit.master)
-        return w.float() + lora.scaling * (views[f"{key}.lora_B"] @ views[f"{key}.lora_A"])
+        a, b = views[f"{key}.lora_A"], views[f"{key}.lora_B"]
+        if not expert:
+            return w.float() + lora.scaling * (b @ a)
+        e, lo, rows = expert
+        E = cfg.num_experts
+        a_e, b_e = a.view(E, lora.r, a.shape[1])[e], b.view(b.shape[0], lora.r, E)[:, :, e]
+        return w.float() + lora.scaling * (b_e[lo:lo + rows] @ a_e)
 
     return merge
 
@@ -209,7 +255,7 @@ def adapter_config_json(lora: LoraConfig, base_model: str | None) -> dict:
         "r": lora.r,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": list(lora.ordered_targets),
+        "target_modules": [t for t in lora.ordered_targets if t not in EXPERT_TARGETS],
         "bias": "none",
         "use_rslora": False,
         "use_dora": False,
@@ -222,6 +268,8 @@ def adapter_config_json(lora: LoraConfig, base_model: str | None) -> dict:
         "rank_pattern": {},
         "alpha_pattern": {},
         "revision": None,
+        # the experts' stacked parameters (PEFT's ParamWrapper), by their path inside a decoder layer
+        "target_parameters": [f"mlp.{t}" for t in lora.ordered_targets if t in EXPERT_TARGETS] or None,
     }
 
 
@@ -269,7 +317,6 @@ def read_adapter_config(adapter_dir: Path) -> tuple[LoraConfig, str | None]:
         "rank_pattern": "per-module ranks (rank_pattern) are not supported",
         "alpha_pattern": "per-module alphas (alpha_pattern) are not supported",
         "trainable_token_indices": "trainable tokens are not supported",
-        "target_parameters": "target_parameters are not supported",
         "use_qalora": "QA-LoRA is not supported",
     }
     for key, why in refused.items():
@@ -280,9 +327,16 @@ def read_adapter_config(adapter_dir: Path) -> tuple[LoraConfig, str | None]:
     targets = raw.get("target_modules")
     if isinstance(targets, str):
         raise BadInput(f"{path}: target_modules is the pattern {targets!r}; give a list of projection names "
-                       f"among {', '.join(PROJECTIONS)}")
+                       f"among {', '.join(LORA_TARGETS)}")
+    stacked = []
+    for param in raw.get("target_parameters") or ():
+        name = next((t for t in EXPERT_TARGETS if param == t or param.endswith("." + t)), None)
+        if name is None:
+            raise BadInput(f"{path}: target_parameters entry {param!r} is not supported; the engine adapts the "
+                           f"experts' {', '.join('mlp.' + t for t in EXPERT_TARGETS)}")
+        stacked.append(name)
     lora = LoraConfig(r=int(raw.get("r", 8)), alpha=float(raw.get("lora_alpha", 8)),
-                      dropout=float(raw.get("lora_dropout", 0.0)), targets=tuple(targets or ()),
+                      dropout=float(raw.get("lora_dropout", 0.0)), targets=(*(targets or ()), *stacked),
                       modules_to_save=tuple(raw.get("modules_to_save") or ()))
     try:
         lora.validate()

@@ -45,7 +45,9 @@ context; the host's pinned bytes (torch.cuda.host_memory_stats) equalled the pla
 
 from __future__ import annotations
 
-from horizon_ray.engine.model import DTYPE_BYTES
+import math
+
+from horizon_ray.engine.model import DTYPE_BYTES, EXPERT_TARGETS, layer_entries
 from horizon_ray.planner.modes import ParamBytes, PrecisionMode
 from horizon_ray.planner.node import MiB
 from horizon_ray.planner.shapes import ModelShape, adapter_unit_params, ceil_div
@@ -85,11 +87,16 @@ LAYER_SAVED_FP32_H = 2
 # coefficients bound it.
 # Gradients alive at the peak of the layer's backward, elements per token: MLP and attention.
 LAYER_BACKWARD_I, LAYER_BACKWARD_Q = 3, 3
+# A MoE layer's, per token and chosen expert: hidden-sized (sorted input, expert output, weighted, back in
+# token order) and expert-width-sized (gate/up, their product)
+LAYER_SAVED_MOE_H, LAYER_SAVED_MOE_W = 4, 3
+# kernels._SOFTCAP_BLOCK_ELEMENTS: one block of soft-capped attention scores (a unit test keeps them equal)
+SOFTCAP_BLOCK_ELEMENTS = 1 << 26
 
 
 def largest_tensor(shape: ModelShape) -> int:
-    """Elements of the model's largest single tensor."""
-    return max(shape.embed_params, *(i * o for i, o in shape.linear_shapes().values()))
+    """Elements of the model's largest single tensor (as the checkpoint stores it: one expert at a time)."""
+    return max(shape.embed_params, *(math.prod(s) for _, _, s in layer_entries(shape, 0)))
 
 
 def pow2ceil(n: int) -> int:
@@ -208,15 +215,29 @@ def device_items(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Ad
     out["checkpoints"] = min(resident, ceil_div(L, K)) * T * H * c
     out["recompute_inputs"] = (K - 1) * T * H * c
     out["hidden_states"] = 2 * T * H * c
+    if shape.num_experts:
+        # a MoE layer keeps, per token and chosen expert, its sorted input, gate/up, their product and the
+        # expert's output, and per token the router's logits and fp32 probabilities
+        k, W, E = shape.experts_per_token, shape.moe_intermediate_size, shape.num_experts
+        mlp_saved, mlp_transient = k * (LAYER_SAVED_MOE_H * H + LAYER_SAVED_MOE_W * W) + 3 * E, k * (3 * W + H)
+    else:
+        mlp_saved = LAYER_SAVED_I * shape.intermediate_size
+        mlp_transient = LAYER_BACKWARD_I * shape.intermediate_size
+    norms = LAYER_SAVED_FP32_H + (2 if shape.sandwich_norms else 0)
     saved = m * (c * (LAYER_SAVED_H * H + LAYER_SAVED_Q * shape.q_dim + LAYER_SAVED_KV * shape.kv_dim
-                      + LAYER_SAVED_I * shape.intermediate_size) + 4 * LAYER_SAVED_FP32_H * H)
-    transient = m * c * (LAYER_BACKWARD_I * shape.intermediate_size + LAYER_BACKWARD_Q * shape.q_dim)
+                      + mlp_saved) + 4 * norms * H)
+    transient = m * c * (mlp_transient + LAYER_BACKWARD_Q * shape.q_dim)
+    if shape.attn_softcap:
+        # the soft-capped attention's blocks of fp32 scores: scores, tanh, probabilities and two gradients
+        transient += 5 * 4 * SOFTCAP_BLOCK_ELEMENTS
     out["layer_workspace"] = saved + transient + trained_layer * (c if full else 4)
     if not full:
         # an adapter's backward (layers._LoraAdd) rebuilds its dropped-out input and returns dL/dx, each
-        # [tokens, in] in the compute dtype, beside the incoming [tokens, out]: the widest target, transient
+        # [tokens, in] in the compute dtype, beside the incoming [tokens, out]: the widest target, transient (an
+        # expert target's rows are the k copies of each token)
         dims = shape.linear_shapes()
-        out["layer_workspace"] += m * c * max(sum(dims[t]) for t in lora.targets)
+        out["layer_workspace"] += m * c * max(sum(dims[t]) * (shape.experts_per_token if t in EXPERT_TARGETS else 1)
+                                              for t in lora.targets)
     chunk = min(job.loss_chunk_tokens, m)
     loss = chunk * V * (12 + 2 * c) + (shape.embed_params * c if full else 0)
     # the loss runs after the last layer's forward and before the first layer's backward: its workspace and

@@ -2,19 +2,33 @@
 
 A shape is split into the engine's *units* (``horizon_ray.engine.model.unit_layouts``): ``embed`` [V, H],
 one unit per decoder layer, and ``head`` (final norm [H], plus the LM head [V, H] unless it is tied to
-the embedding). The parameter counts here must equal the engine's unit sizes element for element; a
-unit test checks it. Parsing mirrors ``ModelConfig.from_hf`` without importing torch, so the planner
-stays cheap for the coordinator and the API.
+the embedding). A layer's tensors are the engine's own list (``model.layer_entries``: the family's norms,
+fused projections, and for a mixture of experts the router and every expert), so the parameter counts here
+equal the engine's unit sizes element for element; a unit test checks it. Parsing is ``ModelConfig.from_hf``
+(plain Python, no torch), so the planner stays cheap for the coordinator and the API.
+
+A MoE layer streams and updates all its experts (host RAM, PCIe, the host AdamW count every one), while a
+token's matmuls use only its top-k experts and the router (``layer_active_matmul_params``: the FLOPs).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from horizon_ray.engine.model import ARCHITECTURES, ModelConfig, modules_to_save_norms, projection_shapes
+from horizon_ray.engine.model import (
+    ARCHITECTURES,
+    EXPERT_TARGETS,
+    ModelConfig,
+    adapter_params_of,
+    check_targets,
+    layer_entries,
+    modules_to_save_norms,
+    projection_shapes,
+)
 from horizon_ray.errors import BadInput
 from horizon_ray.workload import Adapters
 
@@ -22,7 +36,7 @@ from horizon_ray.workload import Adapters
 @dataclass(frozen=True)
 class ModelShape:
     name: str  # preset name or the path it was read from
-    arch: str  # "llama" | "qwen2" | "mistral"
+    arch: str  # the HF model_type: a key of horizon_ray.engine.model.ARCHITECTURES
     hidden_size: int  # H
     intermediate_size: int  # I, the SwiGLU width
     num_layers: int  # L
@@ -34,6 +48,18 @@ class ModelShape:
     qkv_bias: bool  # q/k/v projections carry biases (Qwen2, or Llama with attention_bias)
     o_bias: bool = False  # the output projection carries a bias (Llama with attention_bias)
     note: str = ""  # where the numbers come from
+    # the family's layer (ModelConfig's fields of the same names): q/k norms ("head" | "proj"), Gemma's four
+    # norms, Phi-3's fused projections, a mixture of experts (experts, top-k, each expert's width)
+    qk_norm: str | None = None
+    sandwich_norms: bool = False
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    attn_softcap: float | None = None  # Gemma 2's attention soft-cap (an explicit attention, not SDPA)
+    # config.json fields beyond the geometry that its family needs to be this model (to_hf_config)
+    extra: tuple[tuple[str, object], ...] = ()
 
     # ---- geometry ------------------------------------------------------------------------------------
 
@@ -46,19 +72,28 @@ class ModelShape:
         return self.num_kv_heads * self.head_dim
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """Each projection of a decoder layer as (in_features, out_features)."""
+        """Each projection LoRA can target on a decoder layer as (in_features, out_features); an expert
+        target's are those of one expert."""
         return projection_shapes(self)
 
     @property
     def layer_matmul_params(self) -> int:
-        """Weight elements of a layer's seven projections (what its matmuls multiply by)."""
-        return sum(i * o for i, o in self.linear_shapes().values())
+        """Weight elements of a layer's projections (router and every expert included): what it streams."""
+        return sum(math.prod(shape) for _, key, shape in layer_entries(self, 0) if len(shape) == 2)
+
+    @property
+    def layer_active_matmul_params(self) -> int:
+        """Weight elements a token's matmuls multiply by in one layer: attention, the router and its top-k
+        experts (all of a dense layer's projections)."""
+        if not self.num_experts:
+            return self.layer_matmul_params
+        expert = 3 * self.hidden_size * self.moe_intermediate_size
+        return self.layer_matmul_params - (self.num_experts - self.experts_per_token) * expert
 
     @property
     def layer_params(self) -> int:
-        """One decoder layer's unit: projections, their biases and the two RMSNorm weights."""
-        bias = (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + self.hidden_size * self.o_bias
-        return self.layer_matmul_params + bias + 2 * self.hidden_size
+        """One decoder layer's unit: projections, their biases and the norms (the engine's tensor list)."""
+        return sum(math.prod(shape) for _, _, shape in layer_entries(self, 0))
 
     @property
     def embed_params(self) -> int:
@@ -93,8 +128,18 @@ class ModelShape:
             "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
             "max_position_embeddings": 32768,
         }
-        if self.arch != "qwen2":
+        if self.arch not in ("qwen2", "mixtral", "phi3"):
             cfg["attention_bias"] = self.qkv_bias
+        if self.arch in ("gemma2", "gemma3_text"):
+            cfg["hidden_activation"] = "gelu_pytorch_tanh"
+            del cfg["hidden_act"]
+        if self.arch == "mixtral":
+            cfg.update(num_local_experts=self.num_experts, num_experts_per_tok=self.experts_per_token)
+        elif self.arch in ("qwen3_moe", "olmoe"):
+            cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token)
+            if self.arch == "qwen3_moe":
+                cfg["moe_intermediate_size"] = self.moe_intermediate_size
+        cfg.update(dict(self.extra))
         return cfg
 
     # ---- parsing -------------------------------------------------------------------------------------
@@ -103,10 +148,6 @@ class ModelShape:
     def from_hf(hf: dict, name: str = "config") -> ModelShape:
         """From an HF config dict, read by the engine's own ``ModelConfig.from_hf`` (so that what the engine
         refuses, MLP biases, other rope types, ..., is not planned either)."""
-        model_type = hf.get("model_type")
-        if model_type not in ARCHITECTURES:
-            raise BadInput(f"{name}: model_type {model_type!r} is not supported; supported: "
-                           f"{sorted(ARCHITECTURES)} (decoder-only Llama / Qwen2 / Mistral family)")
         try:
             cfg = ModelConfig.from_hf(hf)
         except KeyError as exc:
@@ -119,7 +160,11 @@ class ModelShape:
                            intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
                            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                            vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
-                           qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias)
+                           qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=cfg.qk_norm,
+                           sandwich_norms=cfg.sandwich_norms, fused_qkv=cfg.fused_qkv,
+                           fused_gate_up=cfg.fused_gate_up, num_experts=cfg.num_experts,
+                           experts_per_token=cfg.experts_per_token, moe_intermediate_size=cfg.moe_intermediate_size,
+                           attn_softcap=cfg.attn_softcap)
         if min(shape.hidden_size, shape.intermediate_size, shape.num_layers, shape.num_heads,
                shape.num_kv_heads, shape.head_dim, shape.vocab_size) < 1:
             raise BadInput(f"{name}: every size in the config must be >= 1")
@@ -133,6 +178,54 @@ def _preset(name, arch, H, I, L, heads, kv, V, tied, note, head_dim=None) -> Mod
 
 
 _HF = "values of the model's config.json on the HF hub"
+
+
+def _from_config(name: str, note: str = _HF, **hf) -> ModelShape:
+    """A preset of a family read the way a config.json is (the engine's parser and layout); ``hf`` keeps what
+    the family needs beyond the geometry, so that to_hf_config gives the model back."""
+    geometry = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "model_type"}
+    shape = ModelShape.from_hf({**hf, "architectures": [ARCHITECTURES[hf["model_type"]]]}, name=name)
+    extra = tuple(sorted((k, v) for k, v in hf.items() if k not in geometry))
+    return replace(shape, note=note, extra=extra)
+
+
+def _qwen3(name, H, I, L, heads, tied):
+    return _from_config(name, model_type="qwen3", hidden_size=H, intermediate_size=I, num_hidden_layers=L,
+                        num_attention_heads=heads, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                        tie_word_embeddings=tied, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+
+
+def _qwen3_moe(name, H, L, heads, width):
+    return _from_config(name, model_type="qwen3_moe", hidden_size=H, intermediate_size=3 * H, num_hidden_layers=L,
+                        num_attention_heads=heads, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                        tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                        moe_intermediate_size=width, norm_topk_prob=True, rope_theta=1_000_000.0)
+
+
+def _gemma3(name, H, I, L, heads, kv, hd, V, window, scaling):
+    rope = {"rope_scaling": {"rope_type": "linear", "factor": 8.0}} if scaling else {}
+    return _from_config(name, model_type="gemma3_text", hidden_size=H, intermediate_size=I, num_hidden_layers=L,
+                        num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, vocab_size=V,
+                        tie_word_embeddings=True, query_pre_attn_scalar=hd if name.endswith("27b") else 256,
+                        sliding_window=window, sliding_window_pattern=6, rope_theta=1_000_000.0,
+                        rope_local_base_freq=10_000.0, hidden_activation="gelu_pytorch_tanh", **rope)
+
+
+def _gemma2(name, H, I, L, heads, kv, hd, scalar):
+    return _from_config(name, model_type="gemma2", hidden_size=H, intermediate_size=I, num_hidden_layers=L,
+                        num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, vocab_size=256000,
+                        tie_word_embeddings=True, query_pre_attn_scalar=scalar, sliding_window=4096,
+                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                        hidden_activation="gelu_pytorch_tanh")
+
+
+def _mixtral(name, H, I, L, heads, V):
+    return _from_config(name, model_type="mixtral", hidden_size=H, intermediate_size=I, num_hidden_layers=L,
+                        num_attention_heads=heads, num_key_value_heads=8, vocab_size=V, tie_word_embeddings=False,
+                        num_local_experts=8, num_experts_per_tok=2, rope_theta=1_000_000.0, rms_norm_eps=1e-5)
+
+
 # Known shapes, by name. Family = the name's prefix before the size (see FAMILIES).
 PRESETS: dict[str, ModelShape] = {s.name: s for s in [
     _preset("qwen2.5-0.5b", "qwen2", 896, 4864, 24, 14, 2, 151936, True, _HF),
@@ -153,12 +246,52 @@ PRESETS: dict[str, ModelShape] = {s.name: s for s in [
             "found no published shape, so this is Qwen2.5-72B's layer stacked 134 deep (120.2B)"),
     _preset("mistral-large-123b", "mistral", 12288, 28672, 88, 96, 8, 32768, False,
             "a real 120B-class dense shape (Mistral-Large-Instruct-2407's config.json)", head_dim=128),
+    _qwen3("qwen3-0.6b", 1024, 3072, 28, 16, True),
+    _qwen3("qwen3-1.7b", 2048, 6144, 28, 16, True),
+    _qwen3("qwen3-4b", 2560, 9728, 36, 32, True),
+    _qwen3("qwen3-8b", 4096, 12288, 36, 32, False),
+    _qwen3("qwen3-14b", 5120, 17408, 40, 40, False),
+    _qwen3("qwen3-32b", 5120, 25600, 64, 64, False),
+    _qwen3_moe("qwen3-30b-a3b", 2048, 48, 32, 768),
+    _qwen3_moe("qwen3-235b-a22b", 4096, 94, 64, 1536),
+    # Gemma 3 4B-27B are vision-language checkpoints: these are their text models (text_config)
+    _gemma3("gemma-3-1b", 1152, 6912, 26, 4, 1, 256, 262144, 512, False),
+    _gemma3("gemma-3-4b", 2560, 10240, 34, 8, 4, 256, 262208, 1024, True),
+    _gemma3("gemma-3-12b", 3840, 15360, 48, 16, 8, 256, 262208, 1024, True),
+    _gemma3("gemma-3-27b", 5376, 21504, 62, 32, 16, 128, 262208, 1024, True),
+    _gemma2("gemma-2-2b", 2304, 9216, 26, 8, 4, 256, 256),
+    _gemma2("gemma-2-9b", 3584, 14336, 42, 16, 8, 256, 256),
+    _gemma2("gemma-2-27b", 4608, 36864, 46, 32, 16, 128, 144),
+    _from_config("phi-3-mini", model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32064, tie_word_embeddings=False,
+                 sliding_window=2047, rope_theta=10000.0, rms_norm_eps=1e-5),
+    _from_config("phi-4", model_type="phi3", hidden_size=5120, intermediate_size=17920, num_hidden_layers=40,
+                 num_attention_heads=40, num_key_value_heads=10, vocab_size=100352, tie_word_embeddings=False,
+                 rope_theta=250000.0, rms_norm_eps=1e-5),
+    _mixtral("mixtral-8x7b", 4096, 14336, 32, 32, 32000),
+    _mixtral("mixtral-8x22b", 6144, 16384, 56, 48, 32768),
+    _from_config("olmoe-1b-7b", model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                 num_attention_heads=16, num_key_value_heads=16, vocab_size=50304, tie_word_embeddings=False,
+                 num_experts=64, num_experts_per_tok=8, rms_norm_eps=1e-5),
 ]}
 
+
+def _named(prefix: str) -> tuple[str, ...]:
+    return tuple(n for n in PRESETS if n.startswith(prefix))
+
+
 FAMILIES: dict[str, tuple[str, ...]] = {
-    "qwen2.5": tuple(n for n in PRESETS if n.startswith("qwen2.5-")),
-    "llama-3": tuple(n for n in PRESETS if n.startswith("llama-3")),
+    "qwen2.5": _named("qwen2.5-"),
+    "llama-3": _named("llama-3"),
     "dense": ("dense-110b", "dense-120b", "mistral-large-123b"),
+    "qwen3": tuple(n for n in _named("qwen3-") if not PRESETS[n].num_experts),
+    "qwen3-moe": tuple(n for n in _named("qwen3-") if PRESETS[n].num_experts),
+    "gemma-3": _named("gemma-3-"),
+    "gemma-2": _named("gemma-2-"),
+    "phi": _named("phi-"),
+    "mixtral": _named("mixtral-"),
+    "olmoe": _named("olmoe-"),
+    "moe": tuple(n for n in PRESETS if PRESETS[n].num_experts),
     "all": tuple(PRESETS),
 }
 
@@ -170,12 +303,19 @@ _ALIASES = {
     "meta-llama/llama-3.2-3b": "llama-3.2-3b", "meta-llama/llama-3.1-8b": "llama-3.1-8b",
     "meta-llama/meta-llama-3.1-8b": "llama-3.1-8b", "meta-llama/llama-3.1-70b": "llama-3.1-70b",
     "meta-llama/meta-llama-3.1-70b": "llama-3.1-70b", "mistralai/mistral-large-instruct-2407": "mistral-large-123b",
+    **{f"qwen/{n}": n for n in _named("qwen3-")},
+    **{f"google/{n}": n for n in (*_named("gemma-3-"), *_named("gemma-2-"))},
+    **{f"google/{n}-pt": n for n in (*_named("gemma-3-"),)},
+    "microsoft/phi-4": "phi-4", "microsoft/phi-3-mini-4k": "phi-3-mini",
+    "mistralai/mixtral-8x7b-v0.1": "mixtral-8x7b", "mistralai/mixtral-8x22b-v0.1": "mixtral-8x22b",
+    "mistralai/mixtral-8x7b-instruct-v0.1": "mixtral-8x7b", "mistralai/mixtral-8x22b-instruct-v0.1": "mixtral-8x22b",
+    "allenai/olmoe-1b-7b-0924": "olmoe-1b-7b",
 }
 
 
 def _preset_key(name: str) -> str | None:
     key = name.strip().lower()
-    for suffix in ("-instruct", "-chat"):
+    for suffix in ("-instruct", "-chat", "-it", "-base", "-2507"):
         key = key.removesuffix(suffix)
     key = _ALIASES.get(key, key)
     return key if key in PRESETS else None
@@ -221,15 +361,26 @@ def load_model_shape(model: str | Path | dict | ModelShape) -> ModelShape:
 
 
 def adapter_layer_params(lora: Adapters, shape: ModelShape) -> int:
-    """LoRA adapter parameters of one layer: A [r, in] + B [out, r] per targeted projection."""
-    lin = shape.linear_shapes()
-    return sum(lora.r * (lin[t][0] + lin[t][1]) for t in lora.targets)
+    """LoRA adapter parameters of one layer: A [r, in] + B [out, r] per targeted projection (per expert for the
+    experts' stacked projections). Refuses a target the family does not have."""
+    check_targets(shape, lora.targets)
+    return sum(adapter_params_of(shape, t, lora.r) for t in lora.targets)
+
+
+def adapter_active_layer_params(lora: Adapters, shape: ModelShape) -> int:
+    """Of those, the ones a token's matmuls use: an expert target's k of E experts."""
+    per_expert = [t for t in lora.targets if t in EXPERT_TARGETS]
+    full = adapter_layer_params(lora, shape)
+    if not per_expert:
+        return full
+    unused = sum(adapter_params_of(shape, t, lora.r) for t in per_expert)
+    return full - unused * (shape.num_experts - shape.experts_per_token) // shape.num_experts
 
 
 def adapter_unit_params(lora: Adapters, shape: ModelShape) -> list[int]:
     """Trained parameters of each adapter unit, as the engine lays them out: one per layer (its adapters and
     its selected norms), then one for the final norm when it is selected."""
-    per_layer, final = modules_to_save_norms(shape.num_layers, lora.modules_to_save)
+    per_layer, final = modules_to_save_norms(shape, lora.modules_to_save)
     units = [adapter_layer_params(lora, shape) + len(norms) * shape.hidden_size for norms in per_layer]
     return units + [shape.hidden_size] if final else units
 

@@ -55,14 +55,15 @@ from horizon_ray.engine.model import DTYPE_BYTES
 from horizon_ray.errors import BadInput
 from horizon_ray.planner.modes import PrecisionMode
 from horizon_ray.planner.node import Ceilings
-from horizon_ray.planner.shapes import ModelShape, adapter_layer_params, ceil_div
+from horizon_ray.planner.shapes import ModelShape, adapter_active_layer_params, adapter_layer_params, ceil_div
 from horizon_ray.workload import Adapters, Workload
 
 
 def flops_params(shape: ModelShape) -> int:
-    """N of the house convention: the weights a token's matmuls multiply by, i.e. the seven projections of
-    every layer and the LM head. The embedding is a lookup, norms and biases are elementwise (no matmul)."""
-    return shape.num_layers * shape.layer_matmul_params + shape.vocab_size * shape.hidden_size
+    """N of the house convention: the weights a token's matmuls multiply by, i.e. the projections of every
+    layer (of a MoE layer: the router and the token's top-k experts) and the LM head. The embedding is a
+    lookup, norms and biases are elementwise (no matmul)."""
+    return shape.num_layers * shape.layer_active_matmul_params + shape.vocab_size * shape.hidden_size
 
 
 def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
@@ -106,9 +107,10 @@ def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapt
     full = mode.method == "full"
     adapter_layer = 0 if full else adapter_layer_params(lora, shape)
 
-    f_mm = 2.0 * shape.layer_matmul_params
+    # a token's matmuls: a MoE layer's router and top-k experts (and their adapters), not every expert
+    f_mm = 2.0 * shape.layer_active_matmul_params
     f_attn = 2.0 * shape.q_dim * seq_len
-    f_adapter = 2.0 * adapter_layer
+    f_adapter = 0.0 if full else 2.0 * adapter_active_layer_params(lora, shape)
     f = f_mm + f_attn + f_adapter
     backward = (2 * f_mm if full else f_mm) + 2 * f_attn + 2 * f_adapter
     fwd_flops = tokens * L * f

@@ -225,7 +225,8 @@ def test_max_model_on_the_h200_box_is_7_to_8b():
         found = max_model("qwen2.5", H200_NODE, "exact", pinned_pow2=pow2, **BIG_JOB)
         assert found.shape.name == "qwen2.5-7b"
         assert [t["fits"] for t in found.tried] == [True] * 4 + [False] * 3
-        assert max_model("all", H200_NODE, "exact", pinned_pow2=pow2, **BIG_JOB).shape.name == "llama-3.1-8b"
+        # every family's presets: Qwen3-8B (8.19B) is the largest that fits, Llama-3.1-8B (8.03B) the next
+        assert max_model("all", H200_NODE, "exact", pinned_pow2=pow2, **BIG_JOB).shape.name == "qwen3-8b"
     # between two presets: the 14B layer stacked as deep as fits, when that beats the 7B
     deep = max_model("qwen2.5", H200_NODE, "exact", scan_depth=True, pinned_pow2=False, **BIG_JOB)
     assert deep.shape.name.startswith("qwen2.5-14b@")
@@ -235,7 +236,8 @@ def test_max_model_on_the_h200_box_is_7_to_8b():
     # half the bytes per parameter, twice the model; with torch's power-of-two pinned allocator, the
     # rounding of 14B's 550 MB layer buffers (to 1 GiB each) would cost it the node
     assert max_model("all", H200_NODE, "bf16-state", **BIG_JOB).shape.name == "qwen2.5-14b"
-    assert max_model("all", H200_NODE, "bf16-state", pinned_pow2=True, **BIG_JOB).shape.name == "llama-3.1-8b"
+    # (Gemma-3-12B's 448 MB layer buffers round to 512 MiB: it fits where Qwen2.5-14B's do not)
+    assert max_model("all", H200_NODE, "bf16-state", pinned_pow2=True, **BIG_JOB).shape.name == "gemma-3-12b"
 
 
 def test_gpu_shortfall_names_a_job_that_fits():
