@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "--max-model --scan-depth names it), an HF model directory or a config.json")
     what.add_argument("--config", metavar="JOB.yaml", help="plan a job spec (model, training and engine fields)")
     what.add_argument("--max-model", metavar="FAMILY",
-                      help="the largest model of a family (qwen2.5, llama-3, dense, all) that fits the node")
+                      help="the largest model of a family of presets that fits the node: "
+                           f"{', '.join(planner_families())}")
     what.add_argument("--list-presets", action="store_true", help="list the known model shapes")
 
     job = parser.add_argument_group("job (defaults: the job spec's)")
@@ -68,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scan-depth", action="store_true",
                         help="with --max-model: also stack the next larger preset's layer as deep as fits")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def planner_families() -> list[str]:
+    from horizon_ray.planner import FAMILIES
+
+    return list(FAMILIES)
 
 
 def _node(args):
@@ -142,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(found.to_dict(), indent=2))
         else:
             for t in found.tried:
+                if "refused" in t:
+                    print(f"{t['model']:<26} {planner.human_params(t['params']):>8}  refused: {t['refused']}")
+                    continue
                 print(f"{t['model']:<26} {planner.human_params(t['params']):>8}  host "
                       f"{planner.format_bytes(t['host_bytes']):>11}  gpu {planner.format_bytes(t['gpu_bytes']):>10}"
                       f"  {'fits' if t['fits'] else 'does not fit'}")

@@ -191,10 +191,16 @@ def _query_blocks(q_BHTd: torch.Tensor, T: int):
     return [(lo, min(lo + rows, T)) for lo in range(0, T, rows)]
 
 
+def _wide(t: torch.Tensor) -> torch.dtype:
+    """The dtype scores and their gradients are kept in: fp32, or the inputs' if wider."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def _capped_scores(q_blk, k, scale: float, cap: float, mask_blk, lo: int, hi: int):
-    """(scores after the cap, with -inf where masked; tanh(s / cap)) of queries lo..hi against every key, fp32:
+    """(scores after the cap, with -inf where masked; tanh(s / cap)) of queries lo..hi against every key, in fp32
+    or wider:
     q [B, kvH, G, n, d], k [B, kvH, 1, T, d], mask [B | 1, 1, n, T] bool or None (causal)."""
-    s = torch.matmul(q_blk, k.transpose(-2, -1)).float() * scale
+    s = torch.matmul(q_blk, k.transpose(-2, -1)).to(_wide(q_blk)) * scale
     t = torch.tanh(s / cap)
     s = t * cap
     if mask_blk is None:
@@ -206,12 +212,12 @@ def _capped_scores(q_blk, k, scale: float, cap: float, mask_blk, lo: int, hi: in
 
 
 def _softcap_forward(q, k, v, mask, scale: float, cap: float):
-    """(output [B, kvH, G, T, d], log-sum-exp of each row's capped scores [B, kvH, G, T] in fp32)."""
+    """(output [B, kvH, G, T, d], log-sum-exp of each row's capped scores [B, kvH, G, T] in fp32 or wider)."""
     B, Hq, T, d = q.shape
     Hkv = k.shape[1]
     q5, k5, v5 = q.view(B, Hkv, Hq // Hkv, T, d), k[:, :, None], v[:, :, None]
     out = torch.empty_like(q5)
-    lse = torch.empty(q5.shape[:-1], dtype=torch.float32, device=q.device)
+    lse = torch.empty(q5.shape[:-1], dtype=_wide(q), device=q.device)
     for lo, hi in _query_blocks(q, T):
         s, _ = _capped_scores(q5[:, :, :, lo:hi], k5, scale, cap, None if mask is None else mask[:, :, lo:hi], lo, hi)
         m = torch.logsumexp(s, dim=-1)
@@ -242,21 +248,22 @@ class _SoftcapAttention(torch.autograd.Function):
         q5, k5, v5 = q.view(B, Hkv, G, T, d), k[:, :, None], v[:, :, None]
         go = g_out.reshape(B, Hkv, G, T, d)
         gq = torch.empty_like(q5)
-        gk = torch.zeros(B, Hkv, T, d, dtype=torch.float32, device=q.device)
+        wide = _wide(q)
+        gk = torch.zeros(B, Hkv, T, d, dtype=wide, device=q.device)
         gv = torch.zeros_like(gk)
         # D_i = sum_j P_ij dP_ij = dO_i . O_i (the softmax's backward, row by row)
-        D = (go.float() * out.float()).sum(-1)
+        D = (go.to(wide) * out.to(wide)).sum(-1)
         for lo, hi in _query_blocks(q, T):
             qb = q5[:, :, :, lo:hi]
             s, t = _capped_scores(qb, k5, scale, cap, None if mask is None else mask[:, :, lo:hi], lo, hi)
             p = torch.exp(s - lse[..., lo:hi, None])  # [B, kvH, G, n, T]
             gob = go[:, :, :, lo:hi]
-            gv += torch.matmul(p.transpose(-2, -1), gob.float()).sum(2)
-            dp = torch.matmul(gob, v5.transpose(-2, -1)).float()
+            gv += torch.matmul(p.transpose(-2, -1), gob.to(wide)).sum(2)
+            dp = torch.matmul(gob, v5.transpose(-2, -1)).to(wide)
             ds = p * (dp - D[..., lo:hi, None])
             ds = ds * (1.0 - t * t) * scale  # through the cap and the scale
             gq[:, :, :, lo:hi] = torch.matmul(ds.to(q.dtype), k5)
-            gk += torch.matmul(ds.transpose(-2, -1), qb.float()).sum(2)
+            gk += torch.matmul(ds.transpose(-2, -1), qb.to(wide)).sum(2)
         return gq.view(B, Hq, T, d), gk.to(k.dtype), gv.to(v.dtype), None, None, None
 
 

@@ -584,6 +584,12 @@ def family_projections(cfg) -> dict[str, tuple[str, str]]:
     return {name: LORA_TARGETS[name] for name in (*attn, "o_proj", *mlp)}
 
 
+def default_lora_targets(cfg) -> tuple[str, ...]:
+    """PEFT's default target_modules for the family (its table of defaults): q_proj and v_proj, Phi-3's
+    qkv_proj."""
+    return ("qkv_proj",) if cfg.fused_qkv else ("q_proj", "v_proj")
+
+
 def layer_norms(cfg) -> dict[str, str]:
     """The norms of a decoder layer of `cfg`'s family, HF module name inside the layer -> key in the unit."""
     if cfg.sandwich_norms:

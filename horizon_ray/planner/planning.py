@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from horizon_ray.engine.model import DTYPE_BYTES
+from horizon_ray.engine.model import DTYPE_BYTES, default_lora_targets
 from horizon_ray.errors import BadInput
 from horizon_ray.planner.memory import PINNED_POW2_ROUNDING, device_items, host_breakdown
 from horizon_ray.planner.modes import FIDELITY_ORDER, MODES, PrecisionMode, get_mode
@@ -258,9 +258,10 @@ def _alternatives(shape, p: Plan, job: Workload, node, gpu_budget_bytes, lora) -
             continue
         pm = MODES[name]
         dtype = "bfloat16" if pm.needs_bf16 else p.compute_dtype
-        other = _plan(shape, pm, replace(job, compute_dtype=dtype), node, gpu_budget_bytes,
-                      (lora or Adapters()) if pm.method == "lora" else None, False, p.pinned_pow2,
-                      p.concurrent_engines)
+        # LoRA where the job is not: PEFT's default targets for the family
+        adapters = (lora or Adapters(targets=default_lora_targets(shape))) if pm.method == "lora" else None
+        other = _plan(shape, pm, replace(job, compute_dtype=dtype), node, gpu_budget_bytes, adapters, False,
+                      p.pinned_pow2, p.concurrent_engines)
         out.append({"mode": name, "compute_dtype": dtype, "host_bytes": other.host_bytes,
                     "gpu_bytes": other.gpu_bytes, "fits": other.fits, "engine_supported": pm.engine_supported,
                     "bytes_per_param": round(other.bytes_per_param, 3), "gives_up": pm.gives_up,
@@ -409,8 +410,14 @@ def max_model(family: str | list = "qwen2.5", node: NodeSpec | None = None, mode
     method = "lora" if mode == "lora" else "full"
     tried, best, best_plan = [], None, None
 
-    def attempt(shape: ModelShape) -> Plan:
-        q = plan(shape, method=method, mode=mode, node=node, suggest=False, **job)
+    def attempt(shape: ModelShape) -> Plan | None:
+        try:
+            q = plan(shape, method=method, mode=mode, node=node, suggest=False, **job)
+        except BadInput as exc:  # e.g. LoRA targets the family lacks (Phi-3 fuses q, k and v)
+            if isinstance(family, list):
+                raise
+            tried.append({"model": shape.name, "params": shape.num_params, "fits": False, "refused": exc.message})
+            return None
         tried.append({"model": shape.name, "params": shape.num_params, "host_bytes": q.host_bytes,
                       "gpu_bytes": q.gpu_bytes, "fits": q.fits})
         return q
@@ -418,6 +425,8 @@ def max_model(family: str | list = "qwen2.5", node: NodeSpec | None = None, mode
     bigger = None
     for shape in shapes:
         q = attempt(shape)
+        if q is None:
+            continue
         if q.fits:
             best, best_plan = shape, q
         elif bigger is None and (best is None or shape.num_params > best.num_params):
@@ -428,7 +437,7 @@ def max_model(family: str | list = "qwen2.5", node: NodeSpec | None = None, mode
         while lo <= hi:
             mid = (lo + hi) // 2
             q = attempt(bigger.with_layers(mid))
-            if q.fits:
+            if q is not None and q.fits:
                 found, lo = (bigger.with_layers(mid), q), mid + 1
             else:
                 hi = mid - 1

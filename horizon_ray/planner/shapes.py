@@ -314,9 +314,11 @@ _ALIASES = {
 
 
 def _preset_key(name: str) -> str | None:
-    key = name.strip().lower()
-    for suffix in ("-instruct", "-chat", "-it", "-base", "-2507"):
-        key = key.removesuffix(suffix)
+    key, stripped = name.strip().lower(), None
+    while stripped != key:  # "-Instruct-2507", "-it", ...
+        stripped = key
+        for suffix in ("-instruct", "-chat", "-it", "-base", "-2507"):
+            key = key.removesuffix(suffix)
     key = _ALIASES.get(key, key)
     return key if key in PRESETS else None
 
@@ -381,7 +383,8 @@ def adapter_unit_params(lora: Adapters, shape: ModelShape) -> list[int]:
     """Trained parameters of each adapter unit, as the engine lays them out: one per layer (its adapters and
     its selected norms), then one for the final norm when it is selected."""
     per_layer, final = modules_to_save_norms(shape, lora.modules_to_save)
-    units = [adapter_layer_params(lora, shape) + len(norms) * shape.hidden_size for norms in per_layer]
+    size = {name.split(".", 3)[3].removesuffix(".weight"): math.prod(s) for name, _, s in layer_entries(shape, 0)}
+    units = [adapter_layer_params(lora, shape) + sum(size[n] for n in norms) for norms in per_layer]
     return units + [shape.hidden_size] if final else units
 
 
