@@ -117,15 +117,19 @@ def run(args: argparse.Namespace) -> int:
     if args.list_presets:
         rows = [{"name": s.name, "params": s.num_params, "layers": s.num_layers, "hidden": s.hidden_size,
                  "intermediate": s.intermediate_size, "heads": s.num_heads, "kv_heads": s.num_kv_heads,
-                 "vocab": s.vocab_size, "tied": s.tie_word_embeddings, "note": s.note}
+                 "vocab": s.vocab_size, "tied": s.tie_word_embeddings, "note": s.note, "family": s.arch,
+                 "experts": s.num_experts, "experts_per_token": s.experts_per_token,
+                 "expert_intermediate": s.moe_intermediate_size}
                 for s in planner.PRESETS.values()]
         if args.json:
             print(json.dumps(rows, indent=2))
         else:
             for r in rows:
+                moe = (f" experts={r['experts']} top-{r['experts_per_token']} width {r['expert_intermediate']}"
+                       if r["experts"] else "")
                 print(f"{r['name']:<20} {planner.human_params(r['params']):>8}  L={r['layers']:<4} "
                       f"H={r['hidden']:<6} I={r['intermediate']:<6} heads={r['heads']}/{r['kv_heads']} "
-                      f"V={r['vocab']}{' tied' if r['tied'] else ''}")
+                      f"V={r['vocab']}{' tied' if r['tied'] else ''} {r['family']}{moe}")
         return 0
 
     node = _node(args)

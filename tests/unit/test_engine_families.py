@@ -413,3 +413,38 @@ def test_expert_linear_runs_each_expert_once_and_accumulates_its_gradient():
     torch.testing.assert_close(gw, want_gw)
     torch.testing.assert_close(sink, 1 + want_gw)
     assert not gw[1].any()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_compute_close_to_fp32_reference(tmp_path, family):
+    """bf16 compute against the fp32 reference (loss rtol 3e-2, as for Llama): the families' casts hold up."""
+    path, cls = _build(family, tmp_path)
+    ref = _reference(cls, path)
+    eng = Engine.from_pretrained(path, EngineConfig(**HP, max_grad_norm=1.0, checkpoint_every=2, device="cpu",
+                                                    compute_dtype="bfloat16"))
+    opt = torch.optim.AdamW(ref.parameters(), **HP)
+    for mbs in random_batches(3, micro=2):
+        loss = eng.train_step(mbs)
+        ref_loss, ref_norm, _ = reference_step(ref, dict(ref.named_parameters()), opt, mbs, 1.0,
+                                               aux_coef=eng.model.router_aux_coef)
+        assert loss == pytest.approx(ref_loss, rel=3e-2)
+        assert eng.last_grad_norm == pytest.approx(ref_norm, rel=5e-2)
+    eng.close()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mixtral"])
+def test_update_modes_on_the_new_families(tmp_path, family):
+    """The update modes know nothing of the layer inside a unit: speculative without clipping is bit-identical
+    to exact (a MoE layer's experts, Gemma's norms and all), delayed trains."""
+    path, _ = _build(family, tmp_path)
+    batches = random_batches(3, micro=2)
+    runs = {}
+    for update in ("exact", "speculative", "delayed"):
+        eng = Engine.from_pretrained(path, EngineConfig(**HP, max_grad_norm=1e6, device="cpu",
+                                                        compute_dtype="bfloat16", update=update))
+        losses = [eng.train_step(mbs) for mbs in batches]
+        eng.close()  # the last update runs in the background
+        runs[update] = (losses, torch.cat([u.master for u in eng.store.units]))
+    assert runs["speculative"][0] == runs["exact"][0]
+    assert torch.equal(runs["speculative"][1], runs["exact"][1])
+    assert runs["delayed"][0][0] == runs["exact"][0][0] and runs["delayed"][0][1] != runs["exact"][0][1]
