@@ -256,9 +256,8 @@ class Engine:
             self._stash.prefetch(self.K * ((self.L - 1) // self.K))  # the top block's checkpoint
             loss, dhs, tied_acc = self._loss(hs, mbs, n_targets, k, backward=True)
             del hs
-            aux = self.template.router_loss(mbs)  # MoE: the routers' load-balancing loss, when asked for
-            if aux is not None:
-                loss = loss + aux
+            if self.model.router_aux_coef:  # MoE: the routers' load-balancing loss, over every rank's micro-batches
+                loss = loss + self.template.router_loss(mbs, self.ranks.all_reduce_int(len(micro_batches), self.device))
             dhs = self._backward(dhs, mbs, k)
             if self.lora is None:  # with LoRA the embedding is frozen
                 self._embedding_backward(dhs, mbs, tied_acc, k)

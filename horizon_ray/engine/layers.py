@@ -263,9 +263,10 @@ class Template:
         """What a row group keeps of its routing, when the config asks for the load-balancing loss."""
         return RouterStats(group, tokens) if self.cfg.moe and self.cfg.router_aux_coef else None
 
-    def router_loss(self, mbs: list[MicroBatch]) -> torch.Tensor | None:
-        """The step's load-balancing loss, once the forward has routed every row group (None when the config
-        does not ask for it), and the gradient each layer's backward adds through its router.
+    def router_loss(self, mbs: list[MicroBatch], micro_batches: int) -> torch.Tensor:
+        """The step's load-balancing loss, once the forward has routed every row group of these micro-batches
+        (of ``micro_batches`` in the step, those of other ranks included), and the gradient each layer's backward
+        adds through its router.
 
         HF's loss of one forward call (a micro-batch of N tokens through L MoE layers, R = L N rows): with
         f_e the share of the R x k top-k assignments that went to expert e and P_e the mean routing probability
@@ -273,10 +274,8 @@ class Template:
         mean of its micro-batches' terms (one micro-batch: exactly HF's loss), so that the term's weight does
         not grow with gradient accumulation. d aux / d p = E f_e / R at every row (f_e does not depend on p)."""
         cfg = self.cfg
-        stats = [mb.router for mb in mbs if mb.router is not None]
-        if not stats:
-            return None
-        E, L, coef = cfg.num_experts, cfg.num_layers, cfg.router_aux_coef
+        stats = [mb.router for mb in mbs]
+        E, L, coef = cfg.num_experts, cfg.num_layers, cfg.router_aux_coef / micro_batches
         groups: dict[int, list] = {}
         for st in stats:
             c = torch.stack(list(st.counts.values())).sum(0)
@@ -288,10 +287,10 @@ class Template:
             rows = L * tokens
             f, P = c / rows, p / rows
             total = total + E * (f * P).sum()
-            grads[group] = (coef / len(groups)) * E * f / rows
+            grads[group] = coef * E * f / rows
         for st in stats:
             st.grad_E = grads[st.group]
-        return total * (coef / len(groups))
+        return total * coef
 
     # ---- the decoder layer -------------------------------------------------------------------------------
 

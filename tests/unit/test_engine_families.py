@@ -448,3 +448,28 @@ def test_update_modes_on_the_new_families(tmp_path, family):
     assert runs["speculative"][0] == runs["exact"][0]
     assert torch.equal(runs["speculative"][1], runs["exact"][1])
     assert runs["delayed"][0][0] == runs["exact"][0][0] and runs["delayed"][0][1] != runs["exact"][0][1]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gemma2"])
+def test_two_ranks_match_one_process_with_all_their_micro_batches(family):
+    """Several ranks over one host store (engine/ranks.py): the load-balancing loss averages over every rank's
+    micro-batches, as one process with all of them does; Gemma's layers know nothing of ranks."""
+    from tests.unit.test_engine_ranks import MICRO, WORLD, _run_ranks
+
+    config = {"hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": V, "head_dim": 16, "tie_word_embeddings": False,
+              **({"model_type": "mixtral", "num_local_experts": 4, "output_router_logits": True,
+                  "router_aux_loss_coef": 0.1} if family == "mixtral" else
+                 {"model_type": "gemma2", "sliding_window": 6, "attn_logit_softcapping": 0.5})}
+    cfg = EngineConfig(lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, seed=0)
+    batches = random_batches(2, WORLD * MICRO, T=16)
+    ref = Engine.from_config(config, cfg)
+    want = [(ref.train_step(mbs), ref.last_grad_norm) for mbs in batches]
+    ref.synchronize()
+    ranks, store = _run_ranks(config, cfg, batches)
+    for rank, got, _ in ranks:
+        for (lg, ng), (lw, nw) in zip(got, want):
+            assert lg == pytest.approx(lw, rel=1e-5) and ng == pytest.approx(nw, rel=1e-5), rank
+    for a, b in zip(store.trained, ref.store.trained):
+        torch.testing.assert_close(a.master.float(), b.master.float(), rtol=1e-4, atol=1e-6)
+    ref.close()
