@@ -189,7 +189,8 @@ class ModelConfig:
         if not window:  # a sliding layer without a window attends to everything (as HF's masks do)
             types, window = ("full_attention",) * layers, None
         global_rope, local_theta = _rope(hf, model_type)
-        attention_bias = bool(hf.get("attention_bias", False))
+        # (Phi-3's and Mixtral's attention has no biases whatever the field says: HF ignores it there)
+        attention_bias = bool(hf.get("attention_bias", False)) and model_type not in ("phi3", "mixtral")
         query_scalar = hf.get("query_pre_attn_scalar", 256) if gemma else None
         caps = _softcaps(hf, model_type)
         experts, top_k, moe_width, renorm, aux = _experts(hf, model_type)
