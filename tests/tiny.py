@@ -72,10 +72,9 @@ def tiny_gemma2(tmp_path, name="model", **kw):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
-    kw = {"attn_logit_softcapping": 0.5, "final_logit_softcapping": 1.0, **kw}
+    kw = {"attn_logit_softcapping": 0.5, "final_logit_softcapping": 1.0, "sliding_window": 5, **kw}
     cfg = Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, vocab_size=V, query_pre_attn_scalar=24, sliding_window=5,
-                       **_IDS, **kw)
+                       num_key_value_heads=2, head_dim=16, vocab_size=V, query_pre_attn_scalar=24, **_IDS, **kw)
     return save(_varied(Gemma2ForCausalLM(cfg), offset_norms=True), tmp_path, name)
 
 
@@ -87,10 +86,10 @@ def tiny_gemma3(tmp_path, name="model", **kw):
     torch.manual_seed(0)
     rope = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100_000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
-    kw = {"final_logit_softcapping": 1.0, "rope_parameters": rope, **kw}
+    kw = {"final_logit_softcapping": 1.0, "rope_parameters": rope, "sliding_window": 5, **kw}
     cfg = Gemma3TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=16, vocab_size=V, query_pre_attn_scalar=24,
-                           sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 2, **_IDS, **kw)
+                           layer_types=["sliding_attention", "full_attention"] * 2, **_IDS, **kw)
     return save(_varied(Gemma3ForCausalLM(cfg), offset_norms=True), tmp_path, name)
 
 

@@ -473,3 +473,32 @@ def test_two_ranks_match_one_process_with_all_their_micro_batches(family):
     for a, b in zip(store.trained, ref.store.trained):
         torch.testing.assert_close(a.master.float(), b.master.float(), rtol=1e-4, atol=1e-6)
     ref.close()
+
+
+@pytest.mark.parametrize(("family", "kw"), [
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    ("phi3", {"sliding_window": 4}),
+    ("mixtral", {"sliding_window": 4}),
+    ("gemma3", {"sliding_window": 3}),
+])
+def test_sliding_windows_match_hf(tmp_path, family, kw):
+    """Windows shorter than the sequence, on the layers the family slides (Qwen3: from max_window_layers on)."""
+    path, cls = _build(family, tmp_path, **kw)
+    eng = Engine.from_pretrained(path, EngineConfig(device="cpu"))
+    assert eng.model.sliding_window == kw["sliding_window"]
+    ref = _reference(cls, path).eval()
+    ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(eng.forward_logits(ids), ref(input_ids=ids).logits.float(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen3_moe"])
+def test_packed_documents_do_not_attend_across(tmp_path, family):
+    """Packing (position_ids restarting at 0) on sliding and global layers, the capped attention included."""
+    path, _ = _build(family, tmp_path)
+    eng = Engine.from_pretrained(path, EngineConfig(device="cpu"))
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(3, V, (1, 9), generator=g), torch.randint(3, V, (1, 7), generator=g)
+    positions = torch.cat([torch.arange(9), torch.arange(7)])[None]
+    logits = eng.forward_logits(torch.cat([a, b], dim=1), positions)
+    torch.testing.assert_close(logits[:, :9], eng.forward_logits(a), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[:, 9:], eng.forward_logits(b), rtol=1e-5, atol=1e-5)
