@@ -44,7 +44,7 @@ from pydantic import (
     model_validator,
 )
 
-from horizon_ray.engine.model import DTYPE_BYTES, KERNELS, PRECISIONS, PROJECTIONS, UPDATES
+from horizon_ray.engine.model import DTYPE_BYTES, KERNELS, LORA_TARGETS, PRECISIONS, UPDATES
 from horizon_ray.errors import BadInput
 from horizon_ray.workload import Adapters, Resolved, Workload, resolve
 
@@ -97,7 +97,8 @@ ComputeDtype = Literal[COMPUTE_DTYPES]
 Precision = Literal[PRECISIONS]
 Update = Literal[UPDATES]
 Kernels = Literal[KERNELS]
-Projection = Literal[tuple(PROJECTIONS)]
+# every family's LoRA targets (Phi-3's fused ones, the experts'); whether the model has one is checked at its plan
+Projection = Literal[tuple(LORA_TARGETS)]
 
 
 class _Section(BaseModel):
