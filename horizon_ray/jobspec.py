@@ -46,6 +46,7 @@ from pydantic import (
 
 from horizon_ray.engine.model import DTYPE_BYTES, KERNELS, LORA_TARGETS, PRECISIONS, UPDATES
 from horizon_ray.errors import BadInput
+from horizon_ray.home import HOME_VARIABLE, horizon_home
 from horizon_ray.workload import Adapters, Resolved, Workload, resolve
 
 _W, _A = Workload, Adapters  # the defaults of what the planner reads
@@ -79,11 +80,20 @@ def _float(value: Any) -> Any:
     return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
+def expand_path(value: str) -> str:
+    """A path as a spec file on this machine may write it: a leading ``~`` is the home directory, a leading
+    ``$HORIZON_RAY_HOME`` (or ``${HORIZON_RAY_HOME}``) is ``horizon_home()``, set or not."""
+    for var in (f"${{{HOME_VARIABLE}}}", f"${HOME_VARIABLE}"):
+        if value == var or value.startswith(var + "/"):
+            return str(horizon_home()) + value[len(var):]
+    return os.path.expanduser(value) if value.startswith("~") else value
+
+
 def _expand_user(value: str, info: ValidationInfo) -> str:
-    # A spec read from a file on this machine may write ~ for the home directory; one that came over HTTP
-    # may not (the API refuses it: the server's home is nobody's business).
-    if info.context and info.context.get("expand_user") and value.startswith("~"):
-        return os.path.expanduser(value)
+    # A spec read from a file on this machine may write ~ or $HORIZON_RAY_HOME; one that came over HTTP may not
+    # (the API refuses it: the server's home is nobody's business).
+    if info.context and info.context.get("expand_user"):
+        return expand_path(value)
     return value
 
 

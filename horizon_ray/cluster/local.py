@@ -247,8 +247,9 @@ def resolve_address(address: str | None = None, root: str | Path | None = None) 
 
 def default_root() -> Path:
     """`$HORIZON_RAY_HOME/service` (default `~/.cache/horizon-ray/service`)."""
-    home = Path(os.environ.get("HORIZON_RAY_HOME") or "~/.cache/horizon-ray").expanduser()
-    return home / "service"
+    from horizon_ray.home import horizon_home
+
+    return horizon_home() / "service"
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.25, what: str = "condition") -> Any:

@@ -41,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
     from horizon_ray.cluster import should_submit_to_coordinator, submit_and_follow
 
     if should_submit_to_coordinator():
+        from horizon_ray.data.stats import check_spec_data
+
+        check_spec_data(spec)  # a malformed line is refused now, not on the node once the job was placed
         return submit_and_follow(spec.to_dict())
     return run_here(spec, resume=args.resume, progress=not args.no_progress)
 

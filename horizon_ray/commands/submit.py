@@ -47,22 +47,36 @@ def connect(args: argparse.Namespace):
     return RayClient(resolve_address(args.address, args.root)), tenant
 
 
-def run(args: argparse.Namespace) -> int:
-    from horizon_ray.cluster.errors import HorizonError
-    from horizon_ray.cluster.follow import follow
-    from horizon_ray.jobspec import JobSpec, read_yaml
+def local_spec(path: Path, overrides: list[str]) -> dict:
+    """The spec file as plain data to send: parsed strictly (a misspelt key is refused here), ~ and
+    $HORIZON_RAY_HOME expanded on this machine, relative paths made relative to the spec file (not to the
+    node's working directory)."""
+    from horizon_ray.jobspec import JobSpec, expand_path, read_yaml
 
-    path = args.config.expanduser()
-    spec = read_yaml(path, args.overrides)
-    JobSpec.parse(spec)  # strictly: names a section that is not a mapping, a misspelt key
+    spec = read_yaml(path, overrides)
+    JobSpec.parse(spec)
     for section, key in (("model", "path"), ("data", "path"), ("data", "eval_path"),
                          ("model", "tokenizer_path")):
         value = (spec.get(section) or {}).get(key)
-        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
-            # relative paths are relative to the spec file, not to the node's working directory
-            spec[section][key] = str((path.parent / value).resolve())
-    if isinstance(spec.get("output_dir"), str) and not Path(spec["output_dir"]).expanduser().is_absolute():
-        spec["output_dir"] = str((path.parent / spec["output_dir"]).resolve())
+        if isinstance(value, str) and value:
+            value = expand_path(value)
+            spec[section][key] = value if Path(value).is_absolute() else str((path.parent / value).resolve())
+    if isinstance(spec.get("output_dir"), str) and spec["output_dir"]:
+        value = expand_path(spec["output_dir"])
+        spec["output_dir"] = value if Path(value).is_absolute() else str((path.parent / value).resolve())
+    return spec
+
+
+def run(args: argparse.Namespace) -> int:
+    from horizon_ray.cluster.errors import HorizonError
+    from horizon_ray.cluster.follow import follow
+    from horizon_ray.data.stats import check_spec_data
+    from horizon_ray.jobspec import JobSpec
+
+    path = args.config.expanduser()
+    spec = local_spec(path, args.overrides)
+    # every line of the data this machine sees, checked now rather than on the node once placed
+    check_spec_data(JobSpec.parse(spec))
     try:
         client, tenant = connect(args)
         job = client.submit(tenant, spec, idempotency_key=args.idempotency_key, priority=args.priority,

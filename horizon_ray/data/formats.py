@@ -78,11 +78,11 @@ def _read_lines(path: Path):
                 continue
             where = f"{path}:{lineno}"
             try:
-                record = json.loads(raw)
+                # without its line ending: a line cut short would otherwise fail "at column 1" of a next line
+                record = json.loads(raw.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
-                raise BadInput(
-                    f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); fix the line"
-                ) from None
+                what = exc.msg.removesuffix(" at")  # "Unterminated string starting at": the column says where
+                raise BadInput(f"{where}: not valid JSON at column {exc.colno}: {what}; fix the line") from None
             except RecursionError:
                 raise BadInput(f"{where}: JSON nested too deeply to read; fix the line") from None
             if not isinstance(record, dict):

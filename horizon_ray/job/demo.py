@@ -11,12 +11,12 @@ name and renamed into place with a manifest written last, so an interrupted buil
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from horizon_ray.atomic import atomic_path
+from horizon_ray.home import horizon_home
 from horizon_ray.jobspec import JobSpec
 
 # Bump when anything below changes what gets generated; old asset directories are then ignored.
@@ -82,11 +82,6 @@ class DemoAssets:
     model_dir: Path  # HF model directory: config.json, model.safetensors and the tokenizer files
     train_path: Path  # training JSONL (messages format)
     eval_path: Path  # held-out JSONL: its prompts never occur in train_path
-
-
-def horizon_home() -> Path:
-    """``$HORIZON_RAY_HOME``, or ``~/.cache/horizon-ray``."""
-    return Path(os.environ.get("HORIZON_RAY_HOME") or "~/.cache/horizon-ray").expanduser()
 
 
 def _manifest() -> dict[str, Any]:

@@ -123,3 +123,17 @@ def test_bad_paths_and_format_refused(tmp_path):
     f = _write(tmp_path / "d.jsonl", [{"text": "x"}])
     with pytest.raises(ValueError, match="unknown dataset format 'csv'"):
         load_examples(f, "csv")
+
+
+def test_a_line_cut_short_names_its_own_column(tmp_path):
+    """The column of a JSON error counts within the line: a line cut short fails at its end, not "column 1"
+    of the next line (the newline kept when parsing made it so)."""
+    line = '{"text": "abc"'
+    f = _write(tmp_path / "d.jsonl", [{"text": "fine"}, line])
+    with pytest.raises(ValueError, match=rf"{f}:2: not valid JSON at column {len(line) + 1}: "
+                                         "Expecting ',' delimiter;"):
+        load_examples(f)
+    crlf = tmp_path / "crlf.jsonl"
+    crlf.write_bytes(b'{"text": "x"\r\n')
+    with pytest.raises(ValueError, match=r"at column 13: "):
+        load_examples(crlf)

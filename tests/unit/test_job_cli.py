@@ -122,6 +122,61 @@ def test_submit_of_a_misshapen_spec_exits_2_naming_the_section(tmp_path, capsys)
     assert _one_line_error(capsys.readouterr().err) == "error: model must be a mapping of keys to values, not str"
 
 
+@pytest.fixture
+def malformed_data_job(tmp_path):
+    """A spec whose data has a line cut short (line 3), and its paths relative to the spec file."""
+    (tmp_path / "data").mkdir()
+    good = json.dumps({"text": "a fine line"})
+    (tmp_path / "data" / "train.jsonl").write_text(f"{good}\n{good}\n" + '{"text": "cut short\n')
+    spec = {"model": {"path": "/models/elsewhere"}, "data": {"path": "data/train.jsonl"},
+            "training": {"max_steps": 5}, "output_dir": "out"}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_submit_refuses_malformed_data_before_contacting_the_service(malformed_data_job, capsys, monkeypatch):
+    """`horizon-ray submit` reads every line of the data it sees: a malformed one is exit 2 at once, naming the
+    field, file:line and the column within the line, not a job that fails on its node seconds later."""
+    from horizon_ray.commands import submit
+
+    def connect(args):
+        raise AssertionError("contacted the service before checking the data")
+
+    monkeypatch.setattr(submit, "connect", connect)
+    assert main(["submit", str(malformed_data_job)]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    data = malformed_data_job.parent / "data" / "train.jsonl"
+    assert line == (f"error: data.path: {data}:3: not valid JSON at column 10: Unterminated string starting; "
+                    "fix the line")
+
+
+def test_finetune_in_a_ray_job_refuses_malformed_data_before_submitting(malformed_data_job, capsys, monkeypatch):
+    """The Ray Jobs path (`ray job submit -- horizon-ray finetune ...`) checks the data before it hands the spec
+    to the coordinator, like `submit` and the API's uploads."""
+    import horizon_ray.cluster as cluster
+
+    monkeypatch.setenv("HORIZON_RAY_SUBMIT", "1")
+    monkeypatch.chdir(malformed_data_job.parent)
+    monkeypatch.setattr(cluster, "submit_and_follow", lambda spec: pytest.fail("submitted malformed data"))
+    assert main(["finetune", "--config", str(malformed_data_job)]) == 2
+    assert "data.path: " in _one_line_error(capsys.readouterr().err)
+
+
+def test_submit_expands_the_spec_files_paths_on_this_machine(tmp_path, monkeypatch):
+    from horizon_ray.commands.submit import local_spec
+
+    monkeypatch.setenv("HORIZON_RAY_HOME", str(tmp_path / "home"))
+    path = tmp_path / "specs" / "job.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump({"model": {"path": "$HORIZON_RAY_HOME/m"}, "data": {"path": "d.jsonl"},
+                                    "output_dir": "runs/x"}))
+    spec = local_spec(path, ["training.max_steps=3"])
+    assert spec["model"]["path"] == str(tmp_path / "home" / "m")
+    assert spec["data"]["path"] == str(path.parent / "d.jsonl")
+    assert spec["output_dir"] == str(path.parent / "runs" / "x") and spec["training"] == {"max_steps": 3}
+
+
 def test_the_agents_child_trains_here_whatever_the_environment(job, tmp_path):
     # `python -m horizon_ray.job` is the node agent's child: never a Ray Jobs entrypoint that submits its spec
     import os

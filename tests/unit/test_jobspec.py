@@ -232,6 +232,25 @@ def test_demo_example_matches_the_embedded_demo_job():
             assert spec[section][key] == value, f"examples/demo.yaml {section}.{key} drifted from DEMO_JOB"
 
 
+def test_demo_example_follows_horizon_ray_home(monkeypatch, tmp_path):
+    """examples/demo.yaml finds the assets `horizon-ray demo` built, wherever $HORIZON_RAY_HOME puts them."""
+    from horizon_ray.job.demo import prepare_demo_assets
+
+    monkeypatch.setenv("HORIZON_RAY_HOME", str(tmp_path / "home"))
+    assets, _ = prepare_demo_assets()
+    spec = JobSpec.from_yaml(ROOT / "examples" / "demo.yaml")
+    assert spec.model.path == str(assets.model_dir) and spec.data.eval_path == str(assets.eval_path)
+    spec.check_paths()
+    monkeypatch.delenv("HORIZON_RAY_HOME")
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert JobSpec.from_yaml(ROOT / "examples" / "demo.yaml").data.path == \
+        "/home/someone/.cache/horizon-ray/demo/assets-v1/train.jsonl"
+    # only a spec read on this machine expands it, and only at the start of a path
+    assert JobSpec.parse({"model": {"path": "$HORIZON_RAY_HOME/m"}}).model.path == "$HORIZON_RAY_HOME/m"
+    assert JobSpec.from_dict(_with(**{"data.path": "/x/$HORIZON_RAY_HOME/d.jsonl"})).data.path == \
+        "/x/$HORIZON_RAY_HOME/d.jsonl"
+
+
 def test_tilde_is_expanded_in_paths_only(monkeypatch):
     monkeypatch.setenv("HOME", "/home/someone")
     spec = JobSpec.from_dict({**_with(**{"output_dir": "~/runs/x", "data.path": "~/d.jsonl"}), "name": "~"})
