@@ -66,6 +66,7 @@ from horizon_ray.cluster.placement import (
     default_planner,
     evaluate,
     never_fits_reason,
+    per_node_reasons,
     waiting_reason,
 )
 from horizon_ray.cluster.reports import MemoryMark, apply_report
@@ -450,7 +451,7 @@ class Coordinator:
         if not fitting:
             if job.status is JobStatus.QUEUED:
                 # queued while no node was known; now the nodes are known and none can ever hold it
-                self._fail(job, ErrorCode.REJECTED, never_fits_reason(cands))
+                self._fail(job, ErrorCode.REJECTED, never_fits_reason(cands), nodes=per_node_reasons(cands))
                 return None
             return f"{job.queue_reason or 'recovering'}; no alive node can hold it now"
         if job.status is JobStatus.QUEUED:

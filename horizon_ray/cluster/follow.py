@@ -98,7 +98,7 @@ def submit_and_follow(
         job = client.submit(tenant, spec, idempotency_key=idempotency_key, priority=priority,
                             name=name or spec.get("name") or ray_job)
     except HorizonError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
+        print(format_refusal(exc), file=sys.stderr)
         return 2
     print(f"submitted job {job.id} (tenant {tenant}); output in {job.output_dir}", file=out, flush=True)
     return follow(client, tenant, job.id, poll_s=poll_s, out=out)
@@ -144,6 +144,16 @@ def follow(client: CoordinatorClient, tenant: str, job_id: str, *, poll_s: float
         return 130
     finally:
         restore()
+
+
+def format_refusal(exc: HorizonError) -> str:
+    """A refused submit for a terminal: the error line, then each node's verdict on its own line when the
+    refusal carries them (a job no node can ever hold)."""
+    lines = [f"error: {exc.message}"]
+    for node in exc.details.get("nodes") or []:
+        if isinstance(node, dict) and node.get("reason"):
+            lines.append(f"  node {node.get('node_id')}: {node['reason']}")
+    return "\n".join(lines)
 
 
 def format_loss(value: Any) -> str:

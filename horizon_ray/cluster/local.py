@@ -60,7 +60,7 @@ def parse_node_value(name: str, value: int | str | SimulatedNode) -> SimulatedNo
         ram, parts = value, []
     else:
         ram_text, *parts = str(value).split(":")
-        ram = parse_bytes(ram_text.strip(), what=f"the RAM of node {name}")
+        ram = parse_bytes(ram_text.strip(), what=f"the RAM of node {name}", unit_required=True)
     if ram <= 0:
         raise BadInput(f"node {name} has no RAM; give it a size like 16GiB")
     gpus, gpu_mem, cpus = 0, 0, None
@@ -75,7 +75,7 @@ def parse_node_value(name: str, value: int | str | SimulatedNode) -> SimulatedNo
         seen.add(kind)
         if g:
             gpus = int(g.group(1))
-            gpu_mem = parse_bytes(g.group(2), what=f"the GPU memory of node {name}") if g.group(2) \
+            gpu_mem = parse_bytes(g.group(2), what=f"the GPU memory of node {name}", unit_required=True) if g.group(2) \
                 else DEFAULT_GPU_MEMORY_BYTES
             if gpus < 1 or gpu_mem <= 0:
                 raise BadInput(f"node {name}: {part!r} declares no GPU; write e.g. 2gpu or 2gpu@80GiB, or "

@@ -94,6 +94,8 @@ class Candidate:
     gpu_bytes: int  # GPU memory the job needs there
     reason: str  # why it fits or not
     plan: dict[str, Any]  # the planner's full output for that node
+    short_of: list[str] = dataclasses.field(default_factory=list)  # what the node lacks: "host RAM", "GPU memory",
+    # "a GPU" (the binding limits); [] when it fits
     needs_gpu: bool = False  # the job takes one of the node's GPUs there (see needs_gpu)
     gpu_count: int = 0  # GPUs of the node
     free_gpus: int = 0  # GPUs of the node no job holds now
@@ -132,17 +134,22 @@ def _candidate(node: NodeInfo, plan: dict[str, Any], gpu_job: bool) -> Candidate
     gpu = int(plan.get("gpu_bytes") or 0) if gpu_job else 0
     planner_fits = bool(plan.get("fits", True))
     free_gpus = node.free_gpus
+    short: list[str] = []
     if not planner_fits:
         fits, reason = False, str(plan.get("reason") or "the planner says it does not fit")
+        short = [str(x) for x in plan.get("short_of") or []]
     elif gpu_job and not node.gpu_count:
         fits, reason = False, (f"engine.device cuda needs a GPU; node {node.node_id} has none (set "
                                "engine.device to auto or cpu to run on the CPU)")
+        short = ["a GPU"]
     elif host > node.ram_bytes:
         fits, reason = False, (f"needs {format_bytes(host)} host RAM; node {node.node_id} has "
                                f"{format_bytes(node.ram_bytes)}")
+        short = ["host RAM"]
     elif gpu and gpu > node.gpu_memory_bytes:
         fits, reason = False, (f"needs {format_bytes(gpu)} GPU memory; node {node.node_id}'s GPUs have "
                                f"{format_bytes(node.gpu_memory_bytes)}")
+        short = ["GPU memory"]
     else:
         fits, reason = True, str(plan.get("reason") or "fits")
     ram_now = host <= node.free_bytes
@@ -151,7 +158,7 @@ def _candidate(node: NodeInfo, plan: dict[str, Any], gpu_job: bool) -> Candidate
     if fits and not fits_now:
         reason = _busy(node, host, ram_now, gpu_now)
     return Candidate(node_id=node.node_id, ram_bytes=node.ram_bytes, free_bytes=node.free_bytes, fits=fits,
-                     fits_now=fits_now, host_bytes=host, gpu_bytes=gpu, reason=reason, plan=plan,
+                     fits_now=fits_now, host_bytes=host, gpu_bytes=gpu, reason=reason, plan=plan, short_of=short,
                      needs_gpu=gpu_job, gpu_count=node.gpu_count, free_gpus=free_gpus)
 
 
@@ -177,15 +184,32 @@ def best_fit(candidates: list[Candidate]) -> Candidate | None:
 
 
 def never_fits_reason(candidates: list[Candidate]) -> str:
-    """One sentence on why no node can ever hold the job."""
+    """One sentence on why no node can ever hold the job, naming the limit that binds (host RAM, GPU memory, a
+    GPU). Each node's own reason is its candidate's (`per_node_reasons`)."""
+    head = "no node can ever hold this job"
     if candidates and all(c.needs_gpu and not c.gpu_count for c in candidates):
-        return ("no node can ever hold this job: its engine.device cuda needs a GPU and no node has one; set "
-                "engine.device to auto or cpu to train on the CPU, or add a GPU node")
+        return (f"{head}: its engine.device cuda needs a GPU and no node has one; set engine.device to auto or "
+                "cpu to train on the CPU, or add a GPU node")
+    if candidates and all(c.short_of == ["GPU memory"] for c in candidates):
+        need = min(int(c.plan.get("gpu_bytes") or c.gpu_bytes) for c in candidates)
+        roomiest = max(candidates, key=lambda c: int(c.plan.get("gpu_limit_bytes") or 0))
+        return (f"{head}: GPU memory is the limit: it needs at least {format_bytes(need)} of GPU memory and the "
+                f"most any node offers it is {format_bytes(int(roomiest.plan.get('gpu_limit_bytes') or 0))} (node "
+                f"{roomiest.node_id}); host RAM would suffice. Fewer tokens at once through a layer "
+                "(training.micro_batch_size) or a larger GPU budget fixes it")
     smallest = min((c.host_bytes for c in candidates), default=0)
     largest = max(candidates, key=lambda c: c.ram_bytes)
-    per_node = "; ".join(f"{c.node_id}: {c.reason}" for c in candidates)
-    return (f"no node can ever hold this job: it needs at least {format_bytes(smallest)} host RAM and the "
-            f"largest node, {largest.node_id}, has {format_bytes(largest.ram_bytes)} ({per_node})")
+    if all("host RAM" in c.short_of or not c.short_of for c in candidates):
+        return (f"{head}: host RAM is the limit: it needs at least {format_bytes(smallest)} of host RAM and the "
+                f"largest node, {largest.node_id}, has {format_bytes(largest.ram_bytes)}")
+    lacks = " or ".join(sorted({x for c in candidates for x in c.short_of}))
+    return f"{head}: every node lacks {lacks} for it (see each node's reason)"
+
+
+def per_node_reasons(candidates: list[Candidate]) -> list[str]:
+    """Each node's verdict, one line each ("node a: ..."), for a person reading why a job waits or is
+    refused."""
+    return [f"node {c.node_id}: {c.reason}" for c in sorted(candidates, key=lambda c: c.node_id)]
 
 
 def waiting_reason(candidates: list[Candidate]) -> str:

@@ -28,10 +28,11 @@ from horizon_ray.planner import node as planner_node
 _TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
-def parse_bytes(value: Any, *, what: str = "size") -> int:
-    """An int, or a string like "16GiB" / "1.5 TB", as bytes (the planner's units); BadInput naming `what`."""
+def parse_bytes(value: Any, *, what: str = "size", unit_required: bool = False) -> int:
+    """An int, or a string like "16GiB" / "1.5 TB", as bytes (the planner's units); BadInput naming `what`.
+    `unit_required`: a string without a unit is refused (see the planner's parse_bytes)."""
     try:
-        return planner_node.parse_bytes(value)
+        return planner_node.parse_bytes(value, unit_required=unit_required)
     except BadInput as exc:
         raise BadInput(f"{what}: {exc}") from None
 

@@ -80,14 +80,14 @@ def planner_families() -> list[str]:
 def _node(args):
     from dataclasses import replace
 
-    from horizon_ray.planner import H200_NODE, parse_bytes
+    from horizon_ray.planner import H200_NODE
 
     node = H200_NODE
     kw = {}
     if args.node_ram is not None:
-        kw["ram_bytes"] = parse_bytes(args.node_ram)
+        kw["ram_bytes"] = _flag_bytes("--node-ram", args.node_ram)
     if args.gpu_mem is not None:
-        kw["gpu_mem_bytes"] = parse_bytes(args.gpu_mem)
+        kw["gpu_mem_bytes"] = _flag_bytes("--gpu-mem", args.gpu_mem)
     if args.gpus is not None:
         kw["gpus"] = args.gpus
     if args.reserve is not None:
@@ -99,6 +99,16 @@ def _node(args):
     if kw:
         node = replace(node, name="custom", **kw)
     return node
+
+
+def _flag_bytes(flag: str, text: str) -> int:
+    """A byte size given on the command line: a unit is required (16 means 16 GiB to whoever typed it)."""
+    from horizon_ray.planner import parse_bytes
+
+    try:
+        return parse_bytes(text, unit_required=True)
+    except BadInput as exc:
+        raise BadInput(f"{flag}: {exc.message}") from None
 
 
 def _method_and_mode(args) -> tuple[str, str]:
@@ -133,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     node = _node(args)
-    budget = planner.parse_bytes(args.gpu_budget) if args.gpu_budget else None
+    budget = _flag_bytes("--gpu-budget", args.gpu_budget) if args.gpu_budget else None
     pinned = {} if args.pinned is None else {"pinned_pow2": args.pinned == "pow2"}
     job = {"seq_len": args.seq_len, "micro_batch_size": args.micro_batch_size, "grad_accum": args.grad_accum,
            "checkpoint_every": args.checkpoint_every, "loss_chunk_tokens": args.loss_chunk_tokens,

@@ -69,7 +69,7 @@ def local_spec(path: Path, overrides: list[str]) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from horizon_ray.cluster.errors import HorizonError
-    from horizon_ray.cluster.follow import follow
+    from horizon_ray.cluster.follow import follow, format_refusal
     from horizon_ray.data.stats import check_spec_data
     from horizon_ray.jobspec import JobSpec
 
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         job = client.submit(tenant, spec, idempotency_key=args.idempotency_key, priority=args.priority,
                             name=args.name)
     except HorizonError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
+        print(format_refusal(exc), file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(job.to_dict(), indent=2))

@@ -21,10 +21,12 @@ _UNITS = {
 }
 
 
-def parse_bytes(text: str | int | float) -> int:
+def parse_bytes(text: str | int | float, *, unit_required: bool = False) -> int:
     """``"125GiB"`` -> 134217728000. IEC suffixes (KiB, MiB, GiB, TiB, or Kubernetes' Ki, Mi, Gi, Ti) are
     powers of 1024; SI ones (KB, MB, GB, TB, K, M, G, T) powers of 1000, so "1.5TB" is 1.5e12 bytes, 9 %
-    less than the 1.5 TiB a server with 1536 GiB of DIMMs has. A bare number is bytes."""
+    less than the 1.5 TiB a server with 1536 GiB of DIMMs has. A bare number is bytes; with
+    ``unit_required`` (what a person types on a command line: "--node-ram 16" means 16 GiB to them, not 16
+    bytes) a string without a unit is refused."""
     if isinstance(text, bool):
         raise BadInput(f"not a byte size: {text!r}")
     if isinstance(text, (int, float)):
@@ -35,6 +37,9 @@ def parse_bytes(text: str | int | float) -> int:
     unit = m.group(2).lower() if m else None
     if not m or unit not in _UNITS:
         raise BadInput(f"not a byte size: {text!r}; write e.g. 125GiB, 1.5TiB, 512Gi or 141GB")
+    if unit_required and unit in ("", "b"):
+        raise BadInput(f"{text!r} has no unit and would mean {m.group(1)} bytes; write it with one, e.g. "
+                       f"{m.group(1)}GiB (or {m.group(1)}GB, {m.group(1)}MiB)")
     return int(round(float(m.group(1)) * _UNITS[unit]))
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+import textwrap
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -51,6 +53,7 @@ class Plan:
     host_limit_bytes: int  # usable RAM of the node (RAM less the reserve)
     gpu_limit_bytes: int  # GPU memory of the node, or the budget given when it is smaller
     fits: bool  # host_bytes <= host_limit_bytes and gpu_bytes <= gpu_limit_bytes
+    short_of: list[str]  # the binding limits when it does not fit: "host RAM", "GPU memory", "a GPU"; [] when it fits
     reason: str  # one paragraph: the verdict with numbers, and what would fit when it does not
     breakdown: dict[str, dict[str, int]]  # {"host": {item: bytes}, "gpu": {item: bytes}}; items sum up
     bytes_per_param: float  # host bytes per parameter of the mode's state (weights, master, m, v, grads)
@@ -235,7 +238,8 @@ def _plan(shape: ModelShape, pm: PrecisionMode, job: Workload, node: NodeSpec, g
         micro_batch_size=job.micro_batch_size, grad_accum=job.grad_accum, checkpoint_every=job.checkpoint_every,
         tokens_per_step=job.step_tokens, host_bytes=host_bytes, gpu_bytes=gpu_bytes, pinned_bytes=pinned,
         host_limit_bytes=node.usable_ram_bytes, gpu_limit_bytes=gpu_limit if cuda else 0,
-        fits=host_ok and gpu_ok, reason="", breakdown={"host": host, "gpu": gpu},
+        fits=host_ok and gpu_ok, short_of=_short_of(cuda, node, job.gpus, host_ok, gpu_ok), reason="",
+        breakdown={"host": host, "gpu": gpu},
         bytes_per_param=state / shape.num_params, step_time_s=t["step_s"],
         tokens_per_s=job.step_tokens / t["step_s"],
         mfu=t["model_flops"] / t["step_s"] / node.ceilings.matmul_flops,
@@ -248,6 +252,14 @@ def _plan(shape: ModelShape, pm: PrecisionMode, job: Workload, node: NodeSpec, g
         p.alternatives = _alternatives(shape, p, job, node, gpu_budget_bytes, lora)
     p.reason = _reason(p, node, shape, job, gpu_budget_bytes, lora, host_ok, gpu_ok, suggest)
     return p
+
+
+def _short_of(cuda: bool, node: NodeSpec, gpus: int, host_ok: bool, gpu_ok: bool) -> list[str]:
+    """What the node lacks for the job, in the words the verdicts use."""
+    out = [] if host_ok else ["host RAM"]
+    if cuda and not gpu_ok:
+        out.append("a GPU" if node.gpus == 0 else "GPUs" if node.gpus < gpus else "GPU memory")
+    return out
 
 
 def _alternatives(shape, p: Plan, job: Workload, node, gpu_budget_bytes, lora) -> list[dict[str, Any]]:
@@ -289,7 +301,7 @@ def _reason(p: Plan, node: NodeSpec, shape, job, gpu_budget_bytes, lora, host_ok
     parts = []
     if not host_ok:
         missing = p.host_bytes - p.host_limit_bytes
-        parts.append(f"does not fit: host RAM needs {format_bytes(p.host_bytes)} in {mode_txt} but "
+        parts.append(f"host RAM needs {format_bytes(p.host_bytes)} in {mode_txt} but "
                      f"{ram_txt}: {format_bytes(missing)} missing. In mode {p.mode} a node needs at least "
                      f"{_gib_up(node.ram_needed_for(p.host_bytes))} of RAM.")
         pad = p.breakdown["host"]["pinned_padding"]
@@ -316,14 +328,14 @@ def _reason(p: Plan, node: NodeSpec, shape, job, gpu_budget_bytes, lora, host_ok
                              f"{_gib_up(smallest['ram_needed_bytes'])} of RAM.")
     if p.device == "cuda" and not gpu_ok:
         if node.gpus == 0:
-            parts.append("does not fit: the node has no GPU; plan with device='cpu' or pick a GPU node.")
+            parts.append("the node has no GPU; plan with device='cpu' or pick a GPU node.")
         elif node.gpus < job.gpus:
-            parts.append(f"does not fit: the job asks for {job.gpus} GPUs (resources.gpus) and node {node.name} "
-                         f"has {node.gpus}; lower resources.gpus or pick a node with more GPUs.")
+            parts.append(f"the job asks for {job.gpus} GPUs (resources.gpus) and node {node.name} has "
+                         f"{node.gpus}; lower resources.gpus or pick a node with more GPUs.")
         else:
             missing = p.gpu_bytes - p.gpu_limit_bytes
             acts = sum(p.breakdown["gpu"][k] for k in ("checkpoints", "recompute_inputs", "hidden_states"))
-            parts.append(f"does not fit: GPU memory needs {format_bytes(p.gpu_bytes)} but "
+            parts.append(f"GPU memory needs {format_bytes(p.gpu_bytes)} but "
                          f"{format_bytes(p.gpu_limit_bytes)} are available: {format_bytes(missing)} missing "
                          f"(activations of the {p.tokens_per_step}-token step: {format_bytes(acts)}).")
             if gpu_budget_bytes is not None and gpu_budget_bytes > node.gpu_mem_bytes:
@@ -332,7 +344,7 @@ def _reason(p: Plan, node: NodeSpec, shape, job, gpu_budget_bytes, lora, host_ok
             fix = _gpu_fix(shape, p, job, node, gpu_budget_bytes, lora) if suggest else ""
             if fix:
                 parts.append(fix)
-    return " ".join(parts) + caveat
+    return "does not fit: " + " ".join(parts) + caveat
 
 
 def _gpu_fix(shape, p: Plan, job: Workload, node, gpu_budget_bytes, lora) -> str:
@@ -483,5 +495,11 @@ def format_plan(p: Plan) -> str:
     if p.concurrent_engines > 1:
         rows.append(f"  per engine, with {p.concurrent_engines} engines sharing the host's DRAM bandwidth and "
                     f"cores; the node: {p.node_tokens_per_s:,.0f} tokens/s")
-    rows += ["", ("FITS" if p.fits else "DOES NOT FIT") + f": {p.reason}"]
+    if p.fits:
+        head, body = "FITS", p.reason.removeprefix("fits: ")
+    else:
+        head, body = f"DOES NOT FIT ({' and '.join(p.short_of)})", p.reason.removeprefix("does not fit: ")
+    # a number and its unit stay on one line
+    text = re.sub(r"(\d) (GiB|MiB|B/param|s\b)", "\\1\u00a0\\2", f"{head}: {body}")
+    rows += ["", *(line.replace("\u00a0", " ") for line in textwrap.wrap(text, width=110, subsequent_indent="  "))]
     return "\n".join(rows)

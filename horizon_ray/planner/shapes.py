@@ -357,9 +357,23 @@ def load_model_shape(model: str | Path | dict | ModelShape) -> ModelShape:
     if key is not None:
         shape = PRESETS[key]
         return shape if layers is None or layers == shape.num_layers else shape.with_layers(layers)
-    raise BadInput(f"unknown model {str(model)!r}: not a known preset and no config.json at that path; "
+    guess = closest_preset(base)
+    hint = f" (did you mean {guess!r}?)" if guess else ""
+    raise BadInput(f"unknown model {str(model)!r}{hint}: not a known preset and no config.json at that path; "
                    f"known presets: {', '.join(PRESETS)} (or one stacked to another depth, NAME@<layers>L); "
                    "or pass an HF model directory / config.json")
+
+
+def closest_preset(name: str) -> str | None:
+    """The preset (or alias) a mistyped model name most likely meant, or None."""
+    import difflib
+
+    key = name.strip().lower().rsplit("/", 1)[-1]
+    for suffix in ("-instruct", "-chat"):
+        key = key.removesuffix(suffix)
+    names = [*PRESETS, *_ALIASES]
+    found = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    return _ALIASES.get(found[0], found[0]) if found else None
 
 
 def adapter_layer_params(lora: Adapters, shape: ModelShape) -> int:

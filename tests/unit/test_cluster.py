@@ -116,11 +116,33 @@ def test_jobs_land_on_the_best_fitting_node(client):
 def test_oversized_job_is_rejected_with_the_reason_and_leaves_no_record(client):
     with pytest.raises(JobRejected) as info:
         client.submit("acme", spec("300GiB"))
-    assert "no node can ever hold this job" in info.value.message
+    assert info.value.message.startswith("no node can ever hold this job: host RAM is the limit")
     assert "300.0 GiB" in info.value.message and "256.0 GiB" in info.value.message
     assert {n["node_id"] for n in info.value.details["nodes"]} == {"a", "b", "c"}
     assert client.list("acme") == ([], False)
     assert client.plan("acme", spec("300GiB"))["decision"] == "reject"
+
+
+def test_a_job_only_gpu_memory_refuses_names_gpu_memory_as_the_limit(fake_cluster, capsys):
+    """The headline names the binding limit: a 7B step that no GPU can hold is refused for GPU memory, not
+    with the host RAM it needs next to a 512 GiB node; each node's reason comes as a list."""
+    from horizon_ray.cluster.follow import format_refusal
+    from horizon_ray.cluster.placement import default_planner
+
+    client = fake_cluster({"a": "512GiB:1gpu@4GiB", "b": "256GiB:2gpu@6GiB"}, planner=default_planner)
+    job = {"model": {"path": "qwen2.5-7b"}, "data": {"path": "/data/train.jsonl"}, "engine": {"device": "cuda"},
+           "training": {"max_steps": 10, "seq_len": 1024, "micro_batch_size": 16}}
+    with pytest.raises(JobRejected) as info:
+        client.submit("acme", job)
+    message = info.value.message
+    assert message.startswith("no node can ever hold this job: GPU memory is the limit: it needs at least ")
+    assert "of GPU memory and the most any node offers it is 6.0 GiB (node b)" in message
+    assert "512.0 GiB" not in message and "host RAM would suffice" in message
+    nodes = {n["node_id"]: n for n in info.value.details["nodes"]}
+    assert nodes["a"]["short_of"] == ["GPU memory"] and "GPU memory needs" in nodes["a"]["reason"]
+    lines = format_refusal(info.value).splitlines()
+    assert lines[0] == f"error: {message}"
+    assert [ln.split(":")[0] for ln in lines[1:]] == ["  node a", "  node b"]
 
 
 def test_job_that_cannot_fit_now_waits_with_reason_and_position(client):

@@ -48,7 +48,8 @@ def test_simulated_nodes_declare_logical_gpus_and_cores_strictly():
     for bad, words in (("a=1GiB:4gpux", "neither Ngpu"), ("a=1GiB:2gpu:3gpu", "GPUs twice"),
                        ("a=1GiB:0gpu", "declares no GPU"), ("a=1GiB:gpu", "neither Ngpu"),
                        ("a=1GiB:2gpu@lots", "GPU memory of node a"), ("a=1GiB:0cpu", "no core"),
-                       ("a=1GiB:", "neither Ngpu"), ("a=1GiB/4", "RAM of node a"), ("a:2gpu", "NAME=RAM")):
+                       ("a=1GiB:", "neither Ngpu"), ("a=1GiB/4", "RAM of node a"), ("a:2gpu", "NAME=RAM"),
+                       ("a=16", "RAM of node a: '16' has no unit"), ("a=8GiB:1gpu@80", "'80' has no unit")):
         with pytest.raises(ValueError, match=words):
             parse_simulated_cluster(bad)
 

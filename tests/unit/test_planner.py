@@ -5,6 +5,7 @@ import json
 import pytest
 
 from horizon_ray.engine.model import PROJECTIONS
+from horizon_ray.errors import BadInput
 from horizon_ray.planner import (
     H200_NODE,
     MODES,
@@ -347,6 +348,42 @@ def test_cli_table_and_exit_codes(capsys):
     assert "known presets" in capsys.readouterr().err
     assert main(["plan", "--max-model", "qwen2.5", "--pinned", "exact"]) == 0
     assert "largest that fits in mode exact: qwen2.5-7b" in capsys.readouterr().out
+
+
+def test_cli_verdict_headline_names_the_binding_limit_once(capsys):
+    from horizon_ray.cli import main
+
+    assert main(["plan", "--model", "qwen2.5-0.5b"]) == 0
+    out = capsys.readouterr().out
+    assert "\nFITS: host " in out and "fits:" not in out.lower().replace("fits: host", "")
+    assert main(["plan", "--model", "qwen2.5-7b", "--gpu-budget", "4GiB"]) == 1
+    out = capsys.readouterr().out
+    assert "\nDOES NOT FIT (GPU memory): GPU memory needs " in out and "FIT (GPU memory): does not" not in out
+    assert main(["plan", "--model", "dense-110b", "--node-ram", "512GiB", "--gpu-budget", "4GiB"]) == 1
+    assert "\nDOES NOT FIT (host RAM and GPU memory): host RAM needs " in capsys.readouterr().out
+    p = plan("qwen2.5-7b", node=NodeSpec(ram_bytes=parse_bytes("512GiB"), gpus=0), device="cuda")
+    assert p.short_of == ["a GPU"] and p.reason.startswith("does not fit: the node has no GPU")
+
+
+@pytest.mark.parametrize("flag", ["--node-ram", "--gpu-mem", "--gpu-budget"])
+def test_cli_byte_sizes_need_a_unit(flag, capsys):
+    """`--node-ram 16` means 16 GiB to whoever typed it; as bytes it planned a 16-byte node."""
+    from horizon_ray.cli import main
+
+    assert main(["plan", "--model", "qwen2.5-7b", flag, "16"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {flag}: '16' has no unit and would mean 16 bytes; write it "
+                                               "with one, e.g. 16GiB (or 16GB, 16MiB)")
+    assert main(["plan", "--model", "qwen2.5-0.5b", flag, "100GiB"]) in (0, 1)
+    assert parse_bytes("16") == 16 and parse_bytes(16) == 16  # programs may still pass bytes
+
+
+def test_a_mistyped_model_name_gets_a_suggestion():
+    with pytest.raises(BadInput, match=r"unknown model 'qwen2.5-7' \(did you mean 'qwen2.5-7b'\?\)"):
+        plan("qwen2.5-7")
+    with pytest.raises(BadInput, match=r"did you mean 'llama-3.1-8b'"):
+        plan("Meta-Llama/Llama3.1-8B-Instruct")
+    with pytest.raises(BadInput, match=r"unknown model 'gpt2': not a known preset"):
+        plan("gpt2")
 
 
 def test_large_pinned_buffers_are_exact():
