@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "status": ("horizon_ray.commands.status", "show the service's nodes, jobs and queue, or one job"),
     "drain": ("horizon_ray.commands.drain", "checkpoint and stop this node's jobs (a worker pod's preStop hook)"),
     "plan": ("horizon_ray.commands.plan", "plan host RAM, GPU memory and step time of a job on a node"),
+    "probe": ("horizon_ray.commands.probe", "measure this node's ceilings: the rates planned step times come from"),
     "bench": ("horizon_ray.commands.bench", "benchmark the engine against in-GPU training on a random-init model"),
 }
 

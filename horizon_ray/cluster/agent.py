@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import logging
 import math
 import os
 import shutil
@@ -57,7 +58,9 @@ from horizon_ray.cluster import placement
 from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, Launch, NodeInfo, Reservation
 from horizon_ray.job.events import Event, decode
 
+log = logging.getLogger("horizon_ray.cluster")
 METRICS_FILE = "metrics.jsonl"
+PROBE_TIMEOUT_S = 600  # a first probe on a busy machine, with the engine's imports
 SPEC_FILE = "job.yaml"
 _MAX_LINES_PER_POLL = 2000
 _STDERR_TAIL_BYTES = 4000
@@ -389,10 +392,12 @@ class NodeAgent:
         sample_interval_s: float = 0.2,
         kill_grace_s: float = 10.0,
         ray_reserved_bytes: int = 0,
+        probe: bool = False,
     ):
         """`gpu_count` None: the node's GPUs from nvidia-smi (see detect_gpus); a number declares logical
         GPUs 0..N-1 (simulated nodes). `cpu_count` None: the node's CPU limit (`node_cpu_count`). `ram_bytes`
-        None: the node's RAM (`node_ram_bytes`) less `ray_reserved_bytes`, what Ray takes of it."""
+        None: the node's RAM (`node_ram_bytes`) less `ray_reserved_bytes`, what Ray takes of it. `probe`: measure
+        the node's ceilings (`horizon-ray probe`, cached) in the background and report them with the node."""
         env = dict(env or {})
         if ram_bytes is None:
             total = node_ram_bytes({**os.environ, **env})
@@ -427,6 +432,9 @@ class NodeAgent:
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_loop, name=f"agent-{node_id}", daemon=True)
         self._monitor.start()
+        self._ceilings: dict[str, Any] | None = None  # the probe's NodeInfo.ceilings, once it has run
+        if probe:
+            threading.Thread(target=self._probe, name=f"probe-{node_id}", daemon=True).start()
 
     # ---- the Agent interface -------------------------------------------------------------------------
 
@@ -434,7 +442,7 @@ class NodeAgent:
         with self._lock:
             self._reap()
             return self._ledger.node_info(self.node_id, ray_node_id=self.ray_node_id,
-                                          incarnation=self.incarnation)
+                                          incarnation=self.incarnation, ceilings=self._ceilings)
 
     def start(self, launch: Launch) -> Reservation:
         job_id = launch.job_id
@@ -542,6 +550,28 @@ class NodeAgent:
         return self.incarnation
 
     # ---- internals -----------------------------------------------------------------------------------
+
+    def _probe(self) -> None:
+        """Run `horizon-ray probe --json` (cached per machine) in a child, with the threads a CPU job alone on
+        this node gets: the agent never imports torch. A failure leaves the planner's defaults (labelled
+        assumed in every plan) and is logged."""
+        env = {**os.environ, **self._env}
+        if self._ledger.cpu_count:
+            env.update({k: str(self._ledger.cpu_count) for k in THREAD_VARS[:2] if k not in self._env})
+        try:
+            out = subprocess.run([sys.executable, "-m", "horizon_ray", "probe", "--json"], env=env,
+                                 capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=True,
+                                 stdin=subprocess.DEVNULL)
+            from horizon_ray.probe import Probe
+
+            probe = Probe.from_dict(json.loads(out.stdout))
+        except (OSError, subprocess.SubprocessError, ValueError, KeyError) as exc:
+            tail = getattr(exc, "stderr", "") or ""
+            log.warning("node %s: probing its ceilings failed (%s%s); its jobs are planned with the defaults",
+                        self.node_id, type(exc).__name__, f": {tail.strip()[-300:]}" if tail else "")
+            return
+        with self._lock:
+            self._ceilings = probe.wire()
 
     def _launch(self, launch: Launch, res: Reservation) -> _Job:
         job_id, output_dir = launch.job_id, Path(launch.output_dir)

@@ -199,6 +199,9 @@ class NodeInfo:
     ray_node_id: str | None = None  # Ray's hex node id, when running on Ray
     incarnation: str | None = None  # changes when the agent restarts (its jobs' processes are gone)
     cpu_count: int = 0  # cores the agent splits among its engines (0: unknown)
+    # the node's measured ceilings, {"values": {Ceilings field: rate}, "source": str} (horizon_ray.probe), once its
+    # agent probed it; None: the planner's defaults, labelled assumed
+    ceilings: dict[str, Any] | None = None
 
     @property
     def free_bytes(self) -> int:

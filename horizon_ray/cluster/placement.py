@@ -114,7 +114,8 @@ def evaluate(spec: dict[str, Any], nodes: Iterable[NodeInfo], planner: Planner,
     for node in nodes:
         if not node.alive:
             continue
-        key = (cache_key, node.node_id, node.ram_bytes, node.gpu_count, node.gpu_memory_bytes)
+        probed = (node.ceilings or {}).get("source")  # a plan made before the node's probe is planned again
+        key = (cache_key, node.node_id, node.ram_bytes, node.gpu_count, node.gpu_memory_bytes, probed)
         if cache is not None and cache_key is not None and key in cache:
             plan = cache[key]
         else:

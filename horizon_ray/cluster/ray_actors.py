@@ -204,7 +204,7 @@ def ensure_agents(ram_by_node: dict[str, Any] | None = None, *, command: list[st
         ).remote(name, ram_bytes=sim.ram_bytes if sim else None, gpu_count=sim.gpu_count if sim else None,
                  gpu_memory_bytes=sim.gpu_memory_bytes if sim else None, cpu_count=sim.cpu_count if sim else None,
                  ray_node_id=node["NodeID"], command=command, env=env,
-                 ray_reserved_bytes=0 if sim else ray_reserved_bytes(node))
+                 ray_reserved_bytes=0 if sim else ray_reserved_bytes(node), probe=True)
     for handle in handles.values():
         ray.get(handle.ping.remote(), timeout=120)
     return handles

@@ -3,6 +3,7 @@
     horizon-ray plan --model qwen2.5-7b [--mode exact] [--seq-len 1024 --micro-batch-size 16 ...]
                      [--node-ram 125.9GiB --gpu-mem 141GB] [--json]
     horizon-ray plan --config job.yaml            # a job spec, as `horizon-ray finetune` would run it
+    horizon-ray plan --config job.yaml --here     # ... on this machine, with its probed ceilings
     horizon-ray plan --max-model qwen2.5 --node-ram 512GiB [--mode exact | --method lora --lora-rank 16]
     horizon-ray plan --list-presets
 
@@ -53,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "default none)")
 
     node = parser.add_argument_group("node (defaults: the measured H200 box)")
+    node.add_argument("--here", action="store_true",
+                      help="this machine: its RAM, GPUs and the ceilings `horizon-ray probe` measures (cached; "
+                           "measured first when absent)")
     node.add_argument("--node-ram", metavar="BYTES", help="host RAM, e.g. 125.9GiB, 1.5TiB, 512Gi")
     node.add_argument("--gpu-mem", metavar="BYTES", help="memory of one GPU, e.g. 141GB, 80GiB")
     node.add_argument("--gpus", type=int, help="GPUs on the node (0: a CPU node)")
@@ -82,7 +86,7 @@ def _node(args):
 
     from horizon_ray.planner import H200_NODE
 
-    node = H200_NODE
+    node = _this_machine() if args.here else H200_NODE
     kw = {}
     if args.node_ram is not None:
         kw["ram_bytes"] = _flag_bytes("--node-ram", args.node_ram)
@@ -99,6 +103,21 @@ def _node(args):
     if kw:
         node = replace(node, name="custom", **kw)
     return node
+
+
+def _this_machine():
+    """This machine as a node: the RAM and GPUs its agent would offer, the probe's ceilings."""
+    import os
+    import sys
+
+    from horizon_ray.cluster.agent import detect_gpus, node_ram_bytes
+    from horizon_ray.planner import NodeSpec
+    from horizon_ray.probe import cached_probe
+
+    gpus, gpu_mem = detect_gpus()
+    probe = cached_probe(log=lambda msg: print(f"probing this machine: {msg} ...", file=sys.stderr, flush=True))
+    return NodeSpec(ram_bytes=node_ram_bytes(dict(os.environ)), gpus=len(gpus), gpu_mem_bytes=gpu_mem,
+                    ceilings=probe.ceilings(), name="this machine")
 
 
 def _flag_bytes(flag: str, text: str) -> int:

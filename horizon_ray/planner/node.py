@@ -8,7 +8,9 @@ where a field says otherwise.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 from horizon_ray.errors import BadInput
 
@@ -52,11 +54,18 @@ def format_bytes(n: float) -> str:
 
 @dataclass(frozen=True)
 class Ceilings:
-    """Measured rates of the box (2026-11-29, one run each: take them as +-5 %)."""
+    """The rates that set a step's time. The defaults are the project's GPU box as measured on it (2026-11-29,
+    one run each: take them as +-5 %), except where a field says "assumed"; a node's own measurements
+    (``horizon-ray probe``, which its agent runs at start and caches) replace the fields they measure, named in
+    ``measured``. Everything else stays an assumption, and the plan says which."""
 
     matmul_flops: float = 786.5e12  # bf16 dense matmul, FLOP/s: the rate MFU is against
     datasheet_matmul_flops: float = 989.5e12  # the GPU's datasheet bf16 dense rate (MFU is printed against it too)
-    compute_efficiency: float = 0.55  # assumed share of matmul_flops a streamed layer sustains (see timing)
+    # Share of matmul_flops a streamed layer sustains (see timing), calibrated against the engine on the H200
+    # box (commit cea6a8e, Qwen2.5-7B, seq 1024, bf16, 12 GiB GPU budget, Liger kernels): 0.72 puts the plan at
+    # 3.14 s and 6.88 s per step for 16,384 and 65,536 tokens, against 3.15 s and 6.64 s measured. Never
+    # measured by the probe (it takes a whole model), so always an assumption.
+    compute_efficiency: float = 0.72
     h2d_bytes_per_s: float = 55.4e9  # pinned host -> device
     d2h_bytes_per_s: float = 55.3e9  # pinned device -> host
     duplex_bytes_per_s: float = 101.7e9  # both directions at once, in total
@@ -67,7 +76,45 @@ class Ceilings:
     # but every link's DMA reads and writes the same DRAM. Not measured beyond one GPU: taken as the one-GPU
     # duplex rate, so N engines on one host get 1/N of it each (a run of two engines side by side measures it).
     host_copy_bytes_per_s: float = 101.7e9
-    cpu_flops: float = 1.0e12  # device="cpu" only: sustained fp32 FLOP/s of the host (rough, not measured)
+    # device="cpu" only: FLOP/s (the planner's count, timing.step_time) the engine sustains on the host's cores,
+    # as the probe measures it on a small reference model; assumed for the GPU box (its CPU never ran a job)
+    cpu_flops: float = 2.0e11
+    cpu_matmul_flops: float = 0.0  # fp32 GEMM rate of the host's cores (the probe's; shown, not planned with)
+    measured: tuple[str, ...] = ()  # the fields measured on the node these ceilings describe
+    source: str = "assumed: the H200 box's rates (the node was not probed)"  # where the values come from
+
+    MEASURABLE: ClassVar[tuple[str, ...]] = (
+        "matmul_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_bytes_per_s", "adam_params_per_s",
+        "adam_params_per_s_with_copies", "host_copy_bytes_per_s", "cpu_flops", "cpu_matmul_flops")
+
+    @classmethod
+    def from_measured(cls, values: Mapping[str, float], source: str) -> Ceilings:
+        """These defaults with the measured `values` (fields of MEASURABLE) in their place."""
+        unknown = sorted(set(values) - set(cls.MEASURABLE))
+        if unknown:
+            raise BadInput(f"not a measured ceiling: {', '.join(unknown)}; measured ones are "
+                           f"{', '.join(cls.MEASURABLE)}")
+        kept = {k: float(v) for k, v in values.items() if v and v > 0}
+        return cls(**kept, measured=tuple(k for k in cls.MEASURABLE if k in kept), source=source)
+
+    @staticmethod
+    def used(device: str) -> tuple[str, ...]:
+        """The fields a step time on `device` depends on."""
+        if device == "cpu":
+            return ("cpu_flops", "adam_params_per_s")
+        return ("matmul_flops", "compute_efficiency", "h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_bytes_per_s",
+                "adam_params_per_s", "adam_params_per_s_with_copies", "host_copy_bytes_per_s")
+
+    def assumed(self, device: str) -> list[str]:
+        """The fields a plan on `device` uses that were not measured on the node."""
+        return [k for k in self.used(device) if k not in self.measured]
+
+
+# The box the defaults describe: these were measured on it (the rest are calibrated or taken as described).
+H200_CEILINGS = Ceilings(
+    measured=("matmul_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_bytes_per_s", "adam_params_per_s",
+              "adam_params_per_s_with_copies"),
+    source="the project's H200 box, measured 2026-11-29")
 
 
 @dataclass(frozen=True)
@@ -76,7 +123,7 @@ class NodeSpec:
     gpu_mem_bytes: int = 143771 * MiB  # memory of one GPU (nvidia-smi on the H200 box: 143771 MiB)
     gpus: int = 1  # GPUs on the node; one job (one engine) uses one GPU, so up to `gpus` engines share the host
     reserve_fraction: float = 0.05  # share of RAM kept free for the OS, page cache and other processes
-    ceilings: Ceilings = field(default_factory=Ceilings)
+    ceilings: Ceilings = field(default_factory=lambda: H200_CEILINGS)
     name: str = "h200"
 
     def __post_init__(self):
@@ -98,11 +145,15 @@ class NodeSpec:
 
     @classmethod
     def from_node_info(cls, info, **overrides) -> NodeSpec:
-        """From anything with the cluster's NodeInfo fields (ram_bytes, gpu_count, gpu_memory_bytes)."""
+        # a node its agent has not probed (yet) is planned with the H200 box's rates, labelled assumed
+        """From anything with the cluster's NodeInfo fields (ram_bytes, gpu_count, gpu_memory_bytes and, once its
+        agent probed the node, ceilings: {"values": {field: rate}, "source": str})."""
         gpus = int(getattr(info, "gpu_count", 0) or 0)
         kw = {"ram_bytes": int(info.ram_bytes), "gpus": gpus,
               "gpu_mem_bytes": int(getattr(info, "gpu_memory_bytes", 0) or 0) if gpus else 0,
               "name": str(getattr(info, "node_id", "node"))}
+        probed = getattr(info, "ceilings", None)
+        kw["ceilings"] = Ceilings.from_measured(probed["values"], probed["source"]) if probed else Ceilings()
         kw.update(overrides)
         return cls(**kw)
 

@@ -17,7 +17,7 @@ from horizon_ray.engine.model import DTYPE_BYTES, default_lora_targets
 from horizon_ray.errors import BadInput
 from horizon_ray.planner.memory import PINNED_POW2_ROUNDING, device_items, host_breakdown
 from horizon_ray.planner.modes import FIDELITY_ORDER, MODES, PrecisionMode, get_mode
-from horizon_ray.planner.node import H200_NODE, GiB, NodeSpec, format_bytes
+from horizon_ray.planner.node import H200_NODE, Ceilings, GiB, NodeSpec, format_bytes
 from horizon_ray.planner.shapes import (
     FAMILIES,
     PRESETS,
@@ -62,6 +62,9 @@ class Plan:
     mfu: float  # model FLOPs (house convention, timing.model_flops_per_token) per second / measured matmul_flops
     mfu_datasheet: float  # the same against the datasheet rate (ceilings.datasheet_matmul_flops)
     bound: str  # what sets the step time: gpu compute, pcie, cpu optimizer
+    # the ceilings the step time used that no probe of the node measured (the defaults, the H200 box's; see
+    # node.Ceilings); [] when every one was measured on the node
+    assumed_ceilings: list[str]
     timing: dict[str, Any]  # the terms of the roofline, seconds and FLOPs
     gives_up: str  # what the mode costs against exact AdamW
     engine_supported: bool  # the engine implements this mode today
@@ -244,6 +247,7 @@ def _plan(shape: ModelShape, pm: PrecisionMode, job: Workload, node: NodeSpec, g
         tokens_per_s=job.step_tokens / t["step_s"],
         mfu=t["model_flops"] / t["step_s"] / node.ceilings.matmul_flops,
         mfu_datasheet=t["model_flops"] / t["step_s"] / node.ceilings.datasheet_matmul_flops, bound=t["bound"],
+        assumed_ceilings=node.ceilings.assumed(job.device),
         timing=t, gives_up=pm.gives_up, engine_supported=pm.engine_supported,
         lora=dataclasses.asdict(lora) if lora else None, node=node.to_dict(), pinned_pow2=pinned_pow2,
         concurrent_engines=concurrent_engines, speculate_units=spec_units, gpus=job.gpus,
@@ -491,7 +495,12 @@ def format_plan(p: Plan) -> str:
                     f"pcie {t['pcie_s']:.2f} s; cpu optimizer {t['optimizer_s']:.2f} s; exposed "
                     f"{t['exposed_s']:.2f} s")
     else:
-        rows.append(f"STEP         {p.step_time_s:.2f} s, {p.tokens_per_s:,.0f} tokens/s (CPU, rough)")
+        rows.append(f"STEP         {p.step_time_s:.2f} s, {p.tokens_per_s:,.0f} tokens/s (CPU, {p.bound} bound)")
+    c = p.node.get("ceilings", {})
+    measured = [k for k in Ceilings.used(p.device) if k in c.get("measured", ())]
+    line = (f"ceilings: {c.get('source', '?')}" + (f"; measured there: {', '.join(measured)}" if measured else "")
+            + (f"; assumed: {', '.join(p.assumed_ceilings)}" if p.assumed_ceilings else ""))
+    rows += textwrap.wrap(line, width=110, initial_indent="  ", subsequent_indent="    ")
     if p.concurrent_engines > 1:
         rows.append(f"  per engine, with {p.concurrent_engines} engines sharing the host's DRAM bandwidth and "
                     f"cores; the node: {p.node_tokens_per_s:,.0f} tokens/s")

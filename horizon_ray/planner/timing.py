@@ -32,7 +32,8 @@ forward of step n+1 streams each unit as soon as its update is written. Hence
 where "exposed" is what nothing hides: the embedding's update and upload before the first lookup, and
 its gradient's download after the last layer. Within a phase, copies and compute of different units
 overlap fully (double buffering); the optimizer runs at the with-copies rate while phase A's copies run.
-On device "cpu" nothing overlaps: step = compute at cpu_flops + optimizer at its no-copies rate.
+On device "cpu" nothing overlaps: step = compute at cpu_flops (the engine's sustained rate on the host, as
+the probe measures it) + optimizer at its no-copies rate.
 
 N engines on one host (``concurrent_engines``: one job per GPU, all drawing on the node's RAM): each GPU has
 its own PCIe link and its own compute, but the host's DRAM and cores are shared. The CPU AdamW is bound by
@@ -42,11 +43,16 @@ copies run at min(its link's rate, host_copy_bytes_per_s / N). GPU compute is no
 "cpu", the N engines split the cores: compute and optimizer both at 1/N. The step time and tokens/s are
 those of one engine while N run; the node's throughput is N times that.
 
-Against the engine on the H200 box (2026-11-29, bf16, seq 1024, micro-batch 16): Qwen2.5-1.5B at 32k
-tokens measured 1.41 s (K=1) and 2.01 s (K=4) per step against 1.12 s and 1.27 s planned; Qwen2.5-7B at
-64k tokens, K=4, 15.5 s against 10.2 s. The gap is mostly the host update: the engine's took 9.2 s for
-7.6B parameters (0.83 G params/s, a fifth of the 4.33 G/s ceiling) and the training thread waited for it.
-The plan is what the ceilings allow; a slower engine shows as the measured step exceeding it.
+Calibration. ``Ceilings.compute_efficiency`` is the one number fitted to the engine rather than measured: on
+the H200 box (commit cea6a8e, Qwen2.5-7B, seq 1024, bf16, 12 GiB GPU budget, K=1, Liger kernels) exact
+AdamW measured 3.15 s a step at 16,384 tokens and 6.64 s at 65,536 (host update of 7.6 G parameters 1.8-2.0
+s); with 0.72 the plan says 3.14 s (-0.3 %) and 6.88 s (+3.6 %). With the earlier 0.55 it said 3.52 s and
+8.69 s (+12 % and +31 %). On device "cpu" the rate is the node's own: ``horizon-ray probe`` times the engine
+on a small reference model and divides this module's FLOP count by the seconds (``horizon_ray.probe``);
+the demo's predicted and measured steps agree within 25 % (tests/integration/test_probe.py). Whatever a
+plan takes from the defaults rather than from its node's probe is listed as assumed
+(``Ceilings.assumed``). The plan is what the ceilings allow; a slower engine shows as the measured step
+exceeding it.
 """
 
 from __future__ import annotations
