@@ -44,7 +44,7 @@ def create_app(client: CoordinatorClient, settings: ApiSettings) -> FastAPI:
     install_error_handlers(app)
 
     app.include_router(job_routes(JOB_BASES[0]))
-    if settings.openai_mirror:
+    if settings.openai_api:
         app.include_router(job_routes(JOB_BASES[1]))
     app.include_router(files.router)
     app.include_router(cluster_routes.router)

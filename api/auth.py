@@ -23,6 +23,7 @@ from api.settings import ApiSettings
 from horizon_ray.cluster.client import CoordinatorClient
 from horizon_ray.cluster.messages import Checkpoint, JobEvent, JobRecord, JobStatus, NodeInfo
 
+NO_AUTH_TENANT = "default"  # the tenant of every request without authentication (ApiSettings.insecure_no_auth)
 _UNAUTHORIZED_HEADERS = {"WWW-Authenticate": 'Bearer realm="horizon-ray"'}
 
 
@@ -108,6 +109,9 @@ async def current_tenant(request: Request,
                          _: HTTPAuthorizationCredentials | None = Depends(_BEARER)) -> Tenant:
     """The dependency of every tenant-scoped route: 401 without a valid key, else the key's tenant."""
     settings: ApiSettings = request.app.state.settings
+    if settings.insecure_no_auth:  # serve --insecure-no-auth: one tenant, no keys (it said so at start)
+        request.state.tenant = NO_AUTH_TENANT
+        return Tenant(name=NO_AUTH_TENANT, client=request.app.state.client, settings=settings)
     tenant = tenant_for_key(settings, bearer_token(request))
     if tenant is None:
         raise ApiError(401, "unauthorized", "invalid API key", headers=_UNAUTHORIZED_HEADERS)

@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from api.errors import ApiError
-from api.settings import ApiSettings
+from api.settings import ENV_DATA_ROOTS, ENV_MODEL_CATALOGUE, ENV_MODEL_ROOTS, ApiSettings
 
 FILE_ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
 
@@ -103,14 +103,17 @@ class PathPolicy:
                 found = confine(target, root)
                 if found is not None and found.is_dir():
                     return str(found)
-            raise refuse(field, f"catalogue entry {value!r} is not a directory under a model root")
+            raise refuse(field, f"catalogue entry {value!r} is not a directory under a model root; the operator "
+                                f"sets {ENV_MODEL_CATALOGUE} and {ENV_MODEL_ROOTS}")
         return str(self._under_roots(field, value, self.settings.model_roots, "model", want_dir=True))
 
     def _under_roots(self, field: str, value: str, roots: list[Path], kind: str, *, want_dir: bool) -> Path:
         if not roots:
-            raise refuse(field, f"this server has no {kind} roots configured; "
+            setting = ENV_DATA_ROOTS if kind == "data" else ENV_MODEL_ROOTS
+            raise refuse(field, f"this server has no {kind} roots ({setting} is not set); "
                                 + ("upload the dataset with POST /files and use its file id"
-                                   if kind == "data" else "ask the operator for a model catalogue"))
+                                   if kind == "data" else f"the operator sets {ENV_MODEL_ROOTS} and, for model "
+                                   f"names, {ENV_MODEL_CATALOGUE}"))
         if os.path.isabs(value):
             if "\x00" in value or any(part == ".." for part in PurePosixPath(value).parts):
                 raise refuse(field, "'..' is not allowed in paths")

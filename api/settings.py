@@ -1,7 +1,9 @@
 """Settings of the HTTP front end: API keys, the roots tenants may read, where their files live, limits.
 
-Built once, at the edge, by ``ApiSettings.from_env()`` (or by hand in tests) and handed to
-``create_app``; nothing below reads the environment again.
+Every setting is an environment variable of ``SETTINGS``, the one table ``horizon-ray serve --help`` and the
+README print. Built once, at the edge, by ``ApiSettings.from_env()`` (or by hand in tests) and handed to
+``create_app``; nothing below reads the environment again. ``serve`` reads the same table: the jobs root it
+gives the coordinator is the one the API serves downloads from.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import yaml
 
 from horizon_ray.cluster.tenants import check_tenant_name
 from horizon_ray.errors import BadInput
+from horizon_ray.home import HOME_VARIABLE, service_root
 
 ENV_KEYS = "HORIZON_API_KEYS"  # "key1=tenant-a,key2=tenant-b"
 ENV_KEYS_FILE = "HORIZON_API_KEYS_FILE"  # YAML/JSON mapping key -> tenant, or {"keys": {...}}
@@ -30,6 +33,58 @@ ENV_MAX_BODY = "HORIZON_API_MAX_BODY_BYTES"
 PLACEHOLDER_KEY_WORDS = ("replace-me", "replace_me", "replaceme", "change-me", "change_me", "changeme",
                          "placeholder", "your-key", "your_key", "your-api-key", "example")
 ENV_MAX_UPLOAD = "HORIZON_API_MAX_UPLOAD_BYTES"
+ENV_HOME = HOME_VARIABLE
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable of the service."""
+
+    env: str  # the variable
+    default: str  # its default, as a person reads it
+    help: str  # what it sets, one sentence
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(ENV_KEYS, "none", "API keys and their tenants, key1=tenant-a,key2=tenant-b; serve refuses to start "
+                              "without a key unless told --insecure-no-auth"),
+    Setting(ENV_KEYS_FILE, "none", "a YAML or JSON file of {key: tenant} (or {keys: {...}}), read at start; "
+                                   "adds to HORIZON_API_KEYS"),
+    Setting(ENV_HOME, "~/.cache/horizon-ray", "where horizon-ray keeps its files; serve's service root is "
+                                              "<home>/service (job table, jobs/, uploads/) unless --root says "
+                                              "otherwise"),
+    Setting(ENV_JOBS_ROOT, "<service root>/jobs", "job outputs, <root>/<tenant>/<job>/ (checkpoints, metrics.jsonl, "
+                                                  "final/): the coordinator writes there and the API serves them "
+                                                  "from there; on several nodes, storage every node sees"),
+    Setting(ENV_UPLOADS_DIR, "<service root>/uploads", "tenants' uploaded datasets, <dir>/<tenant>/; the nodes "
+                                                       "read them, so on several nodes shared storage too"),
+    Setting(ENV_MODEL_ROOTS, "none", f"{os.pathsep}-separated read-only directories of base models that specs may "
+                                     "name (model.path relative to one of them)"),
+    Setting(ENV_MODEL_CATALOGUE, "none", "name=/models/dir,...: model names tenants may use (model.path, and the "
+                                         "model of the OpenAI-compatible API); each directory under a model root"),
+    Setting(ENV_DATA_ROOTS, "none", f"{os.pathsep}-separated read-only dataset directories specs may name "
+                                    "(data.path relative to one of them); uploads need none"),
+    Setting(ENV_MAX_BODY, "1048576 (1 MiB)", "largest JSON request body; larger ones get 413"),
+    Setting(ENV_MAX_UPLOAD, "1073741824 (1 GiB)", "largest dataset upload (POST /files); larger ones get 413"),
+)
+
+
+def settings_text() -> str:
+    """The table for a terminal (`serve --help`)."""
+    import textwrap
+
+    lines = ["settings (environment variables):"]
+    for s in SETTINGS:
+        lines.append(f"  {s.env} (default {s.default})")
+        lines += textwrap.wrap(s.help, width=100, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines)
+
+
+def settings_markdown() -> str:
+    """The table for the README."""
+    rows = ["| variable | default | what it sets |", "|---|---|---|"]
+    rows += [f"| `{s.env}` | {s.default} | {s.help} |" for s in SETTINGS]
+    return "\n".join(rows)
 
 
 @dataclass
@@ -39,9 +94,9 @@ class ApiSettings:
     # bearer API key -> tenant name
     api_keys: dict[str, str] = field(default_factory=dict)
     # uploaded datasets: <uploads_dir>/<tenant>/file-<id>.jsonl (on storage every node sees)
-    uploads_dir: Path = Path(".horizon/uploads")
+    uploads_dir: Path = field(default_factory=lambda: service_root() / "uploads")
     # the coordinator's jobs_root: a job's outputs go to <jobs_root>/<tenant>/<job id or given name>/
-    jobs_root: Path = Path(".horizon/jobs")
+    jobs_root: Path = field(default_factory=lambda: service_root() / "jobs")
     # read-only dataset roots every tenant may name (e.g. shared public datasets)
     data_roots: list[Path] = field(default_factory=list)
     # read-only base-model roots; a spec names a model by a path relative to one of them
@@ -56,8 +111,10 @@ class ApiSettings:
     sse_poll_s: float = 0.25
     # SSE comment line sent when nothing happened for this long, seconds (keeps proxies from closing)
     sse_heartbeat_s: float = 15.0
-    # mirror the job routes under /v1/fine_tuning/jobs
-    openai_mirror: bool = True
+    # mount the OpenAI-compatible API under /v1 (fine_tuning.jobs, files)
+    openai_api: bool = True
+    # no API keys: every request is tenant "default" (serve --insecure-no-auth; a machine of one's own only)
+    insecure_no_auth: bool = False
 
     def __post_init__(self) -> None:
         for key, tenant in self.api_keys.items():
@@ -75,7 +132,12 @@ class ApiSettings:
         self.model_roots = [Path(p).resolve() for p in self.model_roots]
         self.model_catalogue = {name: Path(p).resolve() for name, p in self.model_catalogue.items()}
         if self.max_body_bytes <= 0 or self.max_upload_bytes <= 0:
-            raise BadInput("max_body_bytes and max_upload_bytes must be positive")
+            raise BadInput(f"{ENV_MAX_BODY} and {ENV_MAX_UPLOAD} must be positive")
+        for name, path in self.model_catalogue.items():
+            if not any(path == root or path.is_relative_to(root) for root in self.model_roots):
+                where = ", ".join(str(r) for r in self.model_roots) or f"none: {ENV_MODEL_ROOTS} is not set"
+                raise BadInput(f"{ENV_MODEL_CATALOGUE}: {name}={path} lies under no model root ({where}); add its "
+                               f"parent directory to {ENV_MODEL_ROOTS}")
 
     def files_dir(self, tenant: str) -> Path:
         """Where a tenant's uploaded datasets live."""
@@ -91,19 +153,19 @@ class ApiSettings:
         return (self.uploads_dir, self.jobs_root)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> ApiSettings:
-        """Settings from HORIZON_* variables; keyword overrides win."""
+    def from_env(cls, environ: Mapping[str, str] | None = None, *, root: str | Path | None = None,
+                 **overrides) -> ApiSettings:
+        """Settings from the variables of SETTINGS; keyword overrides win. `root`: the service root the
+        default jobs root and uploads directory lie in (default `service_root()`)."""
         env = os.environ if environ is None else environ
+        base = Path(root).expanduser() if root is not None else service_root(env)
         keys: dict[str, str] = {}
         if env.get(ENV_KEYS_FILE):
             keys.update(load_api_keys_file(env[ENV_KEYS_FILE]))
         if env.get(ENV_KEYS):
             keys.update(parse_api_keys(env[ENV_KEYS]))
-        kwargs: dict = {"api_keys": keys}
-        if env.get(ENV_UPLOADS_DIR):
-            kwargs["uploads_dir"] = Path(env[ENV_UPLOADS_DIR])
-        if env.get(ENV_JOBS_ROOT):
-            kwargs["jobs_root"] = Path(env[ENV_JOBS_ROOT])
+        kwargs: dict = {"api_keys": keys, "uploads_dir": Path(env.get(ENV_UPLOADS_DIR) or base / "uploads"),
+                        "jobs_root": Path(env.get(ENV_JOBS_ROOT) or base / "jobs")}
         if env.get(ENV_DATA_ROOTS):
             kwargs["data_roots"] = [Path(p) for p in env[ENV_DATA_ROOTS].split(os.pathsep) if p]
         if env.get(ENV_MODEL_ROOTS):
@@ -111,10 +173,13 @@ class ApiSettings:
         if env.get(ENV_MODEL_CATALOGUE):
             kwargs["model_catalogue"] = {name: Path(p) for name, p in
                                          _pairs(env[ENV_MODEL_CATALOGUE], ENV_MODEL_CATALOGUE).items()}
-        if env.get(ENV_MAX_BODY):
-            kwargs["max_body_bytes"] = int(env[ENV_MAX_BODY])
-        if env.get(ENV_MAX_UPLOAD):
-            kwargs["max_upload_bytes"] = int(env[ENV_MAX_UPLOAD])
+        for var, key in ((ENV_MAX_BODY, "max_body_bytes"), (ENV_MAX_UPLOAD, "max_upload_bytes")):
+            if env.get(var):
+                try:
+                    kwargs[key] = int(env[var])
+                except ValueError:
+                    raise BadInput(f"{var}={env[var]!r} is not a number of bytes; give an integer, e.g. "
+                                   "1073741824") from None
         kwargs.update(overrides)
         return cls(**kwargs)
 
@@ -139,10 +204,14 @@ def _pairs(text: str, what: str) -> dict[str, str]:
 
 def load_api_keys_file(path: str | Path) -> dict[str, str]:
     """A YAML or JSON file holding ``{key: tenant}`` or ``{"keys": {key: tenant}}``."""
-    text = Path(path).read_text()
-    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    try:
+        text = Path(path).read_text()
+        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise BadInput(f"{ENV_KEYS_FILE}={path}: cannot read it ({type(exc).__name__}: {exc}); point it at a YAML "
+                       "or JSON file of {key: tenant}") from None
     if isinstance(data, dict) and set(data) == {"keys"}:
         data = data["keys"]
     if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
-        raise BadInput(f"{path}: expected a mapping of API key -> tenant name")
+        raise BadInput(f"{ENV_KEYS_FILE}={path}: expected a mapping of API key -> tenant name")
     return dict(data)

@@ -115,15 +115,17 @@ def parse_simulated_nodes(text: str) -> dict[str, int]:
 
 
 def start_simulated_cluster(ram_by_node: dict[str, int | SimulatedNode], *, head_cpus: int = 1,
-                            node_cpus: int = 1, include_dashboard: bool = False) -> Any:
+                            node_cpus: int = 1, dashboard_port: int | None = None, port: int | None = None) -> Any:
     """A `ray.cluster_utils.Cluster` on this machine: a head (coordinator, API) plus one Ray node per
     simulated node, each carrying the custom resource `horizon_node_<name>` its agent is pinned by and its
-    logical GPUs (`num_gpus`). `ram_by_node`: bytes of RAM or a SimulatedNode per node."""
+    logical GPUs (`num_gpus`). `ram_by_node`: bytes of RAM or a SimulatedNode per node. `dashboard_port`: run
+    Ray's dashboard and job server there (`ray job submit` needs it); None: none. `port`: the head's GCS
+    port (None: a free one)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args={"num_cpus": head_cpus, "include_dashboard": include_dashboard})
+    head = _head_args(dashboard_port, port, num_cpus=head_cpus)
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args=head)
     try:
         for name, value in ram_by_node.items():
             add_simulated_node(cluster, name, node_cpus=node_cpus, wait=False,
@@ -133,6 +135,30 @@ def start_simulated_cluster(ram_by_node: dict[str, int | SimulatedNode], *, head
         cluster.shutdown()
         raise
     return cluster
+
+
+def start_local_cluster(*, dashboard_port: int | None = None, port: int | None = None) -> Any:
+    """A one-node Ray cluster of this machine as it is (its cores, GPUs and RAM), started like a simulated one
+    so that its ports can be chosen: `port` for the head's GCS (None: a free one), `dashboard_port` for Ray's
+    dashboard and job server (None: none)."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    from ray.cluster_utils import Cluster
+
+    head = _head_args(dashboard_port, port, num_cpus=len(os.sched_getaffinity(0)))
+    return Cluster(initialize_head=True, connect=False, head_node_args=head)
+
+
+def _head_args(dashboard_port: int | None, port: int | None, *, num_cpus: int) -> dict[str, Any]:
+    """The head's Ray parameters: the dashboard (and so the job server) on `dashboard_port` at 127.0.0.1, its
+    agent on a free port (Ray's fixed default clashes with any other cluster on the machine, and without its
+    agent the job server takes no job), the GCS on `port` (None: a free one)."""
+    head: dict[str, Any] = {"num_cpus": num_cpus, "include_dashboard": dashboard_port is not None,
+                            "dashboard_agent_listen_port": None}
+    if dashboard_port is not None:
+        head.update(dashboard_port=dashboard_port, dashboard_host="127.0.0.1")
+    if port is not None:
+        head["port"] = port
+    return head
 
 
 def add_simulated_node(cluster: Any, name: str, *, node_cpus: int = 1, wait: bool = True, gpus: int = 0) -> Any:
@@ -157,19 +183,20 @@ class Service:
 def start_service(root: str | Path, *, ram_by_node: dict[str, int | SimulatedNode] | None = None,
                   tenants_file: str | Path | None = None, node_dead_after_s: float = 10.0,
                   agent_env: dict[str, str] | None = None, planner: str | None = None,
-                  skip_head: bool = False) -> Service:
+                  skip_head: bool = False, jobs_root: str | Path | None = None) -> Service:
     """Agents on every node (only the simulated ones when `ram_by_node` is given: bytes of RAM or a
     SimulatedNode per node; not on the head with `skip_head`) and the coordinator.
 
     Needs `ray.init` done. The job table is `<root>/coordinator.sqlite`; jobs without an output_dir write
-    to `<root>/jobs/<tenant>/<job_id>/`.
+    to `<jobs_root>/<tenant>/<job_id>/` (default jobs_root: `<root>/jobs`).
     """
     from horizon_ray.cluster.ray_actors import ensure_agents, start_coordinator
 
     root = Path(root).expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
     agents = ensure_agents(ram_by_node, env=agent_env, only_simulated=bool(ram_by_node), skip_head=skip_head)
-    store, jobs = root / "coordinator.sqlite", root / "jobs"
+    store = root / "coordinator.sqlite"
+    jobs = Path(jobs_root).expanduser().resolve() if jobs_root is not None else root / "jobs"
     coordinator = start_coordinator(store, jobs, tenants_file=str(tenants_file) if tenants_file else None,
                                     node_dead_after_s=node_dead_after_s, planner=planner)
     import ray
@@ -247,9 +274,9 @@ def resolve_address(address: str | None = None, root: str | Path | None = None) 
 
 def default_root() -> Path:
     """`$HORIZON_RAY_HOME/service` (default `~/.cache/horizon-ray/service`)."""
-    from horizon_ray.home import horizon_home
+    from horizon_ray.home import service_root
 
-    return horizon_home() / "service"
+    return service_root()
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.25, what: str = "condition") -> Any:

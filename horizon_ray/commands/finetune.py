@@ -41,10 +41,15 @@ def run(args: argparse.Namespace) -> int:
     from horizon_ray.cluster import should_submit_to_coordinator, submit_and_follow
 
     if should_submit_to_coordinator():
+        from pathlib import Path
+
+        from horizon_ray.commands.submit import local_spec
         from horizon_ray.data.stats import check_spec_data
 
-        check_spec_data(spec)  # a malformed line is refused now, not on the node once the job was placed
-        return submit_and_follow(spec.to_dict())
+        # the nodes resolve no relative path: those of the file against the file, the overrides' against here
+        data = local_spec(Path(args.config), args.overrides)
+        check_spec_data(JobSpec.parse(data))  # a malformed line is refused now, not on the node once placed
+        return submit_and_follow(data)
     return run_here(spec, resume=args.resume, progress=not args.no_progress)
 
 

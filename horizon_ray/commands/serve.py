@@ -9,6 +9,11 @@ Starts (or joins) the cluster, a NodeAgent on every node, the detached coordinat
 (`api.app:create_app`) on --host/--port; Ctrl-C stops what serve started. On a joined cluster the
 coordinator and agents are detached actors: they keep running after serve exits (use --stop-on-exit to
 remove them). The cluster's address is written to <root>/ray_address for `horizon-ray submit/status`.
+
+A cluster serve starts runs Ray's dashboard and job server (--dashboard-port), so that `ray job submit --
+horizon-ray finetune --config job.yaml` hands its spec to this service. The API needs keys
+(HORIZON_API_KEYS or HORIZON_API_KEYS_FILE); without one serve refuses to start unless told
+--insecure-no-auth. Every setting is listed by `serve --help` (api/settings.py's table).
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ from horizon_ray.errors import BadInput
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from api.settings import settings_text
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = settings_text()
     parser.add_argument("--address", default=None,
                         help="join this Ray cluster (host:port, or auto); default: start a local one")
     parser.add_argument("--simulate-nodes", default=None, metavar="a=16GiB,b=512GiB:2gpu",
@@ -40,6 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-head-agent", action="store_true",
                         help="start no node agent on the Ray head node, so that jobs run on worker nodes only (a "
                              "KubeRay head holds the GCS and the coordinator, not the data volumes)")
+    parser.add_argument("--insecure-no-auth", action="store_true",
+                        help="serve the API without API keys: every request is tenant 'default' (only on a "
+                             "machine of your own, with --host 127.0.0.1)")
+    parser.add_argument("--ray-port", type=int, default=None, metavar="PORT",
+                        help="port of the Ray head (GCS) of a cluster serve starts (default: a free port)")
+    parser.add_argument("--dashboard-port", type=int, default=8265, metavar="PORT",
+                        help="port of Ray's dashboard and job server on a cluster serve starts (default 8265; "
+                             "0 for none)")
     parser.add_argument("--node-dead-after", type=float, default=10.0, metavar="SECONDS",
                         help="a node unreachable this long loses its jobs to recovery (default 10)")
     parser.add_argument("--stop-on-exit", action="store_true",
@@ -47,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from api.settings import ENV_KEYS, ENV_KEYS_FILE, ApiSettings
     from horizon_ray.cluster.local import default_root, parse_simulated_cluster
     from horizon_ray.cluster.tenants import TenantsConfig, format_bytes
 
@@ -62,26 +80,39 @@ def run(args: argparse.Namespace) -> int:
     # replaces on every edit of the ConfigMap; the coordinator (re)opens the path as given.
     tenants = args.tenants.absolute() if args.tenants else None
     root = (args.root or default_root()).expanduser().resolve()
+    # the API's settings, checked before anything starts; their jobs root is also the coordinator's
+    settings = ApiSettings.from_env(root=root, insecure_no_auth=args.insecure_no_auth)
+    if not (args.no_api or settings.api_keys or args.insecure_no_auth):
+        raise BadInput(f"the API has no key, so it would answer every call 401: set {ENV_KEYS}=KEY=TENANT (e.g. "
+                       f"{ENV_KEYS}=$(python -c 'import secrets; print(secrets.token_urlsafe(24))')=me) or "
+                       f"{ENV_KEYS_FILE}, or pass --insecure-no-auth on a machine of your own (every setting: "
+                       "horizon-ray serve --help)")
+    if args.insecure_no_auth and settings.api_keys:
+        raise BadInput(f"--insecure-no-auth with API keys set ({ENV_KEYS} or {ENV_KEYS_FILE}): drop one of them")
+    dashboard = args.dashboard_port if args.dashboard_port else None
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
     import ray
 
     from horizon_ray.cluster.client import NAMESPACE, RayClient, connect_ray
-    from horizon_ray.cluster.local import start_service, start_simulated_cluster, stop_service
+    from horizon_ray.cluster.local import start_local_cluster, start_service, start_simulated_cluster, stop_service
 
     cluster = None
     if simulated:
         print(f"starting a local Ray cluster of {len(simulated)} simulated nodes ...", flush=True)
-        cluster = start_simulated_cluster(simulated)
+        cluster = start_simulated_cluster(simulated, dashboard_port=dashboard, port=args.ray_port)
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
     elif args.address:
         connect_ray(args.address, NAMESPACE)
     else:
-        ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
-    started_cluster = cluster is not None or not args.address
+        print("starting a local Ray cluster on this machine ...", flush=True)
+        cluster = start_local_cluster(dashboard_port=dashboard, port=args.ray_port)
+        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    started_cluster = cluster is not None
     try:
         service = start_service(root, ram_by_node=simulated, tenants_file=tenants,
-                                node_dead_after_s=args.node_dead_after, skip_head=args.no_head_agent)
+                                node_dead_after_s=args.node_dead_after, skip_head=args.no_head_agent,
+                                jobs_root=settings.jobs_root)
         client = RayClient()
         address = ray.get_runtime_context().gcs_address
         print(f"horizon-ray service on Ray cluster {address} (namespace {NAMESPACE})")
@@ -91,14 +122,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"  node {node.node_id}: {format_bytes(node.ram_bytes)} RAM, {gpus}, {node.cpu_count} cores "
                   "split among its engines")
         print(f"  job table {service.store_path}; job outputs default to {service.jobs_root}/<tenant>/<job>")
-        print(f"  clients: horizon-ray submit JOB.yaml --address {address}  (or --root {root})", flush=True)
+        print(f"  clients: horizon-ray submit JOB.yaml --address {address}  (or --root {root})")
+        jobs_url = f"http://{cluster.webui_url}" if cluster is not None and cluster.webui_url else None
+        if jobs_url:
+            print(f"  Ray Jobs: ray job submit -- horizon-ray finetune --config JOB.yaml  (the job server is "
+                  f"{jobs_url}; --address {jobs_url} when another Ray cluster started later on this machine)")
+        print(flush=True)
         if not simulated:
             threading.Thread(target=_rescan_nodes, args=(args.no_head_agent,), name="agent-rescan",
                              daemon=True).start()
         if args.no_api:
             _wait()
         else:
-            _serve_api(client, args.host, args.port)
+            _serve_api(client, settings, args.host, args.port)
     except KeyboardInterrupt:
         pass
     finally:
@@ -131,16 +167,20 @@ def _rescan_nodes(skip_head: bool) -> None:
             print(f"warning: starting agents on new nodes: {exc}", file=sys.stderr)
 
 
-def _serve_api(client, host: str, port: int) -> None:
-    try:
-        from api.app import create_app
-        from api.settings import ApiSettings
-    except ImportError as exc:
-        print(f"the API is not available ({exc}); serving the coordinator and agents only", file=sys.stderr)
-        _wait()
-        return
+def _serve_api(client, settings, host: str, port: int) -> None:
     import uvicorn
 
-    app = create_app(client, ApiSettings.from_env())
-    print(f"API on http://{host}:{port}", flush=True)
+    from api.app import create_app
+    from api.settings import ENV_KEYS
+
+    app = create_app(client, settings)
+    if settings.insecure_no_auth:
+        print(f"warning: the API takes no key (--insecure-no-auth): anyone who reaches {host}:{port} acts as "
+              f"tenant 'default'; set {ENV_KEYS} to require keys", file=sys.stderr)
+    else:
+        tenants = sorted(set(settings.api_keys.values()))
+        print(f"API keys for tenant(s) {', '.join(tenants)}; send 'Authorization: Bearer <key>'")
+    print(f"  job outputs {settings.jobs_root}/<tenant>/<job>; uploads {settings.uploads_dir}/<tenant>")
+    print(f"API on http://{host}:{port}  (dashboard http://{host}:{port}/, OpenAI-compatible at "
+          f"http://{host}:{port}/v1)", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="info")

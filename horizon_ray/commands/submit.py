@@ -47,24 +47,46 @@ def connect(args: argparse.Namespace):
     return RayClient(resolve_address(args.address, args.root)), tenant
 
 
-def local_spec(path: Path, overrides: list[str]) -> dict:
-    """The spec file as plain data to send: parsed strictly (a misspelt key is refused here), ~ and
-    $HORIZON_RAY_HOME expanded on this machine, relative paths made relative to the spec file (not to the
-    node's working directory)."""
-    from horizon_ray.jobspec import JobSpec, expand_path, read_yaml
+def local_spec(path: Path, overrides: list[str] | tuple[str, ...] = (), cwd: Path | None = None) -> dict:
+    """The spec file as plain data to hand to the service, whose nodes resolve no relative path: parsed
+    strictly (a misspelt key is refused here), ~ and $HORIZON_RAY_HOME expanded on this machine, and each
+    relative path made absolute where it was written: a path in the file relative to the file, a path given
+    as a key=value override relative to `cwd` (default: the working directory)."""
+    from horizon_ray.jobspec import JobSpec, apply_overrides, read_yaml
 
-    spec = read_yaml(path, overrides)
+    spec = read_yaml(path)
+    _absolute(spec, path.expanduser().resolve().parent)
+    given = apply_overrides({}, overrides)
+    _absolute(given, (cwd or Path.cwd()).resolve())
+    spec = _merge(spec, given)
     JobSpec.parse(spec)
-    for section, key in (("model", "path"), ("data", "path"), ("data", "eval_path"),
-                         ("model", "tokenizer_path")):
-        value = (spec.get(section) or {}).get(key)
-        if isinstance(value, str) and value:
-            value = expand_path(value)
-            spec[section][key] = value if Path(value).is_absolute() else str((path.parent / value).resolve())
-    if isinstance(spec.get("output_dir"), str) and spec["output_dir"]:
-        value = expand_path(spec["output_dir"])
-        spec["output_dir"] = value if Path(value).is_absolute() else str((path.parent / value).resolve())
     return spec
+
+
+_PATHS = (("model", "path"), ("model", "tokenizer_path"), ("data", "path"), ("data", "eval_path"))
+
+
+def _absolute(spec: dict, base: Path) -> None:
+    from horizon_ray.jobspec import expand_path
+
+    def fix(value):
+        if not isinstance(value, str) or not value:
+            return value
+        value = expand_path(value)
+        return value if Path(value).is_absolute() else str((base / value).resolve())
+
+    for section, key in _PATHS:
+        if isinstance(spec.get(section), dict) and key in spec[section]:
+            spec[section][key] = fix(spec[section][key])
+    if "output_dir" in spec:
+        spec["output_dir"] = fix(spec["output_dir"])
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def run(args: argparse.Namespace) -> int:

@@ -222,3 +222,63 @@ def test_nodes_show_a_tenant_its_own_reservations_with_one_coordinator_call(http
     assert counting.calls == ["nodes"]  # the reservation names its tenant: no call per job
     ledger = [r for n in nodes for r in n["ledger"]]
     assert sorted((r["mine"], r["job_id"]) for r in ledger) == [(False, None), (True, mine["id"])]
+
+
+# ---- settings ----------------------------------------------------------------------------------------------
+
+
+def test_settings_come_from_one_table_and_share_the_service_root(tmp_path):
+    from api.settings import SETTINGS, ApiSettings
+
+    env = {"HORIZON_RAY_HOME": str(tmp_path / "home"), "HORIZON_API_KEYS": "k=me"}
+    s = ApiSettings.from_env(env)
+    # the coordinator's default jobs root under `serve`: $HORIZON_RAY_HOME/service/jobs
+    assert s.jobs_root == tmp_path / "home" / "service" / "jobs"
+    assert s.uploads_dir == tmp_path / "home" / "service" / "uploads"
+    assert ApiSettings.from_env(env, root=tmp_path / "r").jobs_root == tmp_path / "r" / "jobs"
+    assert ApiSettings.from_env({**env, "HORIZON_JOBS_ROOT": str(tmp_path / "j")}, root=tmp_path).jobs_root == \
+        tmp_path / "j"
+    names = [x.env for x in SETTINGS]
+    assert len(set(names)) == len(names) and all(n.startswith("HORIZON_") for n in names)
+    import api.settings as module
+
+    read = {v for k, v in vars(module).items() if k.startswith("ENV_")}
+    assert read == set(names)  # every variable the API reads is in the table, and nothing else
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"HORIZON_MODEL_CATALOGUE": "m=/elsewhere/m", "HORIZON_MODEL_ROOTS": "/models"},
+     "HORIZON_MODEL_CATALOGUE: m=/elsewhere/m lies under no model root (/models); add its parent directory to "
+     "HORIZON_MODEL_ROOTS"),
+    ({"HORIZON_API_MAX_UPLOAD_BYTES": "1GiB"}, "HORIZON_API_MAX_UPLOAD_BYTES='1GiB' is not a number of bytes"),
+    ({"HORIZON_API_KEYS_FILE": "/no/such/keys.yaml"}, "HORIZON_API_KEYS_FILE=/no/such/keys.yaml: cannot read it"),
+])
+def test_a_bad_setting_is_refused_naming_the_variable(env, words):
+    from api.settings import ApiSettings
+    from horizon_ray.errors import BadInput
+
+    with pytest.raises(BadInput) as info:
+        ApiSettings.from_env(env)
+    assert words in info.value.message
+
+
+def test_a_spec_naming_a_model_on_a_server_without_model_roots_is_told_the_variable(tmp_path):
+    bed = make_testbed(tmp_path, model_roots=[])
+    try:
+        with TestClient(create_app(bed.client, bed.settings)) as http:
+            r = http.post("/finetune", json=bed.spec(), headers=bed.auth("acme"))
+        err = assert_error(r, 422, "path_not_allowed")
+        assert "HORIZON_MODEL_ROOTS is not set" in err["message"] and err["field"] == "model.path"
+    finally:
+        bed.close()
+
+
+def test_without_auth_every_request_is_the_default_tenant(tmp_path):
+    bed = make_testbed(tmp_path, api_keys={}, insecure_no_auth=True)
+    try:
+        with TestClient(create_app(bed.client, bed.settings)) as http:
+            job = http.post("/finetune", json=bed.spec()).json()
+            assert job["tenant"] == "default"
+            assert http.get(f"/finetune/{job['id']}", headers={"Authorization": "Bearer anything"}).status_code == 200
+    finally:
+        bed.close()

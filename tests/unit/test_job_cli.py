@@ -173,8 +173,12 @@ def test_submit_expands_the_spec_files_paths_on_this_machine(tmp_path, monkeypat
                                     "output_dir": "runs/x"}))
     spec = local_spec(path, ["training.max_steps=3"])
     assert spec["model"]["path"] == str(tmp_path / "home" / "m")
-    assert spec["data"]["path"] == str(path.parent / "d.jsonl")
+    assert spec["data"]["path"] == str(path.parent / "d.jsonl")  # written in the file: relative to the file
     assert spec["output_dir"] == str(path.parent / "runs" / "x") and spec["training"] == {"max_steps": 3}
+    # typed on the command line: relative to where it was typed
+    spec = local_spec(path, ["output_dir=runs/y", "data.eval_path=e.jsonl"], cwd=tmp_path)
+    assert spec["output_dir"] == str(tmp_path / "runs" / "y") and spec["data"] == {
+        "path": str(path.parent / "d.jsonl"), "eval_path": str(tmp_path / "e.jsonl")}
 
 
 def test_the_agents_child_trains_here_whatever_the_environment(job, tmp_path):

@@ -1,0 +1,81 @@
+"""`horizon-ray serve` as a user starts it, in its own process group, for the integration tests that drive it
+from outside (REST, the OpenAI SDK, `ray job submit`, the README's commands). Always stopped, however the
+test ends."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Served:
+    url: str  # the API's base URL
+    log: Path  # serve's stdout and stderr
+    env: dict[str, str]  # the environment serve runs in (a client shell's, for `ray job submit`)
+    home: Path  # $HORIZON_RAY_HOME
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def user_env(home: Path, **extra: str) -> dict[str, str]:
+    """The shell of a user who ran `source .venv/bin/activate` (the README's first line), with
+    $HORIZON_RAY_HOME at `home`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORIZON_", "RAY_ADDRESS"))}
+    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(BIN.parent),
+               HORIZON_RAY_HOME=str(home), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+@contextlib.contextmanager
+def serving(args: list[str], env: dict[str, str], log: Path, *, ready: str = "API on http://",
+            timeout_s: float = 300) -> Iterator[subprocess.Popen]:
+    """`horizon-ray <args>` (a serve command) until its log shows `ready`; SIGINT (Ctrl-C) on the way out, then
+    SIGKILL of its group if it lingers."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["horizon-ray", *args], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while ready not in log.read_text(errors="replace"):
+            if proc.poll() is not None:
+                raise AssertionError(f"serve exited {proc.returncode} before it was ready:\n{log.read_text()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"serve was not ready within {timeout_s:.0f} s:\n{log.read_text()}")
+            time.sleep(0.5)
+        yield proc
+    finally:
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 60) -> None:
+    """Ctrl-C to the process group we started (serve stops its service and its Ray cluster), then SIGKILL
+    what is left of the group."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
