@@ -18,7 +18,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.types import Scope
 
 import horizon_ray
-from api import cluster_routes, files
+from api import cluster_routes, files, openai
 from api.errors import install_error_handlers
 from api.jobs import job_routes
 from api.limits import BodyLimitMiddleware
@@ -27,7 +27,7 @@ from api.settings import ApiSettings
 from horizon_ray.cluster.client import CoordinatorClient
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-JOB_BASES = ("/finetune", "/v1/fine_tuning/jobs")
+UPLOAD_ROUTES = ("/files", openai.PREFIX + "/files")  # POST bodies that are datasets: the upload limit
 
 
 def create_app(client: CoordinatorClient, settings: ApiSettings) -> FastAPI:
@@ -43,16 +43,17 @@ def create_app(client: CoordinatorClient, settings: ApiSettings) -> FastAPI:
     app.state.metrics = ApiMetrics(client)
     install_error_handlers(app)
 
-    app.include_router(job_routes(JOB_BASES[0]))
+    app.include_router(job_routes("/finetune"))
     if settings.openai_api:
-        app.include_router(job_routes(JOB_BASES[1]))
+        app.include_router(openai.router)
+        openai.openai_errors(app)
     app.include_router(files.router)
     app.include_router(cluster_routes.router)
     app.include_router(cluster_routes.health)
     _mount_dashboard(app)
 
     def limit_for(scope: Scope) -> int:
-        if scope.get("method") == "POST" and scope.get("path", "").rstrip("/") == "/files":
+        if scope.get("method") == "POST" and scope.get("path", "").rstrip("/") in UPLOAD_ROUTES:
             return settings.max_upload_bytes
         return settings.max_body_bytes
 

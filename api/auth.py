@@ -35,9 +35,10 @@ class Tenant:
     client: CoordinatorClient  # the coordinator client; only called with `name`
     settings: ApiSettings  # roots and limits
 
-    async def submit(self, spec: dict[str, Any], *, idempotency_key: str | None, priority: int) -> JobRecord:
+    async def submit(self, spec: dict[str, Any], *, idempotency_key: str | None, priority: int,
+                     name: str | None = None) -> JobRecord:
         return await run_in_threadpool(self.client.submit, self.name, spec, idempotency_key=idempotency_key,
-                                       priority=priority)
+                                       priority=priority, name=name)
 
     async def get(self, job_id: str) -> JobRecord:
         return await run_in_threadpool(self.client.get, self.name, job_id)

@@ -14,6 +14,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -94,7 +95,15 @@ async def upload_file(
     if content_type in _REFUSED_TYPES:
         raise ApiError(415, "unsupported_media_type",
                        "send the JSONL file as the raw request body (Content-Type: application/x-ndjson), "
-                       "not as a form")
+                       "not as a form (or use the OpenAI-compatible POST /v1/files, which takes one)")
+    meta = await store_upload(tenant, request.stream(), filename, format)
+    response.headers["Location"] = f"/files/{meta['id']}"
+    return FileObject(**meta)
+
+
+async def store_upload(tenant: Tenant, chunks: AsyncIterator[bytes], filename: str, format: str) -> dict[str, Any]:
+    """Stream an upload to the tenant's files, check every line, keep it with its metadata (the FileObject's
+    fields); ApiError 422 naming the bad line otherwise. Both upload routes (POST /files, POST /v1/files)."""
     files_dir = tenant.files_dir
     await run_in_threadpool(files_dir.mkdir, parents=True, exist_ok=True)
     file_id = f"file-{secrets.token_hex(12)}"
@@ -106,7 +115,7 @@ async def upload_file(
     try:
         with open(part, "wb") as out:
             # The body limit middleware raises once the stream passes max_upload_bytes.
-            async for chunk in request.stream():
+            async for chunk in chunks:
                 if chunk:
                     size += len(chunk)
                     sha.update(chunk)
@@ -134,8 +143,7 @@ async def upload_file(
     finally:
         if not ok:
             part.unlink(missing_ok=True)
-    response.headers["Location"] = f"/files/{file_id}"
-    return FileObject(**meta)
+    return meta
 
 
 @router.get("/files", response_model=FileList, summary="List your uploaded datasets",

@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import Tenant, current_tenant
 from api.errors import ApiError
+from api.outputs import TarStream
 from api.paths import PathPolicy, confine, confine_spec, safe_relative
 from api.schemas import (
     CANCEL_RESPONSES,
@@ -149,6 +150,21 @@ def job_routes(base: str) -> APIRouter:
         root = await _output_root(tenant, job_id)
         files = await run_in_threadpool(_walk_outputs, root) if root is not None else []
         return OutputList(job_id=job_id, data=files)
+
+    @router.get("/{job_id}/outputs/final.tar", response_class=StreamingResponse,
+                responses={**ERROR_RESPONSES, 200: {"content": {"application/x-tar": {"schema": {
+                    "type": "string", "format": "binary"}}}, "description": "final/ as a tar, streamed"}},
+                summary="Download a finished job's model (its final/ directory) in one request")
+    async def job_final_tar(job_id: JOB_ID, tenant: Annotated[Tenant, Depends(current_tenant)]) -> StreamingResponse:
+        root = await _output_root(tenant, job_id)
+        final = confine(root / "final", root) if root is not None else None
+        if final is None or not final.is_dir():
+            raise ApiError(404, "not_found", f"job {job_id} has no final model yet (it is written when the job "
+                           "succeeds); its checkpoints are under .../outputs")
+        archive = await run_in_threadpool(TarStream, final, f"{job_id}-final")
+        return StreamingResponse(iter(archive), media_type="application/x-tar", headers={
+            "Content-Length": str(archive.length),
+            "Content-Disposition": f'attachment; filename="{job_id}-final.tar"'})
 
     @router.get("/{job_id}/outputs/{path:path}", response_class=FileResponse,
                 responses={**ERROR_RESPONSES, 200: {"content": {OCTETS: {"schema": {"type": "string",

@@ -236,6 +236,29 @@ class LoraSpec(_Section):
         self.adapters().check()
 
 
+class WandbSpec(_Section):
+    project: StrictStr = Field(description="the Weights & Biases project the run logs to")
+    entity: StrictStr | None = Field(None, description="team or user; null: the logged-in default")
+    name: StrictStr | None = Field(None, description="the run's name; null: the job's name or id")
+    tags: list[StrictStr] = Field(default_factory=list, description="tags of the run")
+
+
+class MlflowSpec(_Section):
+    experiment: StrictStr = Field("horizon-ray", description="the MLflow experiment the run logs to")
+    tracking_uri: StrictStr | None = Field(None, description=(
+        "the tracking server or store; null: MLflow's own default (MLFLOW_TRACKING_URI, else ./mlruns)"))
+    run_name: StrictStr | None = Field(None, description="the run's name; null: the job's name or id")
+
+
+class IntegrationsSpec(_Section):
+    """Where the job's metrics go besides metrics.jsonl. A named tracker whose package is not installed on the
+    node is skipped with a warning in the job's log (training does not depend on it)."""
+
+    tensorboard: StrictBool = Field(True, description="TensorBoard event files in <output_dir>/tensorboard/")
+    wandb: WandbSpec | None = Field(None, description="log to Weights & Biases (needs the wandb package)")
+    mlflow: MlflowSpec | None = Field(None, description="log to MLflow (needs the mlflow package)")
+
+
 class JobSpec(_Section):
     """A fine-tuning job: the YAML file `horizon-ray finetune` reads, and the body of POST /finetune."""
 
@@ -249,6 +272,7 @@ class JobSpec(_Section):
     engine: EngineSpec = Field(default_factory=EngineSpec)
     lora: LoraSpec | None = Field(None, description="method lora only; absent: the defaults")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    integrations: IntegrationsSpec = Field(default_factory=IntegrationsSpec)
     output_dir: PathStr = Field("", description=(
         "metrics.jsonl, checkpoints/, final/ go here. Required in a file; over the API optional, relative to your "
         "output namespace (default: one directory per job)"))
@@ -290,12 +314,12 @@ class JobSpec(_Section):
         """Hash of everything that determines the trained weights; a checkpoint only resumes the same job.
 
         Leaves out what may legitimately change between an interrupted run and its resume: the name, the
-        output directory, eval and checkpoint cadence, the engine's device and memory knobs, and the kernels
-        (they agree to roundoff). Settings added later hash as before at their defaults, so that an older
-        checkpoint still resumes.
+        output directory, eval and checkpoint cadence, the engine's device and memory knobs, the kernels
+        (they agree to roundoff) and where metrics are logged (integrations). Settings added later hash as
+        before at their defaults, so that an older checkpoint still resumes.
         """
         d = self.to_dict()
-        for key in ("name", "output_dir", "eval", "checkpoint", "engine"):
+        for key in ("name", "output_dir", "eval", "checkpoint", "engine", "integrations"):
             d.pop(key)
         if d["resources"]["gpus"] == 1:
             d.pop("resources")  # one GPU hashes as it did before several existed

@@ -149,8 +149,40 @@ def test_whole_job_lifecycle(http, bed):
     for bad in ("../../globex", "final/../../../models/1GiB/config.json", "nope.txt", "%2e%2e/%2e%2e/x"):
         error_of(http.get(f"/finetune/{job['id']}/outputs/{bad}", headers=bed.auth("acme")), 404, "not_found")
 
-    mirrored = http.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=bed.auth("acme")).json()
-    assert mirrored["id"] == job["id"] and mirrored["status"] == "succeeded"
+    seen = http.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=bed.auth("acme")).json()
+    assert seen["id"] == job["id"] and seen["status"] == "succeeded" and seen["object"] == "fine_tuning.job"
+
+
+def test_a_finished_jobs_model_downloads_as_one_streamed_tar(http, bed, tmp_path):
+    import io
+    import os
+    import tarfile
+
+    job = submit(http, bed, "acme", bed.spec(max_steps=2))
+    auth = bed.auth("acme")
+    assert wait_for(lambda: finished(http, bed, "acme", job["id"]))["status"] == "succeeded"
+    assert error_of(http.get(f"/finetune/{job['id']}/outputs/final.tar", headers=auth), 404, "not_found")
+    out = write_outputs(job)
+    weights = os.urandom(3 * 2**20 + 17)  # several read chunks and a partial tar block
+    (out / "final" / "model.safetensors").write_bytes(weights)
+    (out / "final" / "tokenizer").mkdir()
+    (out / "final" / "tokenizer" / "tokenizer.json").write_text("{}")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not an output")
+    (out / "final" / "leak.txt").symlink_to(secret)  # a link out of the job's directory is not an output
+
+    with http.stream("GET", f"/finetune/{job['id']}/outputs/final.tar", headers=auth) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "application/x-tar"
+        assert f'filename="{job["id"]}-final.tar"' in r.headers["content-disposition"]
+        body = b"".join(r.iter_bytes())
+    assert len(body) == int(r.headers["content-length"])
+    with tarfile.open(fileobj=io.BytesIO(body)) as tar:
+        names = tar.getnames()
+        assert tar.extractfile(f"{job['id']}-final/model.safetensors").read() == weights
+        assert tar.extractfile(f"{job['id']}-final/config.json").read() == b'{"model_type": "llama"}'
+    prefix = f"{job['id']}-final"
+    assert sorted(names) == sorted([prefix, f"{prefix}/tokenizer", f"{prefix}/config.json",
+                                    f"{prefix}/model.safetensors", f"{prefix}/tokenizer/tokenizer.json"])
 
 
 def test_cancel_running_queued_and_finished_jobs(http, bed):
@@ -168,7 +200,8 @@ def test_cancel_running_queued_and_finished_jobs(http, bed):
 
     for job in running:
         r = http.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel", headers=bed.auth("canceller"))
-        assert r.status_code == 200 and r.json()["status"] in ("cancelling", "cancelled")
+        # OpenAI's statuses: a job stopping is running until its engine has stopped
+        assert r.status_code == 200 and r.json()["status"] in ("running", "cancelled")
     for job in running:
         assert wait_for(lambda j=job: finished(http, bed, "canceller", j["id"]))["status"] == "cancelled"
         again = http.post(f"/finetune/{job['id']}/cancel", headers=bed.auth("canceller"))
@@ -204,8 +237,9 @@ def test_pagination_and_status_filter(http, bed):
                  for s in ("running", "queued", "succeeded")}
     assert len(by_status["running"]) == 2 and len(by_status["queued"]) == 5 and by_status["succeeded"] == []
     assert sorted(by_status["running"] + by_status["queued"]) == sorted(ids)
-    mirror = http.get("/v1/fine_tuning/jobs", params={"limit": 100}, headers=bed.auth("pager")).json()
-    assert [j["id"] for j in mirror["data"]] == listed
+    openai_view = http.get("/v1/fine_tuning/jobs", params={"limit": 100}, headers=bed.auth("pager")).json()
+    assert [j["id"] for j in openai_view["data"]] == listed
+    assert {j["object"] for j in openai_view["data"]} == {"fine_tuning.job"}
 
     for job_id in ids:
         http.post(f"/finetune/{job_id}/cancel", headers=bed.auth("pager"))
@@ -259,9 +293,11 @@ ROUTES = [
     ("POST", "/v1/fine_tuning/jobs/{running}/cancel"),
     ("GET", "/v1/fine_tuning/jobs/{done}/events"),
     ("GET", "/v1/fine_tuning/jobs/{done}/checkpoints"),
-    ("GET", "/v1/fine_tuning/jobs/{done}/outputs"),
-    ("GET", "/v1/fine_tuning/jobs/{done}/outputs/metrics.jsonl"),
+    ("GET", "/finetune/{done}/outputs/final.tar"),
     ("GET", "/files/{file}"),
+    ("GET", "/v1/files/{file}"),
+    ("GET", "/v1/files/{file}/content"),
+    ("DELETE", "/v1/files/{file}"),
     ("GET", "/files/{file}/content"),
     ("DELETE", "/files/{file}"),
 ]

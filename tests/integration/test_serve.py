@@ -1,8 +1,8 @@
 """`horizon-ray serve` as the README starts it: the API, the coordinator and Ray's job server of one cluster.
 
 One service for the module (a simulated node on this machine, the demo model in a catalogue): a job created
-over REST trains and its model downloads from the API, which finds it where the coordinator put it (one
-setting, the jobs root, for both); `ray job submit -- horizon-ray finetune ...`, with no address, reaches the
+with the OpenAI SDK trains and its model downloads from the API, which finds it where the coordinator put it
+(one setting, the jobs root, for both); `ray job submit -- horizon-ray finetune ...`, with no address, reaches the
 same service; and serve refuses to start an API that has no key.
 """
 
@@ -38,36 +38,35 @@ def service(tmp_path_factory):
                "log": home / "serve.log"}
 
 
-def wait_for_job(http, job_id, timeout_s=300):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        job = http.get(f"/finetune/{job_id}").json()
-        if job["status"] in ("succeeded", "failed", "cancelled"):
-            return job
-        assert time.monotonic() < deadline, f"job {job_id} still {job['status']} after {timeout_s} s"
+def test_a_job_created_with_the_openai_sdk_trains_and_its_model_downloads(service):
+    """The README's serve path end to end, through the OpenAI SDK: upload, create (a catalogue model), follow,
+    then download final/ in one request from where the coordinator wrote it (one jobs root for both)."""
+    import io
+    import tarfile
+
+    import openai
+
+    client = openai.OpenAI(base_url=f"{service['url']}/v1", api_key=KEY, max_retries=0, timeout=60)
+    lines = service["assets"].train_path.read_text().splitlines(keepends=True)[:48]
+    f = client.files.create(file=("train.jsonl", "".join(lines).encode()), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(model="tiny-demo", training_file=f.id, suffix="e2e", extra_body={
+        "spec": {"training": {"max_steps": 4, "seq_len": 64, "schedule": {"warmup_steps": 0}},
+                 "engine": {"device": "cpu"}}})
+    deadline = time.monotonic() + 300
+    while (job := client.fine_tuning.jobs.retrieve(job.id)).status not in ("succeeded", "failed", "cancelled"):
+        assert time.monotonic() < deadline, f"job {job.id} still {job.status} after 300 s"
         time.sleep(1)
-
-
-def test_a_job_created_over_rest_downloads_its_model_from_the_api(service):
-    """The README's serve path end to end: upload, create (by catalogue name), follow, download final/."""
+    assert job.status == "succeeded", job.error
+    assert job.fine_tuned_model == f"ft:tiny-demo:{TENANT}:e2e:{job.id}"
+    out = service["home"] / "service" / "jobs" / TENANT / job.id  # the coordinator's jobs root under serve
     with httpx.Client(base_url=service["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
-        lines = service["assets"].train_path.read_text().splitlines(keepends=True)[:48]
-        up = http.post("/files?filename=train.jsonl", content="".join(lines).encode(),
-                       headers={"Content-Type": "application/x-ndjson"})
-        assert up.status_code == 201, up.text
-        created = http.post("/finetune", json={
-            "model": {"path": "tiny-demo"}, "data": {"path": up.json()["id"], "eval_fraction": 0},
-            "training": {"max_steps": 4, "seq_len": 64, "schedule": {"warmup_steps": 0}},
-            "engine": {"device": "cpu"}})
-        assert created.status_code == 201, created.text
-        job = wait_for_job(http, created.json()["id"])
-        assert job["status"] == "succeeded", job
-        out = service["home"] / "service" / "jobs" / TENANT / job["id"]
-        assert job["result"]["output_dir"] == str(out)  # the coordinator's jobs root: $HORIZON_RAY_HOME/service
-        listed = {f["path"] for f in http.get(job["result"]["outputs_url"]).json()["data"]}
-        assert {"final/config.json", "final/model.safetensors", "metrics.jsonl"} <= listed
-        config = http.get(f"{job['result']['outputs_url']}/final/config.json")
+        config = http.get(f"{job.model_extra['outputs_url']}/final/config.json")
         assert config.status_code == 200 and config.content == (out / "final" / "config.json").read_bytes()
+        tar = http.get(job.model_extra["final_model_url"])
+    assert tar.status_code == 200, tar.text
+    with tarfile.open(fileobj=io.BytesIO(tar.content)) as archive:
+        weights = archive.extractfile(f"{job.id}-final/model.safetensors").read()
+    assert weights == (out / "final" / "model.safetensors").read_bytes()
 
 
 def test_ray_job_submit_with_no_address_reaches_the_service(service, tmp_path):

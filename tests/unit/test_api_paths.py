@@ -47,7 +47,7 @@ def test_settings_from_env_and_keys_file(tmp_path):
     assert load_api_keys_file(keys_file) == {"filekey": "tenant-f"}
     env = {"HORIZON_API_KEYS": "k=tenant-e", "HORIZON_API_KEYS_FILE": str(keys_file),
            "HORIZON_DATA_ROOTS": f"{tmp_path}/d1{os.pathsep}{tmp_path}/d2", "HORIZON_API_MAX_BODY_BYTES": "2048",
-           "HORIZON_MODEL_CATALOGUE": f"tiny={tmp_path}/m/tiny"}
+           "HORIZON_MODEL_CATALOGUE": f"tiny={tmp_path}/m/tiny", "HORIZON_MODEL_ROOTS": f"{tmp_path}/m"}
     s = ApiSettings.from_env(env)
     assert s.api_keys == {"filekey": "tenant-f", "k": "tenant-e"}
     assert s.data_roots == [tmp_path / "d1", tmp_path / "d2"]
