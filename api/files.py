@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import Tenant, current_tenant
 from api.errors import ApiError
-from api.paths import FILE_ID_RE, read_upload_meta, upload_meta_path
+from api.paths import FILE_ID_RE, PathPolicy, read_upload_meta, upload_meta_path
 from api.schemas import ERROR_RESPONSES, ErrorBody, FileList, FileObject
 from horizon_ray.errors import BadInput
 
@@ -62,6 +62,16 @@ def _check_dataset(path: Path, fmt: str, filename: str) -> tuple[str, int]:
     return detected, len(examples)
 
 
+def _statistics(path: Path, fmt: str, tokenizer_dir: str | None, filename: str) -> dict[str, Any]:
+    """What the dataset holds (examples; tokens and a length histogram with a tokenizer)."""
+    from horizon_ray.data.stats import dataset_stats
+
+    try:
+        return dataset_stats(path, fmt, tokenizer_dir).to_dict()
+    except BadInput as exc:
+        raise BadInput(str(exc).replace(str(path), filename)) from None
+
+
 def _file_id_or_404(file_id: str) -> str:
     if not FILE_ID_RE.fullmatch(file_id):
         raise ApiError(404, "not_found", f"no file {file_id!r}")
@@ -90,20 +100,26 @@ async def upload_file(
     tenant: Annotated[Tenant, Depends(current_tenant)],
     filename: Annotated[str, Query(min_length=1, max_length=255, description="name to show")] = "data.jsonl",
     format: Annotated[str, Query(pattern="^(auto|alpaca|messages|text)$")] = "auto",
+    tokenizer: Annotated[str | None, Query(min_length=1, max_length=512, description=(
+        "a base model (catalogue name or path under a model root) whose tokenizer counts the tokens: the upload's "
+        "stats then hold tokens and a histogram of example lengths"))] = None,
 ) -> FileObject:
     content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if content_type in _REFUSED_TYPES:
         raise ApiError(415, "unsupported_media_type",
                        "send the JSONL file as the raw request body (Content-Type: application/x-ndjson), "
                        "not as a form (or use the OpenAI-compatible POST /v1/files, which takes one)")
-    meta = await store_upload(tenant, request.stream(), filename, format)
+    meta = await store_upload(tenant, request.stream(), filename, format, tokenizer)
     response.headers["Location"] = f"/files/{meta['id']}"
     return FileObject(**meta)
 
 
-async def store_upload(tenant: Tenant, chunks: AsyncIterator[bytes], filename: str, format: str) -> dict[str, Any]:
+async def store_upload(tenant: Tenant, chunks: AsyncIterator[bytes], filename: str, format: str,
+                       tokenizer: str | None = None) -> dict[str, Any]:
     """Stream an upload to the tenant's files, check every line, keep it with its metadata (the FileObject's
-    fields); ApiError 422 naming the bad line otherwise. Both upload routes (POST /files, POST /v1/files)."""
+    fields, with the dataset's statistics: its tokens too when `tokenizer` names a base model); ApiError 422
+    naming the bad line otherwise. Both upload routes (POST /files, POST /v1/files)."""
+    tokenizer_dir = PathPolicy(tenant.settings, tenant.name).model("tokenizer", tokenizer) if tokenizer else None
     files_dir = tenant.files_dir
     await run_in_threadpool(files_dir.mkdir, parents=True, exist_ok=True)
     file_id = f"file-{secrets.token_hex(12)}"
@@ -125,6 +141,7 @@ async def store_upload(tenant: Tenant, chunks: AsyncIterator[bytes], filename: s
                            field="body")
         try:
             detected, count = await run_in_threadpool(_check_dataset, part, format, name)
+            stats = await run_in_threadpool(_statistics, part, detected, tokenizer_dir, name)
         except BadInput as exc:
             raise ApiError(422, "invalid_file", str(exc), field="body") from None
         meta = {
@@ -136,6 +153,7 @@ async def store_upload(tenant: Tenant, chunks: AsyncIterator[bytes], filename: s
             "format": detected,
             "num_examples": count,
             "sha256": sha.hexdigest(),
+            "stats": stats,
         }
         os.replace(part, _data_path(files_dir, file_id))
         upload_meta_path(files_dir, file_id).write_text(json.dumps(meta))

@@ -157,11 +157,14 @@ async def _chunks(upload: UploadFile) -> AsyncIterator[bytes]:
 
 @router.post("/files", status_code=200, summary="Upload a JSONL dataset (OpenAI: multipart, purpose fine-tune)")
 async def create_file(tenant: Annotated[Tenant, Depends(current_tenant)], file: Annotated[UploadFile, File()],
-                      purpose: Annotated[str, Form()]) -> dict[str, Any]:
+                      purpose: Annotated[str, Form()],
+                      tokenizer: Annotated[str | None, Form(max_length=512, description=(
+                          "horizon-ray's extension (extra_body in the SDK): a catalogue model whose tokenizer "
+                          "counts the file's tokens"))] = None) -> dict[str, Any]:
     if purpose != "fine-tune":
         raise ApiError(400, "invalid_purpose", f"purpose {purpose!r} is not served here; this API takes training "
                        "data: purpose 'fine-tune'", field="purpose")
-    meta = await files.store_upload(tenant, _chunks(file), file.filename or "data.jsonl", "auto")
+    meta = await files.store_upload(tenant, _chunks(file), file.filename or "data.jsonl", "auto", tokenizer)
     return file_object(meta)
 
 

@@ -210,6 +210,9 @@ class FileObject(BaseModel):
     format: str = Field(description="alpaca | messages | text")
     num_examples: int
     sha256: str
+    stats: dict[str, Any] | None = Field(None, description=(
+        "what the dataset holds: examples, and with ?tokenizer= its tokens, trained tokens, longest and mean "
+        "example and a histogram of example lengths in power-of-two bins"))
     deleted: bool = False
 
 

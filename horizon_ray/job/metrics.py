@@ -20,6 +20,7 @@ class MetricsWriter:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        self.sinks: list = []  # each written event goes to their log() too (the job's trackers)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: TextIO | None = open(self.path, "a", encoding="utf-8")
         if self._file.tell() > 0:
@@ -34,6 +35,8 @@ class MetricsWriter:
         if self._file is not None:
             self._file.write(encode(event))
             self._file.flush()
+        for sink in self.sinks:
+            sink.log(event)
         return event
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ from horizon_ray.job.events import Checkpoint, CheckpointBegin, Done, Error, Eva
 from horizon_ray.job.metrics import MetricsWriter, plot_loss_curve
 from horizon_ray.job.progress import Progress
 from horizon_ray.job.schedule import lr_at
+from horizon_ray.job.trackers import Trackers
 from horizon_ray.jobspec import JobSpec
 
 DONE = "DONE"  # in output_dir, written after final/ and before the "done" event: the job is finished
@@ -150,6 +151,8 @@ def run_job(spec: JobSpec, resume: bool = False, progress: bool = True) -> JobRe
     out = Path(spec.output_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     with _exclusive(out), MetricsWriter(out / "metrics.jsonl") as metrics:
+        trackers = Trackers(spec, out, run_id=os.environ.get("HORIZON_RAY_JOB_ID") or _run_id(out))
+        metrics.sinks.append(trackers)
         job = _Job(spec, out, metrics, progress)
         try:
             return job.run(resume)
@@ -158,6 +161,16 @@ def run_job(spec: JobSpec, resume: bool = False, progress: bool = True) -> JobRe
             plain = isinstance(exc, BadInput | JobTerminated)
             metrics.write(Error(step=job.step, message=str(exc) if plain else f"{type(exc).__name__}: {exc}"))
             raise
+        finally:
+            trackers.close()
+
+
+def _run_id(out: Path) -> str:
+    """A tracker's run id for a job run outside the service: stable for its output directory, so that a resumed
+    job continues its run."""
+    import hashlib
+
+    return "hr-" + hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]
 
 
 @contextmanager

@@ -100,6 +100,118 @@ def test_finetune_writes_the_contract_outputs(baseline):
     assert JobSpec.from_yaml(baseline / "job.yaml").training.max_steps == TOTAL_STEPS
 
 
+def test_tensorboard_event_files_lie_beside_metrics(baseline):
+    """TensorBoard reads the job's scalars from <output_dir>/tensorboard: the same steps and losses as
+    metrics.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(baseline / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "eval/loss"} <= tags
+    metrics = [r for r in read_events(baseline / "metrics.jsonl") if r.TYPE == "metrics"]
+    logged = acc.Scalars("train/loss")
+    assert [x.step for x in logged] == [r.step for r in metrics]
+    assert [x.value for x in logged] == pytest.approx([r.loss for r in metrics], rel=1e-6)
+    assert [x.step for x in acc.Scalars("eval/loss")] == [0, 4, 8, TOTAL_STEPS]
+
+
+_FAKE_WANDB = textwrap.dedent(
+    """
+    # a stand-in for the wandb package with its API's shape: every call is recorded in $FAKE_TRACKER_LOG
+    import json, os
+
+    def _record(*call):
+        with open(os.environ["FAKE_TRACKER_LOG"], "a") as f:
+            print(json.dumps(call), file=f)
+
+    class Run:
+        def log(self, values, step=None):
+            _record("wandb.log", step, values)
+
+        def finish(self, exit_code=0):
+            _record("wandb.finish", exit_code)
+
+    def init(project=None, entity=None, name=None, tags=None, config=None, dir=None, id=None, resume=None):
+        _record("wandb.init", project, name, tags, id, resume, config["training.max_steps"])
+        return Run()
+    """
+)
+_FAKE_MLFLOW = textwrap.dedent(
+    """
+    # a stand-in for the mlflow package with its API's shape: every call is recorded in $FAKE_TRACKER_LOG
+    import json, os, types
+
+    def _record(*call):
+        with open(os.environ["FAKE_TRACKER_LOG"], "a") as f:
+            print(json.dumps(call), file=f)
+
+    def set_tracking_uri(uri):
+        _record("mlflow.set_tracking_uri", uri)
+
+    def set_experiment(name):
+        _record("mlflow.set_experiment", name)
+
+    def start_run(run_id=None, run_name=None):
+        _record("mlflow.start_run", run_id, run_name)
+        return types.SimpleNamespace(info=types.SimpleNamespace(run_id=run_id or "run-1"))
+
+    def log_params(params):
+        _record("mlflow.log_params", params["training.seed"])
+
+    def log_metrics(metrics, step=None):
+        _record("mlflow.log_metrics", step, metrics)
+
+    def end_run(status="FINISHED"):
+        _record("mlflow.end_run", status)
+    """
+)
+
+
+def test_the_specs_integrations_log_to_wandb_and_mlflow_when_installed(assets, tmp_path):
+    """The trackers named in `integrations` get the run's configuration, every step's scalars and the end;
+    one whose package is missing leaves the job to train and says so in its log."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "wandb.py").write_text(_FAKE_WANDB)
+    (site / "mlflow.py").write_text(_FAKE_MLFLOW)
+    calls = tmp_path / "calls.jsonl"
+    out = tmp_path / "run"
+    spec = yaml.safe_load(_write_spec(assets, out).read_text())
+    spec["training"]["max_steps"] = 3
+    spec["checkpoint"] = {"every_steps": 0}
+    spec["integrations"] = {"tensorboard": False, "wandb": {"project": "p", "tags": ["t"]},
+                            "mlflow": {"experiment": "e", "tracking_uri": "file:///tmp/nowhere"}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "FAKE_TRACKER_LOG": str(calls),
+           "HORIZON_RAY_JOB_ID": "job-0123456789ab"}
+    proc = subprocess.run([sys.executable, "-m", "horizon_ray", "finetune", "--config", str(tmp_path / "job.yaml"),
+                           "--no-progress"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr, proc.stderr
+    log = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert log[0] == ["wandb.init", "p", "tiny", ["t"], "job-0123456789ab", "allow", 3]
+    assert [c for c in log if c[0].startswith("mlflow.") and c[0] != "mlflow.log_metrics"] == [
+        ["mlflow.set_tracking_uri", "file:///tmp/nowhere"], ["mlflow.set_experiment", "e"],
+        ["mlflow.start_run", None, "tiny"], ["mlflow.log_params", "3"], ["mlflow.end_run", "FINISHED"]]
+    losses = {r.step: r.loss for r in read_events(out / "metrics.jsonl") if r.TYPE == "metrics"}
+    assert {c[1]: c[2]["train/loss"] for c in log if c[0] == "wandb.log" and "train/loss" in c[2]} == \
+        pytest.approx(losses)
+    assert {c[1]: c[2]["train_loss"] for c in log if c[0] == "mlflow.log_metrics" and "train_loss" in c[2]} == \
+        pytest.approx(losses)
+    assert log[-1] in (["wandb.finish", 0], ["mlflow.end_run", "FINISHED"]) and ["wandb.finish", 0] in log
+    assert (out / "mlflow_run_id").read_text().strip() == "run-1"  # a resume continues this run
+    assert not (out / "tensorboard").exists()
+
+    (site / "mlflow.py").unlink()  # not installed on this node: the job trains and says why it did not log
+    spec["output_dir"] = str(tmp_path / "run2")
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    proc = subprocess.run([sys.executable, "-m", "horizon_ray", "finetune", "--config", str(tmp_path / "job.yaml"),
+                           "--no-progress"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: integrations.mlflow: its package is not installed on this node" in proc.stderr
+
+
 def test_final_is_a_usable_hf_model_dir(baseline):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -83,6 +83,28 @@ def test_files_upload_as_multipart_and_list_retrieve_download_delete(url, bed):
         sdk(url, bed, "globex").files.retrieve(f.id)
 
 
+def test_an_upload_states_what_the_dataset_holds(url, bed):
+    """Examples always; with a tokenizer named (a catalogue model), its tokens and a histogram of lengths."""
+    from horizon_ray.data import build_demo_tokenizer, load_tokenizer
+
+    build_demo_tokenizer(bed.root / "models" / "1GiB")  # the catalogue's tiny-1g gets the demo's tokenizer
+    client = sdk(url, bed)
+    plain = client.files.create(file=("a.jsonl", jsonl(5)), purpose="fine-tune")
+    assert plain.model_extra["stats"]["examples"] == 5 and plain.model_extra["stats"]["tokens"] is None
+    f = client.files.create(file=("b.jsonl", jsonl(20)), purpose="fine-tune", extra_body={"tokenizer": "tiny-1g"})
+    stats = f.model_extra["stats"]
+    tok = load_tokenizer(bed.root / "models" / "1GiB")
+    lengths = [len(tok.apply_chat_template(json.loads(line)["messages"], tokenize=True, return_dict=True)
+                   ["input_ids"]) for line in jsonl(20).decode().splitlines()]
+    assert stats["examples"] == 20 and stats["tokens"] == sum(lengths) and stats["max_tokens"] == max(lengths)
+    assert stats["tokenizer"] == "1GiB" and 0 < stats["trained_tokens"] < stats["tokens"]
+    assert sum(b["count"] for b in stats["length_histogram"]) == 20
+    assert all(b["lo"] <= n < b["hi"] for n in lengths for b in stats["length_histogram"] if b["lo"] <= n < b["hi"])
+    with pytest.raises(openai.BadRequestError) as info:
+        client.files.create(file=("c.jsonl", jsonl(2)), purpose="fine-tune", extra_body={"tokenizer": "../etc"})
+    assert info.value.body["param"] == "tokenizer"
+
+
 def test_a_malformed_upload_is_a_400_naming_the_line(url, bed):
     client = sdk(url, bed)
     with pytest.raises(openai.BadRequestError) as info:

@@ -283,3 +283,16 @@ def test_without_auth_every_request_is_the_default_tenant(tmp_path):
             assert http.get(f"/finetune/{job['id']}", headers={"Authorization": "Bearer anything"}).status_code == 200
     finally:
         bed.close()
+
+
+def test_an_upload_counts_tokens_with_the_tokenizer_it_names(bed, http):
+    from horizon_ray.data import build_demo_tokenizer
+
+    build_demo_tokenizer(bed.root / "models" / "1GiB")
+    body = b'{"text": "hello there"}\n{"text": "a longer line of text than that"}\n'
+    r = http.post("/files?filename=t.jsonl&tokenizer=1GiB", content=body, headers={
+        **bed.auth("acme"), "Content-Type": "application/x-ndjson"})
+    assert r.status_code == 201, r.text
+    stats = r.json()["stats"]
+    assert stats["examples"] == 2 and stats["tokens"] == stats["trained_tokens"] > 0 and stats["tokenizer"] == "1GiB"
+    assert http.get(f"/files/{r.json()['id']}", headers=bed.auth("acme")).json()["stats"] == stats

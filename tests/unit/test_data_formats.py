@@ -137,3 +137,20 @@ def test_a_line_cut_short_names_its_own_column(tmp_path):
     crlf.write_bytes(b'{"text": "x"\r\n')
     with pytest.raises(ValueError, match=r"at column 13: "):
         load_examples(crlf)
+
+
+def test_length_histogram_bins_are_powers_of_two_and_keep_empty_ones():
+    from horizon_ray.data.stats import length_histogram
+
+    bins = length_histogram([3, 15, 16, 40, 200])
+    assert [(b.lo, b.hi, b.count) for b in bins] == [(0, 16, 2), (16, 32, 1), (32, 64, 1), (64, 128, 0),
+                                                     (128, 256, 1)]
+    assert length_histogram([]) == []
+
+
+def test_dataset_stats_without_a_tokenizer_count_examples(tmp_path):
+    from horizon_ray.data.stats import dataset_stats
+
+    f = _write(tmp_path / "d.jsonl", [{"text": "a"}, "", {"text": "b"}])
+    s = dataset_stats(f)
+    assert (s.format, s.examples, s.tokens, s.length_histogram) == ("text", 2, None, [])
