@@ -54,6 +54,14 @@ function num(x, digits = 4) {
   return typeof x === "number" && isFinite(x) ? Number(x.toPrecision(digits)).toString() : "–";
 }
 
+// "step 21/400: loss 1.975, 7,685 tokens/s, ETA 48 s": a step's place in the run, throughput and time left
+function progressLine(d) {
+  const parts = [`step ${d.step}${d.total_steps ? `/${d.total_steps}` : ""}: loss ${num(d.loss)}`];
+  if (typeof d.tokens_per_s === "number") parts.push(`${Math.round(d.tokens_per_s).toLocaleString("en-US")} tokens/s`);
+  if (typeof d.eta_s === "number") parts.push(`ETA ${duration(d.eta_s)}`);
+  return parts.join(", ");
+}
+
 function duration(s) {
   if (typeof s !== "number" || !isFinite(s)) return "–";
   if (s < 90) return `${Math.round(s)} s`;
@@ -213,7 +221,7 @@ function renderJobFacts(job) {
     ["status", job.status], ["node", job.node_id || "–"],
     ["step", `${job.progress.step} / ${job.progress.total_steps ?? "?"}`],
     ["tokens/s", num(job.progress.tokens_per_s, 3)], ["ETA", duration(job.progress.eta_s)],
-    ["loss", num(job.metrics.loss)], ["host bytes (plan)", bytes(job.plan && job.plan.host_bytes)],
+    ["loss", num(job.metrics.loss)], ["host RAM (plan)", bytes(job.plan && job.plan.host_bytes)],
     ["created", when(job.created_at)], ["started", when(job.started_at)], ["finished", when(job.finished_at)],
     ["queue", job.queue ? `#${job.queue.position ?? "?"} ${job.queue.reason || ""}` : "–"],
     ["error", job.error ? `${job.error.code}: ${job.error.message}` : "–"],
@@ -282,10 +290,10 @@ function onEvent(type, ev) {
   }
   let summary = "";
   if (type === "status") summary = `${d.from || ""} → ${d.to || ""}${d.reason ? ` (${d.reason})` : ""}`;
-  else if (type === "metrics") summary = Object.entries(d).filter(([k]) => ["step", "loss", "eval_loss", "lr", "tokens_per_s"].includes(k))
-    .map(([k, v]) => `${k}=${typeof v === "number" ? num(v) : v}`).join(" ");
+  else if (type === "metrics" && "eval_loss" in d) summary = `step ${d.step}: eval loss ${num(d.eval_loss)}`;
+  else if (type === "metrics") summary = progressLine(d);
   else if (type === "checkpoint") summary = `step ${d.step}`;
-  else if (type === "memory") summary = `rss ${bytes(d.rss_bytes)} peak ${bytes(d.peak_rss_bytes)} planned ${bytes(d.planned_bytes)}`;
+  else if (type === "memory") summary = `host memory ${bytes(d.rss_bytes)} now, peak ${bytes(d.peak_rss_bytes)}, ${bytes(d.planned_bytes)} planned`;
   else if (type === "error") summary = `${d.code || ""}: ${d.message || ""}`;
   const list = document.getElementById("events");
   list.append(el("li", { value: ev.seq, dataset: { type } }, `${type} ${summary}`));

@@ -109,13 +109,14 @@ def follow(client: CoordinatorClient, tenant: str, job_id: str, *, poll_s: float
     """Print the job's events until it ends; exit code as in `submit_and_follow`."""
     out = out or sys.stdout
     seq = 0
+    throttle = _Throttle()
 
     def print_new_events() -> None:
         nonlocal seq
         for event in client.events(tenant, job_id, after_seq=seq):
             seq = event.seq
             line = format_event(event)
-            if line:
+            if line and throttle.show(event):
                 print(line, file=out, flush=True)
 
     restore = _sigterm_as_interrupt()
@@ -162,7 +163,8 @@ def format_loss(value: Any) -> str:
 
 
 def format_event(event: JobEvent) -> str | None:
-    """One line for a terminal, or None for events not worth a line."""
+    """One line for a terminal, or None for events not worth a line: a step with its place in the run, its
+    throughput and the time left, memory in GiB."""
     d = event.data
     if event.type is EventType.STATUS:
         reason = f" ({d['reason']})" if d.get("reason") else ""
@@ -171,14 +173,55 @@ def format_event(event: JobEvent) -> str | None:
         if "eval_loss" in d:
             return f"[{event.job_id}] step {d.get('step')}: eval loss {format_loss(d['eval_loss'])}"
         if "loss" in d:
-            total = f"/{d['total_steps']}" if d.get("total_steps") else ""
-            return f"[{event.job_id}] step {d.get('step')}{total}: loss {format_loss(d['loss'])}"
+            return f"[{event.job_id}] {format_progress(d)}"
         return None
     if event.type is EventType.CHECKPOINT:
         return f"[{event.job_id}] checkpoint at step {d.get('step')}: {d.get('path')}"
+    if event.type is EventType.MEMORY:
+        return f"[{event.job_id}] {format_memory(d)}"
     if event.type is EventType.ERROR:
         return f"[{event.job_id}] error: {d.get('message')}"
     return None
+
+
+def format_progress(d: dict[str, Any]) -> str:
+    """ "step 21/400: loss 1.9747, 7,685 tokens/s, ETA 0:48" from a metrics event's data."""
+    from horizon_ray.job.progress import format_eta
+
+    total = f"/{d['total_steps']}" if d.get("total_steps") else ""
+    parts = [f"step {d.get('step')}{total}: loss {format_loss(d.get('loss'))}"]
+    if isinstance(d.get("tokens_per_s"), int | float):
+        parts.append(f"{d['tokens_per_s']:,.0f} tokens/s")
+    if d.get("eta_s") is not None:
+        parts.append(f"ETA {format_eta(d['eta_s'])}")
+    return ", ".join(parts)
+
+
+def format_memory(d: dict[str, Any]) -> str:
+    """ "host memory 1.2 GiB now, peak 1.4 GiB, 2.0 GiB planned" from a memory event's data."""
+    from horizon_ray.cluster.tenants import format_bytes
+
+    planned = f", {format_bytes(d['planned_bytes'])} planned" if d.get("planned_bytes") else ""
+    return f"host memory {format_bytes(d.get('rss_bytes'))} now, peak {format_bytes(d.get('peak_rss_bytes'))}{planned}"
+
+
+class _Throttle:
+    """Which metrics lines a follower prints: about one in twenty of a run's steps and its last, as the local
+    progress does; every other event."""
+
+    def __init__(self) -> None:
+        self.last = -1
+
+    def show(self, event: JobEvent) -> bool:
+        d = event.data
+        if event.type is not EventType.METRICS or "loss" not in d or not isinstance(d.get("step"), int):
+            return True
+        total = d.get("total_steps") if isinstance(d.get("total_steps"), int) else None
+        every = max(1, total // 20) if total else 1
+        if self.last < 0 or d["step"] - self.last >= every or d["step"] == total:
+            self.last = d["step"]
+            return True
+        return False
 
 
 def _final(job: JobRecord, out: TextIO) -> int:

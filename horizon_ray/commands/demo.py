@@ -22,7 +22,9 @@ from horizon_ray.errors import BadInput
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", type=Path, default=None,
-                        help="where the run goes (default: $HORIZON_RAY_HOME/demo/run, replaced each time)")
+                        help="where the run goes, replaced each time: the local service's root (default "
+                             "$HORIZON_RAY_HOME/demo/service; the job's outputs land in <it>/jobs/demo/<job id>), "
+                             "or with --local the job's output directory (default $HORIZON_RAY_HOME/demo/run)")
     parser.add_argument("--device", default=None, help="auto (default) | cpu | cuda")
     parser.add_argument("--samples", type=int, default=6, help="generations to show before/after")
     parser.add_argument("--rebuild-assets", action="store_true", help="regenerate the model and data")
@@ -30,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local", action="store_true",
                         help="run the job in this process instead of through the local Ray service")
     parser.add_argument("--keep-serving", action="store_true",
-                        help="leave the service and dashboard running after the job (Ctrl-C stops them)")
+                        help="keep the service and its dashboard running after the job, until Ctrl-C (without it "
+                             "they stop when the demo ends, and the demo says so)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="override the demo job spec, e.g. training.max_steps=100")
 
@@ -38,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from horizon_ray.job.demo import demo_spec, horizon_home, prepare_demo_assets
+    from horizon_ray.home import horizon_home
+    from horizon_ray.job.demo import demo_spec, prepare_demo_assets
     from horizon_ray.job.runner import run_job
 
     console = Console(highlight=False, soft_wrap=True)
@@ -104,7 +108,8 @@ def _through_service(console, assets, spec, root: Path, args) -> _Summary:
                                data_roots=[assets.root], model_roots=[assets.root])
         app = create_app(RayClient(cluster.address), settings)
         with running_server(app) as url:
-            console.print(f"service up: dashboard {url}/  (API key {key}), Ray at {cluster.address}")
+            until = "until Ctrl-C" if args.keep_serving else "while the demo runs (--keep-serving: until Ctrl-C)"
+            console.print(f"service up {until}: dashboard {url}/  (API key {key}), Ray at {cluster.address}")
             body = spec.to_dict()
             body.pop("output_dir", None)  # the coordinator gives it a place in the tenant's namespace
             auth = {"Authorization": f"Bearer {key}"}
@@ -128,6 +133,8 @@ def _through_service(console, assets, spec, root: Path, args) -> _Summary:
                         time.sleep(3600)
                 except KeyboardInterrupt:
                     pass
+        console.print("the demo's service has stopped (its dashboard with it); `horizon-ray demo --keep-serving` "
+                      "keeps it up until Ctrl-C")
         out = Path(job["result"]["output_dir"])
         return _Summary(job["progress"]["total_steps"] or 0, time.monotonic() - t0, first, last, out, out / "final")
 
@@ -161,9 +168,14 @@ def _follow(console, http, job_id: str, quiet: bool) -> tuple[float | None, floa
 
 
 def _brief(event: str | None, data: dict) -> str:
-    keys = {"status": ("node_id", "reason"), "metrics": ("step", "loss", "eval_loss", "tokens_per_s"),
-            "checkpoint": ("step", "path"), "memory": ("rss_bytes", "planned_bytes"),
-            "error": ("code", "message")}.get(event or "", tuple(data))
+    from horizon_ray.cluster.follow import format_memory, format_progress
+
+    if event == "metrics" and "loss" in data:
+        return format_progress(data)
+    if event == "memory":
+        return format_memory(data)
+    keys = {"status": ("node_id", "reason"), "metrics": ("step", "eval_loss"),
+            "checkpoint": ("step", "path"), "error": ("code", "message")}.get(event or "", tuple(data))
     parts = [f"-> {data['to']}"] if event == "status" and data.get("to") else []
     for k in keys:
         if data.get(k) is not None:

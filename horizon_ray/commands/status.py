@@ -37,8 +37,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """Columns as wide as their widest cell (a long node id or name shifts nothing), two spaces apart."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    return "\n".join(lines)
+
+
 def _overview(client, tenant: str, args) -> int:
     from horizon_ray.cluster.tenants import format_bytes
+    from horizon_ray.job.progress import format_eta
 
     nodes = client.nodes()
     jobs, more = client.list(tenant, limit=args.limit)
@@ -47,17 +55,21 @@ def _overview(client, tenant: str, args) -> int:
         print(json.dumps({"nodes": [n.to_dict() for n in nodes], "jobs": [j.to_dict() for j in jobs],
                           "has_more": more, "queue": [j.to_dict() for j in queue]}, indent=2))
         return 0
-    print("NODE          RAM         RESERVED    FREE        JOBS  ALIVE  GPUS BUSY")
-    for n in nodes:
-        gpus = f"{len(n.busy_gpus)}/{n.gpu_count}" if n.gpu_count else "-"
-        print(f"{n.node_id:<13} {format_bytes(n.ram_bytes):<11} {format_bytes(n.reserved_bytes):<11} "
-              f"{format_bytes(n.free_bytes):<11} {len(n.ledger):<5} {'yes' if n.alive else 'no ':<6} {gpus}")
+    rows = [(n.node_id, format_bytes(n.ram_bytes), format_bytes(n.reserved_bytes), format_bytes(n.free_bytes),
+             str(len(n.ledger)), "yes" if n.alive else "no",
+             f"{len(n.busy_gpus)}/{n.gpu_count}" if n.gpu_count else "-") for n in nodes]
+    print(table(("NODE", "RAM", "RESERVED", "FREE", "JOBS", "ALIVE", "GPUS BUSY"), rows))
     print(f"\nJOBS of tenant {tenant}")
-    print("ID                STATUS         NODE      STEP        CREATED              NAME")
+    rows = []
     for j in jobs:
-        step = str(j.progress.step) + (f"/{j.progress.total_steps}" if j.progress.total_steps else "")
-        print(f"{j.id:<17} {j.status.value:<14} {j.node_id or '-':<9} {step:<11} {_time(j.created_at):<20} "
-              f"{j.name or ''}")
+        p = j.progress
+        step = str(p.step) + (f"/{p.total_steps}" if p.total_steps else "")
+        live = not j.status.is_terminal()
+        rows.append((j.id, j.status.value, j.node_id or "-", step,
+                     f"{p.tokens_per_s:,.0f}" if p.tokens_per_s and live else "-",
+                     format_eta(p.eta_s) if p.eta_s is not None and live else "-", _time(j.created_at),
+                     j.name or ""))
+    print(table(("ID", "STATUS", "NODE", "STEP", "TOKENS/S", "ETA", "CREATED", "NAME"), rows))
     if more:
         print("... more; use --limit")
     if queue:
@@ -68,8 +80,9 @@ def _overview(client, tenant: str, args) -> int:
 
 
 def _one(client, tenant: str, args) -> int:
-    from horizon_ray.cluster.follow import format_event, format_loss
+    from horizon_ray.cluster.follow import format_event, format_loss, format_memory
     from horizon_ray.cluster.tenants import format_bytes
+    from horizon_ray.job.progress import format_eta
 
     job = client.get(tenant, args.job_id)
     events = client.events(tenant, job.id)
@@ -85,9 +98,12 @@ def _one(client, tenant: str, args) -> int:
         print(f"  node: {job.node_id or '-'}{gpu}   attempts: {job.attempts}   created {_time(job.created_at)}"
               + (f"   finished {_time(job.finished_at)}" if job.finished_at else ""))
         total = f"/{p.total_steps}" if p.total_steps else ""
-        speed = f"   {p.tokens_per_s:.0f} tokens/s" if p.tokens_per_s else ""
-        eta = f"   eta {p.eta_s:.0f} s" if p.eta_s is not None and not job.status.is_terminal() else ""
+        speed = f"   {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else ""
+        eta = f"   ETA {format_eta(p.eta_s)}" if p.eta_s is not None and not job.status.is_terminal() else ""
         print(f"  step: {p.step}{total}{speed}{eta}")
+        memory = [e for e in events if e.type.value == "memory"]
+        if memory:
+            print(f"  {format_memory(memory[-1].data)}")
         if "loss" in job.metrics:
             print(f"  loss: {format_loss(job.metrics['loss'])}")
         if job.plan:

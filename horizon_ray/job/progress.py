@@ -8,8 +8,9 @@ import time
 from typing import Any
 
 
-def _format_eta(seconds: float | None) -> str:
-    if seconds is None:
+def format_eta(seconds: float | None) -> str:
+    """Seconds as h:mm:ss or m:ss ("?" when unknown): how every progress line shows an ETA."""
+    if seconds is None or seconds != seconds or seconds in (float("inf"), float("-inf")):
         return "?"
     seconds = int(round(seconds))
     h, rem = divmod(seconds, 3600)
@@ -50,11 +51,11 @@ class Progress:
             return
         if self._rich is not None:
             self._rich.update(self._task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}",
-                              eta=_format_eta(eta_s))
+                              eta=format_eta(eta_s))
         elif step - self._last_line >= self._every or step == self.total:
             self._last_line = step
             print(f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
-                  f"ETA {_format_eta(eta_s)}", flush=True)
+                  f"ETA {format_eta(eta_s)}", flush=True)
 
     def note(self, text: str) -> None:
         if not self.enabled:

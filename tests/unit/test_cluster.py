@@ -733,6 +733,48 @@ def test_should_submit_to_coordinator_reads_the_environment():
     assert format_event(ev) == "[j] step 3: loss 1.5000"
 
 
+def test_followers_read_progress_a_person_can_read():
+    """A step's line says where the run is, how fast it goes and how long it has left; memory reads in GiB;
+    a follower prints about one step in twenty (and the last), as the local progress does."""
+    from horizon_ray.cluster.follow import _Throttle
+
+    step = JobEvent(seq=1, job_id="j", time=0.0, type=EventType.METRICS, data={
+        "step": 21, "total_steps": 400, "loss": 1.97472, "tokens_per_s": 7685.1, "eta_s": 3725.0})
+    assert format_event(step) == "[j] step 21/400: loss 1.9747, 7,685 tokens/s, ETA 1:02:05"
+    memory = JobEvent(seq=2, job_id="j", time=0.0, type=EventType.MEMORY, data={
+        "rss_bytes": 3 * 2**30, "peak_rss_bytes": int(3.5 * 2**30), "planned_bytes": 4 * 2**30})
+    assert format_event(memory) == "[j] host memory 3.0 GiB now, peak 3.5 GiB, 4.0 GiB planned"
+    throttle = _Throttle()
+    shown = [s for s in range(1, 101) if throttle.show(JobEvent(seq=s, job_id="j", time=0.0, type=EventType.METRICS,
+                                                                 data={"step": s, "total_steps": 100, "loss": 1.0}))]
+    assert shown == [1, *range(6, 101, 5), 100]
+    assert throttle.show(memory) and throttle.show(JobEvent(seq=1, job_id="j", time=0.0, type=EventType.METRICS,
+                                                            data={"step": 7, "eval_loss": 1.0}))
+
+
+def test_status_tables_align_whatever_the_ids(fake_cluster, capsys, monkeypatch):
+    from horizon_ray.cli import main
+    from horizon_ray.commands import status
+
+    c = fake_cluster({"a": "16GiB", "a-node-with-a-very-long-name-0123456789abcdef": "64GiB"}, auto=False)
+    job = c.submit("acme", spec("40GiB", steps=100))
+    c.coordinator.fake_agents["a-node-with-a-very-long-name-0123456789abcdef"].advance(job.id)
+    c.coordinator.tick()
+    monkeypatch.setattr(status, "connect", lambda args: (c, "acme"))
+    assert main(["status"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    nodes = lines[:3]
+    assert [ln.index("RAM") if i == 0 else None for i, ln in enumerate(nodes)][0] == \
+        len("a-node-with-a-very-long-name-0123456789abcdef") + 2
+    starts = {ln.split()[0]: ln.index(ln.split()[1]) for ln in nodes}
+    assert len(set(starts.values())) == 1  # the second column starts at one place on every row
+    jobs = lines[lines.index("JOBS of tenant acme") + 1:]
+    assert jobs[0].split() == ["ID", "STATUS", "NODE", "STEP", "TOKENS/S", "ETA", "CREATED", "NAME"]
+    assert jobs[1].split()[:6] == [job.id, "running", "a-node-with-a-very-long-name-0123456789abcdef", "1/100",
+                                   "1,000", "1:39"]
+    assert jobs[1].index("running") == jobs[0].index("STATUS")
+
+
 def test_default_spec_validation_uses_the_strict_job_spec():
     out = default_validate_spec({**spec(), "output_dir": "/tmp/x"})
     assert out["training"]["max_steps"] == 3 and out["engine"]["precision"] == "exact"
