@@ -15,6 +15,7 @@ import argparse
 import signal
 import sys
 import traceback
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +63,7 @@ def run_here(spec, *, resume: bool, progress: bool) -> int:
     from horizon_ray.job.runner import STOP_AFTER_STEP, JobTerminated, OutputDirBusy
 
     def on_sigterm(signum: int, frame: object) -> None:
-        raise JobTerminated("stopped by SIGTERM; rerun with --resume to continue from the last checkpoint")
+        raise JobTerminated("stopped by SIGTERM")  # the runner adds the step and what a rerun continues from
 
     def on_sigusr1(signum: int, frame: object) -> None:
         STOP_AFTER_STEP.set()  # the node drains: checkpoint at the end of this step, then exit 143
@@ -80,8 +81,9 @@ def run_here(spec, *, resume: bool, progress: bool) -> int:
     except JobTerminated as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exit_codes.TERMINATED
-    except KeyboardInterrupt:
-        print("error: interrupted; rerun with --resume to continue from the last checkpoint", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"error: {str(exc) or 'interrupted; ' + runner.resume_hint(Path(spec.output_dir).expanduser())}",
+              file=sys.stderr)
         return exit_codes.INTERRUPTED
     except Exception as exc:
         traceback.print_exc()

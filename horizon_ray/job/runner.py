@@ -158,11 +158,27 @@ def run_job(spec: JobSpec, resume: bool = False, progress: bool = True) -> JobRe
             return job.run(resume)
         except BaseException as exc:
             # KeyboardInterrupt too: the cluster should see why the job stopped. SIGKILL leaves no line.
-            plain = isinstance(exc, BadInput | JobTerminated)
-            metrics.write(Error(step=job.step, message=str(exc) if plain else f"{type(exc).__name__}: {exc}"))
+            if isinstance(exc, JobTerminated | KeyboardInterrupt):
+                # stopped from outside: say what a rerun would continue from (a cancel before the first
+                # checkpoint has nothing to resume)
+                why = str(exc) if isinstance(exc, JobTerminated) else "interrupted"
+                exc.args = (f"{why} at step {job.step}; {resume_hint(out)}",)
+                message = exc.args[0]
+            else:
+                message = str(exc) if isinstance(exc, BadInput) else f"{type(exc).__name__}: {exc}"
+            metrics.write(Error(step=job.step, message=message))
             raise
         finally:
             trackers.close()
+
+
+def resume_hint(out: Path) -> str:
+    """What `--resume` would do for the job in `out`: continue from its newest complete checkpoint, or, with
+    none, start from the beginning."""
+    latest = ckpt_io.latest_checkpoint(out / "checkpoints")
+    if latest is None:
+        return "no checkpoint was written, so a rerun (--resume) starts from the beginning"
+    return f"rerun with --resume to continue from the checkpoint of step {latest.step}"
 
 
 def _run_id(out: Path) -> str:

@@ -284,6 +284,17 @@ def _stopped_run(config: Path, mode: str, at: int, flag: Path, sig: signal.Signa
     return err
 
 
+def test_a_job_stopped_before_its_first_checkpoint_says_a_rerun_starts_over(assets, tmp_path):
+    """A cancel (the agent's SIGTERM) before any checkpoint has nothing to resume: the job's last event says a
+    rerun starts from the beginning, not that --resume continues it."""
+    out = tmp_path / "run"
+    err = _stopped_run(_write_spec(assets, out), "between", 2, tmp_path / "parked", signal.SIGTERM)
+    said = "stopped by SIGTERM at step 2; no checkpoint was written, so a rerun (--resume) starts from the beginning"
+    assert err.strip().splitlines()[-1] == f"error: {said}"
+    assert read_events(out / "metrics.jsonl")[-1].message == said
+    assert ck.latest_checkpoint(out / "checkpoints") is None
+
+
 @pytest.mark.parametrize(
     "mode, at, sig, resumes_from",
     [("between", 6, signal.SIGKILL, 4), ("checkpoint", 8, signal.SIGKILL, 4), ("between", 9, signal.SIGTERM, 8)],
@@ -295,9 +306,11 @@ def test_resume_after_a_kill_matches_the_uninterrupted_run(assets, baseline, tmp
     config = _write_spec(assets, out)
     err = _stopped_run(config, mode, at, tmp_path / "parked", sig)
     if sig == signal.SIGTERM:
-        assert err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM")
+        said = f"stopped by SIGTERM at step {at}; rerun with --resume to continue from the checkpoint of step " \
+               f"{resumes_from}"
+        assert err.strip().splitlines()[-1] == f"error: {said}"
         last = read_events(out / "metrics.jsonl")[-1]
-        assert last.TYPE == "error" and "SIGTERM" in last.message and last.step == at
+        assert last.TYPE == "error" and last.message == said and last.step == at
 
     # The kill left the run without final/ and with `resumes_from` as the newest complete checkpoint.
     assert not (out / "final").exists()

@@ -30,3 +30,17 @@ def test_help_lists_every_subcommand():
     assert SUBCOMMANDS, "no subcommand is registered"
     for name in SUBCOMMANDS:
         assert name in out, f"`horizon-ray --help` does not list {name}"
+
+
+def test_the_package_metadata_builds_without_warnings():
+    """setuptools reads pyproject.toml without a deprecation (the license table is one: an SPDX string now)."""
+    import warnings
+
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist = apply_configuration(Distribution(), ROOT / "pyproject.toml")
+    assert [str(w.message) for w in caught] == []
+    assert dist.metadata.license_expression == "Apache-2.0"
