@@ -698,7 +698,10 @@ def test_the_api_image_installs_what_the_api_imports():
     owners = md.packages_distributions()
     needed = [{d.lower().replace("_", "-") for d in owners[m]}  # a namespace package has several owners
               for m in top_modules("import api.app") - top_modules("pass") if m in owners]
-    needed = [ds for ds in needed if "horizon-ray" not in ds]
+    # a module the project's own dependencies do not bring is one the API imports only when something else
+    # installed it (anyio takes sniffio when the dev extras' openai brought it): not needed in the image
+    runtime = _closure({"horizon-ray"})
+    needed = [ds for ds in needed if "horizon-ray" not in ds and ds & runtime]
     dockerfile = (K8S / "Dockerfile").read_text()
     stage = dockerfile[dockerfile.index(" AS api"):dockerfile.index("\nFROM ", dockerfile.index(" AS api"))]
     listed = {m.group(1).lower() for m in re.finditer(r'"([A-Za-z0-9_.-]+)(?:\[[a-z,]+\])?[=<>]', stage)}
