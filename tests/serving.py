@@ -46,12 +46,12 @@ def user_env(home: Path, **extra: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def serving(args: list[str], env: dict[str, str], log: Path, *, ready: str = "API on http://",
+def serving(argv: list[str], env: dict[str, str], log: Path, *, cwd: Path = ROOT, ready: str = "API on http://",
             timeout_s: float = 300) -> Iterator[subprocess.Popen]:
-    """`horizon-ray <args>` (a serve command) until its log shows `ready`; SIGINT (Ctrl-C) on the way out, then
-    SIGKILL of its group if it lingers."""
+    """`argv` (a `horizon-ray serve` command, or a shell running one) until its log shows `ready`; SIGINT
+    (Ctrl-C) to its process group on the way out, then SIGKILL of what lingers."""
     with open(log, "w") as out:
-        proc = subprocess.Popen(["horizon-ray", *args], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s

@@ -2,7 +2,8 @@
 
 Defaults describe the project's GPU box, as measured on it: one H200, 16 Sapphire Rapids
 cores, 125.9 GiB of host RAM. Every rate is a measurement on that box, not a datasheet number, except
-where a field says otherwise.
+where a field says otherwise. A node's own measurements (`horizon-ray probe`) replace them; docs/ceilings.md
+has the measurements, the probe and the calibration.
 """
 
 from __future__ import annotations

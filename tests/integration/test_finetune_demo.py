@@ -81,10 +81,12 @@ def test_demo_goes_through_the_local_service(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "service up: dashboard http://127.0.0.1:" in proc.stdout
+    assert "service up while the demo runs (--keep-serving: until Ctrl-C): dashboard http://127.0.0.1:" in proc.stdout
+    assert "the demo's service has stopped" in proc.stdout  # it says so, after showing the dashboard's URL
     assert "submitted job job-" in proc.stdout and "over REST" in proc.stdout
     finals = list((root / "jobs" / "demo").glob("job-*/final/model.safetensors"))
     assert len(finals) == 1
     evals = [r.eval_loss for r in read_events(finals[0].parent.parent / "metrics.jsonl") if isinstance(r, Eval)]
     assert len(evals) == 3 and evals[-1] < evals[0]
     assert "checkpoint step=10" in proc.stdout  # events arrived through the SSE stream
+    assert "step 20/20: loss " in proc.stdout and " tokens/s" in proc.stdout  # progress a person can read

@@ -32,7 +32,8 @@ def service(tmp_path_factory):
     env = user_env(home, HORIZON_API_KEYS=f"{KEY}={TENANT}", HORIZON_MODEL_ROOTS=str(assets.root),
                    HORIZON_MODEL_CATALOGUE=f"tiny-demo={assets.model_dir}", HORIZON_DATA_ROOTS=str(assets.root))
     port = free_port()
-    args = ["serve", "--simulate-nodes", "a=8GiB", "--port", str(port), "--dashboard-port", str(free_port())]
+    args = ["horizon-ray", "serve", "--simulate-nodes", "a=8GiB", "--port", str(port), "--dashboard-port",
+            str(free_port())]
     with serving(args, env, home / "serve.log"):
         yield {"url": f"http://127.0.0.1:{port}", "env": env, "home": home, "assets": assets,
                "log": home / "serve.log"}

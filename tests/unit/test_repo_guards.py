@@ -44,3 +44,28 @@ def test_the_package_metadata_builds_without_warnings():
         dist = apply_configuration(Distribution(), ROOT / "pyproject.toml")
     assert [str(w.message) for w in caught] == []
     assert dist.metadata.license_expression == "Apache-2.0"
+
+
+def test_nothing_points_outside_the_repository():
+    """Code, --help text, printed plans and docs point only at files a clone has: no shared folder of the build
+    machine beside the repository, no design or style notes that are not in it (docs/ holds what users need).
+    The benchmark results quote the commands of past runs as they were run, and stay as recorded."""
+    import re
+
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    pointer = re.compile(r"\.\./shared|/work/|shared/(bench|kuberay)|(?<![\w/])(DESIGN|STYLE)\.md|"
+                         r"(?<!docs/)ceilings\.md")
+    found = []
+    for name in files:
+        if name.startswith("benchmarks/result") or name in ("benchmarks/RESULTS.md", "tests/unit/test_repo_guards.py") \
+                or name.endswith(
+                (".png", ".json", ".safetensors")) or not (ROOT / name).is_file():
+            continue
+        text = (ROOT / name).read_text(errors="replace")
+        found += [f"{name}: {m.group(0)}" for m in pointer.finditer(text)
+                  if not (name == "docs/ceilings.md" and m.group(0) == "ceilings.md")]
+    assert not found, found
+    for command in ("plan", "serve", "probe", "finetune"):
+        out = subprocess.run([sys.executable, "-m", "horizon_ray", command, "--help"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout
+        assert not pointer.search(out), (command, pointer.search(out))
