@@ -157,7 +157,7 @@ def _head_args(dashboard_port: int | None, port: int | None, *, num_cpus: int) -
     if dashboard_port is not None:
         head.update(dashboard_port=dashboard_port, dashboard_host="127.0.0.1")
     if port is not None:
-        head["port"] = port
+        head["gcs_server_port"] = port
     return head
 
 

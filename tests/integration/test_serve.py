@@ -31,12 +31,12 @@ def service(tmp_path_factory):
     assets, _ = prepare_demo_assets(home)
     env = user_env(home, HORIZON_API_KEYS=f"{KEY}={TENANT}", HORIZON_MODEL_ROOTS=str(assets.root),
                    HORIZON_MODEL_CATALOGUE=f"tiny-demo={assets.model_dir}", HORIZON_DATA_ROOTS=str(assets.root))
-    port = free_port()
-    args = ["horizon-ray", "serve", "--simulate-nodes", "a=8GiB", "--port", str(port), "--dashboard-port",
-            str(free_port())]
+    port, ray_port, dashboard_port = free_port(), free_port(), free_port()
+    args = ["horizon-ray", "serve", "--simulate-nodes", "a=8GiB", "--port", str(port), "--ray-port", str(ray_port),
+            "--dashboard-port", str(dashboard_port)]
     with serving(args, env, home / "serve.log"):
         yield {"url": f"http://127.0.0.1:{port}", "env": env, "home": home, "assets": assets,
-               "log": home / "serve.log"}
+               "log": home / "serve.log", "ray_port": ray_port, "dashboard_port": dashboard_port}
 
 
 def test_a_job_created_with_the_openai_sdk_trains_and_its_model_downloads(service):
@@ -92,7 +92,11 @@ def test_ray_job_submit_with_no_address_reaches_the_service(service, tmp_path):
     assert status.returncode == 0, status.stderr
     jobs = json.loads(status.stdout)["jobs"]
     assert [j["status"] for j in jobs if j["output_dir"] == str(tmp_path / "out")] == ["succeeded"], jobs
-    assert "ray job submit -- horizon-ray finetune" in service["log"].read_text()  # serve said how
+    log = service["log"].read_text()
+    assert "ray job submit -- horizon-ray finetune" in log  # serve said how
+    # on the ports it was given
+    assert f"Ray cluster 127.0.0.1:{service['ray_port']} " in log
+    assert f"the job server is http://127.0.0.1:{service['dashboard_port']};" in log
 
 
 def test_serve_refuses_to_start_an_api_without_keys(tmp_path):
