@@ -5,6 +5,7 @@
 
 Modules: ``app`` (factory, OpenAPI), ``auth`` (bearer keys -> the one tenant dependency), ``errors`` (the
 one error mapping), ``limits`` (413), ``paths`` (confinement of spec paths), ``jobs`` / ``files`` /
-``cluster_routes`` (routes), ``schemas`` (pydantic models of the edge), ``metrics`` (Prometheus),
+``cluster_routes`` (routes), ``openai`` (the OpenAI-compatible /v1), ``outputs`` (a directory as a streamed
+tar), ``schemas`` (pydantic models of the edge), ``metrics`` (Prometheus),
 ``server`` (uvicorn in a thread), ``testing`` (an in-process testbed), ``static/`` (the dashboard).
 """
