@@ -225,3 +225,37 @@ def test_fence_wait_mark_fail_reset():
     assert f.wait(0, 1) == "a"  # already met: no error
     f.reset([5, 5])
     assert f.version(0) == 5 and f.wait(1, 5) is None
+
+
+@pytest.mark.parametrize("dtype, precision", [("float32", "exact"), ("bfloat16", "exact"),
+                                              ("bfloat16", "bf16-state")])
+def test_switching_to_delayed_gives_every_layout_two_wires_apart_from_the_master(dtype, precision):
+    """Where the master is the wire (fp32 compute, bf16-state), the delayed update needs two wires beside it:
+    with one, a step would read the master while the previous step's update rewrites it, and the result
+    would depend on the update's timing. Two runs whose updates take different times must agree bit for bit."""
+    import time
+
+    def run(delay):
+        eng = Engine.from_config(CFG, EngineConfig(**HP, max_grad_norm=1.0, compute_dtype=dtype, precision=precision))
+        update = eng._optimizer.update
+
+        def slow(unit, lr, coef, k=0):
+            time.sleep(delay * (eng.store.units.index(unit) % 3))
+            update(unit, lr, coef, k)
+
+        eng._optimizer.update = slow
+        losses = []
+        for i, mbs in enumerate(random_batches(10, 2, T=16)):
+            if i in (3, 7):
+                eng.set_update({3: "delayed", 7: "exact"}[i])
+                if i == 3:
+                    assert all(len(u.wires) == 2 and all(w is not u.master for w in u.wires)
+                               for u in eng.store.units)
+            losses.append(eng.train_step(mbs))
+        state = _state(eng)
+        eng.close()
+        return losses, state
+
+    (la, sa), (lb, sb) = run(0.0), run(0.01)
+    assert la == lb
+    assert all(torch.equal(a, b) for a, b in zip(sa, sb))
