@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +132,15 @@ def load_data(spec: JobSpec) -> Data:
 
 
 
+# delayed update: steps run exact before the engine switches to it (at least; the schedule's warmup too)
+DELAYED_AFTER_STEPS = 40
+
+
+def delayed_from(spec: JobSpec) -> int:
+    """The first step a delayed-update job runs delayed: after the schedule's warmup and DELAYED_AFTER_STEPS."""
+    return max(DELAYED_AFTER_STEPS, spec.training.schedule.warmup_steps)
+
+
 def total_steps_for(spec: JobSpec, steps_per_epoch: int) -> int:
     t = spec.training
     candidates = []
@@ -193,6 +202,11 @@ class _Job:
         cfg = engine_config(self.spec)
         model_dir = Path(self.spec.model.path).expanduser()
         self.world = self.spec.resources.gpus
+        # delayed: the first steps run exact (ZeRO-Offload's practice: a one-step-stale gradient destabilises
+        # AdamW while the gradients still change fast), then the engine switches to the delayed update
+        self.delay_from = delayed_from(self.spec) if cfg.update == "delayed" and self.world == 1 else None
+        if self.delay_from:
+            cfg = replace(cfg, update="exact")
         group = None
         with _reading(f"model.path {model_dir}"):
             if self.world > 1:  # ranks 1..N-1 in child processes over one host store (job/ranks.py)
@@ -216,7 +230,11 @@ class _Job:
                 train_examples=len(self.train_ds.examples),
                 eval_examples=len(self.eval_ds.examples) if self.eval_ds is not None else 0,
                 steps_per_epoch=self.sampler.steps_per_epoch, training_hash=self.spec.training_hash(),
+                update=cfg.update, gpus=self.world,
             ))
+            if cfg.update == "delayed":
+                print("note: training.update delayed is not exact AdamW: every step trains on the weights one "
+                      "update old", flush=True)
             first_eval, final_eval, last_loss = self._train(eng)
             if group is not None:
                 ranks.finish(group)  # every rank's last update is in the store
@@ -290,6 +308,8 @@ class _Job:
                 tick = time.monotonic()
                 lr = lr_at(step, total, t.lr, t.schedule)
                 eng.set_lr(lr)
+                if step == self.delay_from and eng.update_mode != "delayed":
+                    eng.set_update("delayed")  # past the early steps, whose gradients change too fast to lag
                 batches = ranks.my_batches(self.sampler.batches_for_step(step), 0, self.world)
                 last_loss = float(eng.train_step(batches))
                 self.step = done = step + 1
@@ -300,7 +320,8 @@ class _Job:
                 eta = secs / len(window) * (total - done)
                 self.metrics.write(Metrics(step=done, loss=last_loss, lr=lr, grad_norm=float(eng.last_grad_norm),
                                            tokens_per_s=round(tps, 1), host_rss_bytes=_rss(), total_steps=total,
-                                           eta_s=round(eta, 1)))
+                                           eta_s=round(eta, 1),
+                                           rollbacks=eng.stats().rollbacks if t.update == "speculative" else None))
                 bar.update(done, last_loss, tps, eta)
 
                 checkpointed = _due(spec.checkpoint.every_steps, done, total)
