@@ -140,6 +140,7 @@ class JobRecord:
     attempts: int = 0  # how many times an engine process was started for it (1 + recoveries)
     last_checkpoint_step: int | None = None  # step of its newest complete checkpoint
     gpu_index: int | None = None  # GPU of `node_id` its engine holds or last held (None: a CPU job, never placed)
+    last_seq: int = 0  # seq of its newest event (filled in by the job store when it reads the record)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (enums become their values)."""
