@@ -146,7 +146,8 @@ def spec_error_field(message: str) -> str | None:
 def _loc_to_field(loc: tuple | list, kind: str) -> str:
     if kind == "json_invalid":  # loc holds a character offset, not a field
         return "body"
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    # the first element says where the parameter is; the rest names it (a parameter may be called "path")
+    parts = [str(p) for p in (loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc)]
     return ".".join(parts) or ".".join(str(p) for p in loc)
 
 

@@ -151,7 +151,8 @@ class PathPolicy:
         """What POST /files recorded about an uploaded dataset (its checked format and example count), when
         `value` is a file id of this tenant's."""
         if not isinstance(value, str) or not FILE_ID_RE.fullmatch(value) or \
-                own_files_dir(self.settings, self.tenant) is None:
+                own_files_dir(self.settings, self.tenant) is None or \
+                not regular_file(self.files_dir / f"{value}.jsonl"):
             return None
         return read_upload_meta(self.files_dir, value)
 
