@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from horizon_ray.cluster.agent import SECRET_ENV_PREFIX
 from horizon_ray.cluster.tenants import check_tenant_name
 from horizon_ray.errors import BadInput
 
@@ -42,9 +43,10 @@ ENV_LIMITS = {
     "max_upload_line_bytes": ("HORIZON_API_MAX_UPLOAD_LINE_BYTES", int),
 }
 ENV_DOCS = "HORIZON_API_DOCS"  # 1: serve /docs (Swagger UI from the files of the swagger-ui-bundle package)
-# Variables of the API process that no other process may see (the node agents drop them from their engines'
-# environment, serve from the Ray processes it starts): they name the tenants' keys.
-SECRET_ENV_PREFIX = "HORIZON_API_"
+# Every variable above that names a secret (the keys, their file) starts with SECRET_ENV_PREFIX, which no process
+# but the API's may see: the node agents drop such variables from their engines' environment, serve from the Ray
+# processes it starts.
+assert all(v.startswith(SECRET_ENV_PREFIX) for v in (ENV_KEYS, ENV_KEYS_FILE))
 
 
 @dataclass
