@@ -31,16 +31,24 @@ ENV_MAX_BODY = "HORIZON_API_MAX_BODY_BYTES"
 PLACEHOLDER_KEY_WORDS = ("replace-me", "replace_me", "replaceme", "change-me", "change_me", "changeme",
                          "placeholder", "your-key", "your_key", "your-api-key", "example")
 ENV_MAX_UPLOAD = "HORIZON_API_MAX_UPLOAD_BYTES"
-# Per-tenant limits (api/quotas.py); every variable holds a number.
-ENV_LIMITS = {
-    "rate_limit_per_s": ("HORIZON_API_RATE_LIMIT_PER_S", float),
-    "rate_limit_burst": ("HORIZON_API_RATE_LIMIT_BURST", int),
-    "max_streams_per_tenant": ("HORIZON_API_MAX_STREAMS_PER_TENANT", int),
-    "stream_poll_threads": ("HORIZON_API_STREAM_POLL_THREADS", int),
-    "max_uploads_in_flight": ("HORIZON_API_MAX_UPLOADS_IN_FLIGHT", int),
-    "max_files_per_tenant": ("HORIZON_API_MAX_FILES_PER_TENANT", int),
-    "max_file_bytes_per_tenant": ("HORIZON_API_MAX_FILE_BYTES_PER_TENANT", int),
-    "max_upload_line_bytes": ("HORIZON_API_MAX_UPLOAD_LINE_BYTES", int),
+# Per-tenant limits (api/quotas.py) and what bounds the work of one request
+ENV_RATE_LIMIT = "HORIZON_API_RATE_LIMIT_PER_S"
+ENV_RATE_BURST = "HORIZON_API_RATE_LIMIT_BURST"
+ENV_MAX_STREAMS = "HORIZON_API_MAX_STREAMS_PER_TENANT"
+ENV_STREAM_THREADS = "HORIZON_API_STREAM_POLL_THREADS"
+ENV_MAX_UPLOADS = "HORIZON_API_MAX_UPLOADS_IN_FLIGHT"
+ENV_MAX_FILES = "HORIZON_API_MAX_FILES_PER_TENANT"
+ENV_MAX_FILE_BYTES = "HORIZON_API_MAX_FILE_BYTES_PER_TENANT"
+ENV_MAX_LINE = "HORIZON_API_MAX_UPLOAD_LINE_BYTES"
+_NUMBERS = {  # setting -> (its variable, its type)
+    "rate_limit_per_s": (ENV_RATE_LIMIT, float),
+    "rate_limit_burst": (ENV_RATE_BURST, int),
+    "max_streams_per_tenant": (ENV_MAX_STREAMS, int),
+    "stream_poll_threads": (ENV_STREAM_THREADS, int),
+    "max_uploads_in_flight": (ENV_MAX_UPLOADS, int),
+    "max_files_per_tenant": (ENV_MAX_FILES, int),
+    "max_file_bytes_per_tenant": (ENV_MAX_FILE_BYTES, int),
+    "max_upload_line_bytes": (ENV_MAX_LINE, int),
 }
 ENV_DOCS = "HORIZON_API_DOCS"  # 1: serve /docs (Swagger UI from the files of the swagger-ui-bundle package)
 # Every variable above that names a secret (the keys, their file) starts with SECRET_ENV_PREFIX, which no process
@@ -118,7 +126,7 @@ class ApiSettings:
         for name in ("max_streams_per_tenant", "stream_poll_threads", "max_uploads_in_flight", "max_files_per_tenant",
                      "max_file_bytes_per_tenant", "max_upload_line_bytes"):
             if getattr(self, name) < 1:
-                raise BadInput(f"{name} is {getattr(self, name)}; give a positive number ({ENV_LIMITS[name][0]})")
+                raise BadInput(f"{name} is {getattr(self, name)}; give a positive number ({_NUMBERS[name][0]})")
 
     def files_dir(self, tenant: str) -> Path:
         """Where a tenant's uploaded datasets live."""
@@ -158,7 +166,7 @@ class ApiSettings:
             kwargs["max_body_bytes"] = int(env[ENV_MAX_BODY])
         if env.get(ENV_MAX_UPLOAD):
             kwargs["max_upload_bytes"] = int(env[ENV_MAX_UPLOAD])
-        for name, (var, kind) in ENV_LIMITS.items():
+        for name, (var, kind) in _NUMBERS.items():
             if env.get(var):
                 try:
                     kwargs[name] = kind(env[var])

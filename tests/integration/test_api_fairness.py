@@ -75,7 +75,7 @@ class Streams:
 
 
 def test_the_streams_of_a_job_share_one_follower(tmp_path):
-    bed = make_testbed(tmp_path, sse_poll_s=0.05, sse_heartbeat_s=0.2, rate_limit_per_s=0)
+    bed = make_testbed(tmp_path, sse_poll_s=0.05, sse_heartbeat_s=0.2)
     counting = Counting(bed.client)
     try:
         with running_server(create_app(counting, bed.settings)) as url:
@@ -100,12 +100,12 @@ def test_the_streams_of_a_job_share_one_follower(tmp_path):
 
 
 def test_a_tenants_streams_are_capped_and_the_others_are_not(tmp_path):
-    bed = make_testbed(tmp_path, sse_poll_s=0.05, sse_heartbeat_s=0.2, max_streams_per_tenant=3, rate_limit_per_s=0)
+    bed = make_testbed(tmp_path, sse_poll_s=0.05, sse_heartbeat_s=0.2, max_streams_per_tenant=3)
     try:
         with running_server(create_app(bed.client, bed.settings)) as url:
             jobs = {t: httpx.post(f"{url}/finetune", json=bed.spec(max_steps=10), headers=bed.auth(t)).json()
                     for t in ("acme", "globex")}
-            for t, job in jobs.items():
+            for job in jobs.values():
                 bed.agent(job["node_id"]).hold(job["id"])
             acme = Streams(url, f"/finetune/{jobs['acme']['id']}/events", bed.auth("acme"), 3)
             sse = {"Accept": "text/event-stream"}
@@ -151,8 +151,7 @@ def lines(n: int, text: str = "x") -> bytes:
 
 
 def test_upload_count_bytes_and_in_flight_quotas(tmp_path):
-    bed = make_testbed(tmp_path, max_files_per_tenant=2, max_file_bytes_per_tenant=4000, max_uploads_in_flight=1,
-                       rate_limit_per_s=0)
+    bed = make_testbed(tmp_path, max_files_per_tenant=2, max_file_bytes_per_tenant=4000, max_uploads_in_flight=1)
     try:
         with running_server(create_app(bed.client, bed.settings)) as url, httpx.Client(base_url=url) as http:
             sent, release = threading.Event(), threading.Event()
@@ -198,7 +197,7 @@ SERVER = textwrap.dedent("""
     from api.app import create_app
     from api.server import running_server
     from api.testing import make_testbed
-    bed = make_testbed(sys.argv[1], max_upload_bytes=1 << 30, rate_limit_per_s=0)
+    bed = make_testbed(sys.argv[1], max_upload_bytes=1 << 30)
     with running_server(create_app(bed.client, bed.settings)) as url:
         print(url, flush=True)
         sys.stdin.read()  # until the test closes it

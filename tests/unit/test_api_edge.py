@@ -28,8 +28,7 @@ EXAMPLES = int(os.environ.get("HORIZON_FUZZ_EXAMPLES", "40"))
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory):
-    # no rate limit here: the property tests send hundreds of requests as one tenant
-    bed = make_testbed(tmp_path_factory.mktemp("edge"), rate_limit_per_s=0, max_body_bytes=1 << 20)
+    bed = make_testbed(tmp_path_factory.mktemp("edge"), max_body_bytes=1 << 20)
     yield bed
     bed.close()
 
