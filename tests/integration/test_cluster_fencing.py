@@ -76,10 +76,13 @@ def gone(proc: psutil.Process) -> bool:
 
 
 def outputs(out: Path) -> dict[str, tuple[int, int]]:
-    """What the job wrote: every file under its output directory but the lease's and the processes' logs."""
+    """What the job has committed: every file under its output directory but the lease's, the processes' logs and
+    a write still in a temporary (a checkpoint being written at the cancel is never renamed into place)."""
     found = {}
     for p in sorted(out.rglob("*")):
-        if p.is_file() and not p.name.startswith(".lease") and "logs" not in p.relative_to(out).parts:
+        rel = p.relative_to(out).parts
+        if p.is_file() and not p.name.startswith(".lease") and "logs" not in rel and \
+                not any(".tmp" in part for part in rel):
             st = p.stat()
             found[str(p.relative_to(out))] = (st.st_size, st.st_mtime_ns)
     return found

@@ -83,10 +83,14 @@ def demo(tmp_path_factory):
 
 
 def outputs(out: Path) -> dict[str, tuple[int, int]]:
-    """Every file under `out` but the lease's own: (size, mtime in ns)."""
+    """What the engine has committed under `out`: every file but the lease's own and those of a write still in a
+    temporary (a checkpoint being written when the lease moved on is finished there, never renamed into place,
+    and removed): (size, mtime in ns)."""
     found = {}
     for p in sorted(out.rglob("*")):
-        if p.is_file() and p.name not in (lease.LEASE_FILE, lease.LOCK_FILE) and "logs" not in p.parts:
+        rel = p.relative_to(out).parts
+        if p.is_file() and p.name not in (lease.LEASE_FILE, lease.LOCK_FILE) and "logs" not in rel and \
+                not any(".tmp" in part for part in rel):
             st = p.stat()
             found[str(p.relative_to(out))] = (st.st_size, st.st_mtime_ns)
     return found
