@@ -16,6 +16,7 @@ import asyncio
 import bisect
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ from horizon_ray.cluster.messages import JobEvent, JobStatus
 log = logging.getLogger("api")
 
 FEED_WINDOW = 4096  # events a feed keeps for streams that fall behind or join late
+FEED_IDLE_POLL_S = 1.0  # the longest pause of a feed between two polls of a quiet job
+STATUS_EVERY_S = 1.0  # how often a feed of a quiet job asks whether it ended
 _DISCONNECT_CHECK_S = 1.0  # how often a waiting stream asks whether its client is still there
 
 
@@ -136,20 +139,27 @@ class EventHub:
 
     async def _follow(self, feed: Feed) -> None:
         """Poll the coordinator for the feed's job until it is terminal or nobody reads it."""
+        pause, asked = self.poll_s, 0.0
         try:
             while feed.readers > 0:
                 events = await self.call(self.client.events, feed.tenant, feed.job_id, feed.last_seq)
                 self._add(feed, events)
-                if not events:
-                    record = await self.call(self.client.get, feed.tenant, feed.job_id)
-                    if record.status.is_terminal():
-                        # the events of its last moments, then the end
-                        self._add(feed, await self.call(self.client.events, feed.tenant, feed.job_id,
-                                                        feed.last_seq))
-                        feed.status = record.status
-                        feed.wake()
-                        return
-                await anyio.sleep(self.poll_s)
+                if events:
+                    pause = self.poll_s
+                else:
+                    pause = min(FEED_IDLE_POLL_S, max(pause * 2, self.poll_s))
+                    now = time.monotonic()
+                    if now - asked >= STATUS_EVERY_S:
+                        asked = now
+                        record = await self.call(self.client.get, feed.tenant, feed.job_id)
+                        if record.status.is_terminal():
+                            # the events of its last moments, then the end
+                            self._add(feed, await self.call(self.client.events, feed.tenant, feed.job_id,
+                                                            feed.last_seq))
+                            feed.status = record.status
+                            feed.wake()
+                            return
+                await anyio.sleep(pause)
         except HorizonError as exc:
             log.warning("event feed of %s ended early: %s", feed.job_id, exc.message)
             feed.failed = exc
