@@ -74,6 +74,7 @@ from horizon_ray.cluster.store import JobStore
 from horizon_ray.cluster.tenants import TenantsConfig, check_tenant_name, fair_order, format_bytes
 from horizon_ray.errors import BadInput
 from horizon_ray.job import lease
+from horizon_ray.strings import fix, problem
 
 log = logging.getLogger("horizon_ray.cluster")
 SpecValidator = Callable[[dict[str, Any]], dict[str, Any]]
@@ -152,6 +153,10 @@ class Coordinator:
             self._check_tenant(tenant)
             if not isinstance(priority, int) or isinstance(priority, bool):
                 raise InvalidRequest(f"priority is {priority!r}; give an integer (higher runs first)")
+            for field, value in (("name", name), ("idempotency_key", idempotency_key)):
+                bad = problem(value) if isinstance(value, str) else None if value is None else "is not a string"
+                if bad:  # stored in the job table and shown in every listing
+                    raise InvalidRequest(f"{field} {bad}; {fix(bad)}", field=field)
             if idempotency_key is not None:
                 existing = self.store.find_idempotent(tenant, idempotency_key)
                 if existing is not None:

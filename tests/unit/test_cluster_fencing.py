@@ -1,7 +1,8 @@
 """The coordinator's side of fencing and retries, over fake agents and a fake clock: a lost node's jobs wait for
 its agent's lease before they start elsewhere, their leases are revoked at once, a cancel revokes the lease
 before it returns, a killed engine without evidence of memory pressure resumes, and starts that end without a
-step are retried with a doubling pause, a bounded number of times."""
+step are retried with a doubling pause, a bounded number of times; and strings it would store are checked
+behind the API too."""
 
 from __future__ import annotations
 
@@ -124,3 +125,15 @@ def test_a_step_forgives_the_starts_before_it(c, clock):
     rec = c.get("acme", job.id)
     # more crashes than MAX_RETRIES, each after a step: still running, only the last one counted
     assert (rec.status, rec.attempts, rec.retries) == (JobStatus.RUNNING, MAX_RETRIES + 4, 1)
+
+
+@pytest.mark.parametrize("field, value", [("name", "a\ud800"), ("name", "x\ny"), ("idempotency_key", "k\x00"),
+                                          ("name", "n" * 2000)])
+def test_the_coordinator_refuses_what_would_break_its_table(c, field, value):
+    """Defence in depth behind the API's edge: a submit from the CLI or the Ray client is checked too."""
+    from horizon_ray.cluster.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest) as info:
+        c.submit("acme", spec(), **{field: value})
+    assert info.value.details["field"] == field
+    assert c.list("acme")[0] == []
