@@ -347,3 +347,26 @@ def test_a_tenant_directory_that_is_a_link_opens_nothing(http, bed):
         assert len(list(bed.settings.files_dir("globex").glob("file-*.jsonl"))) == 1
     finally:
         acme.unlink()
+
+
+def test_uploads_are_checked_without_torch(tmp_path):
+    """The API's image has neither torch nor numpy (k8s/Dockerfile's api stage): the upload check needs neither."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import sys
+        sys.modules["torch"] = sys.modules["numpy"] = None  # any import of them fails
+        from fastapi.testclient import TestClient
+        from api.app import create_app
+        from api.settings import ApiSettings
+        settings = ApiSettings(api_keys={{"k-1": "acme"}}, uploads_dir={str(tmp_path)!r}, rate_limit_per_s=0)
+        with TestClient(create_app(object(), settings)) as http:
+            ok = http.post("/files", content=b'{{"text": "hi"}}\\n', headers={{"Authorization": "Bearer k-1"}})
+            bad = http.post("/files", content=b'{{"txt": "hi"}}\\n', headers={{"Authorization": "Bearer k-1"}})
+        print(ok.status_code, ok.json()["num_examples"], bad.status_code, bad.json()["error"]["code"])
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["201", "1", "422", "invalid_file"]
