@@ -549,7 +549,10 @@ class NodeAgent:
                 return
             job.cancel_at = time.time()
             # revoked first: when this returns, the engine writes nothing more, even before it exits
-            lease.revoke(job.output_dir, job_id, job.epoch)
+            try:
+                lease.revoke(job.output_dir, job_id, job.epoch)
+            except OSError as exc:  # its storage failing: the signal below still stops it
+                print(f"agent {self.node_id}: could not revoke the lease of {job_id}: {exc}", file=sys.stderr)
             _signal_group(job.proc, signal.SIGTERM)
 
     def poll(self, offsets: dict[str, int]) -> dict[str, AgentJobReport]:
