@@ -320,6 +320,10 @@ class Coordinator:
         try:
             reports = agent.poll(offsets)
             info = agent.info()  # after the poll, so that the ledger no longer holds jobs that exited
+            held = {r.job_id for r in info.ledger}
+            if any(r.exit is None and job_id not in held for job_id, r in reports.items()):
+                # one exited between the two calls: its exit is recorded before its place is given away
+                reports = agent.poll(offsets)
         except AgentUnavailable as exc:
             self._node_failed(st, now, definitive=exc.definitive, why=str(exc))
             return

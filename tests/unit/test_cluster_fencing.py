@@ -137,3 +137,23 @@ def test_the_coordinator_refuses_what_would_break_its_table(c, field, value):
         c.submit("acme", spec(), **{field: value})
     assert info.value.details["field"] == field
     assert c.list("acme")[0] == []
+
+
+def test_an_engine_that_exits_between_the_poll_and_the_ledger_is_recorded_before_its_place_is_reused(c, clock):
+    """The agent reaps an engine between the coordinator's poll (still running) and its info (the place free):
+    the job's end is recorded in that pass, before the next job starts there (its finish precedes that start)."""
+    first = c.submit("acme", spec(steps=5))
+    agent = fakes(c)[first.node_id]
+    agent.advance(first.id, 4)
+    c.tick()
+    info = agent.info
+
+    def info_after_the_engine_exited():
+        agent.advance(first.id, 1)  # the last step: it exits, and its reservation goes
+        agent.info = info
+        return info()
+
+    agent.info = info_after_the_engine_exited
+    c.tick()
+    done = c.coordinator.get("acme", first.id)  # as that one pass left it (the client's get would tick again)
+    assert done.status is JobStatus.SUCCEEDED and done.finished_at is not None
