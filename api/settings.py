@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from horizon_ray.cluster.agent import SECRET_ENV_PREFIX
 from horizon_ray.cluster.tenants import check_tenant_name
 from horizon_ray.errors import BadInput
 
@@ -30,6 +31,30 @@ ENV_MAX_BODY = "HORIZON_API_MAX_BODY_BYTES"
 PLACEHOLDER_KEY_WORDS = ("replace-me", "replace_me", "replaceme", "change-me", "change_me", "changeme",
                          "placeholder", "your-key", "your_key", "your-api-key", "example")
 ENV_MAX_UPLOAD = "HORIZON_API_MAX_UPLOAD_BYTES"
+# Per-tenant limits (api/quotas.py) and what bounds the work of one request
+ENV_RATE_LIMIT = "HORIZON_API_RATE_LIMIT_PER_S"
+ENV_RATE_BURST = "HORIZON_API_RATE_LIMIT_BURST"
+ENV_MAX_STREAMS = "HORIZON_API_MAX_STREAMS_PER_TENANT"
+ENV_STREAM_THREADS = "HORIZON_API_STREAM_POLL_THREADS"
+ENV_MAX_UPLOADS = "HORIZON_API_MAX_UPLOADS_IN_FLIGHT"
+ENV_MAX_FILES = "HORIZON_API_MAX_FILES_PER_TENANT"
+ENV_MAX_FILE_BYTES = "HORIZON_API_MAX_FILE_BYTES_PER_TENANT"
+ENV_MAX_LINE = "HORIZON_API_MAX_UPLOAD_LINE_BYTES"
+_NUMBERS = {  # setting -> (its variable, its type)
+    "rate_limit_per_s": (ENV_RATE_LIMIT, float),
+    "rate_limit_burst": (ENV_RATE_BURST, int),
+    "max_streams_per_tenant": (ENV_MAX_STREAMS, int),
+    "stream_poll_threads": (ENV_STREAM_THREADS, int),
+    "max_uploads_in_flight": (ENV_MAX_UPLOADS, int),
+    "max_files_per_tenant": (ENV_MAX_FILES, int),
+    "max_file_bytes_per_tenant": (ENV_MAX_FILE_BYTES, int),
+    "max_upload_line_bytes": (ENV_MAX_LINE, int),
+}
+ENV_DOCS = "HORIZON_API_DOCS"  # 1: serve /docs (Swagger UI from the files of the swagger-ui-bundle package)
+# Every variable above that names a secret (the keys, their file) starts with SECRET_ENV_PREFIX, which no process
+# but the API's may see: the node agents drop such variables from their engines' environment, serve from the Ray
+# processes it starts.
+assert all(v.startswith(SECRET_ENV_PREFIX) for v in (ENV_KEYS, ENV_KEYS_FILE))
 
 
 @dataclass
@@ -58,6 +83,25 @@ class ApiSettings:
     sse_heartbeat_s: float = 15.0
     # mirror the job routes under /v1/fine_tuning/jobs
     openai_mirror: bool = True
+    # requests a second a tenant may make (a token bucket per tenant; 429 with Retry-After beyond); 0: no limit
+    rate_limit_per_s: float = 20.0
+    # requests a tenant may make at once before the rate applies (the bucket's size)
+    rate_limit_burst: int = 100
+    # event streams (SSE) a tenant may hold open at once; 429 with Retry-After beyond
+    max_streams_per_tenant: int = 100
+    # threads the event streams' followers (one per streamed job) use to ask the coordinator
+    stream_poll_threads: int = 4
+    # uploads (POST /files) a tenant may send at once; 429 with Retry-After beyond
+    max_uploads_in_flight: int = 2
+    # datasets a tenant may keep uploaded; 429 beyond (delete some)
+    max_files_per_tenant: int = 1000
+    # bytes of datasets a tenant may keep uploaded, all files together; 429 beyond (delete some)
+    max_file_bytes_per_tenant: int = 100 << 30
+    # longest line (one example) an upload may have: what checking a line holds in memory at once
+    max_upload_line_bytes: int = 8 << 20
+    # serve /docs: Swagger UI from the vendored files of the swagger-ui-bundle package (pip install
+    # horizon-ray[docs]), under a Content-Security-Policy; off: /openapi.json only
+    docs: bool = False
 
     def __post_init__(self) -> None:
         for key, tenant in self.api_keys.items():
@@ -76,6 +120,13 @@ class ApiSettings:
         self.model_catalogue = {name: Path(p).resolve() for name, p in self.model_catalogue.items()}
         if self.max_body_bytes <= 0 or self.max_upload_bytes <= 0:
             raise BadInput("max_body_bytes and max_upload_bytes must be positive")
+        if self.rate_limit_per_s < 0 or self.rate_limit_burst < 1:
+            raise BadInput(f"rate_limit_per_s is {self.rate_limit_per_s} and rate_limit_burst {self.rate_limit_burst}; "
+                           "give a rate >= 0 (0: no limit) and a burst >= 1")
+        for name in ("max_streams_per_tenant", "stream_poll_threads", "max_uploads_in_flight", "max_files_per_tenant",
+                     "max_file_bytes_per_tenant", "max_upload_line_bytes"):
+            if getattr(self, name) < 1:
+                raise BadInput(f"{name} is {getattr(self, name)}; give a positive number ({_NUMBERS[name][0]})")
 
     def files_dir(self, tenant: str) -> Path:
         """Where a tenant's uploaded datasets live."""
@@ -115,6 +166,15 @@ class ApiSettings:
             kwargs["max_body_bytes"] = int(env[ENV_MAX_BODY])
         if env.get(ENV_MAX_UPLOAD):
             kwargs["max_upload_bytes"] = int(env[ENV_MAX_UPLOAD])
+        for name, (var, kind) in _NUMBERS.items():
+            if env.get(var):
+                try:
+                    kwargs[name] = kind(env[var])
+                except ValueError:
+                    raise BadInput(f"{var}={env[var]!r} is not {'an integer' if kind is int else 'a number'}; "
+                                   f"set it to one, or leave it unset for the default") from None
+        if env.get(ENV_DOCS):
+            kwargs["docs"] = env[ENV_DOCS].strip().lower() in ("1", "true", "yes", "on")
         kwargs.update(overrides)
         return cls(**kwargs)
 

@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+from horizon_ray.cluster.agent import ENGINE_LEASE_S, SECRET_ENV_PREFIX
 from horizon_ray.errors import BadInput
 
 
@@ -42,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "KubeRay head holds the GCS and the coordinator, not the data volumes)")
     parser.add_argument("--node-dead-after", type=float, default=10.0, metavar="SECONDS",
                         help="a node unreachable this long loses its jobs to recovery (default 10)")
+    parser.add_argument("--engine-lease", type=float, default=ENGINE_LEASE_S, metavar="SECONDS",
+                        help="a node agent that has not heard from the coordinator this long stops its engines; the "
+                             "coordinator waits as long (and a kill grace) before it recovers a lost node's jobs "
+                             f"elsewhere (default {ENGINE_LEASE_S:.0f})")
     parser.add_argument("--stop-on-exit", action="store_true",
                         help="on a joined cluster, remove the coordinator and agents when serve exits")
 
@@ -63,6 +68,11 @@ def run(args: argparse.Namespace) -> int:
     tenants = args.tenants.absolute() if args.tenants else None
     root = (args.root or default_root()).expanduser().resolve()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # The API's settings are read now, and its variables (the tenants' keys, their file) leave this process's
+    # environment before any Ray process starts from it: no raylet, worker or engine inherits them.
+    settings = _api_settings() if not args.no_api else None
+    for name in [k for k in os.environ if k.startswith(SECRET_ENV_PREFIX)]:
+        del os.environ[name]
 
     import ray
 
@@ -81,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     started_cluster = cluster is not None or not args.address
     try:
         service = start_service(root, ram_by_node=simulated, tenants_file=tenants,
-                                node_dead_after_s=args.node_dead_after, skip_head=args.no_head_agent)
+                                node_dead_after_s=args.node_dead_after, skip_head=args.no_head_agent,
+                                engine_lease_s=args.engine_lease)
         client = RayClient()
         address = ray.get_runtime_context().gcs_address
         print(f"horizon-ray service on Ray cluster {address} (namespace {NAMESPACE})")
@@ -93,12 +104,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"  job table {service.store_path}; job outputs default to {service.jobs_root}/<tenant>/<job>")
         print(f"  clients: horizon-ray submit JOB.yaml --address {address}  (or --root {root})", flush=True)
         if not simulated:
-            threading.Thread(target=_rescan_nodes, args=(args.no_head_agent,), name="agent-rescan",
+            threading.Thread(target=_rescan_nodes, args=(args.no_head_agent, args.engine_lease), name="agent-rescan",
                              daemon=True).start()
-        if args.no_api:
+        if settings is None:
             _wait()
         else:
-            _serve_api(client, args.host, args.port)
+            _serve_api(client, settings, args.host, args.port)
     except KeyboardInterrupt:
         pass
     finally:
@@ -119,28 +130,33 @@ def _wait() -> None:
         time.sleep(3600)
 
 
-def _rescan_nodes(skip_head: bool) -> None:
+def _rescan_nodes(skip_head: bool, engine_lease_s: float) -> None:
     """On a real cluster, start an agent on every node that joins."""
     from horizon_ray.cluster.ray_actors import ensure_agents
 
     while True:
         time.sleep(5)
         try:
-            ensure_agents(skip_head=skip_head)
+            ensure_agents(skip_head=skip_head, engine_lease_s=engine_lease_s)
         except Exception as exc:  # noqa: BLE001 - try again at the next scan
             print(f"warning: starting agents on new nodes: {exc}", file=sys.stderr)
 
 
-def _serve_api(client, host: str, port: int) -> None:
+def _api_settings():
+    """The API's settings from the environment, or None when the API is not installed."""
     try:
-        from api.app import create_app
         from api.settings import ApiSettings
     except ImportError as exc:
         print(f"the API is not available ({exc}); serving the coordinator and agents only", file=sys.stderr)
-        _wait()
-        return
+        return None
+    return ApiSettings.from_env()
+
+
+def _serve_api(client, settings, host: str, port: int) -> None:
     import uvicorn
 
-    app = create_app(client, ApiSettings.from_env())
+    from api.app import create_app
+
+    app = create_app(client, settings)
     print(f"API on http://{host}:{port}", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="info")
