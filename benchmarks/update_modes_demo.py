@@ -15,7 +15,7 @@ from pathlib import Path
 
 from horizon_ray.job.demo import demo_spec, prepare_demo_assets
 from horizon_ray.job.events import Eval, Metrics, read_events
-from horizon_ray.job.runner import run_job
+from horizon_ray.job.runner import delayed_from, run_job
 
 MODES = ("exact", "speculative", "delayed")
 
@@ -34,7 +34,8 @@ def run_modes(steps: int, root: Path, modes=MODES, extra=(), device: str = "cpu"
                      "grad_norm": [e.grad_norm for e in metrics],
                      "rollbacks": metrics[-1].rollbacks if mode == "speculative" else None,
                      "clipped_steps": sum(e.grad_norm > spec.training.max_grad_norm for e in metrics),
-                     "device": device}
+                     "device": device,
+                     "exact_steps": delayed_from(spec) if mode == "delayed" else None}
     return out
 
 

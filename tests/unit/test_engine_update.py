@@ -259,3 +259,39 @@ def test_switching_to_delayed_gives_every_layout_two_wires_apart_from_the_master
     (la, sa), (lb, sb) = run(0.0), run(0.01)
     assert la == lb
     assert all(torch.equal(a, b) for a, b in zip(sa, sb))
+
+
+@pytest.mark.parametrize("switch", [0, 3])
+def test_delayed_is_adamw_on_the_gradient_of_the_weights_one_update_old(tmp_path, switch):
+    """Against HF + torch.optim.AdamW (fp32, clipping on every step): step k of the delayed update computes
+    its gradient on the weights after update k - 2 and AdamW applies it to the weights after update k - 1.
+    ``switch``: the step at which an exact run turns delayed (the runner's schedule); that step still reads
+    the newest weights, the ones after it read one update old."""
+    from tests.tiny import reference_step, tiny_llama
+
+    path, cls = tiny_llama(tmp_path)
+    reader, master = cls.from_pretrained(path).float(), cls.from_pretrained(path).float()
+    opt = torch.optim.AdamW(master.parameters(), lr=HP["lr"], weight_decay=HP["weight_decay"])
+    still = torch.optim.SGD(reader.parameters(), lr=0.0)  # reference_step's optimizer: moves nothing
+    snapshot = lambda m: {n: p.detach().clone() for n, p in m.named_parameters()}  # noqa: E731
+    history = [snapshot(master)]  # history[k]: the weights after update k - 1
+    eng = Engine.from_pretrained(path, EngineConfig(**HP, max_grad_norm=0.5, device="cpu", compute_dtype="float32",
+                                                    update="delayed" if switch == 0 else "exact"))
+    for k, mbs in enumerate(random_batches(7, micro=2)):
+        if k == switch and switch:
+            eng.set_update("delayed")
+        with torch.no_grad():
+            for n, p in reader.named_parameters():
+                p.copy_(history[k if k <= switch else k - 1][n])
+        ref_loss, _, grads = reference_step(reader, dict(reader.named_parameters()), still, mbs, 0.5)
+        for n, p in master.named_parameters():
+            p.grad = grads[n]
+        opt.step()
+        history.append(snapshot(master))
+        assert eng.train_step(mbs) == pytest.approx(ref_loss, rel=1e-4), k
+    eng.synchronize()
+    for u in eng.store.trained:
+        views = u.layout.views(u.master)
+        for t in u.layout.tensors:
+            torch.testing.assert_close(views[t.key], history[-1][t.name], rtol=1e-4, atol=1e-5, msg=t.name)
+    eng.close()
