@@ -19,12 +19,15 @@ from starlette.types import Scope
 
 import horizon_ray
 from api import cluster_routes, files, openai
-from api.errors import install_error_handlers
+from api.errors import SafeJSONResponse, install_error_handlers
 from api.jobs import job_routes
 from api.limits import BodyLimitMiddleware
 from api.metrics import ApiMetrics, MetricsMiddleware
+from api.quotas import TenantLimits
 from api.settings import ApiSettings
+from api.streams import EventHub
 from horizon_ray.cluster.client import CoordinatorClient
+from horizon_ray.errors import BadInput
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 UPLOAD_ROUTES = ("/files", openai.PREFIX + "/files")  # POST bodies that are datasets: the upload limit
@@ -37,10 +40,15 @@ def create_app(client: CoordinatorClient, settings: ApiSettings) -> FastAPI:
         version=horizon_ray.__version__,
         description="Fine-tune large language models where host RAM, not GPU memory, is the limit. "
                     "Every route except /healthz, /readyz and /metrics needs `Authorization: Bearer <key>`.",
+        default_response_class=SafeJSONResponse,
+        docs_url=None,  # the CDN pages FastAPI would serve; see _mount_docs
+        redoc_url=None,
     )
     app.state.client = client
     app.state.settings = settings
     app.state.metrics = ApiMetrics(client)
+    app.state.limits = TenantLimits(settings)
+    app.state.hub = EventHub(client, poll_s=settings.sse_poll_s, threads=settings.stream_poll_threads)
     install_error_handlers(app)
 
     app.include_router(job_routes("/finetune"))
@@ -51,6 +59,8 @@ def create_app(client: CoordinatorClient, settings: ApiSettings) -> FastAPI:
     app.include_router(cluster_routes.router)
     app.include_router(cluster_routes.health)
     _mount_dashboard(app)
+    if settings.docs:
+        _mount_docs(app)
 
     def limit_for(scope: Scope) -> int:
         if scope.get("method") == "POST" and scope.get("path", "").rstrip("/") in UPLOAD_ROUTES:
@@ -90,3 +100,39 @@ def _mount_dashboard(app: FastAPI) -> None:
             "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+
+# Swagger UI from files on this machine: no script or style from elsewhere, no inline script.
+_DOCS_CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+             "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
+_DOCS_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>horizon-ray API</title>
+<link rel="stylesheet" href="/docs/assets/swagger-ui.css"></head>
+<body><div id="swagger-ui"></div>
+<script src="/docs/assets/swagger-ui-bundle.js"></script><script src="/docs/init.js"></script></body></html>
+"""
+_DOCS_INIT = """window.ui = SwaggerUIBundle({url: "/openapi.json", dom_id: "#swagger-ui", deepLinking: true,
+  presets: [SwaggerUIBundle.presets.apis], layout: "BaseLayout"});
+"""
+
+
+def _mount_docs(app: FastAPI) -> None:
+    """/docs: Swagger UI from the swagger-ui-bundle package's own files, under a CSP. Clusters are often
+    offline, and the dashboard keeps the API key on this origin: nothing is loaded from a CDN."""
+    try:
+        from swagger_ui_bundle import swagger_ui_path
+    except ImportError:
+        raise BadInput("the docs setting (HORIZON_API_DOCS) serves /docs from the swagger-ui-bundle package, "
+                       "which is not installed: pip install 'horizon-ray[docs]', or turn the setting off") from None
+    headers = {"Content-Security-Policy": _DOCS_CSP, "X-Content-Type-Options": "nosniff",
+               "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        return Response(_DOCS_PAGE, media_type="text/html", headers=headers)
+
+    @app.get("/docs/init.js", include_in_schema=False)
+    async def docs_init() -> Response:
+        return Response(_DOCS_INIT, media_type="text/javascript", headers=headers)
+
+    app.mount("/docs/assets", StaticFiles(directory=swagger_ui_path), name="docs-assets")

@@ -117,4 +117,5 @@ async def current_tenant(request: Request,
     if tenant is None:
         raise ApiError(401, "unauthorized", "invalid API key", headers=_UNAUTHORIZED_HEADERS)
     request.state.tenant = tenant
+    request.app.state.limits.request(tenant)  # 429 with Retry-After over the tenant's request rate
     return Tenant(name=tenant, client=request.app.state.client, settings=settings)

@@ -9,6 +9,7 @@ traceback never leaves the process.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -65,6 +66,21 @@ HTTP_CODES: dict[int, str] = {
 }
 
 
+# What a client learns when the coordinator cannot be reached: the cause (Ray actor ids, addresses, processes)
+# goes to the server's log, never into a response.
+UNAVAILABLE_MESSAGE = "the coordinator is not answering; retry in a few seconds"
+UNAVAILABLE_RETRY_S = 5
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON whose strings are always UTF-8: a lone surrogate (in a record stored before the edge refused them)
+    is written as its JSON escape instead of failing the whole answer."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None,
+                          separators=(",", ":")).encode("utf-8", "backslashreplace")
+
+
 class ApiError(Exception):
     """An HTTP-level error raised by the API's own code (bad path in a spec, missing file, ...)."""
 
@@ -105,8 +121,8 @@ def error_response(
     details: Any = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(code, message, field=field, details=details), status_code=status,
-                        headers=headers)
+    return SafeJSONResponse(error_body(code, message, field=field, details=details), status_code=status,
+                            headers=headers)
 
 
 def domain_status(exc: HorizonError) -> int:
@@ -130,7 +146,8 @@ def spec_error_field(message: str) -> str | None:
 def _loc_to_field(loc: tuple | list, kind: str) -> str:
     if kind == "json_invalid":  # loc holds a character offset, not a field
         return "body"
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    # the first element says where the parameter is; the rest names it (a parameter may be called "path")
+    parts = [str(p) for p in (loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc)]
     return ".".join(parts) or ".".join(str(p) for p in loc)
 
 
@@ -146,6 +163,8 @@ async def _domain_error(request: Request, exc: HorizonError) -> JSONResponse:
         field = spec_error_field(exc.message)
     if status >= 500:
         log.warning("domain error %s on %s %s: %s", exc.code, request.method, request.url.path, exc.message)
+        return error_response(status, exc.code, UNAVAILABLE_MESSAGE,
+                              headers={"Retry-After": str(UNAVAILABLE_RETRY_S)})
     return error_response(status, exc.code, exc.message, field=field,
                           details={k: v for k, v in exc.details.items() if k != "field"})
 

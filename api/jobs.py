@@ -6,23 +6,21 @@ takes its ``Tenant`` from the one auth dependency, so another tenant's job is a 
 
 from __future__ import annotations
 
-import json
-import logging
 import os
-import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
-import anyio
 from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
 
 from api.auth import Tenant, current_tenant
 from api.errors import ApiError
 from api.outputs import TarStream
+from api.params import EventId, SafePath, SafeText
 from api.paths import PathPolicy, confine, confine_spec, safe_relative
 from api.schemas import (
     CANCEL_RESPONSES,
@@ -38,11 +36,10 @@ from api.schemas import (
     event_object,
     job_object,
 )
-from horizon_ray.cluster.errors import HorizonError
 from horizon_ray.cluster.messages import JobEvent, JobStatus
 from horizon_ray.jobspec import JobSpec
 
-JOB_ID = Annotated[str, PathParam(min_length=1, max_length=64, description="job id, job-<hex>")]
+JOB_ID = Annotated[SafeText, PathParam(min_length=1, max_length=64, description="job id, job-<hex>")]
 SPEC_BODY = Annotated[
     JobSpec,
     Body(openapi_examples={"tiny": {"summary": "a small run", "value": {
@@ -52,8 +49,6 @@ SPEC_BODY = Annotated[
 SSE_MEDIA = "text/event-stream"
 OCTETS = "application/octet-stream"
 MAX_SEQ = 2**62  # event sequence numbers fit the job store's 64-bit integers
-
-log = logging.getLogger("api")
 
 
 def checked_spec(tenant: Tenant, spec: JobSpec) -> dict[str, Any]:
@@ -73,7 +68,7 @@ def job_routes(base: str) -> APIRouter:
         spec: SPEC_BODY,
         response: Response,
         tenant: Annotated[Tenant, Depends(current_tenant)],
-        idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255,
+        idempotency_key: Annotated[SafeText | None, Header(alias="Idempotency-Key", min_length=1, max_length=255,
                                                       description="a retried create with the same key "
                                                                   "returns the same job")] = None,
         priority: Annotated[int, Query(ge=-1000, le=1000, description="higher runs first among your "
@@ -88,7 +83,7 @@ def job_routes(base: str) -> APIRouter:
     async def list_jobs(
         tenant: Annotated[Tenant, Depends(current_tenant)],
         limit: Annotated[int, Query(ge=1, le=100)] = 20,
-        after: Annotated[str | None, Query(min_length=1, max_length=64,
+        after: Annotated[SafeText | None, Query(min_length=1, max_length=64,
                                            description="id of the last job of the previous page")] = None,
         status: Annotated[JobStatus | None, Query(description="only jobs in this state")] = None,
     ) -> JobList:
@@ -121,19 +116,23 @@ def job_routes(base: str) -> APIRouter:
         tenant: Annotated[Tenant, Depends(current_tenant)],
         after: Annotated[int, Query(ge=0, le=MAX_SEQ, description="only events with seq > after")] = 0,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-        last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=32,
-                                                    include_in_schema=False)] = None,
+        last_event_id: Annotated[EventId | None, Header(alias="Last-Event-ID", max_length=32,
+                                                        include_in_schema=False)] = None,
     ):
         if SSE_MEDIA in request.headers.get("accept", ""):
-            start = after
-            if last_event_id and last_event_id.strip().isascii() and last_event_id.strip().isdecimal():
-                start = max(start, min(int(last_event_id.strip()), MAX_SEQ))
-            await tenant.get(job_id)  # 404 as JSON before the stream starts
-            return StreamingResponse(
-                sse_stream(request, tenant, job_id, start),
-                media_type=SSE_MEDIA,
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
+            record = await tenant.get(job_id)  # 404 as JSON before the stream starts
+            # A resumed stream starts after the client's last event, but never past the job's newest one: the
+            # stream (and its end event) only ever names events that exist.
+            start = min(max(after, int(last_event_id or 0)), record.last_seq)
+            close = request.app.state.limits.open_stream(tenant.name)  # 429 beyond the tenant's streams
+            try:
+                stream = request.app.state.hub.stream(request, tenant.name, job_id, start,
+                                                      tenant.settings.sse_heartbeat_s)
+                return ClosingStream(stream, close, media_type=SSE_MEDIA,
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            except BaseException:
+                close()
+                raise
         events: list[JobEvent] = await tenant.events(job_id, after)
         page = events[:limit]
         return EventList(data=[event_object(e) for e in page], has_more=len(events) > limit,
@@ -172,7 +171,7 @@ def job_routes(base: str) -> APIRouter:
                                                     "description": "the file's bytes"}},
                 summary="Download one file of a job's outputs")
     async def job_output_file(
-        job_id: JOB_ID, path: str, tenant: Annotated[Tenant, Depends(current_tenant)]
+        job_id: JOB_ID, path: SafePath, tenant: Annotated[Tenant, Depends(current_tenant)]
     ) -> FileResponse:
         root = await _output_root(tenant, job_id)
         try:
@@ -211,42 +210,16 @@ def _walk_outputs(root: Path) -> list[OutputFile]:
     return files
 
 
-def sse_message(event: JobEvent) -> str:
-    data = json.dumps(event_object(event).model_dump(), separators=(",", ":"))
-    return f"id: {event.seq}\nevent: {event.type.value}\ndata: {data}\n\n"
+class ClosingStream(StreamingResponse):
+    """A streaming response that calls `on_close` however it ends (sent whole, client gone, error): it
+    releases the stream's slot among its tenant's (api.quotas)."""
 
+    def __init__(self, content: Any, on_close: Callable[[], None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
 
-async def sse_stream(request: Request, tenant: Tenant, job_id: str, after: int) -> AsyncIterator[str]:
-    """Events with seq > after, in order, as they happen; ends with an `end` event once the job is terminal
-    and every event was sent. A client that reconnects sends Last-Event-ID and misses nothing."""
-    settings = tenant.settings
-    last = after
-    idle_since = time.monotonic()
-    yield "retry: 2000\n\n"
-    try:
-        # Under ASGI 2.4 servers Starlette stops watching for the client leaving, and a quiet stream writes
-        # nothing that could fail: ask, or a stream of a held job would poll forever.
-        while not await request.is_disconnected():
-            events = await tenant.events(job_id, last)
-            for event in events:
-                yield sse_message(event)
-                last = event.seq
-            if events:
-                idle_since = time.monotonic()
-                continue
-            record = await tenant.get(job_id)
-            if record.status.is_terminal():
-                for event in await tenant.events(job_id, last):
-                    yield sse_message(event)
-                    last = event.seq
-                end = {"job_id": job_id, "status": record.status.value, "last_seq": last}
-                yield f"event: end\ndata: {json.dumps(end)}\n\n"
-                return
-            if time.monotonic() - idle_since >= settings.sse_heartbeat_s:
-                idle_since = time.monotonic()
-                yield ": keep-alive\n\n"
-            await anyio.sleep(settings.sse_poll_s)
-    except HorizonError as exc:
-        # The response has started: no status code can change now. The client reconnects with
-        # Last-Event-ID and gets the JSON error then.
-        log.warning("event stream of %s ended early: %s", job_id, exc.message)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()

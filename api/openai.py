@@ -156,7 +156,8 @@ async def _chunks(upload: UploadFile) -> AsyncIterator[bytes]:
 
 
 @router.post("/files", status_code=200, summary="Upload a JSONL dataset (OpenAI: multipart, purpose fine-tune)")
-async def create_file(tenant: Annotated[Tenant, Depends(current_tenant)], file: Annotated[UploadFile, File()],
+async def create_file(request: Request, tenant: Annotated[Tenant, Depends(current_tenant)],
+                      file: Annotated[UploadFile, File()],
                       purpose: Annotated[str, Form()],
                       tokenizer: Annotated[str | None, Form(max_length=512, description=(
                           "horizon-ray's extension (extra_body in the SDK): a catalogue model whose tokenizer "
@@ -164,7 +165,8 @@ async def create_file(tenant: Annotated[Tenant, Depends(current_tenant)], file: 
     if purpose != "fine-tune":
         raise ApiError(400, "invalid_purpose", f"purpose {purpose!r} is not served here; this API takes training "
                        "data: purpose 'fine-tune'", field="purpose")
-    meta = await files.store_upload(tenant, _chunks(file), file.filename or "data.jsonl", "auto", tokenizer)
+    meta = await files.store_upload(request.app.state.limits, tenant, _chunks(file), file.filename or "data.jsonl",
+                                    "auto", tokenizer)
     return file_object(meta)
 
 

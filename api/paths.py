@@ -16,11 +16,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from api.errors import ApiError
 from api.settings import ENV_DATA_ROOTS, ENV_MODEL_CATALOGUE, ENV_MODEL_ROOTS, ApiSettings
+from horizon_ray.strings import MAX_PATH_BYTES, OUTPUT_ROOM_BYTES, problem
 
 FILE_ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
 
@@ -31,10 +33,66 @@ def upload_meta_path(files_dir: Path, file_id: str) -> Path:
 
 
 def read_upload_meta(files_dir: Path, file_id: str) -> dict[str, Any] | None:
+    """An upload's metadata, or None (no such upload, or its name is a link: never followed)."""
+    opened = open_regular(upload_meta_path(files_dir, file_id))
+    if opened is None:
+        return None
+    fd, _ = opened
     try:
-        return json.loads(upload_meta_path(files_dir, file_id).read_text())
+        with os.fdopen(fd, "rb") as f:
+            meta = json.loads(f.read(1 << 20))
     except (OSError, ValueError):
         return None
+    return meta if isinstance(meta, dict) else None
+
+
+def open_regular(path: Path) -> tuple[int, int] | None:
+    """(an open file descriptor, its size) when `path` is a regular file and no symbolic link; else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:  # missing, a link (ELOOP), a name too long ...
+        return None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # a FIFO or a device is no upload
+        os.close(fd)
+        return None
+    return fd, st.st_size
+
+
+def regular_file(path: Path) -> bool:
+    """`path` is a regular file itself, not a symbolic link to one."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def own_files_dir(settings: ApiSettings, tenant: str) -> Path | None:
+    """The tenant's upload directory when it exists as a plain directory where the settings put it (not a
+    link, and not under a link); None otherwise: nothing is read through a link."""
+    path = settings.files_dir(tenant)
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return None
+    except OSError:
+        return None
+    return path if Path(os.path.realpath(path)) == Path(os.path.realpath(settings.uploads_dir)) / tenant else None
+
+
+def upload_dir(settings: ApiSettings, tenant: str) -> Path:
+    """The tenant's upload directory, made when missing; RuntimeError when something planted a link in its
+    place (uploads never go through one)."""
+    settings.uploads_dir.mkdir(parents=True, exist_ok=True)
+    path = settings.files_dir(tenant)
+    try:
+        os.mkdir(path, 0o750)
+    except FileExistsError:
+        pass
+    found = own_files_dir(settings, tenant)
+    if found is None:
+        raise RuntimeError(f"the upload directory {path} is not a plain directory (a symbolic link?); "
+                           "uploads are refused until the operator replaces it")
+    return found
 
 
 def refuse(field: str, message: str) -> ApiError:
@@ -82,8 +140,9 @@ class PathPolicy:
     def dataset(self, field: str, value: str) -> str:
         """Absolute path of a readable dataset file named by `value`."""
         if FILE_ID_RE.fullmatch(value):
+            files_dir = own_files_dir(self.settings, self.tenant)
             path = self.files_dir / f"{value}.jsonl"
-            if not path.is_file():
+            if files_dir is None or not regular_file(path):  # a link planted under an upload's name is none
                 raise ApiError(422, "file_not_found", f"{field}: no uploaded file {value!r}", field=field)
             return str(path)
         return str(self._under_roots(field, value, self.settings.data_roots, "data", want_dir=False))
@@ -91,7 +150,9 @@ class PathPolicy:
     def upload(self, value: Any) -> dict[str, Any] | None:
         """What POST /files recorded about an uploaded dataset (its checked format and example count), when
         `value` is a file id of this tenant's."""
-        if not isinstance(value, str) or not FILE_ID_RE.fullmatch(value):
+        if not isinstance(value, str) or not FILE_ID_RE.fullmatch(value) or \
+                own_files_dir(self.settings, self.tenant) is None or \
+                not regular_file(self.files_dir / f"{value}.jsonl"):
             return None
         return read_upload_meta(self.files_dir, value)
 
@@ -124,6 +185,9 @@ class PathPolicy:
             rel = safe_relative(field, value)
             candidates = [(root / rel, root) for root in roots]
         for candidate, root in candidates:
+            bad = problem(str(candidate), max_bytes=MAX_PATH_BYTES, path=True)
+            if bad:
+                raise refuse(field, f"under its root, the path {bad}; give a shorter path")
             if not os.path.lexists(candidate):
                 continue
             found = confine(candidate, root)
@@ -150,6 +214,11 @@ class PathPolicy:
         """A tenant-named output directory, inside the tenant's output namespace."""
         rel = safe_relative("output_dir", value)
         path = self.outputs_dir / rel
+        room = MAX_PATH_BYTES - OUTPUT_ROOM_BYTES
+        if len(str(path).encode("utf-8")) > room:
+            raise refuse("output_dir", f"inside your output namespace it is {len(str(path).encode('utf-8'))} bytes "
+                                       f"long; the files a job writes there need it at {room} or fewer: choose a "
+                                       "shorter path")
         if confine(path, self.outputs_dir) is None:
             raise refuse("output_dir", "resolves outside your output namespace (symlink)")
         return str(path)

@@ -36,13 +36,15 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     404: _err("no such resource for this tenant (another tenant's is reported the same way)"),
     413: _err("request body larger than the limit"),
     422: _err("invalid request; `field` names the offending field"),
+    429: _err("over one of the tenant's limits (request rate, streams open, uploads); retry after the "
+              "Retry-After header's seconds"),
     500: _err("internal error (never carries a traceback)"),
-    503: _err("the coordinator is unavailable"),
+    503: _err("the coordinator is unavailable; retry after the Retry-After header's seconds"),
 }
 JOB_CREATE_RESPONSES: dict[int | str, dict[str, Any]] = {
     **ERROR_RESPONSES,
     409: _err("the Idempotency-Key was used before with another spec"),
-    429: _err("the tenant's quota forbids the job"),
+    429: _err("the tenant's quota forbids the job, or it is over its request rate (Retry-After)"),
 }
 CANCEL_RESPONSES: dict[int | str, dict[str, Any]] = {
     **ERROR_RESPONSES,

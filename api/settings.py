@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from horizon_ray.cluster.agent import SECRET_ENV_PREFIX
 from horizon_ray.cluster.tenants import check_tenant_name
 from horizon_ray.errors import BadInput
 from horizon_ray.home import HOME_VARIABLE, service_root
@@ -34,6 +35,30 @@ PLACEHOLDER_KEY_WORDS = ("replace-me", "replace_me", "replaceme", "change-me", "
                          "placeholder", "your-key", "your_key", "your-api-key", "example")
 ENV_MAX_UPLOAD = "HORIZON_API_MAX_UPLOAD_BYTES"
 ENV_HOME = HOME_VARIABLE
+# Per-tenant limits (api/quotas.py) and what bounds the work of one request
+ENV_RATE_LIMIT = "HORIZON_API_RATE_LIMIT_PER_S"
+ENV_RATE_BURST = "HORIZON_API_RATE_LIMIT_BURST"
+ENV_MAX_STREAMS = "HORIZON_API_MAX_STREAMS_PER_TENANT"
+ENV_STREAM_THREADS = "HORIZON_API_STREAM_POLL_THREADS"
+ENV_MAX_UPLOADS = "HORIZON_API_MAX_UPLOADS_IN_FLIGHT"
+ENV_MAX_FILES = "HORIZON_API_MAX_FILES_PER_TENANT"
+ENV_MAX_FILE_BYTES = "HORIZON_API_MAX_FILE_BYTES_PER_TENANT"
+ENV_MAX_LINE = "HORIZON_API_MAX_UPLOAD_LINE_BYTES"
+_NUMBERS = {  # setting -> (its variable, its type)
+    "rate_limit_per_s": (ENV_RATE_LIMIT, float),
+    "rate_limit_burst": (ENV_RATE_BURST, int),
+    "max_streams_per_tenant": (ENV_MAX_STREAMS, int),
+    "stream_poll_threads": (ENV_STREAM_THREADS, int),
+    "max_uploads_in_flight": (ENV_MAX_UPLOADS, int),
+    "max_files_per_tenant": (ENV_MAX_FILES, int),
+    "max_file_bytes_per_tenant": (ENV_MAX_FILE_BYTES, int),
+    "max_upload_line_bytes": (ENV_MAX_LINE, int),
+}
+ENV_DOCS = "HORIZON_API_DOCS"  # 1: serve /docs (Swagger UI from the files of the swagger-ui-bundle package)
+# Every variable above that names a secret (the keys, their file) starts with SECRET_ENV_PREFIX, which no process
+# but the API's may see: the node agents drop such variables from their engines' environment, serve from the Ray
+# processes it starts.
+assert all(v.startswith(SECRET_ENV_PREFIX) for v in (ENV_KEYS, ENV_KEYS_FILE))
 
 
 @dataclass(frozen=True)
@@ -65,7 +90,24 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(ENV_DATA_ROOTS, "none", f"{os.pathsep}-separated read-only dataset directories specs may name "
                                     "(data.path relative to one of them); uploads need none"),
     Setting(ENV_MAX_BODY, "1048576 (1 MiB)", "largest JSON request body; larger ones get 413"),
-    Setting(ENV_MAX_UPLOAD, "1073741824 (1 GiB)", "largest dataset upload (POST /files); larger ones get 413"),
+    Setting(ENV_MAX_UPLOAD, "1073741824 (1 GiB)", "largest dataset upload (POST /files, POST /v1/files); larger "
+                                                  "ones get 413"),
+    Setting(ENV_MAX_LINE, "8388608 (8 MiB)", "longest line (one example) an upload may have: what checking a line "
+                                             "holds in memory at once; a longer one is refused (422)"),
+    Setting(ENV_RATE_LIMIT, "20", "requests a second a tenant may make (a token bucket per tenant; 429 with "
+                                  "Retry-After beyond); 0: no limit"),
+    Setting(ENV_RATE_BURST, "100", "requests a tenant may make at once before the rate applies (the bucket's size)"),
+    Setting(ENV_MAX_STREAMS, "100", "event streams (SSE) a tenant may hold open at once; 429 with Retry-After "
+                                    "beyond"),
+    Setting(ENV_STREAM_THREADS, "4", "threads the event streams' followers (one per streamed job) use to ask the "
+                                     "coordinator"),
+    Setting(ENV_MAX_UPLOADS, "2", "uploads (POST /files, POST /v1/files) a tenant may send at once; 429 with "
+                                  "Retry-After beyond"),
+    Setting(ENV_MAX_FILES, "1000", "datasets a tenant may keep uploaded; 429 beyond (delete some)"),
+    Setting(ENV_MAX_FILE_BYTES, "107374182400 (100 GiB)", "bytes of datasets a tenant may keep uploaded, all files "
+                                                          "together; 429 beyond (delete some)"),
+    Setting(ENV_DOCS, "0", "1: serve /docs (Swagger UI from the vendored files of the swagger-ui-bundle package, pip "
+                           "install horizon-ray[docs]); otherwise /openapi.json only"),
 )
 
 
@@ -115,6 +157,25 @@ class ApiSettings:
     openai_api: bool = True
     # no API keys: every request is tenant "default" (serve --insecure-no-auth; a machine of one's own only)
     insecure_no_auth: bool = False
+    # requests a second a tenant may make (a token bucket per tenant; 429 with Retry-After beyond); 0: no limit
+    rate_limit_per_s: float = 20.0
+    # requests a tenant may make at once before the rate applies (the bucket's size)
+    rate_limit_burst: int = 100
+    # event streams (SSE) a tenant may hold open at once; 429 with Retry-After beyond
+    max_streams_per_tenant: int = 100
+    # threads the event streams' followers (one per streamed job) use to ask the coordinator
+    stream_poll_threads: int = 4
+    # uploads (POST /files) a tenant may send at once; 429 with Retry-After beyond
+    max_uploads_in_flight: int = 2
+    # datasets a tenant may keep uploaded; 429 beyond (delete some)
+    max_files_per_tenant: int = 1000
+    # bytes of datasets a tenant may keep uploaded, all files together; 429 beyond (delete some)
+    max_file_bytes_per_tenant: int = 100 << 30
+    # longest line (one example) an upload may have: what checking a line holds in memory at once
+    max_upload_line_bytes: int = 8 << 20
+    # serve /docs: Swagger UI from the vendored files of the swagger-ui-bundle package (pip install
+    # horizon-ray[docs]), under a Content-Security-Policy; off: /openapi.json only
+    docs: bool = False
 
     def __post_init__(self) -> None:
         for key, tenant in self.api_keys.items():
@@ -138,6 +199,13 @@ class ApiSettings:
                 where = ", ".join(str(r) for r in self.model_roots) or f"none: {ENV_MODEL_ROOTS} is not set"
                 raise BadInput(f"{ENV_MODEL_CATALOGUE}: {name}={path} lies under no model root ({where}); add its "
                                f"parent directory to {ENV_MODEL_ROOTS}")
+        if self.rate_limit_per_s < 0 or self.rate_limit_burst < 1:
+            raise BadInput(f"rate_limit_per_s is {self.rate_limit_per_s} and rate_limit_burst {self.rate_limit_burst}; "
+                           "give a rate >= 0 (0: no limit) and a burst >= 1")
+        for name in ("max_streams_per_tenant", "stream_poll_threads", "max_uploads_in_flight", "max_files_per_tenant",
+                     "max_file_bytes_per_tenant", "max_upload_line_bytes"):
+            if getattr(self, name) < 1:
+                raise BadInput(f"{name} is {getattr(self, name)}; give a positive number ({_NUMBERS[name][0]})")
 
     def files_dir(self, tenant: str) -> Path:
         """Where a tenant's uploaded datasets live."""
@@ -180,6 +248,15 @@ class ApiSettings:
                 except ValueError:
                     raise BadInput(f"{var}={env[var]!r} is not a number of bytes; give an integer, e.g. "
                                    "1073741824") from None
+        for name, (var, kind) in _NUMBERS.items():
+            if env.get(var):
+                try:
+                    kwargs[name] = kind(env[var])
+                except ValueError:
+                    raise BadInput(f"{var}={env[var]!r} is not {'an integer' if kind is int else 'a number'}; "
+                                   f"set it to one, or leave it unset for the default") from None
+        if env.get(ENV_DOCS):
+            kwargs["docs"] = env[ENV_DOCS].strip().lower() in ("1", "true", "yes", "on")
         kwargs.update(overrides)
         return cls(**kwargs)
 

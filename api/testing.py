@@ -7,7 +7,8 @@ in-process twin (``horizon_ray.cluster.fake``) with fake node agents, and settin
         httpx.post(f"{url}/finetune", json=bed.spec(), headers=bed.auth("acme"))
 
 The fake planner reads a model's host RAM from its directory name: ``1GiB`` fits every node,
-``1TiB`` none. Fake agents train one step per coordinator tick and report loss 1/step.
+``1TiB`` none. Fake agents train one step per coordinator tick and report loss 1/step. The per-tenant request
+rate is not limited here (tests poll as fast as they like); pass ``rate_limit_per_s`` to turn it on.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def make_testbed(
         data_roots=[data],
         model_roots=[models],
         sse_poll_s=0.05,
+        rate_limit_per_s=0,
     )
     kwargs.update(settings_overrides)
     return Testbed(root=root, client=client, settings=ApiSettings(**kwargs), keys=keys)

@@ -14,33 +14,37 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
+
+Commit = Callable[[], AbstractContextManager]  # held around the rename that makes a write visible
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, commit: Commit | None = None) -> Iterator[Path]:
     """A temporary sibling of `path` to write a file or a directory at; renamed onto `path` when the block
-    ends without an error, removed when it raises."""
+    ends without an error, removed when it raises. `commit()` is entered around the rename (a job's lease:
+    a fenced engine makes nothing visible)."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     _remove(tmp)  # this process's leftover of an earlier attempt
     try:
         yield tmp
         fsync_tree(tmp)
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        with commit() if commit is not None else nullcontext():
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException:
         _remove(tmp)
         raise
 
 
-def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+def write_atomic(path: str | os.PathLike, data: bytes, commit: Commit | None = None) -> None:
     """`path` holds `data`, whole, or what it held before."""
-    with atomic_path(path) as tmp:
+    with atomic_path(path, commit) as tmp:
         tmp.write_bytes(data)
 
 

@@ -43,10 +43,12 @@ from pydantic import (
     ValidationInfo,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from horizon_ray.engine.model import DTYPE_BYTES, KERNELS, LORA_TARGETS, PRECISIONS, UPDATES
 from horizon_ray.errors import BadInput
 from horizon_ray.home import HOME_VARIABLE, horizon_home
+from horizon_ray.strings import MAX_PATH_BYTES, OUTPUT_ROOM_BYTES, fix, problem, shown
 from horizon_ray.workload import Adapters, Resolved, Workload, resolve
 
 _W, _A = Workload, Adapters  # the defaults of what the planner reads
@@ -97,9 +99,26 @@ def _expand_user(value: str, info: ValidationInfo) -> str:
     return value
 
 
+def _safe_text(value: str) -> str:
+    # Every string of a spec is checked where it comes in (horizon_ray.strings): a lone surrogate or a control
+    # character stored in a job would break every later read of it.
+    bad = problem(value)
+    if bad:
+        raise PydanticCustomError("unsafe_string", "{problem}; {fix}", {"problem": bad, "fix": fix(bad)})
+    return value
+
+
+def _safe_path(value: str) -> str:
+    bad = problem(value, max_bytes=MAX_PATH_BYTES, path=True)
+    if bad:
+        raise PydanticCustomError("unsafe_string", "{problem}; {fix}", {"problem": bad, "fix": fix(bad)})
+    return value
+
+
 Int = Annotated[int, BeforeValidator(_integer), Strict()]
 Float = Annotated[float, BeforeValidator(_float), Strict()]
-PathStr = Annotated[StrictStr, AfterValidator(_expand_user)]
+Text = Annotated[StrictStr, AfterValidator(_safe_text)]
+PathStr = Annotated[StrictStr, AfterValidator(_safe_path), AfterValidator(_expand_user)]
 Method = Literal[METHODS]
 DataFormat = Literal[DATA_FORMATS]
 Schedule = Literal[SCHEDULES]
@@ -183,7 +202,7 @@ class CheckpointSpec(_Section):
 
 
 class EngineSpec(_Section):
-    device: StrictStr = Field(_W.device, description=(
+    device: Text = Field(_W.device, description=(
         "auto (cuda when the node has a GPU, else cpu) | cpu | cuda | cuda:N"))
     compute_dtype: ComputeDtype = Field(_W.compute_dtype, description=(
         "auto (bfloat16 on cuda or with precision bf16-state, else float32) | float32 | bfloat16"))
@@ -215,7 +234,7 @@ class LoraSpec(_Section):
     dropout: Float = Field(0.0, description="dropout on each adapter's input while training")
     targets: list[Projection] = Field(default_factory=lambda: list(_A.targets), description=(
         "projections of every layer that get an adapter"))
-    modules_to_save: list[StrictStr] = Field(default_factory=lambda: list(_A.modules_to_save), description=(
+    modules_to_save: list[Text] = Field(default_factory=lambda: list(_A.modules_to_save), description=(
         "norms trained beside the adapters, by PEFT's modules_to_save names: norm (every norm), input_layernorm, "
         "post_attention_layernorm, model.norm (the final one)"))
     merge: StrictBool = Field(False, description=(
@@ -276,7 +295,7 @@ class JobSpec(_Section):
     output_dir: PathStr = Field("", description=(
         "metrics.jsonl, checkpoints/, final/ go here. Required in a file; over the API optional, relative to your "
         "output namespace (default: one directory per job)"))
-    name: StrictStr | None = Field(None, description="free-form label shown in logs")
+    name: Text | None = Field(None, description="free-form label shown in logs (plain text, at most 1024 bytes)")
 
     @model_validator(mode="after")
     def _lora_defaults(self) -> JobSpec:
@@ -360,6 +379,10 @@ class JobSpec(_Section):
         _require(self.data.path, "data.path", "data.path is required: set it to a JSONL training file")
         _require(self.output_dir, "output_dir", "output_dir is required: set it to a directory for metrics, "
                                                 "checkpoints and the final model")
+        room = MAX_PATH_BYTES - OUTPUT_ROOM_BYTES
+        if len(self.output_dir.encode("utf-8")) > room:
+            raise BadInput(f"output_dir is {len(self.output_dir.encode('utf-8'))} bytes long; the files a job writes "
+                           f"inside it need it at {room} bytes or fewer: choose a shorter path", field="output_dir")
         if self.method == "lora":
             self._check_lora()
         elif self.lora is not None:
@@ -474,6 +497,8 @@ def spec_error(err: dict[str, Any], root: type[BaseModel] = JobSpec, prefix: str
     key = prefix + where.key
     if kind == "literal_error":
         return BadInput(_one_of_message(key, value, _literal_values(where.annotation)), field=key)
+    if kind == "unsafe_string":
+        return BadInput(f"{key} {err.get('msg')}", field=key)
     if kind == "greater_than_equal":
         return BadInput(f"{key} is {value}; set it to {err['ctx']['ge']} or more", field=key)
     if value is None and kind != "missing":
@@ -481,7 +506,7 @@ def spec_error(err: dict[str, Any], root: type[BaseModel] = JobSpec, prefix: str
     expected = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
                 "string_type": "a string", "list_type": "a list"}.get(kind)
     if expected:
-        return BadInput(f"{key} must be {expected}; got {value!r}", field=key)
+        return BadInput(f"{key} must be {expected}; got {shown(value)}", field=key)
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         return BadInput(f"{key} must be a mapping of keys to values, not {type(value).__name__}", field=key)
     return BadInput(f"{key}: {err.get('msg', 'invalid value')}", field=key or None)
@@ -583,7 +608,7 @@ def _unknown_key_message(key: str, prefix: str, valid: list[str]) -> str:
 def _one_of_message(key: str, value: Any, allowed: tuple) -> str:
     close = difflib.get_close_matches(value, [str(a) for a in allowed], n=1) if isinstance(value, str) else []
     guess = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"{key} is {value!r}{guess}; use one of {', '.join(str(a) for a in allowed)}"
+    return f"{key} is {shown(value)}{guess}; use one of {', '.join(str(a) for a in allowed)}"
 
 
 def _require(value: str, field: str, message: str) -> None:

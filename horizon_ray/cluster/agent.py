@@ -26,7 +26,19 @@ across a coordinator restart) and how each finished job exited. A crash or OOM k
 exit: it never takes the agent down.
 
 Children get PR_SET_PDEATHSIG=SIGKILL: when the agent dies (its node is removed, the actor is killed) its
-jobs die with it, so a job recovered on another node never has a stale twin writing to its output_dir.
+jobs die with it. An agent that outlives its node (its raylet killed: the agent re-parented, still running) or
+is cut off from the coordinator stops its engines itself: every poll renews its lease with the coordinator, and
+`lease_s` after the last one it stops them (SIGTERM, SIGKILL `kill_grace_s` later). Each engine is also fenced
+by its job's lease on the output directory (`horizon_ray.job.lease`): the agent grants it the epoch of its
+start before it runs, and an engine whose job was recovered elsewhere or cancelled stops at its next step and
+writes nothing more.
+
+Engines get the agent's environment without the API's variables (`HORIZON_API_*`: the tenants' keys and
+their file): nothing but the API process may see them.
+
+When an engine dies of SIGKILL, its `ExitInfo` carries the evidence the coordinator needs to call it an OOM
+kill or not: the OOM kills the kernel counted while it ran (machine-wide and in this node's memory cgroup),
+the least memory the node had available, and the engine's peak RSS.
 
 This module imports no Ray; `ray_actors` turns `NodeAgent` into a Ray actor pinned to its node.
 """
@@ -56,12 +68,19 @@ import yaml
 from horizon_ray.atomic import write_atomic
 from horizon_ray.cluster import placement
 from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, Launch, NodeInfo, Reservation
+from horizon_ray.job import lease
 from horizon_ray.job.events import Event, decode
 
 log = logging.getLogger("horizon_ray.cluster")
 METRICS_FILE = "metrics.jsonl"
 PROBE_TIMEOUT_S = 600  # a first probe on a busy machine, with the engine's imports
 SPEC_FILE = "job.yaml"
+# An agent that has not heard from the coordinator for this long stops its engines. Longer than a coordinator
+# restart (its actor reloads the job table and polls again within seconds); the coordinator waits this long
+# (and the kill grace) after it last heard from a lost node before it starts that node's jobs elsewhere.
+ENGINE_LEASE_S = 60.0
+# Variables only the API process may see: the tenants' API keys and the path of their file.
+SECRET_ENV_PREFIX = "HORIZON_API_"
 _MAX_LINES_PER_POLL = 2000
 _STDERR_TAIL_BYTES = 4000
 
@@ -174,6 +193,11 @@ class Ledger:
 
 
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HORIZON_RAY_OPTIMIZER_THREADS")
+
+
+def without_secrets(env: dict[str, str]) -> dict[str, str]:
+    """`env` without the API's variables (SECRET_ENV_PREFIX)."""
+    return {k: v for k, v in env.items() if not k.startswith(SECRET_ENV_PREFIX)}
 
 
 def engine_env(res: Reservation, gpu_ids: list[str], fixed: dict[str, str] | None = None) -> dict[str, str]:
@@ -290,11 +314,62 @@ class _Job:
     proc: subprocess.Popen
     output_dir: Path
     log_path: Path
+    epoch: int = 1  # the start of the job this engine is (its lease's epoch)
     rss_bytes: int = 0
     peak_rss_bytes: int = 0
     cancel_at: float | None = None  # when the cancel was asked (SIGTERM sent)
+    stop_at: float | None = None  # when the agent stopped it itself (its lease with the coordinator ran out)
     exit: ExitInfo | None = None
     forgotten: bool = False  # killed by forget(): dropped (and its reservation released) once it is reaped
+    oom_kills_at_start: int = 0  # oom_kill_count() when it started
+    min_available_bytes: int | None = None  # the least memory the node had available while it ran
+
+
+def oom_kill_count(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup",
+                   vmstat: str = "/proc/vmstat") -> int:
+    """OOM kills counted so far by the kernel on this machine (/proc/vmstat) and in this process's memory
+    cgroup (v2 memory.events, v1 memory.oom_control): a counter that grows when an OOM kill happens here. 0
+    where neither is readable."""
+    total = 0
+    for line in _read(Path(vmstat)).splitlines():
+        if line.startswith("oom_kill "):
+            total += int(line.split()[1])
+    for d in _memory_cgroup_dirs(proc_cgroup, cgroup_root):
+        for name in ("memory.events", "memory.oom_control"):
+            for line in _read(d / name).splitlines():
+                if line.startswith("oom_kill "):
+                    return total + int(line.split()[1])
+    return total
+
+
+def available_memory_bytes(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """Memory this node can still hand out: the machine's available memory, or what its memory cgroup's limit
+    leaves when that is less (a pod)."""
+    available = psutil.virtual_memory().available
+    for d in _memory_cgroup_dirs(proc_cgroup, cgroup_root):
+        for limit_name, usage_name in (("memory.max", "memory.current"),
+                                       ("memory.limit_in_bytes", "memory.usage_in_bytes")):
+            limit, usage = _read(d / limit_name), _read(d / usage_name)
+            if limit.isdigit() and usage.isdigit() and int(limit) < 1 << 60:
+                return min(available, max(0, int(limit) - int(usage)))
+    return available
+
+
+def _memory_cgroup_dirs(proc_cgroup: str, cgroup_root: str) -> list[Path]:
+    """This process's memory cgroup directory (v2, or v1's memory controller), then the mount's root (inside a
+    container's cgroup namespace the path is "/" and the mount is the container's own cgroup)."""
+    out = []
+    for line in _read(Path(proc_cgroup)).splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            mount = Path(cgroup_root)
+        elif "memory" in controllers.split(","):
+            mount = Path(cgroup_root) / "memory"
+        else:
+            continue
+        out += [mount / path.lstrip("/"), mount]
+    return [d for d in out if d.is_dir()]
 
 
 def node_cpu_count(env: dict[str, str], *, proc_cgroup: str = "/proc/self/cgroup",
@@ -392,13 +467,18 @@ class NodeAgent:
         sample_interval_s: float = 0.2,
         kill_grace_s: float = 10.0,
         ray_reserved_bytes: int = 0,
+        lease_s: float = ENGINE_LEASE_S,
         probe: bool = False,
     ):
         """`gpu_count` None: the node's GPUs from nvidia-smi (see detect_gpus); a number declares logical
         GPUs 0..N-1 (simulated nodes). `cpu_count` None: the node's CPU limit (`node_cpu_count`). `ram_bytes`
-        None: the node's RAM (`node_ram_bytes`) less `ray_reserved_bytes`, what Ray takes of it. `probe`: measure
-        the node's ceilings (`horizon-ray probe`, cached) in the background and report them with the node."""
-        env = dict(env or {})
+        None: the node's RAM (`node_ram_bytes`) less `ray_reserved_bytes`, what Ray takes of it. `lease_s`: how
+        long its engines outlive the coordinator's last call (0: forever). `probe`: measure the node's ceilings
+        (`horizon-ray probe`, cached) in the background and report them with the node."""
+        # A Ray worker inherits its raylet's environment: whatever the API's variables reached, they end here.
+        for name in [k for k in os.environ if k.startswith(SECRET_ENV_PREFIX)]:
+            del os.environ[name]
+        env = without_secrets(dict(env or {}))
         if ram_bytes is None:
             total = node_ram_bytes({**os.environ, **env})
             ram_bytes = total - int(ray_reserved_bytes)
@@ -426,6 +506,8 @@ class NodeAgent:
         self._env = env
         self._sample_interval_s = sample_interval_s
         self._kill_grace_s = kill_grace_s
+        self._lease_s = lease_s
+        self._heard = time.monotonic()  # the coordinator's last call
         self._jobs: dict[str, _Job] = {}
         self._draining = False  # set by drain(): no new job starts here
         self._lock = threading.RLock()
@@ -440,13 +522,16 @@ class NodeAgent:
 
     def info(self) -> NodeInfo:
         with self._lock:
+            self._heard = time.monotonic()
             self._reap()
             return self._ledger.node_info(self.node_id, ray_node_id=self.ray_node_id,
-                                          incarnation=self.incarnation, ceilings=self._ceilings)
+                                          incarnation=self.incarnation, ceilings=self._ceilings,
+                                          engine_lease_s=self._lease_s + self._kill_grace_s if self._lease_s else 0.0)
 
     def start(self, launch: Launch) -> Reservation:
         job_id = launch.job_id
         with self._lock:
+            self._heard = time.monotonic()
             self._reap()
             if job_id in self._jobs and self._jobs[job_id].exit is None:
                 return self._ledger.entries[job_id]  # already running here: a retried start
@@ -465,16 +550,23 @@ class NodeAgent:
 
     def cancel(self, job_id: str) -> None:
         with self._lock:
+            self._heard = time.monotonic()
             self._reap()  # a job that already exited (0: its model is written) is not cancelled after the fact
             job = self._jobs.get(job_id)
             if job is None or job.exit is not None or job.cancel_at is not None:
                 return
             job.cancel_at = time.time()
+            # revoked first: when this returns, the engine writes nothing more, even before it exits
+            try:
+                lease.revoke(job.output_dir, job_id, job.epoch)
+            except OSError as exc:  # its storage failing: the signal below still stops it
+                print(f"agent {self.node_id}: could not revoke the lease of {job_id}: {exc}", file=sys.stderr)
             _signal_group(job.proc, signal.SIGTERM)
 
     def poll(self, offsets: dict[str, int]) -> dict[str, AgentJobReport]:
         """Reports of every job this agent holds (running, or exited and not yet forgotten)."""
         with self._lock:
+            self._heard = time.monotonic()
             self._reap()
             reports = {}
             for job_id, job in self._jobs.items():
@@ -586,16 +678,21 @@ class NodeAgent:
         log_dir = output_dir / "logs"
         log_dir.mkdir(exist_ok=True)
         log_path = log_dir / f"attempt-{launch.attempt}-{self.node_id}.log"
-        env = {**os.environ, **self._env}
-        env["HORIZON_RAY_JOB_ID"] = job_id
+        env = without_secrets({**os.environ, **self._env})
+        env[lease.ENV_JOB] = job_id
+        env[lease.ENV_EPOCH] = str(launch.attempt)
         env["HORIZON_RAY_NODE_ID"] = self.node_id
         env.update(engine_env(res, self._gpu_ids, self._env))
         argv = [*self._command, "--config", str(spec_path), "--resume"]
+        # The lease is this start's before the engine runs: an earlier engine of the job stops at its next step.
+        lease.grant(output_dir, job_id, launch.attempt, self.node_id)
+        oom_kills = oom_kill_count()
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     env=env, cwd=str(output_dir), start_new_session=True,
                                     preexec_fn=functools.partial(_set_pdeathsig, os.getpid()))
-        return _Job(job_id=job_id, proc=proc, output_dir=output_dir, log_path=log_path)
+        return _Job(job_id=job_id, proc=proc, output_dir=output_dir, log_path=log_path, epoch=launch.attempt,
+                    oom_kills_at_start=oom_kills)
 
     def _reap(self) -> None:
         """Record the exit of finished children and free their reservations. Caller holds the lock."""
@@ -608,22 +705,27 @@ class NodeAgent:
             except ChildProcessError:
                 exited = True
             if not exited:
-                if job.cancel_at is not None and now - job.cancel_at > self._kill_grace_s:
+                asked = job.cancel_at if job.cancel_at is not None else job.stop_at
+                if asked is not None and now - asked > self._kill_grace_s:
                     _signal_group(job.proc, signal.SIGKILL)
                 continue
             # whatever the engine started in its session dies with it: nothing may outlive the reservation
             _signal_group(job.proc, signal.SIGKILL)
             rc = job.proc.wait()
             job.exit = ExitInfo(returncode=rc, cancelled=job.cancel_at is not None and rc != 0,
-                                peak_rss_bytes=job.peak_rss_bytes, stderr_tail=_tail(job.log_path), time=now)
+                                peak_rss_bytes=job.peak_rss_bytes, stderr_tail=_tail(job.log_path), time=now,
+                                oom_kills=max(0, oom_kill_count() - job.oom_kills_at_start),
+                                min_available_bytes=job.min_available_bytes, ram_bytes=self._ledger.ram_bytes)
             self._ledger.release(job.job_id)
             if job.forgotten:
                 self._jobs.pop(job.job_id, None)
 
     def _sample(self) -> None:
-        for job in list(self._jobs.values()):
-            if job.exit is not None:
-                continue
+        running = [job for job in self._jobs.values() if job.exit is None]
+        available = available_memory_bytes() if running else 0
+        for job in running:
+            job.min_available_bytes = available if job.min_available_bytes is None else \
+                min(job.min_available_bytes, available)
             try:
                 p = psutil.Process(job.proc.pid)
                 rss = p.memory_info().rss
@@ -643,7 +745,18 @@ class NodeAgent:
         while not self._stop.wait(self._sample_interval_s):
             with self._lock:
                 self._sample()
+                self._fence()
                 self._reap()
+
+    def _fence(self) -> None:
+        """Stop every engine once the coordinator has not called for `lease_s`: it may have recovered them on
+        another node (this node cut off, or its raylet gone while this process lives on). Caller holds the lock."""
+        if not self._lease_s or time.monotonic() - self._heard <= self._lease_s:
+            return
+        for job in self._jobs.values():
+            if job.exit is None and job.stop_at is None and job.cancel_at is None:
+                job.stop_at = time.time()
+                _signal_group(job.proc, signal.SIGTERM)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

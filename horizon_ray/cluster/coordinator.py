@@ -25,6 +25,7 @@ on several hosts, jobs_root must be a shared filesystem (NFS, a mounted bucket).
 from __future__ import annotations
 
 import builtins
+import logging
 import threading
 import time
 import uuid
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from horizon_ray.cluster.agent import Agent, AgentUnavailable, ReservationRefused
+from horizon_ray.cluster.agent import ENGINE_LEASE_S, Agent, AgentUnavailable, ReservationRefused
 from horizon_ray.cluster.errors import (
     IdempotencyConflict,
     InvalidRequest,
@@ -43,7 +44,7 @@ from horizon_ray.cluster.errors import (
     JobRejected,
     QuotaExceeded,
 )
-from horizon_ray.cluster.exits import exit_outcome, last_line
+from horizon_ray.cluster.exits import MAX_RETRIES, exit_outcome, last_line, retry_pause_s
 from horizon_ray.cluster.messages import (
     AgentJobReport,
     Checkpoint,
@@ -73,7 +74,10 @@ from horizon_ray.cluster.reports import MemoryMark, apply_report
 from horizon_ray.cluster.store import JobStore
 from horizon_ray.cluster.tenants import TenantsConfig, check_tenant_name, fair_order, format_bytes
 from horizon_ray.errors import BadInput
+from horizon_ray.job import lease
+from horizon_ray.strings import fix, problem
 
+log = logging.getLogger("horizon_ray.cluster")
 SpecValidator = Callable[[dict[str, Any]], dict[str, Any]]
 WAITING = (JobStatus.RECOVERING, JobStatus.QUEUED)
 ACTIVE = (JobStatus.RUNNING, JobStatus.CHECKPOINTING, JobStatus.CANCELLING)
@@ -95,6 +99,7 @@ class _NodeState:
     alive: bool = False  # reachable at the last tick
     failed_since: float | None = None  # first failed contact of the current outage
     incarnation: str | None = None  # the agent's incarnation seen last
+    last_contact: float | None = None  # the last call it answered (its engines stop engine_lease_s after it)
 
 
 @dataclass
@@ -149,6 +154,10 @@ class Coordinator:
             self._check_tenant(tenant)
             if not isinstance(priority, int) or isinstance(priority, bool):
                 raise InvalidRequest(f"priority is {priority!r}; give an integer (higher runs first)")
+            for field, value in (("name", name), ("idempotency_key", idempotency_key)):
+                bad = problem(value) if isinstance(value, str) else None if value is None else "is not a string"
+                if bad:  # stored in the job table and shown in every listing
+                    raise InvalidRequest(f"{field} {bad}; {fix(bad)}", field=field)
             if idempotency_key is not None:
                 existing = self.store.find_idempotent(tenant, idempotency_key)
                 if existing is not None:
@@ -221,6 +230,9 @@ class Coordinator:
                                         "ended can be cancelled", status=job.status.value)
             if job.status in (JobStatus.RUNNING, JobStatus.CHECKPOINTING):
                 self._move(job, JobStatus.CANCELLING, reason="cancel requested")
+                # When cancel returns, no engine of the job writes anything: the lease goes first (the engine
+                # stops at its next check, wherever it runs), then the agent is asked to stop the process.
+                self._revoke(job)
                 agent = self._agents().get(job.node_id or "")
                 if agent is not None:
                     self._send_cancel(agent, job)
@@ -294,7 +306,9 @@ class Coordinator:
                                       why=f"the agent of node {node_id} is gone")
             for job in self.store.jobs(statuses=ACTIVE):
                 if job.node_id not in self._nodes:
-                    st = self._nodes[job.node_id] = _NodeState(job.node_id, failed_since=self._started)
+                    # its agent last heard from the coordinator that ran before this one, at the latest
+                    st = self._nodes[job.node_id] = _NodeState(job.node_id, failed_since=self._started,
+                                                               last_contact=self._started)
                     self._node_failed(st, now, definitive=False, why=f"node {job.node_id} has no agent")
             self._schedule(agents)
 
@@ -307,14 +321,21 @@ class Coordinator:
         try:
             reports = agent.poll(offsets)
             info = agent.info()  # after the poll, so that the ledger no longer holds jobs that exited
+            held = {r.job_id for r in info.ledger}
+            if any(r.exit is None and job_id not in held for job_id, r in reports.items()):
+                # one exited between the two calls: its exit is recorded before its place is given away
+                reports = agent.poll(offsets)
         except AgentUnavailable as exc:
             self._node_failed(st, now, definitive=exc.definitive, why=str(exc))
             return
         except Exception as exc:  # noqa: BLE001 - any failure to talk to an agent is an outage
-            self._node_failed(st, now, definitive=False, why=f"{type(exc).__name__}: {exc}")
+            # the reason reaches the tenants of its jobs: the exception's text (addresses, ids) only the log
+            log.warning("node %s did not answer: %s: %s", node_id, type(exc).__name__, exc)
+            self._node_failed(st, now, definitive=False, why=f"its agent did not answer ({type(exc).__name__})")
             return
         restarted = st.incarnation is not None and info.incarnation != st.incarnation
         st.info, st.alive, st.failed_since, st.incarnation = info, True, None, info.incarnation
+        st.last_contact = now
         for job in mine:
             report = reports.pop(job.id, None)
             if report is None:
@@ -364,9 +385,22 @@ class Coordinator:
             return
         st.alive = False
         st.incarnation = None
+        # Its agent may live on, cut off (a raylet killed under it): it stops its engines engine_lease_s after
+        # it last heard from us; until then they are not started elsewhere. Their leases go at once, so that
+        # any of them that can still see its output directory stops at its next step.
+        held = st.info.engine_lease_s if st.info is not None else ENGINE_LEASE_S
+        wait = max(0.0, (st.last_contact or now) + held - now)
         for job in self.store.jobs(statuses=ACTIVE):
             if job.node_id == st.node_id:
-                self._lost(job, f"node {st.node_id} was lost ({why})")
+                self._revoke(job)
+                self._lost(job, f"node {st.node_id} was lost ({why})", retry_after_s=wait)
+
+    def _revoke(self, job: JobRecord) -> None:
+        """Revoke the lease of the job's current start on its output directory (see horizon_ray.job.lease)."""
+        try:
+            lease.revoke(job.output_dir, job.id, job.attempts)
+        except OSError as exc:  # storage this process cannot reach: the agent's lease stops the engine
+            log.warning("could not revoke the lease of %s in %s: %s", job.id, job.output_dir, exc)
 
     def _lost(self, job: JobRecord, why: str, retry_after_s: float = 0.0) -> None:
         """Its engine process is gone without an exit report, or stopped resumably: recover it (or finish a
@@ -399,7 +433,14 @@ class Coordinator:
     def _finish(self, job: JobRecord, ex: ExitInfo) -> None:
         planned = int((job.plan or {}).get("host_bytes") or 0)
         out = exit_outcome(ex, job.status, planned, job.node_id)
-        if out.status is JobStatus.RECOVERING:
+        if out.status is JobStatus.RECOVERING and out.retry:
+            job.retries += 1
+            if job.retries > MAX_RETRIES:
+                self._fail(job, out.code, f"{out.reason}; it was started {job.retries} times in a row without "
+                                          "completing a step, and is not retried again", **out.data)
+                return
+            self._lost(job, out.reason, retry_after_s=retry_pause_s(job.retries))
+        elif out.status is JobStatus.RECOVERING:
             self._lost(job, out.reason, retry_after_s=out.retry_after_s)
         elif out.status is JobStatus.FAILED:
             self._fail(job, out.code, out.reason, **out.data)

@@ -84,6 +84,7 @@ class FakeAgent:
         self.steps_per_poll = steps_per_poll
         self.checkpoint_every = checkpoint_every  # overrides the spec's checkpoint.every_steps when set
         self.auto = auto  # advance on poll; otherwise only `advance()` moves jobs
+        self.engine_lease_s = 0.0  # how long its engines outlive the coordinator's last call (NodeInfo's)
         self.alive = True
         self.incarnation = uuid.uuid4().hex[:12]
         self.jobs: dict[str, FakeJob] = {}
@@ -93,7 +94,8 @@ class FakeAgent:
 
     def info(self) -> NodeInfo:
         self._check_alive()
-        return self.ledger.node_info(self.node_id, incarnation=self.incarnation)
+        return self.ledger.node_info(self.node_id, incarnation=self.incarnation,
+                                     engine_lease_s=self.engine_lease_s)
 
     def start(self, launch: Launch) -> Reservation:
         self._check_alive()

@@ -183,9 +183,12 @@ class Service:
 def start_service(root: str | Path, *, ram_by_node: dict[str, int | SimulatedNode] | None = None,
                   tenants_file: str | Path | None = None, node_dead_after_s: float = 10.0,
                   agent_env: dict[str, str] | None = None, planner: str | None = None,
-                  skip_head: bool = False, jobs_root: str | Path | None = None) -> Service:
+                  skip_head: bool = False, jobs_root: str | Path | None = None,
+                  engine_lease_s: float | None = None, agent_command: list[str] | None = None) -> Service:
     """Agents on every node (only the simulated ones when `ram_by_node` is given: bytes of RAM or a
-    SimulatedNode per node; not on the head with `skip_head`) and the coordinator.
+    SimulatedNode per node; not on the head with `skip_head`) and the coordinator. `engine_lease_s`: how long an
+    agent's engines outlive the coordinator's last call (default agent.ENGINE_LEASE_S); `agent_command`: the argv
+    prefix of an engine (default `python -m horizon_ray.job`; benchmarks give a stand-in).
 
     Needs `ray.init` done. The job table is `<root>/coordinator.sqlite`; jobs without an output_dir write
     to `<jobs_root>/<tenant>/<job_id>/` (default jobs_root: `<root>/jobs`).
@@ -194,7 +197,9 @@ def start_service(root: str | Path, *, ram_by_node: dict[str, int | SimulatedNod
 
     root = Path(root).expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
-    agents = ensure_agents(ram_by_node, env=agent_env, only_simulated=bool(ram_by_node), skip_head=skip_head)
+    lease = {} if engine_lease_s is None else {"engine_lease_s": engine_lease_s}
+    agents = ensure_agents(ram_by_node, env=agent_env, only_simulated=bool(ram_by_node), skip_head=skip_head,
+                           command=agent_command, **lease)
     store = root / "coordinator.sqlite"
     jobs = Path(jobs_root).expanduser().resolve() if jobs_root is not None else root / "jobs"
     coordinator = start_coordinator(store, jobs, tenants_file=str(tenants_file) if tenants_file else None,

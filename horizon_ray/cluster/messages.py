@@ -91,9 +91,10 @@ class ErrorCode(enum.StrEnum):
     INVALID_SPEC = "invalid_spec"  # the spec failed validation (only after a coordinator restart)
     BAD_INPUT = "bad_input"  # the engine refused to start (exit code 2: missing model or data, ...)
     ENGINE_CRASHED = "engine_crashed"  # the engine process exited non-zero
-    OOM_KILLED = "oom_killed"  # the engine process was SIGKILLed, most likely out of memory
-    KILLED = "killed"  # the engine process died of another signal
+    OOM_KILLED = "oom_killed"  # the engine process was SIGKILLed out of memory (the evidence is in the message)
+    KILLED = "killed"  # the engine process died of a signal, again and again (no sign of memory pressure)
     START_FAILED = "start_failed"  # the agent could not start the engine process
+    OUTPUT_DIR_BUSY = "output_dir_busy"  # an earlier engine kept holding its output directory, start after start
 
 
 @dataclass
@@ -140,6 +141,8 @@ class JobRecord:
     attempts: int = 0  # how many times an engine process was started for it (1 + recoveries)
     last_checkpoint_step: int | None = None  # step of its newest complete checkpoint
     gpu_index: int | None = None  # GPU of `node_id` its engine holds or last held (None: a CPU job, never placed)
+    last_seq: int = 0  # seq of its newest event (filled in by the job store when it reads the record)
+    retries: int = 0  # starts in a row that ended without a step (killed, output directory busy): bounded
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (enums become their values)."""
@@ -202,6 +205,8 @@ class NodeInfo:
     # the node's measured ceilings, {"values": {Ceilings field: rate}, "source": str} (horizon_ray.probe), once its
     # agent probed it; None: the planner's defaults, labelled assumed
     ceilings: dict[str, Any] | None = None
+    engine_lease_s: float = 0.0  # the agent stops its engines at most this long after the coordinator's last
+    # call (its lease and the kill grace; 0: never): the coordinator waits this long before it recovers them
 
     @property
     def free_bytes(self) -> int:
@@ -253,6 +258,9 @@ class ExitInfo:
     peak_rss_bytes: int  # largest resident set the agent sampled
     stderr_tail: str  # last lines of its stderr
     time: float  # when the agent saw it exit
+    oom_kills: int = 0  # OOM kills the kernel counted while it ran (machine-wide and in the node's memory cgroup)
+    min_available_bytes: int | None = None  # the least memory the node had available while it ran (sampled)
+    ram_bytes: int = 0  # the node's RAM offered to jobs (what min_available_bytes is measured against)
 
 
 @dataclass

@@ -28,7 +28,13 @@ import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from horizon_ray.cluster.agent import RAY_PROCESSES_BYTES, THREAD_VARS, AgentUnavailable, NodeAgent
+from horizon_ray.cluster.agent import (
+    ENGINE_LEASE_S,
+    RAY_PROCESSES_BYTES,
+    THREAD_VARS,
+    AgentUnavailable,
+    NodeAgent,
+)
 from horizon_ray.cluster.client import _METHODS, COORDINATOR_NAME, NAMESPACE
 from horizon_ray.cluster.coordinator import Coordinator
 from horizon_ray.cluster.errors import HorizonError
@@ -52,10 +58,12 @@ class RayAgentProxy:
         try:
             return ray.get(getattr(self.handle, method).remote(*args, **kwargs), timeout=self.timeout_s)
         except ActorDiedError as exc:
-            why = f"agent {self.node_id} died: {_first_line(exc)}"
-            raise AgentUnavailable(why, definitive=True) from None
+            # The reason reaches tenants (a job's status event): Ray's text (actor ids, addresses) goes to the log.
+            log.warning("agent %s died: %s", self.node_id, exc)
+            raise AgentUnavailable(f"its agent died ({type(exc).__name__})", definitive=True) from None
         except (RayActorError, GetTimeoutError) as exc:
-            raise AgentUnavailable(f"agent {self.node_id} did not answer: {_first_line(exc)}") from None
+            log.warning("agent %s did not answer %s: %s", self.node_id, method, exc)
+            raise AgentUnavailable(f"its agent did not answer ({type(exc).__name__})") from None
 
     def info(self) -> NodeInfo:
         return self._call("info")
@@ -177,13 +185,14 @@ def ray_reserved_bytes(node: dict[str, Any]) -> int:
 
 def ensure_agents(ram_by_node: dict[str, Any] | None = None, *, command: list[str] | None = None,
                   env: dict[str, str] | None = None, only_simulated: bool = False,
-                  skip_head: bool = False) -> dict[str, Any]:
+                  skip_head: bool = False, engine_lease_s: float = ENGINE_LEASE_S) -> dict[str, Any]:
     """Start a NodeAgent on every alive Ray node that has none; returns node name -> handle.
 
     `ram_by_node`: what simulated nodes declare (by logical name): bytes of RAM or a `local.SimulatedNode`
     (RAM, logical GPUs, cores); other nodes report their real RAM (less Ray's share), GPUs (nvidia-smi) and
     cores. `only_simulated`: skip nodes without a `horizon_node_*` resource (the head of a simulated cluster).
-    `skip_head`: no agent on the head node (jobs run on worker nodes only).
+    `skip_head`: no agent on the head node (jobs run on worker nodes only). `engine_lease_s`: how long an
+    agent's engines outlive the coordinator's last call (NodeAgent's lease_s).
     """
     from horizon_ray.cluster.local import parse_node_value
 
@@ -204,7 +213,7 @@ def ensure_agents(ram_by_node: dict[str, Any] | None = None, *, command: list[st
         ).remote(name, ram_bytes=sim.ram_bytes if sim else None, gpu_count=sim.gpu_count if sim else None,
                  gpu_memory_bytes=sim.gpu_memory_bytes if sim else None, cpu_count=sim.cpu_count if sim else None,
                  ray_node_id=node["NodeID"], command=command, env=env,
-                 ray_reserved_bytes=0 if sim else ray_reserved_bytes(node), probe=True)
+                 ray_reserved_bytes=0 if sim else ray_reserved_bytes(node), lease_s=engine_lease_s, probe=True)
     for handle in handles.values():
         ray.get(handle.ping.remote(), timeout=120)
     return handles
@@ -255,11 +264,6 @@ def _import(path: str) -> Any:
 
     module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
 
 
 def node_thread_vars(ppid: int | None = None) -> dict[str, str]:

@@ -40,6 +40,7 @@ def apply_report(job: JobRecord, report: AgentJobReport, now: float, mark: Memor
             line = e.to_dict()
             job.metrics.update({k: v for k, v in line.items() if k not in ("type", "time")})
             if isinstance(e, ev.Metrics):
+                job.retries = 0  # a step done: the starts that ended without one are forgiven
                 p = job.progress
                 p.step = e.step
                 p.total_steps = e.total_steps if e.total_steps is not None else p.total_steps

@@ -108,31 +108,31 @@ class JobStore:
 
     def get_job(self, job_id: str) -> JobRecord | None:
         with self._lock:
-            row = self._db.execute("SELECT record FROM jobs WHERE id=?", (job_id,)).fetchone()
-        return JobRecord.from_dict(json.loads(row[0])) if row else None
+            row = self._db.execute("SELECT record, last_seq FROM jobs WHERE id=?", (job_id,)).fetchone()
+        return _record(row) if row else None
 
     def find_idempotent(self, tenant: str, key: str) -> JobRecord | None:
         with self._lock:
             row = self._db.execute(
-                "SELECT record FROM jobs WHERE tenant=? AND idempotency_key=?", (tenant, key)
+                "SELECT record, last_seq FROM jobs WHERE tenant=? AND idempotency_key=?", (tenant, key)
             ).fetchone()
-        return JobRecord.from_dict(json.loads(row[0])) if row else None
+        return _record(row) if row else None
 
     def jobs(self, *, statuses: tuple[JobStatus, ...] | None = None) -> list[JobRecord]:
         """Jobs in submit order, optionally only those in `statuses`."""
-        sql, args = "SELECT record FROM jobs", ()
+        sql, args = "SELECT record, last_seq FROM jobs", ()
         if statuses is not None:
             sql += f" WHERE status IN ({','.join('?' * len(statuses))})"
             args = tuple(s.value for s in statuses)
         with self._lock:
             rows = self._db.execute(sql + " ORDER BY created_at, id", args).fetchall()
-        return [JobRecord.from_dict(json.loads(r[0])) for r in rows]
+        return [_record(r) for r in rows]
 
     def list_jobs(
         self, tenant: str, *, limit: int, after: str | None, status: JobStatus | None
     ) -> tuple[list[JobRecord], bool]:
         """A tenant's jobs, newest first, `limit` of them after the job `after`; and whether more follow."""
-        sql, args = "SELECT record FROM jobs WHERE tenant=?", [tenant]
+        sql, args = "SELECT record, last_seq FROM jobs WHERE tenant=?", [tenant]
         if status is not None:
             sql += " AND status=?"
             args.append(status.value)
@@ -148,7 +148,7 @@ class JobStore:
         args.append(limit + 1)
         with self._lock:
             rows = self._db.execute(sql, args).fetchall()
-        jobs = [JobRecord.from_dict(json.loads(r[0])) for r in rows]
+        jobs = [_record(r) for r in rows]
         return jobs[:limit], len(jobs) > limit
 
     def metrics_offset(self, job_id: str) -> int:
@@ -209,6 +209,13 @@ class JobStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _record(row: tuple[str, int]) -> JobRecord:
+    """A job's record, with the seq of its newest event (kept in its own column by add_event)."""
+    job = JobRecord.from_dict(json.loads(row[0]))
+    job.last_seq = int(row[1])
+    return job
 
 
 class _Transaction:

@@ -3,7 +3,8 @@
 Exit codes (docs/CONTRACTS.md): 0 done, 2 bad input (a one-line message, nothing trained or the job refused
 to start), 1 crash (the traceback, then a one-line message), 143 stopped by SIGTERM and 130 by Ctrl-C (both
 resumable with --resume), 75 another runner holds the output directory (nothing done; retry once it has
-stopped). Inside a Ray job the command hands the spec to the service's coordinator instead (see
+stopped), 3 the job's lease moved on (an engine the node agent started; it stopped and wrote nothing more).
+Inside a Ray job the command hands the spec to the service's coordinator instead (see
 ``horizon_ray.cluster.follow``); the node agent runs its jobs with ``python -m horizon_ray.job``, which
 always trains here, with these exit codes (``run_here``). SIGUSR1 (the node agent's drain) stops it after
 the current step with a checkpoint of that step, exit 143.
@@ -60,6 +61,7 @@ def run_here(spec, *, resume: bool, progress: bool) -> int:
     from horizon_ray import exit_codes
     from horizon_ray.errors import BadInput
     from horizon_ray.job import runner
+    from horizon_ray.job.lease import Fenced
     from horizon_ray.job.runner import STOP_AFTER_STEP, JobTerminated, OutputDirBusy
 
     def on_sigterm(signum: int, frame: object) -> None:
@@ -78,6 +80,9 @@ def run_here(spec, *, resume: bool, progress: bool) -> int:
     except OutputDirBusy as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exit_codes.OUTPUT_DIR_BUSY
+    except Fenced as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exit_codes.FENCED
     except JobTerminated as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exit_codes.TERMINATED

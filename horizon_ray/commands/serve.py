@@ -13,7 +13,8 @@ remove them). The cluster's address is written to <root>/ray_address for `horizo
 A cluster serve starts runs Ray's dashboard and job server (--dashboard-port), so that `ray job submit --
 horizon-ray finetune --config job.yaml` hands its spec to this service. The API needs keys
 (HORIZON_API_KEYS or HORIZON_API_KEYS_FILE); without one serve refuses to start unless told
---insecure-no-auth. Every setting is listed by `serve --help` (api/settings.py's table).
+--insecure-no-auth. Every setting is listed by `serve --help` (api/settings.py's table). serve reads the API's
+settings first, then drops every HORIZON_API_* variable from its environment before any Ray process starts.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from horizon_ray.cluster.agent import ENGINE_LEASE_S, SECRET_ENV_PREFIX
 from horizon_ray.errors import BadInput
 
 
@@ -59,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "0 for none)")
     parser.add_argument("--node-dead-after", type=float, default=10.0, metavar="SECONDS",
                         help="a node unreachable this long loses its jobs to recovery (default 10)")
+    parser.add_argument("--engine-lease", type=float, default=ENGINE_LEASE_S, metavar="SECONDS",
+                        help="a node agent that has not heard from the coordinator this long stops its engines; the "
+                             "coordinator waits as long (and a kill grace) before it recovers a lost node's jobs "
+                             f"elsewhere (default {ENGINE_LEASE_S:.0f})")
     parser.add_argument("--stop-on-exit", action="store_true",
                         help="on a joined cluster, remove the coordinator and agents when serve exits")
 
@@ -91,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput(f"--insecure-no-auth with API keys set ({ENV_KEYS} or {ENV_KEYS_FILE}): drop one of them")
     dashboard = args.dashboard_port if args.dashboard_port else None
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # The API's settings were read above, and its variables (the tenants' keys, their file) leave this process's
+    # environment before any Ray process starts from it: no raylet, worker or engine inherits them.
+    for name in [k for k in os.environ if k.startswith(SECRET_ENV_PREFIX)]:
+        del os.environ[name]
 
     import ray
 
@@ -112,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         service = start_service(root, ram_by_node=simulated, tenants_file=tenants,
                                 node_dead_after_s=args.node_dead_after, skip_head=args.no_head_agent,
-                                jobs_root=settings.jobs_root)
+                                jobs_root=settings.jobs_root, engine_lease_s=args.engine_lease)
         client = RayClient()
         address = ray.get_runtime_context().gcs_address
         print(f"horizon-ray service on Ray cluster {address} (namespace {NAMESPACE})")
@@ -129,8 +139,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{jobs_url}; --address {jobs_url} when another Ray cluster started later on this machine)")
         print(flush=True)
         if not simulated:
-            threading.Thread(target=_rescan_nodes, args=(args.no_head_agent,), name="agent-rescan",
-                             daemon=True).start()
+            threading.Thread(target=_rescan_nodes, args=(args.no_head_agent, args.engine_lease),
+                             name="agent-rescan", daemon=True).start()
         if args.no_api:
             _wait()
         else:
@@ -155,14 +165,14 @@ def _wait() -> None:
         time.sleep(3600)
 
 
-def _rescan_nodes(skip_head: bool) -> None:
+def _rescan_nodes(skip_head: bool, engine_lease_s: float) -> None:
     """On a real cluster, start an agent on every node that joins."""
     from horizon_ray.cluster.ray_actors import ensure_agents
 
     while True:
         time.sleep(5)
         try:
-            ensure_agents(skip_head=skip_head)
+            ensure_agents(skip_head=skip_head, engine_lease_s=engine_lease_s)
         except Exception as exc:  # noqa: BLE001 - try again at the next scan
             print(f"warning: starting agents on new nodes: {exc}", file=sys.stderr)
 

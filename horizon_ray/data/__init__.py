@@ -17,60 +17,34 @@ Demo: ``build_demo_tokenizer(out_dir)`` writes a byte-level tokenizer (262 ids) 
 ``preds = greedy_answers(engine.forward_logits, tok, [it.prompt for it in items])`` then
 ``evaluate_demo(items, preds).accuracy`` scores exact matches (items: ``make_demo_items(n, seed,
 exclude=train_prompts)`` for a held-out set, or ``read_demo_items(path)``).
+
+Every name below loads its module on first use (PEP 562), so that `horizon_ray.data.formats`, the JSONL rules
+the API checks uploads with, imports neither torch nor numpy: the API's image has neither.
 """
 
-from horizon_ray.data.batching import MicroBatch, StepSampler, eval_batches, make_micro_batch, pack_rows
-from horizon_ray.data.build import build_datasets, split_examples
-from horizon_ray.data.demo import (
-    DEMO_TASKS,
-    DemoItem,
-    DemoScore,
-    evaluate_demo,
-    greedy_answer,
-    greedy_answers,
-    make_demo_dataset,
-    make_demo_items,
-    read_demo_items,
-    score_answer,
-)
-from horizon_ray.data.formats import FORMATS, Example, detect_format, load_examples
-from horizon_ray.data.tokenize import (
-    IGNORE_INDEX,
-    TokenizedDataset,
-    TokenizedExample,
-    load_tokenizer,
-    tokenize_example,
-    tokenize_examples,
-)
-from horizon_ray.data.tokenizer import build_demo_tokenizer
+from __future__ import annotations
 
-__all__ = [
-    "DEMO_TASKS",
-    "FORMATS",
-    "IGNORE_INDEX",
-    "DemoItem",
-    "DemoScore",
-    "Example",
-    "MicroBatch",
-    "StepSampler",
-    "TokenizedDataset",
-    "TokenizedExample",
-    "build_datasets",
-    "build_demo_tokenizer",
-    "detect_format",
-    "eval_batches",
-    "evaluate_demo",
-    "greedy_answer",
-    "greedy_answers",
-    "load_examples",
-    "load_tokenizer",
-    "make_demo_dataset",
-    "make_demo_items",
-    "make_micro_batch",
-    "pack_rows",
-    "read_demo_items",
-    "score_answer",
-    "split_examples",
-    "tokenize_example",
-    "tokenize_examples",
-]
+import importlib
+from typing import Any
+
+# name -> the module of this package that defines it
+_EXPORTS = {
+    **dict.fromkeys(("MicroBatch", "StepSampler", "eval_batches", "make_micro_batch", "pack_rows"), "batching"),
+    **dict.fromkeys(("build_datasets", "split_examples"), "build"),
+    **dict.fromkeys(("DEMO_TASKS", "DemoItem", "DemoScore", "evaluate_demo", "greedy_answer", "greedy_answers",
+                     "make_demo_dataset", "make_demo_items", "read_demo_items", "score_answer"), "demo"),
+    **dict.fromkeys(("FORMATS", "Example", "detect_format", "load_examples"), "formats"),
+    **dict.fromkeys(("IGNORE_INDEX", "TokenizedDataset", "TokenizedExample", "load_tokenizer", "tokenize_example",
+                     "tokenize_examples"), "tokenize"),
+    "build_demo_tokenizer": "tokenizer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -74,22 +74,23 @@ def _read_lines(path: Path):
     """Yield (line number, parsed JSON object) for every non-blank line."""
     with path.open(encoding="utf-8") as f:
         for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                # without its line ending: a line cut short would otherwise fail "at column 1" of a next line
-                record = json.loads(raw.rstrip("\r\n"))
-            except json.JSONDecodeError as exc:
-                what = exc.msg.removesuffix(" at")  # "Unterminated string starting at": the column says where
-                raise BadInput(f"{where}: not valid JSON at column {exc.colno}: {what}; fix the line") from None
-            except RecursionError:
-                raise BadInput(f"{where}: JSON nested too deeply to read; fix the line") from None
-            if not isinstance(record, dict):
-                raise BadInput(
-                    f"{where}: expected a JSON object per line, got {type(record).__name__}; fix the line"
-                )
-            yield lineno, record
+            if raw.strip():
+                yield lineno, _record(raw, f"{path}:{lineno}")
+
+
+def _record(raw: str, where: str) -> dict[str, Any]:
+    """One line's JSON object; BadInput naming the line otherwise."""
+    try:
+        # without its line ending: a line cut short would otherwise fail "at column 1" of a next line
+        record = json.loads(raw.rstrip("\r\n"))
+    except json.JSONDecodeError as exc:
+        what = exc.msg.removesuffix(" at")  # "Unterminated string starting at": the column says where
+        raise BadInput(f"{where}: not valid JSON at column {exc.colno}: {what}; fix the line") from None
+    except RecursionError:
+        raise BadInput(f"{where}: JSON nested too deeply to read; fix the line") from None
+    if not isinstance(record, dict):
+        raise BadInput(f"{where}: expected a JSON object per line, got {type(record).__name__}; fix the line")
+    return record
 
 
 def detect_format(path: str | Path) -> str:
@@ -160,6 +161,73 @@ def _parse_text(record: dict[str, Any], where: str) -> Example:
 
 
 _PARSERS = {"alpaca": _parse_alpaca, "messages": _parse_messages, "text": _parse_text}
+
+
+class LineChecker:
+    """Checks a JSONL dataset as its bytes arrive (an upload), line by line, with the rules of ``load_file``,
+    keeping nothing but a count and the line being read: memory stays within `max_line_bytes` whatever the size
+    of the file. ``feed`` each chunk, then ``finish`` for (format, number of examples); BadInput naming
+    ``name:line`` as soon as a line is wrong."""
+
+    def __init__(self, fmt: str, name: str, max_line_bytes: int):
+        if fmt not in FORMATS:
+            raise BadInput(f"unknown dataset format {fmt!r}; use one of {', '.join(FORMATS)}")
+        self.auto = fmt == "auto"
+        self.fmt = None if self.auto else fmt  # the file's format, once known
+        self.name = name
+        self.max_line_bytes = max_line_bytes
+        self.count = 0  # examples checked
+        self._lineno = 0  # lines complete so far
+        self._partial = bytearray()  # the line being received
+
+    def feed(self, chunk: bytes) -> None:
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            if end < 0:
+                self._partial += chunk[start:]
+                if len(self._partial) > self.max_line_bytes:
+                    raise BadInput(f"{self.name}:{self._lineno + 1}: line is longer than {self.max_line_bytes} bytes, "
+                                   "the longest this server checks; split the example or shorten it")
+                return
+            if self._partial:
+                self._partial += chunk[start:end]
+                line, self._partial = bytes(self._partial), bytearray()
+            else:
+                line = chunk[start:end]
+            self._line(line)
+            start = end + 1
+
+    def finish(self) -> tuple[str, int]:
+        """(format, number of examples) of the whole file; BadInput when it holds no example."""
+        if self._partial:  # a last line without a newline
+            line, self._partial = bytes(self._partial), bytearray()
+            self._line(line)
+        if not self.count:
+            raise BadInput(f"{self.name}: holds no example; add JSONL lines in alpaca, messages or text format")
+        return self.fmt, self.count
+
+    def _line(self, raw: bytes) -> None:
+        self._lineno += 1
+        where = f"{self.name}:{self._lineno}"
+        if len(raw) > self.max_line_bytes:
+            raise BadInput(f"{where}: line is longer than {self.max_line_bytes} bytes, the longest this server "
+                           "checks; split the example or shorten it")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadInput(f"{where}: not UTF-8 text; upload a UTF-8 JSONL file") from None
+        if not text.strip():
+            return
+        record = _record(text, where)
+        found = _detect(record, where) if self.auto else self.fmt
+        if self.fmt is None:
+            self.fmt = found
+        elif found != self.fmt:
+            raise BadInput(f"{where}: line is {found} but the file was detected as {self.fmt} from its first line; "
+                           "keep one format per file")
+        _PARSERS[self.fmt](record, where)
+        self.count += 1
 
 
 def load_file(path: str | Path, fmt: str = "auto") -> list[Example]:

@@ -157,21 +157,29 @@ class HostStore:
 
     def relayout(self, wires: int, own_grads: frozenset[int]) -> None:
         """Change the buffers of the trained units to those of another update mode (see __init__), keeping
-        the weights: wires are added from the master or freed, gradient buffers added or freed."""
+        the weights: wires are added from the master or freed, gradient buffers added or freed. Where one wire
+        is the master (fp32 compute, bf16-state), the delayed update's two wires are copies beside it."""
         assert not self.frozen, "LoRA keeps one layout"
+        master_is_wire = wires == 1 and self.master_dtype == self.compute_dtype
         for u, unit in enumerate(self.units):
-            if unit.wires[0] is unit.master:  # the master is the wire: one wire and an own gradient, always
-                continue
-            while len(unit.wires) < wires:
-                w = self.pool.empty(unit.layout.numel, self.compute_dtype)
-                w.copy_(unit.master)
-                unit.wires.append(w)
-            while len(unit.wires) > wires:
-                self.pool.free(unit.wires.pop())
+            n = unit.layout.numel
+            kept = [w for w in unit.wires if w is not unit.master]
+            if master_is_wire:
+                target = [unit.master]
+            else:
+                target = kept[:wires]
+                while len(target) < wires:
+                    target.append(self.pool.empty(n, self.compute_dtype))
+                    target[-1].copy_(unit.master)
+            for w in kept:
+                if not any(w is t for t in target):
+                    self.pool.free(w)
+            unit.wires = target
             unit.wire_ids = [i + 1 for i in unit.wire_ids]  # every device copy is stale
-            if u in own_grads and unit.grad_own is None:
-                unit.grad_own = self.pool.empty(unit.layout.numel, self.compute_dtype, zero=True)
-            elif u not in own_grads and unit.grad_own is not None:
+            own = master_is_wire or u in own_grads
+            if own and unit.grad_own is None:
+                unit.grad_own = self.pool.empty(n, self.compute_dtype, zero=True)
+            elif not own and unit.grad_own is not None:
                 self.pool.free(unit.grad_own)
                 unit.grad_own = None
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from horizon_ray.atomic import atomic_path, fsync_dir, write_atomic
+from horizon_ray.atomic import Commit, atomic_path, fsync_dir, write_atomic
 
 COMPLETE = "COMPLETE"
 STATE_FILE = "job_state.json"
@@ -47,18 +47,19 @@ def checkpoint_name(step: int) -> str:
 
 
 def write_checkpoint(
-    root: Path, step: int, save_engine: Callable[[Path], None], state: dict[str, Any]
+    root: Path, step: int, save_engine: Callable[[Path], None], state: dict[str, Any], commit: Commit | None = None
 ) -> Checkpoint:
-    """Write one checkpoint atomically. ``save_engine(dir)`` writes the engine state into ``dir``."""
+    """Write one checkpoint atomically. ``save_engine(dir)`` writes the engine state into ``dir``; `commit()` is
+    held around each step that makes it visible (the rename, then COMPLETE): see ``atomic_path``."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
     # An incomplete leftover of the same step (a run killed before COMPLETE) is not a checkpoint: replaced.
     assert not (final / COMPLETE).exists(), f"{final} is complete already"
-    with atomic_path(final) as tmp:
+    with atomic_path(final, commit) as tmp:
         tmp.mkdir()
         save_engine(tmp / ENGINE_DIR)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-    write_atomic(final / COMPLETE, json.dumps({"step": step}).encode() + b"\n")
+    write_atomic(final / COMPLETE, json.dumps({"step": step}).encode() + b"\n", commit)
     return Checkpoint(step, final)
 
 

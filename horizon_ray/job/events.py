@@ -49,6 +49,10 @@ class Start(Event):
     eval_examples: int = 0
     steps_per_epoch: int = 0
     training_hash: str = ""  # JobSpec.training_hash: which checkpoints this run may resume
+    # training.update: exact | speculative (exact while clipping does not trigger; a step that clips is rolled
+    # back and redone) | delayed (NOT exact AdamW: every gradient is taken on weights one update old)
+    update: str = "exact"
+    gpus: int = 1  # resources.gpus: ranks of the job over one host copy of the model
 
 
 @dataclass(kw_only=True)
@@ -63,6 +67,7 @@ class Metrics(Event):
     host_rss_bytes: int | None = None  # the runner's resident set
     total_steps: int | None = None
     eta_s: float | None = None  # estimated seconds to the end of training
+    rollbacks: int | None = None  # update speculative: steps rolled back and redone so far in this run
 
 
 @dataclass(kw_only=True)

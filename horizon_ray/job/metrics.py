@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TextIO
 
-from horizon_ray.atomic import atomic_path
+from horizon_ray.atomic import Commit, atomic_path
 from horizon_ray.job.events import Eval, Event, Metrics, encode, read_events
 
 
@@ -18,25 +20,30 @@ class MetricsWriter:
     supersede earlier lines of the same step (the steps the interrupted run did after its last checkpoint).
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike,
+                 guard: Callable[[str], AbstractContextManager] | None = None) -> None:
+        """`guard(what)` is held around each write (a job's lease: a fenced engine adds no line)."""
         self.path = Path(path)
-        self.sinks: list = []  # each written event goes to their log() too (the job's trackers)
+        self._guard = guard or (lambda what: nullcontext())
+        self.sinks: list = []  # each written event goes to their log() too (the job's trackers), under the guard
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO | None = open(self.path, "a", encoding="utf-8")
-        if self._file.tell() > 0:
-            with open(self.path, "rb") as f:
-                f.seek(-1, os.SEEK_END)
-                torn = f.read(1) != b"\n"
-            if torn:  # a killed writer's last line: end it, so that the next line is read whole
-                self._file.write("\n")
-                self._file.flush()
+        with self._guard("opening metrics.jsonl"):
+            self._file: TextIO | None = open(self.path, "a", encoding="utf-8")
+            if self._file.tell() > 0:
+                with open(self.path, "rb") as f:
+                    f.seek(-1, os.SEEK_END)
+                    torn = f.read(1) != b"\n"
+                if torn:  # a killed writer's last line: end it, so that the next line is read whole
+                    self._file.write("\n")
+                    self._file.flush()
 
     def write(self, event: Event) -> Event:
         if self._file is not None:
-            self._file.write(encode(event))
-            self._file.flush()
-        for sink in self.sinks:
-            sink.log(event)
+            with self._guard(f"writing a {event.TYPE} event"):
+                self._file.write(encode(event))
+                self._file.flush()
+                for sink in self.sinks:
+                    sink.log(event)
         return event
 
     def close(self) -> None:
@@ -63,7 +70,8 @@ def curves(events: list[Event]) -> tuple[dict[int, Metrics], dict[int, float]]:
     return dict(sorted(train.items())), dict(sorted(evals.items()))
 
 
-def plot_loss_curve(metrics_path: str | os.PathLike, png_path: str | os.PathLike, title: str = "") -> Path:
+def plot_loss_curve(metrics_path: str | os.PathLike, png_path: str | os.PathLike, title: str = "",
+                    commit: Commit | None = None) -> Path:
     """Training loss (raw and smoothed) and eval loss against the step, written with matplotlib's Agg."""
     import matplotlib
 
@@ -90,7 +98,7 @@ def plot_loss_curve(metrics_path: str | os.PathLike, png_path: str | os.PathLike
     ax.legend()
     fig.tight_layout()
     out = Path(png_path)
-    with atomic_path(out) as tmp:
+    with atomic_path(out, commit) as tmp:
         fig.savefig(tmp, format="png")
     plt.close(fig)
     return out

@@ -19,8 +19,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,9 @@ import torch
 from horizon_ray.atomic import atomic_path, write_atomic
 from horizon_ray.errors import BadInput
 from horizon_ray.job import checkpoints as ckpt_io
-from horizon_ray.job import ranks
+from horizon_ray.job import lease, ranks
 from horizon_ray.job.events import Checkpoint, CheckpointBegin, Done, Error, Eval, Metrics, Start
+from horizon_ray.job.lease import Fence, Fenced
 from horizon_ray.job.metrics import MetricsWriter, plot_loss_curve
 from horizon_ray.job.progress import Progress
 from horizon_ray.job.schedule import lr_at
@@ -38,6 +39,9 @@ from horizon_ray.job.trackers import Trackers
 from horizon_ray.jobspec import JobSpec
 
 DONE = "DONE"  # in output_dir, written after final/ and before the "done" event: the job is finished
+# How long an engine the node agent started waits for an earlier engine of its job to let go of the output
+# directory (that one stops at its next step once the lease is this engine's), before it gives up (exit 75).
+OUTPUT_DIR_WAIT_S = 120.0
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt",
                    "generation_config.json")
@@ -133,6 +137,15 @@ def load_data(spec: JobSpec) -> Data:
 
 
 
+# delayed update: steps run exact before the engine switches to it (at least; the schedule's warmup too)
+DELAYED_AFTER_STEPS = 40
+
+
+def delayed_from(spec: JobSpec) -> int:
+    """The first step a delayed-update job runs delayed: after the schedule's warmup and DELAYED_AFTER_STEPS."""
+    return max(DELAYED_AFTER_STEPS, spec.training.schedule.warmup_steps)
+
+
 def total_steps_for(spec: JobSpec, steps_per_epoch: int) -> int:
     t = spec.training
     candidates = []
@@ -150,12 +163,20 @@ def run_job(spec: JobSpec, resume: bool = False, progress: bool = True) -> JobRe
     spec.check_paths()
     out = Path(spec.output_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    with _exclusive(out), MetricsWriter(out / "metrics.jsonl") as metrics:
-        trackers = Trackers(spec, out, run_id=os.environ.get("HORIZON_RAY_JOB_ID") or _run_id(out))
-        metrics.sinks.append(trackers)
-        job = _Job(spec, out, metrics, progress)
+    # Started by a node agent: the job's lease says whether this engine may still write (see job.lease).
+    fence = Fence.from_env(out)
+    if fence is not None:
+        fence.check("starting")
+    guard = _guard(fence)
+    with _exclusive(out, fence), MetricsWriter(out / "metrics.jsonl", guard) as metrics:
+        with guard("starting the trackers"):  # they write in the output directory (tensorboard/, run ids)
+            trackers = Trackers(spec, out, run_id=os.environ.get(lease.ENV_JOB) or _run_id(out))
+        metrics.sinks.append(trackers)  # fed under the same guard as each metrics line
+        job = _Job(spec, out, metrics, progress, fence)
         try:
             return job.run(resume)
+        except Fenced:
+            raise  # it may write nothing, not even why it stopped (its log has that)
         except BaseException as exc:
             # KeyboardInterrupt too: the cluster should see why the job stopped. SIGKILL leaves no line.
             if isinstance(exc, JobTerminated | KeyboardInterrupt):
@@ -169,7 +190,11 @@ def run_job(spec: JobSpec, resume: bool = False, progress: bool = True) -> JobRe
             metrics.write(Error(step=job.step, message=message))
             raise
         finally:
-            trackers.close()
+            try:
+                with guard("closing the trackers"):
+                    trackers.close()
+            except Fenced:
+                pass  # a fenced engine writes nothing more, its trackers' last words neither
 
 
 def resume_hint(out: Path) -> str:
@@ -189,6 +214,11 @@ def _run_id(out: Path) -> str:
     return "hr-" + hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]
 
 
+def _guard(fence: Fence | None):
+    """`guard(what)`: held around each write of the job (the fence's check and shared lock; none by hand)."""
+    return fence.guard if fence is not None else (lambda what: nullcontext())
+
+
 @contextmanager
 def _reading(what: str) -> Iterator[None]:
     """The engine's refusals while it reads `what` (a model directory, a checkpoint) name that input: the
@@ -200,11 +230,14 @@ def _reading(what: str) -> Iterator[None]:
 
 
 class _Job:
-    def __init__(self, spec: JobSpec, out: Path, metrics: MetricsWriter, show_progress: bool) -> None:
+    def __init__(self, spec: JobSpec, out: Path, metrics: MetricsWriter, show_progress: bool,
+                 fence: Fence | None = None) -> None:
         self.spec = spec
         self.out = out
         self.metrics = metrics
         self.show_progress = show_progress
+        self.fence = fence  # the job's lease (a node agent started it), or None (run by hand)
+        self.guard = _guard(fence)
         self.ckpt_root = out / "checkpoints"
         self.tokenizer_dir = Path(spec.model.tokenizer_path or spec.model.path).expanduser()
         self.step = 0  # optimizer steps done
@@ -217,11 +250,16 @@ class _Job:
         if finished is not None:
             return finished
         latest = self._checkpoint_to_resume(resume)
-        write_atomic(self.out / "job.yaml", self.spec.to_yaml().encode())
+        write_atomic(self.out / "job.yaml", self.spec.to_yaml().encode(), self._commit("writing job.yaml"))
         self._load_data()
         cfg = engine_config(self.spec)
         model_dir = Path(self.spec.model.path).expanduser()
         self.world = self.spec.resources.gpus
+        # delayed: the first steps run exact (ZeRO-Offload's practice: a one-step-stale gradient destabilises
+        # AdamW while the gradients still change fast), then the engine switches to the delayed update
+        self.delay_from = delayed_from(self.spec) if cfg.update == "delayed" and self.world == 1 else None
+        if self.delay_from:
+            cfg = replace(cfg, update="exact")
         group = None
         with _reading(f"model.path {model_dir}"):
             if self.world > 1:  # ranks 1..N-1 in child processes over one host store (job/ranks.py)
@@ -245,7 +283,11 @@ class _Job:
                 train_examples=len(self.train_ds.examples),
                 eval_examples=len(self.eval_ds.examples) if self.eval_ds is not None else 0,
                 steps_per_epoch=self.sampler.steps_per_epoch, training_hash=self.spec.training_hash(),
+                update=cfg.update, gpus=self.world,
             ))
+            if cfg.update == "delayed":
+                print("note: training.update delayed is not exact AdamW: every step trains on the weights one "
+                      "update old", flush=True)
             first_eval, final_eval, last_loss = self._train(eng)
             if group is not None:
                 ranks.finish(group)  # every rank's last update is in the store
@@ -255,13 +297,14 @@ class _Job:
             if group is not None:
                 ranks.stop(group)
         try:
-            plot_loss_curve(self.out / "metrics.jsonl", self.out / "loss_curve.png", self.spec.name or "")
+            plot_loss_curve(self.out / "metrics.jsonl", self.out / "loss_curve.png", self.spec.name or "",
+                            self._commit("drawing the loss curve"))
         except Exception as exc:  # a missing plot must not fail a finished job
             print(f"warning: could not draw the loss curve: {exc}", flush=True)
         wall = time.monotonic() - t0
         done = {"training_hash": self.spec.training_hash(), "total_steps": self.total,
                 "final_dir": str(final_dir), "eval_loss": final_eval}
-        write_atomic(self.out / DONE, json.dumps(done, indent=2).encode() + b"\n")
+        write_atomic(self.out / DONE, json.dumps(done, indent=2).encode() + b"\n", self._commit("writing DONE"))
         self.metrics.write(Done(step=self.total, final_dir=str(final_dir), eval_loss=final_eval,
                                 wall_s=round(wall, 2)))
         return JobResult(self.out, final_dir, self.total, start, first_eval, final_eval, last_loss, wall)
@@ -286,8 +329,17 @@ class _Job:
         return JobResult(self.out, Path(done["final_dir"]), self.step, self.step, None, done["eval_loss"],
                          None, 0.0)
 
+    def _commit(self, what: str) -> Any:
+        """The `commit` of an atomic write: the fence's guard around its rename (see horizon_ray.atomic)."""
+        return lambda: self.guard(what)
+
+    def _check(self, what: str) -> None:
+        if self.fence is not None:
+            self.fence.check(what)
+
     def _checkpoint_to_resume(self, resume: bool) -> ckpt_io.Checkpoint | None:
-        ckpt_io.remove_incomplete(self.ckpt_root)
+        with self.guard("removing incomplete checkpoints"):
+            ckpt_io.remove_incomplete(self.ckpt_root)
         latest = ckpt_io.latest_checkpoint(self.ckpt_root)
         if latest is None:
             return None
@@ -316,9 +368,12 @@ class _Job:
                 first_eval = self._evaluate(eng)
                 bar.note(f"eval loss before training: {first_eval:.4f}")
             for step in range(self.step, total):
+                self._check(f"step {step + 1}")  # a stale engine does not even compute
                 tick = time.monotonic()
                 lr = lr_at(step, total, t.lr, t.schedule)
                 eng.set_lr(lr)
+                if step == self.delay_from and eng.update_mode != "delayed":
+                    eng.set_update("delayed")  # past the early steps, whose gradients change too fast to lag
                 batches = ranks.my_batches(self.sampler.batches_for_step(step), 0, self.world)
                 last_loss = float(eng.train_step(batches))
                 self.step = done = step + 1
@@ -329,7 +384,8 @@ class _Job:
                 eta = secs / len(window) * (total - done)
                 self.metrics.write(Metrics(step=done, loss=last_loss, lr=lr, grad_norm=float(eng.last_grad_norm),
                                            tokens_per_s=round(tps, 1), host_rss_bytes=_rss(), total_steps=total,
-                                           eta_s=round(eta, 1)))
+                                           eta_s=round(eta, 1),
+                                           rollbacks=eng.stats().rollbacks if t.update == "speculative" else None))
                 bar.update(done, last_loss, tps, eta)
 
                 checkpointed = _due(spec.checkpoint.every_steps, done, total)
@@ -354,11 +410,12 @@ class _Job:
     def _checkpoint(self, eng: Any, done: int) -> None:
         spec = self.spec
         self.metrics.write(CheckpointBegin(step=done))
-        saved = _save_checkpoint(eng, self.ckpt_root, done, spec)
+        saved = _save_checkpoint(eng, self.ckpt_root, done, spec, self._commit(f"checkpoint {done}"))
         # announced before they go: a kill in between leaves checkpoints unlisted, never listed gone
         stale = ckpt_io.complete_checkpoints(self.ckpt_root)[:-spec.checkpoint.keep]
         self.metrics.write(Checkpoint(step=done, path=str(saved.path), pruned=[c.step for c in stale]))
-        ckpt_io.prune(self.ckpt_root, spec.checkpoint.keep)
+        with self.guard("pruning checkpoints"):
+            ckpt_io.prune(self.ckpt_root, spec.checkpoint.keep)
 
     def _evaluate(self, eng: Any) -> float:
         loss_sum, n_tokens = 0.0, 0
@@ -373,9 +430,10 @@ class _Job:
     def _save_final(self, eng: Any) -> Path:
         """final/ appears whole or not at all (``horizon_ray.atomic``)."""
         final = self.out / "final"
-        for stale in self.out.glob("final.tmp-*"):  # a crashed attempt's (we hold the lock)
-            shutil.rmtree(stale, ignore_errors=True)
-        with atomic_path(final) as tmp:
+        with self.guard("removing a crashed attempt's final/"):
+            for stale in self.out.glob("final.tmp-*"):  # a crashed attempt's (we hold the lock)
+                shutil.rmtree(stale, ignore_errors=True)
+        with atomic_path(final, self._commit("writing final/")) as tmp:
             eng.save_pretrained(str(tmp))  # with LoRA: the adapter
             dirs = [tmp]
             if self.spec.method == "lora" and self.spec.lora.merge:
@@ -393,7 +451,8 @@ def _due(every: int, done: int, total: int) -> bool:
     return every > 0 and done % every == 0 and done < total
 
 
-def _save_checkpoint(eng: Any, root: Path, step: int, spec: JobSpec) -> ckpt_io.Checkpoint:
+def _save_checkpoint(eng: Any, root: Path, step: int, spec: JobSpec,
+                     commit: Any = None) -> ckpt_io.Checkpoint:
     state = {
         "step": step,
         "training_hash": spec.training_hash(),
@@ -401,7 +460,7 @@ def _save_checkpoint(eng: Any, root: Path, step: int, spec: JobSpec) -> ckpt_io.
         # saved anyway so that adding dropout or sampling later cannot silently break exact resume.
         "torch_rng_state": torch.get_rng_state().tolist(),
     }
-    return ckpt_io.write_checkpoint(root, step, lambda d: eng.save_state(str(d)), state)
+    return ckpt_io.write_checkpoint(root, step, lambda d: eng.save_state(str(d)), state, commit)
 
 
 def _restore_rng(state: dict[str, Any]) -> None:
@@ -417,22 +476,37 @@ def _rss() -> int:
 
 
 class _exclusive:
-    """An flock on ``<output_dir>/.lock``: two runners never write the same output directory."""
+    """An flock on ``<output_dir>/.lock``: two runners never write the same output directory.
 
-    def __init__(self, out: Path) -> None:
+    By hand the second runner gives up at once. An engine the node agent started (`fence`) waits, up to
+    OUTPUT_DIR_WAIT_S with growing pauses, for an earlier engine of its job to stop (the lease is this
+    engine's, so that one stops at its next step), and stops waiting if it is itself superseded."""
+
+    def __init__(self, out: Path, fence: Fence | None = None) -> None:
         self.path = out / ".lock"
+        self.fence = fence
         self.fd: int | None = None
 
     def __enter__(self) -> _exclusive:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            self.fd = None
-            raise OutputDirBusy(f"another job is running in {self.path.parent}; wait for it or choose "
-                                "another output_dir") from None
-        return self
+        deadline = time.monotonic() + (OUTPUT_DIR_WAIT_S if self.fence is not None else 0.0)
+        pause = 0.1
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                pass
+            if time.monotonic() >= deadline:
+                os.close(self.fd)
+                self.fd = None
+                waited = f" for {OUTPUT_DIR_WAIT_S:.0f} s" if self.fence is not None else ""
+                raise OutputDirBusy(f"another job is running in {self.path.parent}{waited}; wait for it or choose "
+                                    "another output_dir")
+            if self.fence is not None:
+                self.fence.check("taking the output directory")
+            time.sleep(pause)
+            pause = min(2.0, pause * 2)
 
     def __exit__(self, *exc: object) -> None:
         if self.fd is not None:

@@ -119,7 +119,9 @@ def test_bf16_cuda_close_to_fp32_cpu(family, kernels):
 
 def test_grouped_expert_gemm_matches_the_loop_over_experts():
     """bf16 on CUDA, one expert without rows: torch's grouped GEMM (forward and dL/dx) and the per-expert
-    weight gradient added into an fp32 accumulator, against the same math in fp32 on the CPU."""
+    weight gradient added into an fp32 accumulator, against the same math in fp32 on the CPU over the same
+    bf16-rounded inputs (rounding the inputs alone moves a 100-row weight gradient by up to ~0.1: that is the
+    inputs' error, not the GEMM's)."""
     from horizon_ray.engine.kernels import _grouped, expert_linear
 
     g = torch.Generator().manual_seed(0)
@@ -129,6 +131,7 @@ def test_grouped_expert_gemm_matches_the_loop_over_experts():
     x = torch.randn(M, I, generator=g)
     w = torch.randn(E, O, I, generator=g) / I**0.5
     gy = torch.randn(M, O, generator=g)
+    x, w, gy = (t.bfloat16().float() for t in (x, w, gy))
     ref_x, ref_w = x.clone().requires_grad_(), w.clone()
     ref_sink = torch.zeros(E, O, I)
     ref_y = expert_linear(ref_x, ref_w, counts, ref_sink)
@@ -141,7 +144,7 @@ def test_grouped_expert_gemm_matches_the_loop_over_experts():
     (gx,) = torch.autograd.grad(y, [dx], gy.cuda().bfloat16())
     torch.testing.assert_close(y.float().cpu(), ref_y.detach(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(gx.float().cpu(), ref_gx, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(sink.cpu(), ref_sink, rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(sink.cpu(), ref_sink, rtol=1e-2, atol=1e-3)
     assert not sink[1].any()
 
 

@@ -72,7 +72,8 @@ def service(tmp_path_factory, assets):
     root = tmp_path_factory.mktemp("service")
     tenants = root / "tenants.yaml"
     tenants.write_text(TENANTS)
-    with simulated_service(root, RAM, tenants_file=tenants, node_dead_after_s=5,
+    # a short engine lease: a lost node's jobs start elsewhere once it has passed (the default is a minute)
+    with simulated_service(root, RAM, tenants_file=tenants, node_dead_after_s=5, engine_lease_s=8,
                            agent_env={"OMP_NUM_THREADS": "1"}) as (cluster, svc):
         yield {"cluster": cluster, "client": RayClient(), "root": root, "svc": svc, "address": cluster.address}
 
@@ -211,7 +212,7 @@ def test_node_removed_mid_job_resumes_elsewhere_with_the_same_final_weights(serv
     x = add_simulated_node(cluster, "x")
     from horizon_ray.cluster.ray_actors import ensure_agents
 
-    ensure_agents({**RAM, "x": 768 * MiB}, env={"OMP_NUM_THREADS": "1"}, only_simulated=True)
+    ensure_agents({**RAM, "x": 768 * MiB}, env={"OMP_NUM_THREADS": "1"}, only_simulated=True, engine_lease_s=8)
     wait_for(lambda: any(n.node_id == "x" and n.alive for n in c.nodes()), 60, what="node x")
 
     job_spec = spec(assets, steps=24, every=3, data="full", mb=4, seq=64)

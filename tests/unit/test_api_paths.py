@@ -65,6 +65,19 @@ def test_placeholder_api_keys_are_refused(tmp_path, key):
     assert ApiSettings(api_keys={"4dbd0a5f0f6b4a4c9d41c0a0e8c2b7f1": "team-a"}).api_keys  # a random key is fine
 
 
+def test_the_limits_have_safe_defaults_and_come_from_their_variables():
+    s = ApiSettings()
+    assert s.rate_limit_per_s > 0 and s.max_streams_per_tenant > 0 and s.max_uploads_in_flight > 0
+    assert s.max_files_per_tenant > 0 and s.max_file_bytes_per_tenant > 0 and not s.docs
+    s = ApiSettings.from_env({"HORIZON_API_RATE_LIMIT_PER_S": "0", "HORIZON_API_MAX_STREAMS_PER_TENANT": "7",
+                              "HORIZON_API_MAX_FILE_BYTES_PER_TENANT": "1000", "HORIZON_API_DOCS": "1"})
+    assert (s.rate_limit_per_s, s.max_streams_per_tenant, s.max_file_bytes_per_tenant, s.docs) == (0, 7, 1000, True)
+    with pytest.raises(ValueError, match="HORIZON_API_MAX_UPLOADS_IN_FLIGHT='two' is not an integer"):
+        ApiSettings.from_env({"HORIZON_API_MAX_UPLOADS_IN_FLIGHT": "two"})
+    with pytest.raises(ValueError, match="max_streams_per_tenant is 0.*HORIZON_API_MAX_STREAMS_PER_TENANT"):
+        ApiSettings(max_streams_per_tenant=0)
+
+
 @pytest.mark.parametrize("tenant", ["../etc", "a/b", "", "x" * 65, ".hidden"])
 def test_tenant_names_that_are_not_directory_safe_are_refused(tenant):
     with pytest.raises(ValueError, match="tenant name"):

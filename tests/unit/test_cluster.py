@@ -19,6 +19,7 @@ from horizon_ray.cluster import (
     JobStatus,
     QuotaExceeded,
 )
+from horizon_ray.cluster.agent import ENGINE_LEASE_S
 from horizon_ray.cluster.coordinator import Coordinator, default_validate_spec
 from horizon_ray.cluster.errors import HorizonError
 from horizon_ray.cluster.fake import FakeAgent, FakeStorage, size_planner
@@ -528,8 +529,8 @@ def test_engine_crash_and_oom_fail_the_job_with_the_cause(client):
     assert crash.error.message == ("engine exited with code 1: RuntimeError: CUDA error: an illegal memory "
                                    "access")
     assert oom.error.code == "oom_killed"
-    assert oom.error.message == ("engine killed by SIGKILL, most likely out of memory (peak RSS 60.0 GiB "
-                                 "against 40.0 GiB planned)")
+    assert oom.error.message == ("engine killed by SIGKILL, out of memory: it grew to 60.0 GiB, past the 40.0 GiB "
+                                 "planned")
     assert bad.error.code == "bad_input"
     assert all(n.reserved_bytes == 0 for n in client.nodes())
     assert any(e.type is EventType.ERROR for e in client.events("acme", crash.id))
@@ -669,6 +670,12 @@ def test_restarted_coordinator_recovers_jobs_whose_engine_is_gone(tmp_path):
     second.tick()
     assert second.get("acme", job.id).status is JobStatus.RUNNING  # grace period for node a
     clock[0] += 11
+    second.tick()
+    # Node a's agent heard from the first coordinator at the latest when this one started: it may run the job's
+    # engine for up to its lease after that, so the job is not started elsewhere before.
+    rec = second.get("acme", job.id)
+    assert rec.status is JobStatus.RECOVERING and "retrying in" in rec.queue_reason
+    clock[0] += ENGINE_LEASE_S
     second.tick()
     rec = second.get("acme", job.id)
     assert rec.status is JobStatus.RUNNING and rec.node_id == "b"

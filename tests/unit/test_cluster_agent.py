@@ -268,3 +268,97 @@ def test_drain_checkpoints_each_engine_at_its_step_and_stops_it_resumably(tmp_pa
         assert yaml.safe_load((out / "job.yaml").read_text())["output_dir"] == str(out)
     finally:
         agent.shutdown()
+
+
+def test_an_agent_the_coordinator_stopped_calling_stops_its_engines(tmp_path):
+    """Its raylet killed, an agent lives on re-parented; with no call from the coordinator for `lease_s` it
+    stops its engines (the coordinator recovers their jobs elsewhere once that time has passed)."""
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    agent = NodeAgent("n1", ram_bytes=16 * GiB, gpu_count=0, command=[sys.executable, str(script)],
+                      sample_interval_s=0.05, kill_grace_s=1.0, lease_s=2.0)
+    try:
+        assert agent.info().engine_lease_s == 3.0  # lease and kill grace: what the coordinator waits for
+        start(agent, tmp_path, "polled", hang=True)
+        start(agent, tmp_path, "cut-off", hang=True)
+        procs = {j: psutil.Process(agent._jobs[j].proc.pid) for j in ("polled", "cut-off")}
+        for _ in range(30):  # the coordinator calls for 3 s: past the lease, nothing stops
+            agent.poll({})
+            time.sleep(0.1)
+        assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs.values())
+        stopped = time.monotonic()
+        deadline = stopped + 20
+        while agent._jobs["cut-off"].exit is None:  # no call any more
+            assert time.monotonic() < deadline, "the engines outlived the agent's lease"
+            time.sleep(0.05)
+        assert time.monotonic() - stopped >= 1.9
+        reports = agent.poll({})
+        assert {j: r.exit.returncode for j, r in reports.items()} == {"polled": -signal.SIGTERM,
+                                                                      "cut-off": -signal.SIGTERM}
+        assert not any(r.exit.cancelled for r in reports.values())  # stopped, not cancelled: they resume
+    finally:
+        agent.shutdown()
+
+
+def test_the_start_holds_the_lease_and_a_cancel_revokes_it_before_it_returns(agent, tmp_path):
+    from horizon_ray.job import lease
+
+    out = tmp_path / "j10"
+    agent.start(Launch(job_id="j10", tenant="acme", spec={"stand_in": {"steps": 1, "hang": True}},
+                       output_dir=str(out), host_bytes=GiB, gpu_bytes=0, attempt=3))
+    held = lease.read_lease(out)
+    assert (held.job_id, held.epoch, held.revoked, held.node_id) == ("j10", 3, False, "n1")
+    env = (Path("/proc") / str(agent._jobs["j10"].proc.pid) / "environ").read_bytes().split(b"\0")
+    assert f"{lease.ENV_EPOCH}=3".encode() in env and f"{lease.ENV_JOB}=j10".encode() in env
+    agent.cancel("j10")
+    assert lease.read_lease(out).revoked  # before the engine has even exited
+    wait_exit(agent, "j10")
+
+
+def test_engines_get_none_of_the_api_variables(tmp_path, monkeypatch):
+    """The tenants' keys (and the path of their file) stay in the API: read from a running engine's environ."""
+    monkeypatch.setenv("HORIZON_API_KEYS", "sk-tenant-secret=acme")
+    monkeypatch.setenv("HORIZON_API_KEYS_FILE", "/etc/horizon/keys.yaml")
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    agent = NodeAgent("n1", ram_bytes=16 * GiB, gpu_count=0, command=[sys.executable, str(script)],
+                      env={"HORIZON_API_MAX_BODY_BYTES": "1", "OMP_NUM_THREADS": "1"}, sample_interval_s=0.05)
+    try:
+        start(agent, tmp_path, "j11", hang=True)
+        environ = (Path("/proc") / str(agent._jobs["j11"].proc.pid) / "environ").read_bytes()
+        assert b"HORIZON_API_" not in environ and b"sk-tenant-secret" not in environ and b"keys.yaml" not in environ
+        assert b"OMP_NUM_THREADS=1" in environ  # the rest of the agent's environment is passed on
+        assert not any(k.startswith("HORIZON_API_") for k in os.environ)  # a Ray worker's own copy is gone too
+    finally:
+        agent.shutdown()
+
+
+def test_a_killed_engine_reports_the_evidence_of_memory_pressure(agent, tmp_path):
+    start(agent, tmp_path, "j12", hang=True, alloc_mb=16)
+    time.sleep(0.5)
+    os.kill(agent._jobs["j12"].proc.pid, signal.SIGKILL)  # kill -9 from outside, on a node with free memory
+    report, _ = wait_exit(agent, "j12")
+    ex = report.exit
+    assert ex.returncode == -signal.SIGKILL and ex.oom_kills == 0 and ex.ram_bytes == 16 * GiB
+    assert ex.min_available_bytes is not None and ex.min_available_bytes > 256 * 2**20
+    from horizon_ray.cluster.exits import exit_outcome
+    from horizon_ray.cluster.messages import JobStatus
+
+    assert exit_outcome(ex, JobStatus.RUNNING, GiB, "n1").status is JobStatus.RECOVERING
+
+
+def test_oom_kills_are_read_from_the_kernel_and_the_memory_cgroup(tmp_path):
+    from horizon_ray.cluster.agent import oom_kill_count
+
+    (tmp_path / "vmstat").write_text("pgfault 12\noom_kill 3\n")
+    cg = tmp_path / "cg"
+    (cg / "kubepods" / "pod1").mkdir(parents=True)
+    (cg / "kubepods" / "pod1" / "memory.events").write_text("low 0\nhigh 0\nmax 4\noom 2\noom_kill 2\n")
+    (tmp_path / "self-cgroup").write_text("0::/kubepods/pod1\n")
+    assert oom_kill_count(str(tmp_path / "self-cgroup"), str(cg), str(tmp_path / "vmstat")) == 5
+    v1 = tmp_path / "v1"
+    (v1 / "memory" / "docker" / "c1").mkdir(parents=True)
+    (v1 / "memory" / "docker" / "c1" / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\n"
+                                                                        "oom_kill 7\n")
+    (tmp_path / "self-v1").write_text("5:cpu,cpuacct:/docker/c1\n4:memory:/docker/c1\n")
+    assert oom_kill_count(str(tmp_path / "self-v1"), str(v1), str(tmp_path / "none")) == 7

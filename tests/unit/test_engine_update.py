@@ -225,3 +225,73 @@ def test_fence_wait_mark_fail_reset():
     assert f.wait(0, 1) == "a"  # already met: no error
     f.reset([5, 5])
     assert f.version(0) == 5 and f.wait(1, 5) is None
+
+
+@pytest.mark.parametrize("dtype, precision", [("float32", "exact"), ("bfloat16", "exact"),
+                                              ("bfloat16", "bf16-state")])
+def test_switching_to_delayed_gives_every_layout_two_wires_apart_from_the_master(dtype, precision):
+    """Where the master is the wire (fp32 compute, bf16-state), the delayed update needs two wires beside it:
+    with one, a step would read the master while the previous step's update rewrites it, and the result
+    would depend on the update's timing. Two runs whose updates take different times must agree bit for bit."""
+    import time
+
+    def run(delay):
+        eng = Engine.from_config(CFG, EngineConfig(**HP, max_grad_norm=1.0, compute_dtype=dtype, precision=precision))
+        update = eng._optimizer.update
+
+        def slow(unit, lr, coef, k=0):
+            time.sleep(delay * (eng.store.units.index(unit) % 3))
+            update(unit, lr, coef, k)
+
+        eng._optimizer.update = slow
+        losses = []
+        for i, mbs in enumerate(random_batches(10, 2, T=16)):
+            if i in (3, 7):
+                eng.set_update({3: "delayed", 7: "exact"}[i])
+                if i == 3:
+                    assert all(len(u.wires) == 2 and all(w is not u.master for w in u.wires)
+                               for u in eng.store.units)
+            losses.append(eng.train_step(mbs))
+        state = _state(eng)
+        eng.close()
+        return losses, state
+
+    (la, sa), (lb, sb) = run(0.0), run(0.01)
+    assert la == lb
+    assert all(torch.equal(a, b) for a, b in zip(sa, sb))
+
+
+@pytest.mark.parametrize("switch", [0, 3])
+def test_delayed_is_adamw_on_the_gradient_of_the_weights_one_update_old(tmp_path, switch):
+    """Against HF + torch.optim.AdamW (fp32, clipping on every step): step k of the delayed update computes
+    its gradient on the weights after update k - 2 and AdamW applies it to the weights after update k - 1.
+    ``switch``: the step at which an exact run turns delayed (the runner's schedule); that step still reads
+    the newest weights, the ones after it read one update old."""
+    from tests.tiny import reference_step, tiny_llama
+
+    path, cls = tiny_llama(tmp_path)
+    reader, master = cls.from_pretrained(path).float(), cls.from_pretrained(path).float()
+    opt = torch.optim.AdamW(master.parameters(), lr=HP["lr"], weight_decay=HP["weight_decay"])
+    still = torch.optim.SGD(reader.parameters(), lr=0.0)  # reference_step's optimizer: moves nothing
+    snapshot = lambda m: {n: p.detach().clone() for n, p in m.named_parameters()}  # noqa: E731
+    history = [snapshot(master)]  # history[k]: the weights after update k - 1
+    eng = Engine.from_pretrained(path, EngineConfig(**HP, max_grad_norm=0.5, device="cpu", compute_dtype="float32",
+                                                    update="delayed" if switch == 0 else "exact"))
+    for k, mbs in enumerate(random_batches(7, micro=2)):
+        if k == switch and switch:
+            eng.set_update("delayed")
+        with torch.no_grad():
+            for n, p in reader.named_parameters():
+                p.copy_(history[k if k <= switch else k - 1][n])
+        ref_loss, _, grads = reference_step(reader, dict(reader.named_parameters()), still, mbs, 0.5)
+        for n, p in master.named_parameters():
+            p.grad = grads[n]
+        opt.step()
+        history.append(snapshot(master))
+        assert eng.train_step(mbs) == pytest.approx(ref_loss, rel=1e-4), k
+    eng.synchronize()
+    for u in eng.store.trained:
+        views = u.layout.views(u.master)
+        for t in u.layout.tensors:
+            torch.testing.assert_close(views[t.key], history[-1][t.name], rtol=1e-4, atol=1e-5, msg=t.name)
+    eng.close()
