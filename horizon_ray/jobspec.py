@@ -256,17 +256,17 @@ class LoraSpec(_Section):
 
 
 class WandbSpec(_Section):
-    project: StrictStr = Field(description="the Weights & Biases project the run logs to")
-    entity: StrictStr | None = Field(None, description="team or user; null: the logged-in default")
-    name: StrictStr | None = Field(None, description="the run's name; null: the job's name or id")
-    tags: list[StrictStr] = Field(default_factory=list, description="tags of the run")
+    project: Text = Field(description="the Weights & Biases project the run logs to")
+    entity: Text | None = Field(None, description="team or user; null: the logged-in default")
+    name: Text | None = Field(None, description="the run's name; null: the job's name or id")
+    tags: list[Text] = Field(default_factory=list, description="tags of the run")
 
 
 class MlflowSpec(_Section):
-    experiment: StrictStr = Field("horizon-ray", description="the MLflow experiment the run logs to")
-    tracking_uri: StrictStr | None = Field(None, description=(
+    experiment: Text = Field("horizon-ray", description="the MLflow experiment the run logs to")
+    tracking_uri: Text | None = Field(None, description=(
         "the tracking server or store; null: MLflow's own default (MLFLOW_TRACKING_URI, else ./mlruns)"))
-    run_name: StrictStr | None = Field(None, description="the run's name; null: the job's name or id")
+    run_name: Text | None = Field(None, description="the run's name; null: the job's name or id")
 
 
 class IntegrationsSpec(_Section):

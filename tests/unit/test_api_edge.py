@@ -120,6 +120,8 @@ def spec_with(bed, field: str, is_list: bool, value: str) -> dict:
         node = node.setdefault(section, {})
     if sections[:1] == ["lora"]:
         spec["method"] = "lora"
+    if sections == ["integrations", "wandb"]:
+        node["project"] = "p"  # the section's one required field (overwritten when it is the field tested)
     node[key] = [value] if is_list else value
     return spec
 
