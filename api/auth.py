@@ -111,9 +111,9 @@ async def current_tenant(request: Request,
     """The dependency of every tenant-scoped route: 401 without a valid key, else the key's tenant."""
     settings: ApiSettings = request.app.state.settings
     if settings.insecure_no_auth:  # serve --insecure-no-auth: one tenant, no keys (it said so at start)
-        request.state.tenant = NO_AUTH_TENANT
-        return Tenant(name=NO_AUTH_TENANT, client=request.app.state.client, settings=settings)
-    tenant = tenant_for_key(settings, bearer_token(request))
+        tenant: str | None = NO_AUTH_TENANT
+    else:
+        tenant = tenant_for_key(settings, bearer_token(request))
     if tenant is None:
         raise ApiError(401, "unauthorized", "invalid API key", headers=_UNAUTHORIZED_HEADERS)
     request.state.tenant = tenant

@@ -32,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import Tenant, current_tenant
 from api.errors import ApiError
-from api.params import FileName, SafeText
+from api.params import FileName, SafePath, SafeText
 from api.paths import (
     FILE_ID_RE,
     PathPolicy,
@@ -107,7 +107,7 @@ async def upload_file(
     tenant: Annotated[Tenant, Depends(current_tenant)],
     filename: Annotated[FileName, Query(min_length=1, description="name to show")] = "data.jsonl",
     format: Annotated[str, Query(pattern="^(auto|alpaca|messages|text)$")] = "auto",
-    tokenizer: Annotated[str | None, Query(min_length=1, max_length=512, description=(
+    tokenizer: Annotated[SafePath | None, Query(min_length=1, max_length=512, description=(
         "a base model (catalogue name or path under a model root) whose tokenizer counts the tokens: the upload's "
         "stats then hold tokens and a histogram of example lengths"))] = None,
 ) -> FileObject:

@@ -1,7 +1,8 @@
 """Job routes: create, read, list, cancel, events (JSON and server-sent events), checkpoints, outputs.
 
-The same routes are mounted under ``/finetune`` and, as a mirror, ``/v1/fine_tuning/jobs``. Every route
-takes its ``Tenant`` from the one auth dependency, so another tenant's job is a 404 from the coordinator.
+The routes are mounted under ``/finetune`` (the OpenAI-compatible ``/v1/fine_tuning/jobs`` is ``api.openai``'s).
+Every route takes its ``Tenant`` from the one auth dependency, so another tenant's job is a 404 from the
+coordinator.
 """
 
 from __future__ import annotations

@@ -48,13 +48,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api import files
 from api.auth import Tenant, current_tenant
-from api.errors import ApiError
+from api.errors import ApiError, SafeJSONResponse
 from api.jobs import JOB_ID, checked_spec
+from api.params import SafePath, SafeText
 from api.paths import FILE_ID_RE
 from api.settings import ENV_MODEL_CATALOGUE
 from horizon_ray.cluster.messages import Checkpoint, EventType, JobEvent, JobRecord, JobStatus
 from horizon_ray.errors import BadInput
-from horizon_ray.jobspec import JobSpec, TrainingSpec, spec_error
+from horizon_ray.jobspec import JobSpec, Text, TrainingSpec, spec_error
+from horizon_ray.strings import MAX_COMPONENT_BYTES, fix, problem
 
 PREFIX = "/v1"
 AUTO_EPOCHS = 3  # n_epochs "auto": three passes, OpenAI's usual choice for small datasets
@@ -114,10 +116,10 @@ class Method(_Strict):
 
 
 class Wandb(_Strict):
-    project: str
-    entity: str | None = None
-    name: str | None = None
-    tags: list[str] = Field(default_factory=list)
+    project: Text
+    entity: Text | None = None
+    name: Text | None = None
+    tags: list[Text] = Field(default_factory=list)
 
 
 class Integration(_Strict):
@@ -125,16 +127,18 @@ class Integration(_Strict):
     wandb: Wandb
 
 
+# Every string of a create request is checked like a job spec's (horizon_ray.strings, via jobspec.Text): no
+# unpaired surrogate, no control character, a bounded length.
 class CreateJob(_Strict):
-    model: str = Field(min_length=1, max_length=256)
-    training_file: str = Field(min_length=1, max_length=64)
-    validation_file: str | None = Field(None, max_length=64)
+    model: Text = Field(min_length=1, max_length=256)
+    training_file: Text = Field(min_length=1, max_length=64)
+    validation_file: Text | None = Field(None, max_length=64)
     hyperparameters: Hyperparameters | None = None
-    suffix: str | None = Field(None, min_length=1, max_length=64)
+    suffix: Text | None = Field(None, min_length=1, max_length=64)
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     method: Method | None = None
     integrations: list[Integration] | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[Text, Text] | None = None
     spec: dict[str, Any] | None = None  # horizon-ray's extension: other job spec fields
 
 
@@ -158,24 +162,29 @@ async def _chunks(upload: UploadFile) -> AsyncIterator[bytes]:
 @router.post("/files", status_code=200, summary="Upload a JSONL dataset (OpenAI: multipart, purpose fine-tune)")
 async def create_file(request: Request, tenant: Annotated[Tenant, Depends(current_tenant)],
                       file: Annotated[UploadFile, File()],
-                      purpose: Annotated[str, Form()],
-                      tokenizer: Annotated[str | None, Form(max_length=512, description=(
+                      purpose: Annotated[SafeText, Form()],
+                      tokenizer: Annotated[SafePath | None, Form(max_length=512, description=(
                           "horizon-ray's extension (extra_body in the SDK): a catalogue model whose tokenizer "
                           "counts the file's tokens"))] = None) -> dict[str, Any]:
     if purpose != "fine-tune":
         raise ApiError(400, "invalid_purpose", f"purpose {purpose!r} is not served here; this API takes training "
                        "data: purpose 'fine-tune'", field="purpose")
-    meta = await files.store_upload(request.app.state.limits, tenant, _chunks(file), file.filename or "data.jsonl",
-                                    "auto", tokenizer)
+    filename = file.filename or "data.jsonl"
+    bad = problem(filename, max_bytes=MAX_COMPONENT_BYTES)  # the form's file name: checked like POST /files's
+    if bad:
+        raise ApiError(400, "invalid_request", f"file's filename {bad}; {fix(bad)}", field="file")
+    # The form was spooled to a temporary file as it came (Starlette, under the upload limit); it is checked
+    # and stored as POST /files stores a raw body: a line at a time, within the tenant's upload limits.
+    meta = await files.store_upload(request.app.state.limits, tenant, _chunks(file), filename, "auto", tokenizer)
     return file_object(meta)
 
 
 @router.get("/files", summary="List your files (OpenAI)")
 async def list_files(tenant: Annotated[Tenant, Depends(current_tenant)],
-                     purpose: Annotated[str | None, Query(max_length=64)] = None,
+                     purpose: Annotated[SafeText | None, Query(max_length=64)] = None,
                      limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
                      order: Annotated[Literal["asc", "desc"], Query()] = "desc",
-                     after: Annotated[str | None, Query(max_length=64)] = None) -> dict[str, Any]:
+                     after: Annotated[SafeText | None, Query(max_length=64)] = None) -> dict[str, Any]:
     metas = [m.model_dump() for m in (await files.list_files(tenant)).data]  # newest first
     if purpose not in (None, "fine-tune"):
         metas = []
@@ -189,18 +198,18 @@ async def list_files(tenant: Annotated[Tenant, Depends(current_tenant)],
 
 
 @router.get("/files/{file_id}", summary="One file (OpenAI)")
-async def retrieve_file(file_id: str, tenant: Annotated[Tenant, Depends(current_tenant)]) -> dict[str, Any]:
+async def retrieve_file(file_id: SafeText, tenant: Annotated[Tenant, Depends(current_tenant)]) -> dict[str, Any]:
     return file_object((await files.get_file(file_id, tenant)).model_dump())
 
 
 @router.delete("/files/{file_id}", summary="Delete a file (OpenAI)")
-async def delete_file(file_id: str, tenant: Annotated[Tenant, Depends(current_tenant)]) -> dict[str, Any]:
+async def delete_file(file_id: SafeText, tenant: Annotated[Tenant, Depends(current_tenant)]) -> dict[str, Any]:
     await files.delete_file(file_id, tenant)
     return {"id": file_id, "object": "file", "deleted": True}
 
 
 @router.get("/files/{file_id}/content", summary="A file's content (OpenAI)")
-async def file_content(file_id: str, tenant: Annotated[Tenant, Depends(current_tenant)]):
+async def file_content(file_id: SafeText, tenant: Annotated[Tenant, Depends(current_tenant)]):
     return await files.get_file_content(file_id, tenant)
 
 
@@ -285,7 +294,8 @@ async def create_job(raw: Annotated[dict[str, Any], Body(description=(
                              "model": "qwen2.5-0.5b-instruct", "training_file": "file-0123456789abcdef01234567",
                              "hyperparameters": {"n_epochs": 2}, "suffix": "support-bot"}}})],
                      tenant: Annotated[Tenant, Depends(current_tenant)],
-                     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=255)] = None,
+                     idempotency_key: Annotated[SafeText | None, Header(alias="Idempotency-Key",
+                                                                        max_length=255)] = None,
                      ) -> dict[str, Any]:
     try:
         body = CreateJob.model_validate(raw)
@@ -309,7 +319,7 @@ async def create_job(raw: Annotated[dict[str, Any], Body(description=(
 
 @router.get("/fine_tuning/jobs", summary="List your fine-tuning jobs, newest first (OpenAI)")
 async def list_jobs(tenant: Annotated[Tenant, Depends(current_tenant)],
-                    after: Annotated[str | None, Query(min_length=1, max_length=64)] = None,
+                    after: Annotated[SafeText | None, Query(min_length=1, max_length=64)] = None,
                     limit: Annotated[int, Query(ge=1, le=100)] = 20) -> dict[str, Any]:
     records, has_more = await tenant.list(limit=limit, after=after)
     return _page([job_object(r, tenant) for r in records], has_more=has_more)
@@ -327,19 +337,22 @@ async def cancel_job(job_id: JOB_ID, tenant: Annotated[Tenant, Depends(current_t
 
 @router.get("/fine_tuning/jobs/{job_id}/events", summary="A job's events, newest first (OpenAI)")
 async def list_events(job_id: JOB_ID, tenant: Annotated[Tenant, Depends(current_tenant)],
-                      after: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
+                      after: Annotated[SafeText | None, Query(min_length=1, max_length=128)] = None,
                       limit: Annotated[int, Query(ge=1, le=1000)] = 20) -> dict[str, Any]:
-    events = sorted(await tenant.events(job_id, 0), key=lambda e: -e.seq)
+    # A job's events are numbered 1..last_seq: a page reads only its window (plus what is newer than a
+    # cursor), not the job's whole history.
+    top = (await tenant.get(job_id)).last_seq
     if after is not None:
-        cut = _seq_of(after, job_id, "ftevent")
-        events = [e for e in events if e.seq < cut]
+        top = min(top, _seq_of(after, job_id, "ftevent") - 1)
+    start = max(0, top - limit - 1)
+    events = sorted((e for e in await tenant.events(job_id, start) if e.seq <= top), key=lambda e: -e.seq)
     page = [event_object(e) for e in events[:limit]]
     return _page(page, has_more=len(events) > limit)
 
 
 @router.get("/fine_tuning/jobs/{job_id}/checkpoints", summary="A job's checkpoints, newest first (OpenAI)")
 async def list_checkpoints(job_id: JOB_ID, tenant: Annotated[Tenant, Depends(current_tenant)],
-                           after: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
+                           after: Annotated[SafeText | None, Query(min_length=1, max_length=128)] = None,
                            limit: Annotated[int, Query(ge=1, le=100)] = 10) -> dict[str, Any]:
     record = await tenant.get(job_id)
     ckpts = sorted(await tenant.checkpoints(job_id), key=lambda c: -c.step)
@@ -524,6 +537,6 @@ def _reshaping(handler: Callable) -> Callable:
         shaped = {"error": {"message": err.get("message", ""), "type": ERROR_TYPES.get(status, "server_error"),
                             "param": err.get("field"), "code": err.get("code")}}
         headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
-        return JSONResponse(shaped, status_code=status, headers=headers)
+        return SafeJSONResponse(shaped, status_code=status, headers=headers)
 
     return reshaped

@@ -372,3 +372,175 @@ def test_uploads_are_checked_without_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["201", "1", "422", "invalid_file"]
+
+
+# ---- the OpenAI-compatible routes pass the same edge -----------------------------------------------------
+
+
+def assert_400_param(r, param):
+    """A /v1 refusal: OpenAI's status and envelope, naming the parameter."""
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    assert "Traceback" not in r.text
+    return err
+
+
+@pytest.fixture()
+def catalogue(bed):
+    bed.settings.model_catalogue = {"tiny-1g": bed.root / "models" / "1GiB"}
+    yield "tiny-1g"
+    bed.settings.model_catalogue = {}
+
+
+@settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(value=PARAM_TEXT, where=st.sampled_from(["file_id", "content", "delete", "after", "job_after", "job_id",
+                                                "events_after"]))
+def test_openai_path_and_query_parameters_are_checked(http, bed, value, where):
+    auth = bed.auth("acme")
+    enc = quote(value, safe="")
+    r = {
+        "file_id": lambda: http.get(f"/v1/files/{enc}", headers=auth),
+        "content": lambda: http.get(f"/v1/files/{enc}/content", headers=auth),
+        "delete": lambda: http.delete(f"/v1/files/{enc}", headers=auth),
+        "after": lambda: http.get("/v1/files", params={"after": value}, headers=auth),
+        "job_after": lambda: http.get("/v1/fine_tuning/jobs", params={"after": value}, headers=auth),
+        "job_id": lambda: http.get(f"/v1/fine_tuning/jobs/{enc}", headers=auth),
+        "events_after": lambda: http.get("/v1/fine_tuning/jobs/job-000000000000/events", params={"after": value},
+                                         headers=auth),
+    }[where]()
+    assert r.status_code < 500, r.text
+    if problem(value) is not None and "bytes long" not in problem(value):
+        field = {"content": "file_id", "delete": "file_id", "job_after": "after", "events_after": "after"}.get(
+            where, where)
+        assert_400_param(r, field)
+    assert value not in r.text or problem(value) is None  # a refused value is never echoed raw
+
+
+@pytest.mark.parametrize("field,value", [
+    ("model", "tiny\x00-1g"),
+    ("model", "tiny-\ud800"),
+    ("training_file", "file-\n"),
+    ("suffix", "line one\nforged line"),
+    ("suffix", "bot \udfff"),
+    ("integrations", [{"type": "wandb", "wandb": {"project": "p\x1b[31m"}}]),
+    ("spec", {"name": "x\x00"}),
+])
+def test_openai_create_checks_every_string(http, bed, catalogue, field, value):
+    upload_id = upload(http, bed, "acme")["id"]
+    body = {"model": catalogue, "training_file": upload_id, field: value}
+    r = post_json(http, "/v1/fine_tuning/jobs", body, bed.auth("acme"))
+    err = assert_400_param(r, {"integrations": "integrations.0.wandb.project", "spec": "name"}.get(field, field))
+    assert "\x00" not in err["message"] and "\n" not in err["message"]
+    ok = post_json(http, "/v1/fine_tuning/jobs", {"model": catalogue, "training_file": upload_id}, bed.auth("acme"))
+    assert ok.status_code == 200, ok.text
+    r = post_json(http, "/v1/fine_tuning/jobs", {"model": catalogue, "training_file": upload_id},
+                  {**bed.auth("acme"), "Idempotency-Key": "key\x01"})
+    assert_400_param(r, "Idempotency-Key")
+    reads_still_work(http, bed, "acme")
+    assert http.get("/v1/fine_tuning/jobs", headers=bed.auth("acme")).status_code == 200
+
+
+def test_openai_uploads_are_checked_as_they_stream_within_the_tenants_limits(tmp_path):
+    bed = make_testbed(tmp_path, max_upload_line_bytes=64, max_files_per_tenant=1)
+    try:
+        with TestClient(create_app(bed.client, bed.settings), raise_server_exceptions=False) as http:
+            auth = bed.auth("acme")
+            long_line = json.dumps({"text": "x" * 100}).encode() + b"\n"
+            r = http.post("/v1/files", files={"file": ("t.jsonl", long_line)}, data={"purpose": "fine-tune"},
+                          headers=auth)
+            err = assert_400_param(r, "body")
+            assert err["code"] == "invalid_file" and "longer than 64 bytes" in err["message"]
+            # a form written by hand: clients escape a control character of a file name, a form need not
+            form = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nfine-tune\r\n'
+                    b'--b\r\nContent-Disposition: form-data; name="file"; filename="a\x01b.jsonl"\r\n'
+                    b'Content-Type: application/octet-stream\r\n\r\n{"text": "hi"}\n\r\n--b--\r\n')
+            r = http.post("/v1/files", content=form,
+                          headers={**auth, "Content-Type": "multipart/form-data; boundary=b"})
+            assert_400_param(r, "file")
+            ok = http.post("/v1/files", files={"file": ("t.jsonl", b'{"text": "hi"}\n')},
+                           data={"purpose": "fine-tune"}, headers=auth)
+            assert ok.status_code == 200, ok.text
+            assert ok.json()["stats"] == {"format": "text", "examples": 1, "tokens": None, "trained_tokens": None,
+                                          "max_tokens": None, "mean_tokens": None, "length_histogram": [],
+                                          "tokenizer": None}
+            over = http.post("/v1/files", files={"file": ("t.jsonl", b'{"text": "hi"}\n')},
+                             data={"purpose": "fine-tune"}, headers=auth)
+            assert over.status_code == 429 and over.json()["error"]["type"] == "rate_limit_error", over.text
+            assert over.headers["retry-after"].isdigit()
+            files = bed.settings.files_dir("acme")
+            assert not list(files.glob(".*.part")) and len(list(files.glob("file-*.jsonl"))) == 1
+    finally:
+        bed.close()
+
+
+@pytest.mark.parametrize("no_auth", [False, True])
+def test_openai_routes_count_against_the_tenants_rate(tmp_path, no_auth):
+    keys = {"api_keys": {}, "insecure_no_auth": True} if no_auth else {}
+    bed = make_testbed(tmp_path, rate_limit_per_s=0.01, rate_limit_burst=3, **keys)
+    try:
+        with TestClient(create_app(bed.client, bed.settings), raise_server_exceptions=False) as http:
+            auth = {} if no_auth else bed.auth("acme")
+            assert [http.get("/v1/models", headers=auth).status_code for _ in range(3)] == [200] * 3
+            r = http.get("/v1/fine_tuning/jobs", headers=auth)
+            assert r.status_code == 429 and r.headers["retry-after"].isdigit(), r.text
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            assert http.get("/finetune", headers=auth).status_code == 429  # one bucket for both APIs
+    finally:
+        bed.close()
+
+
+def test_openai_503_bodies_name_nothing_internal(bed):
+    inside = "coordinator did not answer list: ActorDiedError actor_id=9f2c1a5e0b3d4f6a, ip=10.42.0.17"
+
+    class Down:
+        def list(self, *args, **kwargs):
+            raise CoordinatorUnavailable(inside)
+
+    with TestClient(create_app(Down(), bed.settings), raise_server_exceptions=False) as http:
+        r = http.get("/v1/fine_tuning/jobs", headers=bed.auth("acme"))
+    assert r.status_code == 503 and r.headers["retry-after"].isdigit()
+    for secret in ("9f2c1a5e", "10.42.0.17", "Actor"):
+        assert secret not in r.text, r.text
+    assert r.json()["error"] == {"message": "the coordinator is not answering; retry in a few seconds",
+                                 "type": "server_error", "param": None, "code": "unavailable"}
+
+
+def test_openai_events_page_newest_first_without_reading_the_whole_history(bed, catalogue):
+    auth = bed.auth("acme")
+
+    class Counting:
+        """The testbed's client, remembering the `after_seq` of each events call."""
+
+        def __init__(self, inner):
+            self.inner, self.afters = inner, []
+
+        def events(self, tenant, job_id, after_seq=0):
+            self.afters.append(after_seq)
+            return self.inner.events(tenant, job_id, after_seq)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    counting = Counting(bed.client)
+    with TestClient(create_app(counting, bed.settings), raise_server_exceptions=False) as http:
+        job = post_json(http, "/v1/fine_tuning/jobs", {"model": catalogue, "training_file": upload(http, bed, "acme")[
+            "id"], "hyperparameters": {"n_epochs": 1}, "spec": {"training": {"max_steps": 12}}}, auth).json()
+        deadline = time.monotonic() + 30
+        while http.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=auth).json()["status"] != "succeeded":
+            assert time.monotonic() < deadline, "the job did not finish"
+        every = http.get(f"/finetune/{job['id']}/events", params={"limit": 1000}, headers=auth).json()["data"]
+        seqs = [e["seq"] for e in every]
+        assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) > 8
+        counting.afters.clear()
+        pages, after = [], None
+        while True:
+            params = {"limit": 3, **({"after": after} if after else {})}
+            page = http.get(f"/v1/fine_tuning/jobs/{job['id']}/events", params=params, headers=auth).json()
+            pages += [int(e["id"].rsplit("-", 1)[1]) for e in page["data"]]
+            if not page["has_more"]:
+                break
+            after = page["last_id"]
+        assert pages == seqs[::-1]  # every event once, newest first
+        assert all(a >= len(seqs) - 3 * (i + 1) - 1 for i, a in enumerate(counting.afters))  # a window each
