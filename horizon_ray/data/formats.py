@@ -14,7 +14,7 @@ same format. Other keys on a line (ids, metadata) are ignored. Every malformed l
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -232,12 +232,17 @@ class LineChecker:
 
 def load_file(path: str | Path, fmt: str = "auto") -> list[Example]:
     """Every example of one JSONL file; ``fmt="auto"`` detects it from the first non-blank line."""
+    return list(iter_file(path, fmt))
+
+
+def iter_file(path: str | Path, fmt: str = "auto") -> Iterator[Example]:
+    """The examples of one JSONL file one at a time, with the rules of ``load_file``: a reader that keeps none
+    of them holds one line in memory whatever the file's size."""
     if fmt not in FORMATS:
         raise BadInput(f"unknown dataset format {fmt!r}; use one of {', '.join(FORMATS)}")
     p = Path(path)
     file_fmt = detect_format(p) if fmt == "auto" else fmt
     parse = _PARSERS[file_fmt]
-    examples = []
     for lineno, record in _read_lines(p):
         where = f"{p}:{lineno}"
         if fmt == "auto" and _detect(record, where) != file_fmt:
@@ -245,8 +250,7 @@ def load_file(path: str | Path, fmt: str = "auto") -> list[Example]:
                 f"{where}: line is {_detect(record, where)} but the file was detected as {file_fmt} from its "
                 "first line; keep one format per file"
             )
-        examples.append(parse(record, where))
-    return examples
+        yield parse(record, where)
 
 
 def load_examples(path: str | Path | Sequence[str | Path], fmt: str = "auto") -> list[Example]:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from horizon_ray.data.formats import detect_format, load_examples
+from horizon_ray.data.formats import detect_format, iter_file, load_examples
 from horizon_ray.errors import BadInput
 
 
@@ -45,42 +45,63 @@ class DatasetStats:
 
 def dataset_stats(path: str | Path, fmt: str = "auto", tokenizer: Any = None) -> DatasetStats:
     """The examples of one JSONL file (BadInput naming ``file:line`` for a malformed one) and, with
-    ``tokenizer`` (a transformers tokenizer or its directory), token counts and a histogram of lengths."""
-    from horizon_ray.data.tokenize import IGNORE_INDEX, load_tokenizer, tokenize_example
-
+    ``tokenizer`` (a transformers tokenizer or its directory), token counts and a histogram of lengths. The
+    file is read an example at a time: memory holds one line and the histogram's counts, whatever its size."""
     p = Path(path)
-    examples = load_examples(p, fmt)
-    stats = DatasetStats(format=detect_format(p) if fmt == "auto" else fmt, examples=len(examples))
-    if tokenizer is None:
-        return stats
-    name = Path(tokenizer).name if isinstance(tokenizer, str | Path) else type(tokenizer).__name__
-    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str | Path) else tokenizer
-    lengths, trained = [], 0
-    for ex in examples:
+    file_fmt = detect_format(p) if fmt == "auto" else fmt
+    tok, name = None, None
+    if tokenizer is not None:
+        from horizon_ray.data.tokenize import IGNORE_INDEX, load_tokenizer, tokenize_example
+
+        name = Path(tokenizer).name if isinstance(tokenizer, str | Path) else type(tokenizer).__name__
+        tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str | Path) else tokenizer
+    count, tokens, trained, longest = 0, 0, 0, 0
+    hist = _Histogram()
+    for ex in iter_file(p, file_fmt):
+        count += 1
+        if tok is None:
+            continue
         te = tokenize_example(ex, tok)
-        lengths.append(len(te.input_ids))
+        n = len(te.input_ids)
+        tokens, longest = tokens + n, max(longest, n)
         trained += sum(1 for t in te.labels if t != IGNORE_INDEX)
+        hist.add(n)
+    if not count:
+        raise BadInput(f"dataset {p} holds no example; add JSONL lines in alpaca, messages or text format")
+    stats = DatasetStats(format=file_fmt, examples=count)
+    if tok is None:
+        return stats
     stats.tokenizer = name
-    stats.tokens, stats.trained_tokens = sum(lengths), trained
-    stats.max_tokens = max(lengths)
-    stats.mean_tokens = round(stats.tokens / len(lengths), 1)
-    stats.length_histogram = length_histogram(lengths)
+    stats.tokens, stats.trained_tokens, stats.max_tokens = tokens, trained, longest
+    stats.mean_tokens = round(tokens / count, 1)
+    stats.length_histogram = hist.bins()
     return stats
+
+
+class _Histogram:
+    """Example lengths counted in the bins of ``length_histogram``, one length at a time."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}  # bin index -> examples
+
+    def add(self, n: int) -> None:
+        i = 0 if n < 16 else n.bit_length() - 4  # [0, 16) is bin 0, [16, 32) bin 1, [32, 64) bin 2, ...
+        self.counts[i] = self.counts.get(i, 0) + 1
+
+    def bins(self) -> list[LengthBin]:
+        if not self.counts:
+            return []
+        edges = [0] + [16 << i for i in range(max(self.counts) + 1)]
+        return [LengthBin(lo, hi, self.counts.get(i, 0)) for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:]))]
 
 
 def length_histogram(lengths: list[int]) -> list[LengthBin]:
     """Counts in power-of-two bins [0, 16), [16, 32), [32, 64) ... up to the longest; empty bins kept so that
     the shape reads at a glance."""
-    if not lengths:
-        return []
-    edges = [0, 16]
-    while edges[-1] <= max(lengths):
-        edges.append(edges[-1] * 2)
-    bins = [LengthBin(lo, hi, 0) for lo, hi in zip(edges[:-1], edges[1:])]
+    hist = _Histogram()
     for n in lengths:
-        i = next(i for i, b in enumerate(bins) if n < b.hi)
-        bins[i].count += 1
-    return bins
+        hist.add(n)
+    return hist.bins()
 
 
 def check_spec_data(spec: Any) -> dict[str, int]:

@@ -154,3 +154,35 @@ def test_dataset_stats_without_a_tokenizer_count_examples(tmp_path):
     f = _write(tmp_path / "d.jsonl", [{"text": "a"}, "", {"text": "b"}])
     s = dataset_stats(f)
     assert (s.format, s.examples, s.tokens, s.length_histogram) == ("text", 2, None, [])
+
+
+def test_dataset_stats_read_the_file_an_example_at_a_time(tmp_path, monkeypatch):
+    """An upload's statistics with a tokenizer hold one example at a time, never the whole file: the examples
+    are handed to the tokenizer as the file is read."""
+    import types
+
+    import horizon_ray.data.stats as stats
+    import horizon_ray.data.tokenize as tokenize
+    from horizon_ray.data.formats import iter_file
+
+    f = _write(tmp_path / "d.jsonl", [{"text": "a" * n} for n in (3, 20, 40, 300)] + ["{broken"])
+    it = iter_file(f)
+    assert next(it).text == "aaa"  # read lazily: the broken last line is not reached yet
+    seen = []
+
+    class Tok:
+        pass
+
+    def tokenize_example(ex, tok):
+        seen.append(ex.text)
+        return types.SimpleNamespace(input_ids=[0] * len(ex.text), labels=[0] * (len(ex.text) - 1) + [-100])
+
+    monkeypatch.setattr(tokenize, "tokenize_example", tokenize_example)
+    with pytest.raises(ValueError, match=r"d.jsonl:5: not valid JSON"):
+        stats.dataset_stats(f, "text", Tok())
+    assert len(seen) == 4  # every good example was tokenized before the bad line was read
+    f.write_text("".join(json.dumps({"text": "a" * n}) + "\n" for n in (3, 20, 40, 300)))
+    s = stats.dataset_stats(f, "text", Tok())
+    assert (s.examples, s.tokens, s.trained_tokens, s.max_tokens, s.mean_tokens) == (4, 363, 359, 300, 90.8)
+    assert [(b.lo, b.hi, b.count) for b in s.length_histogram] == \
+        [(b.lo, b.hi, b.count) for b in stats.length_histogram([3, 20, 40, 300])]
