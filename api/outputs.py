@@ -70,7 +70,8 @@ class TarStream:
             if m.path is None:
                 continue
             sent = 0
-            with open(m.path, "rb") as f:
+            # never through a link: a file replaced by one since it was listed is not followed out of the directory
+            with os.fdopen(os.open(m.path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
                 while sent < m.size:
                     chunk = f.read(min(CHUNK, m.size - sent))
                     if not chunk:  # the file shrank since it was listed: its member stays the declared size

@@ -544,3 +544,24 @@ def test_openai_events_page_newest_first_without_reading_the_whole_history(bed, 
             after = page["last_id"]
         assert pages == seqs[::-1]  # every event once, newest first
         assert all(a >= len(seqs) - 3 * (i + 1) - 1 for i, a in enumerate(counting.afters))  # a window each
+
+
+def test_the_final_tar_never_follows_a_link(tmp_path):
+    import io
+    import tarfile
+
+    from api.outputs import TarStream
+
+    final, secret = tmp_path / "final", tmp_path / "secret"
+    final.mkdir()
+    (final / "model.safetensors").write_bytes(b"w" * 1000)
+    secret.write_bytes(b"s" * 1000)
+    os.symlink(secret, final / "planted")  # a link in the directory is no output
+    whole = b"".join(TarStream(final, "job-final"))
+    with tarfile.open(fileobj=io.BytesIO(whole)) as tar:
+        assert tar.getnames() == ["job-final", "job-final/model.safetensors"]
+    archive = TarStream(final, "job-final")
+    (final / "model.safetensors").unlink()
+    os.symlink(secret, final / "model.safetensors")  # swapped for a link after the listing
+    with pytest.raises(OSError):
+        b"".join(archive)
