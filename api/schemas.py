@@ -97,6 +97,8 @@ class JobObject(BaseModel):
     queue: QueueInfo | None = None
     attempts: int = 0
     last_checkpoint_step: int | None = None
+    gpu_indices: list[int] = Field(default_factory=list,
+                                   description="the node's GPUs the job holds or last held (resources.gpus of them)")
 
 
 class JobList(BaseModel):
@@ -150,6 +152,7 @@ class ReservationObject(BaseModel):
     mine: bool = Field(description="whether the job is the caller's")
     host_bytes: int
     gpu_bytes: int
+    gpu_indices: list[int] = Field(default_factory=list, description="the node's GPUs the job holds")
     since: float
 
 
@@ -280,6 +283,7 @@ def job_object(record: JobRecord, base: str = "/finetune") -> JobObject:
         queue=queue,
         attempts=record.attempts,
         last_checkpoint_step=record.last_checkpoint_step,
+        gpu_indices=list(record.gpu_indices or ([record.gpu_index] if record.gpu_index is not None else [])),
     )
 
 
@@ -303,7 +307,8 @@ def node_object(node: NodeInfo, mine: set[str]) -> NodeObject:
         reserved_gpu_bytes=node.reserved_gpu_bytes,
         ledger=[
             ReservationObject(job_id=r.job_id if r.job_id in mine else None, mine=r.job_id in mine,
-                              host_bytes=r.host_bytes, gpu_bytes=r.gpu_bytes, since=r.since)
+                              host_bytes=r.host_bytes, gpu_bytes=r.gpu_bytes, gpu_indices=list(r.gpu_indices),
+                              since=r.since)
             for r in node.ledger
         ],
     )

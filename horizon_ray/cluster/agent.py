@@ -123,7 +123,7 @@ class Ledger:
     """Memory, GPUs and cores of one node set aside for running jobs."""
 
     ram_bytes: int  # host RAM offered to jobs
-    gpu_count: int = 0  # GPUs of the node; each GPU job holds one alone
+    gpu_count: int = 0  # GPUs of the node; a GPU job holds resources.gpus of them alone
     gpu_memory_bytes: int = 0  # memory of one GPU
     entries: dict[str, Reservation] = field(default_factory=dict)  # job_id -> reservation
     cpu_count: int = 0  # cores split among the engines (0: no split, each engine keeps its default)
@@ -138,7 +138,7 @@ class Ledger:
 
     @property
     def free_gpu_indices(self) -> list[int]:
-        busy = {r.gpu_index for r in self.entries.values()}
+        busy = {i for r in self.entries.values() for i in r.gpu_indices}
         return [i for i in range(self.gpu_count) if i not in busy]
 
     def cpu_share(self, gpu: bool) -> int:
@@ -155,24 +155,27 @@ class Ledger:
         return max(1, self.cpu_count // (len(self.entries) + 1))
 
     def reserve(self, job_id: str, host_bytes: int, gpu_bytes: int, needs_gpu: bool | None = None,
-                tenant: str | None = None) -> Reservation:
-        """Set aside host RAM, a free GPU (when `needs_gpu`; None: when gpu_bytes > 0 on a GPU node) and a
-        share of the cores for `tenant`'s job; raise ReservationRefused when the node cannot take it now."""
+                tenant: str | None = None, gpus: int = 1) -> Reservation:
+        """Set aside host RAM, `gpus` free GPUs (when `needs_gpu`; None: when gpu_bytes > 0 on a GPU node) and
+        a share of the cores per GPU for `tenant`'s job; raise ReservationRefused when the node cannot take it
+        now."""
         if job_id in self.entries:
             return self.entries[job_id]
         gpu = bool(gpu_bytes) and self.gpu_count > 0 if needs_gpu is None else bool(needs_gpu)
         if self.reserved_bytes + host_bytes > self.ram_bytes:
             raise ReservationRefused(
                 f"job {job_id} needs {host_bytes} host bytes; {self.ram_bytes - self.reserved_bytes} free")
-        gpu_index = None
+        indices: list[int] = []
         if gpu:
             free = self.free_gpu_indices
-            if not free:
-                raise ReservationRefused(f"job {job_id} needs a GPU; " + (
-                    placement.gpus_busy(self.gpu_count) if self.gpu_count else "the node has none"))
-            gpu_index = free[0]
+            if len(free) < gpus:
+                want = "a GPU" if gpus == 1 else f"{gpus} GPUs"
+                raise ReservationRefused(f"job {job_id} needs {want}; " + (
+                    placement.gpus_free(self.gpu_count, len(free), gpus) if self.gpu_count else "the node has none"))
+            indices = free[:gpus]
+        threads = self.cpu_share(gpu) * (len(indices) or 1)
         self.entries[job_id] = Reservation(job_id, int(host_bytes), int(gpu_bytes), time.time(),
-                                           gpu_index=gpu_index, cpu_threads=self.cpu_share(gpu), tenant=tenant)
+                                           gpu_indices=indices, cpu_threads=threads, tenant=tenant)
         return self.entries[job_id]
 
     def release(self, job_id: str) -> None:
@@ -201,13 +204,13 @@ def without_secrets(env: dict[str, str]) -> dict[str, str]:
 
 
 def engine_env(res: Reservation, gpu_ids: list[str], fixed: dict[str, str] | None = None) -> dict[str, str]:
-    """What a job's engine gets on top of the agent's environment: only its GPU, its share of the cores.
+    """What a job's engine gets on top of the agent's environment: only its GPUs, its share of the cores.
 
     `gpu_ids`: the CUDA_VISIBLE_DEVICES value of each of the node's GPUs, by ledger index. `fixed`: the
     agent's explicit environment; a thread variable (or CUDA_DEVICE_ORDER) set there is left as it is.
     """
     fixed = fixed or {}
-    env = {"CUDA_VISIBLE_DEVICES": "" if res.gpu_index is None else gpu_ids[res.gpu_index]}
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(gpu_ids[i] for i in res.gpu_indices)}
     if res.gpu_index is not None and "CUDA_DEVICE_ORDER" not in fixed:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's own order may differ from nvidia-smi's indices
     if res.cpu_threads:
@@ -540,7 +543,8 @@ class NodeAgent:
                                          "goes to another node")
             self._jobs.pop(job_id, None)
             res = self._ledger.reserve(job_id, launch.host_bytes, launch.gpu_bytes,
-                                       _needs_gpu(launch, self._ledger.gpu_count), tenant=launch.tenant)
+                                       _needs_gpu(launch, self._ledger.gpu_count), tenant=launch.tenant,
+                                       gpus=launch.gpus)
             try:
                 self._jobs[job_id] = self._launch(launch, res)
             except BaseException:

@@ -10,8 +10,9 @@ One `tick()`:
    an agent that cannot be reached, or that restarted, loses its jobs: they go to RECOVERING;
 2. apply the reports: progress, metrics, checkpoints, memory, and the end of finished jobs;
 3. serve the queue: recovering jobs first, then queued jobs in fair order across tenants, each on the
-   best-fitting node that holds it now (free RAM, and a free GPU for a GPU job: see `placement`) and within
-   its tenant's quota. The agent picks the GPU; the job record keeps its index (`gpu_index`).
+   best-fitting node that holds it now (free RAM, and resources.gpus free GPUs for a GPU job: see `placement`)
+   and within its tenant's quota. The agent picks the GPUs; the job record keeps their indices
+   (`gpu_indices`; `gpu_index` is the first).
 
 Every change is written to the job table before the next one is made, so a coordinator restarted at any
 point finds every non-terminal job; running jobs are reattached on the first tick (their agent still
@@ -370,6 +371,7 @@ class Coordinator:
             st = self._nodes.get(node_id)
             held = next((r for r in (st.info.ledger if st and st.info else []) if r.job_id == job_id), None)
             job.gpu_index = held.gpu_index if held else None
+            job.gpu_indices = list(held.gpu_indices) if held else []
             job.attempts += 1
             job.started_at = job.started_at or self._clock()
             job.queue_reason = job.queue_position = None
@@ -515,7 +517,7 @@ class Coordinator:
         try:
             res = agent.start(Launch(job_id=job.id, tenant=job.tenant, spec=job.spec, output_dir=job.output_dir,
                                      host_bytes=best.host_bytes, gpu_bytes=best.gpu_bytes,
-                                     attempt=job.attempts + 1, needs_gpu=best.needs_gpu))
+                                     attempt=job.attempts + 1, needs_gpu=best.needs_gpu, gpus=best.gpus))
         except (ReservationRefused, AgentUnavailable) as exc:
             return f"node {best.node_id} refused it: {exc}"
         except Exception as exc:  # noqa: BLE001 - the agent failed to launch it (e.g. output_dir not writable)
@@ -537,10 +539,12 @@ class Coordinator:
         resumed = job.status is JobStatus.RECOVERING
         now = self._clock()
         job.node_id, job.plan, job.gpu_index = best.node_id, best.plan, res.gpu_index
+        job.gpu_indices = list(res.gpu_indices)
         job.attempts += 1
         job.started_at = job.started_at or now
         job.queue_reason = job.queue_position = None
-        gpu = f", GPU {res.gpu_index}" if res.gpu_index is not None else ""
+        gpu = f", GPU{'s' if len(res.gpu_indices) > 1 else ''} {','.join(map(str, res.gpu_indices))}" \
+            if res.gpu_indices else ""
         reason = f"placed on node {best.node_id} ({format_bytes(best.host_bytes)} host RAM reserved{gpu})"
         if resumed:
             ckpt = job.last_checkpoint_step
@@ -548,7 +552,8 @@ class Coordinator:
                 f"checkpoint step {ckpt}" if ckpt is not None else "the start")
         self._move(job, JobStatus.RUNNING, reason=reason, data={"node_id": best.node_id,
                                                                  "host_bytes": best.host_bytes,
-                                                                 "gpu_index": res.gpu_index})
+                                                                 "gpu_index": res.gpu_index,
+                                                                 "gpu_indices": list(res.gpu_indices)})
         if was_waiting:
             u.jobs += 1
             u.bytes += best.host_bytes

@@ -141,6 +141,7 @@ class JobRecord:
     attempts: int = 0  # how many times an engine process was started for it (1 + recoveries)
     last_checkpoint_step: int | None = None  # step of its newest complete checkpoint
     gpu_index: int | None = None  # GPU of `node_id` its engine holds or last held (None: a CPU job, never placed)
+    gpu_indices: list[int] = field(default_factory=list)  # all of them (resources.gpus); gpu_index is the first
     last_seq: int = 0  # seq of its newest event (filled in by the job store when it reads the record)
     retries: int = 0  # starts in a row that ended without a step (killed, output directory busy): bounded
 
@@ -182,9 +183,15 @@ class Reservation:
     host_bytes: int  # host RAM the planner said the job needs
     gpu_bytes: int  # GPU memory the planner said the job needs (0 on CPU)
     since: float  # when it was taken
-    gpu_index: int | None = None  # the node's GPU the job holds, alone (its CUDA_VISIBLE_DEVICES); None: CPU job
+    # the node's GPUs the job holds, alone (its CUDA_VISIBLE_DEVICES, one per rank: resources.gpus); []: CPU job
+    gpu_indices: list[int] = field(default_factory=list)
     cpu_threads: int = 0  # its share of the node's cores (OMP_NUM_THREADS, HORIZON_RAY_OPTIMIZER_THREADS)
     tenant: str | None = None  # the job's tenant (the API shows a tenant its own jobs in a node's ledger)
+
+    @property
+    def gpu_index(self) -> int | None:
+        """The first of its GPUs (None: a CPU job)."""
+        return self.gpu_indices[0] if self.gpu_indices else None
 
 
 @dataclass
@@ -216,7 +223,7 @@ class NodeInfo:
     @property
     def busy_gpus(self) -> list[int]:
         """Indices of the GPUs a job holds, ascending."""
-        return sorted(r.gpu_index for r in self.ledger if r.gpu_index is not None)
+        return sorted(i for r in self.ledger for i in r.gpu_indices)
 
     @property
     def free_gpus(self) -> int:
@@ -275,6 +282,7 @@ class Launch:
     gpu_bytes: int  # GPU memory it needs there (0 on CPU)
     attempt: int = 1  # 1 + recoveries: names the attempt's log file
     needs_gpu: bool | None = None  # the coordinator's decision; None: placement.needs_gpu's rule on the spec
+    gpus: int = 1  # GPUs it holds when it needs any (the spec's resources.gpus: one rank on each)
 
 
 @dataclass

@@ -12,8 +12,10 @@ node's one RAM ledger. Whether a job needs a GPU (`needs_gpu`) follows its `engi
   hold it;
 - "auto" (the default): a GPU on a node that has GPUs, the CPU on a node that has none. On a GPU node whose
   GPUs are all busy it waits for one (it does not fall back to the CPU there).
-A GPU job fits a node now when the node's free RAM holds it *and* one of its GPUs is free; otherwise it
-waits in the queue with the reason (e.g. "node b: all 2 GPUs busy").
+A GPU job takes `resources.gpus` GPUs of one node (default 1; one rank on each, over one host copy of the
+model): a node with fewer GPUs can never hold it. It fits a node now when the node's free RAM holds it *and*
+that many of its GPUs are free; otherwise it waits in the queue with the reason (e.g. "node b: all 2 GPUs
+busy", "node b: 1 of 4 GPUs free, the job needs 2").
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ def needs_gpu(spec: dict[str, Any], gpu_count: int) -> bool:
     engine = spec.get("engine") if isinstance(spec, dict) else None
     device = str((engine or {}).get("device") or "auto") if isinstance(engine, dict) else "auto"
     return resolve(gpu=gpu_count > 0, device=device).cuda
+
+
+def gpus_wanted(spec: dict[str, Any]) -> int:
+    """The GPUs a GPU job holds: its resources.gpus (1 when absent)."""
+    resources = spec.get("resources") if isinstance(spec, dict) else None
+    n = resources.get("gpus", 1) if isinstance(resources, dict) else 1
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
 
 
 def default_planner(spec: dict[str, Any], node: NodeInfo) -> dict[str, Any]:
@@ -96,7 +105,8 @@ class Candidate:
     plan: dict[str, Any]  # the planner's full output for that node
     short_of: list[str] = dataclasses.field(default_factory=list)  # what the node lacks: "host RAM", "GPU memory",
     # "a GPU" (the binding limits); [] when it fits
-    needs_gpu: bool = False  # the job takes one of the node's GPUs there (see needs_gpu)
+    needs_gpu: bool = False  # the job takes `gpus` of the node's GPUs there (see needs_gpu)
+    gpus: int = 1  # GPUs it takes when it needs any (resources.gpus)
     gpu_count: int = 0  # GPUs of the node
     free_gpus: int = 0  # GPUs of the node no job holds now
 
@@ -126,11 +136,11 @@ def evaluate(spec: dict[str, Any], nodes: Iterable[NodeInfo], planner: Planner,
                                   ) from None
             if cache is not None and cache_key is not None:
                 cache[key] = plan
-        out.append(_candidate(node, plan, needs_gpu(spec, node.gpu_count)))
+        out.append(_candidate(node, plan, needs_gpu(spec, node.gpu_count), gpus_wanted(spec)))
     return out
 
 
-def _candidate(node: NodeInfo, plan: dict[str, Any], gpu_job: bool) -> Candidate:
+def _candidate(node: NodeInfo, plan: dict[str, Any], gpu_job: bool, gpus: int = 1) -> Candidate:
     host = int(plan.get("host_bytes") or 0)
     gpu = int(plan.get("gpu_bytes") or 0) if gpu_job else 0
     planner_fits = bool(plan.get("fits", True))
@@ -143,6 +153,10 @@ def _candidate(node: NodeInfo, plan: dict[str, Any], gpu_job: bool) -> Candidate
         fits, reason = False, (f"engine.device cuda needs a GPU; node {node.node_id} has none (set "
                                "engine.device to auto or cpu to run on the CPU)")
         short = ["a GPU"]
+    elif gpu_job and node.gpu_count < gpus:
+        fits, reason = False, (f"resources.gpus {gpus} needs {gpus} GPUs of one node; node {node.node_id} has "
+                               f"{node.gpu_count} (ask for at most the GPUs of the largest node)")
+        short = ["GPUs"]
     elif host > node.ram_bytes:
         fits, reason = False, (f"needs {format_bytes(host)} host RAM; node {node.node_id} has "
                                f"{format_bytes(node.ram_bytes)}")
@@ -154,28 +168,33 @@ def _candidate(node: NodeInfo, plan: dict[str, Any], gpu_job: bool) -> Candidate
     else:
         fits, reason = True, str(plan.get("reason") or "fits")
     ram_now = host <= node.free_bytes
-    gpu_now = not gpu_job or free_gpus > 0
+    gpu_now = not gpu_job or free_gpus >= gpus
     fits_now = fits and ram_now and gpu_now
     if fits and not fits_now:
-        reason = _busy(node, host, ram_now, gpu_now)
+        reason = _busy(node, host, ram_now, gpu_now, gpus)
     return Candidate(node_id=node.node_id, ram_bytes=node.ram_bytes, free_bytes=node.free_bytes, fits=fits,
                      fits_now=fits_now, host_bytes=host, gpu_bytes=gpu, reason=reason, plan=plan, short_of=short,
-                     needs_gpu=gpu_job, gpu_count=node.gpu_count, free_gpus=free_gpus)
+                     needs_gpu=gpu_job, gpus=gpus, gpu_count=node.gpu_count, free_gpus=free_gpus)
 
 
-def _busy(node: NodeInfo, host: int, ram_now: bool, gpu_now: bool) -> str:
+def _busy(node: NodeInfo, host: int, ram_now: bool, gpu_now: bool, gpus: int = 1) -> str:
     """Why a node that can hold a job cannot take it now."""
     ram = (f"needs {format_bytes(host)} host RAM; node {node.node_id} has {format_bytes(node.free_bytes)} free "
            f"of {format_bytes(node.ram_bytes)}")
     if gpu_now:
         return ram
-    gpus = f"node {node.node_id}: {gpus_busy(node.gpu_count)}"
-    return gpus if ram_now else f"{gpus}; it {ram}"
+    busy = f"node {node.node_id}: {gpus_free(node.gpu_count, node.free_gpus, gpus)}"
+    return busy if ram_now else f"{busy}; it {ram}"
 
 
 def gpus_busy(n: int) -> str:
     """ "all 2 GPUs busy" (or "its 1 GPU busy")."""
     return f"all {n} GPUs busy" if n != 1 else "its 1 GPU busy"
+
+
+def gpus_free(n: int, free: int, wanted: int = 1) -> str:
+    """Why `wanted` GPUs are not free now: "all 2 GPUs busy", or "1 of 4 GPUs free, the job needs 2"."""
+    return gpus_busy(n) if free == 0 else f"{free} of {n} GPUs free, the job needs {wanted}"
 
 
 def best_fit(candidates: list[Candidate]) -> Candidate | None:
@@ -191,6 +210,10 @@ def never_fits_reason(candidates: list[Candidate]) -> str:
     if candidates and all(c.needs_gpu and not c.gpu_count for c in candidates):
         return (f"{head}: its engine.device cuda needs a GPU and no node has one; set engine.device to auto or "
                 "cpu to train on the CPU, or add a GPU node")
+    if candidates and all(c.short_of == ["GPUs"] for c in candidates):
+        most = max(candidates, key=lambda c: (c.gpu_count, c.node_id))
+        return (f"{head}: resources.gpus {most.gpus} needs {most.gpus} GPUs of one node and the most any node has "
+                f"is {most.gpu_count} (node {most.node_id}); ask for at most {most.gpu_count}")
     if candidates and all(c.short_of == ["GPU memory"] for c in candidates):
         need = min(int(c.plan.get("gpu_bytes") or c.gpu_bytes) for c in candidates)
         roomiest = max(candidates, key=lambda c: int(c.plan.get("gpu_limit_bytes") or 0))
@@ -223,10 +246,12 @@ def waiting_reason(candidates: list[Candidate]) -> str:
                 f"(most free now: {most_free.node_id} with {format_bytes(most_free.free_bytes)})")
     per_node = []
     for c in sorted(fitting, key=lambda c: c.node_id):
-        why = [gpus_busy(c.gpu_count)] if c.needs_gpu and not c.free_gpus else []
+        why = [gpus_free(c.gpu_count, c.free_gpus, c.gpus)] if c.needs_gpu and c.free_gpus < c.gpus else []
         if c.host_bytes > c.free_bytes:
             why.append(f"{format_bytes(c.free_bytes)} free host RAM")
         per_node.append(f"node {c.node_id}: {', '.join(why)}")
     ram_short = any(c.host_bytes > c.free_bytes for c in fitting)
-    what = f"a free GPU and {format_bytes(host)} of free host RAM on one node" if ram_short else "a free GPU"
+    n = max(c.gpus for c in fitting)
+    gpu = "a free GPU" if n == 1 else f"{n} free GPUs of one node"
+    what = f"{gpu} and {format_bytes(host)} of free host RAM on one node" if ram_short else gpu
     return f"waiting for {what} ({'; '.join(per_node)})"

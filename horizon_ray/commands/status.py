@@ -94,7 +94,8 @@ def _one(client, tenant: str, args) -> int:
         p = job.progress
         name = f"  name {job.name}" if job.name else ""
         print(f"{job.id}  {job.status.value}  tenant {job.tenant}{name}")
-        gpu = f"   gpu: {job.gpu_index}" if job.gpu_index is not None else ""
+        gpus = job.gpu_indices or ([job.gpu_index] if job.gpu_index is not None else [])
+        gpu = f"   gpu{'s' if len(gpus) > 1 else ''}: {','.join(map(str, gpus))}" if gpus else ""
         print(f"  node: {job.node_id or '-'}{gpu}   attempts: {job.attempts}   created {_time(job.created_at)}"
               + (f"   finished {_time(job.finished_at)}" if job.finished_at else ""))
         total = f"/{p.total_steps}" if p.total_steps else ""

@@ -59,10 +59,15 @@ def stop(group: RankGroup) -> None:
         dist.destroy_process_group()
 
 
-def rank_config(cfg: Any, rank: int) -> Any:
-    """Rank r's engine settings: the r-th GPU of the job's on CUDA."""
+def rank_config(cfg: Any, rank: int, world: int) -> Any:
+    """Rank r's engine settings: the r-th GPU of the job's on CUDA, and 1/world of the job's optimizer threads
+    (every rank updates its shard of each unit at the same time: together they use the job's share of the
+    node's cores, not world times it)."""
     if cfg.device.startswith("cuda"):
-        return replace(cfg, device=f"cuda:{rank}")
+        threads = cfg.optimizer_threads or max(1, (os.cpu_count() or 4) - 2)  # the engine's own default
+        return replace(cfg, device=f"cuda:{rank}", optimizer_threads=max(1, threads // world))
+    if cfg.optimizer_threads:
+        return replace(cfg, optimizer_threads=max(1, cfg.optimizer_threads // world))
     return cfg
 
 
@@ -86,7 +91,7 @@ def start(spec: JobSpec, cfg: Any, model_dir: Path, resume_dir: Path | None, sta
     group = RankGroup(procs)
     try:
         _join(0, world, port, cfg)
-        eng = Engine(model, rank_config(cfg, 0), store=store, ranks=Ranks(0, world))
+        eng = Engine(model, rank_config(cfg, 0, world), store=store, ranks=Ranks(0, world))
         eng.base_model_path = str(model_dir.resolve())
         if resume_dir is not None:
             eng.load_state(str(resume_dir))
@@ -125,7 +130,8 @@ def _follower(rank: int, world: int, port: int, spec_dict: dict, cfg: Any, model
     _join(rank, world, port, cfg)
     try:
         spec = JobSpec.parse(spec_dict)
-        eng = Engine(ModelConfig.load(model_dir), rank_config(cfg, rank), store=store, ranks=Ranks(rank, world))
+        eng = Engine(ModelConfig.load(model_dir), rank_config(cfg, rank, world), store=store,
+                     ranks=Ranks(rank, world))
         if resume_dir is not None:
             eng.load_state(resume_dir)
         data = load_data(spec)

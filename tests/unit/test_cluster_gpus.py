@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from horizon_ray.cluster import JobRejected, JobStatus
-from horizon_ray.cluster.agent import Ledger, NodeAgent, ReservationRefused, detect_gpus
+from horizon_ray.cluster.agent import Ledger, NodeAgent, ReservationRefused, detect_gpus, engine_env
 from horizon_ray.cluster.local import SimulatedNode, parse_simulated_cluster, parse_simulated_nodes
 from horizon_ray.cluster.messages import Launch
 from horizon_ray.cluster.placement import needs_gpu
@@ -75,6 +75,57 @@ def test_ledger_hands_out_distinct_gpus_and_splits_cores():
     assert ledger.reserve("c", GiB, GiB, needs_gpu=True).gpu_index == 0  # the freed GPU
     with pytest.raises(ReservationRefused, match="the node has none"):
         Ledger(ram_bytes=GiB).reserve("x", 1, 0, needs_gpu=True)
+
+
+def test_ledger_gives_a_job_its_gpus_together_with_their_cores():
+    """resources.gpus N: N free GPUs of the node at once, each GPU's share of the cores, all of them visible."""
+    ledger = Ledger(ram_bytes=64 * GiB, gpu_count=4, gpu_memory_bytes=H200_MEMORY, cpu_count=16)
+    one = ledger.reserve("one", GiB, GiB, needs_gpu=True)
+    two = ledger.reserve("two", GiB, GiB, needs_gpu=True, gpus=2)
+    assert (one.gpu_indices, two.gpu_indices, two.gpu_index) == ([0], [1, 2], 1)
+    assert (one.cpu_threads, two.cpu_threads) == (4, 8)
+    with pytest.raises(ReservationRefused, match="1 of 4 GPUs free, the job needs 2"):
+        ledger.reserve("three", GiB, GiB, needs_gpu=True, gpus=2)
+    env = engine_env(two, ["0", "1", "2", "3"])
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,2" and env["OMP_NUM_THREADS"] == "8"
+    assert env["HORIZON_RAY_OPTIMIZER_THREADS"] == "6"  # the job's; its ranks split it (job.ranks.rank_config)
+    ledger.release("one")
+    assert ledger.reserve("three", GiB, GiB, needs_gpu=True, gpus=2).gpu_indices == [0, 3]
+
+
+def test_each_rank_gets_its_share_of_the_jobs_optimizer_threads():
+    from horizon_ray.engine import EngineConfig
+    from horizon_ray.job.ranks import rank_config
+
+    cfg = EngineConfig(device="cuda", optimizer_threads=12)
+    assert [(c.device, c.optimizer_threads) for c in (rank_config(cfg, r, 3) for r in range(3))] == \
+        [("cuda:0", 4), ("cuda:1", 4), ("cuda:2", 4)]
+    assert rank_config(EngineConfig(device="cpu", optimizer_threads=5), 1, 2).optimizer_threads == 2
+
+
+def test_a_job_of_n_gpus_takes_n_free_gpus_of_one_node(fake_cluster):
+    c = fake_cluster({"g": "512GiB:4gpu:16cpu", "s": "256GiB:1gpu:4cpu"}, auto=False,
+                     tenants={"default": {"max_concurrent_jobs": 10}})
+    two = lambda: {**spec(), "resources": {"gpus": 2}}  # noqa: E731
+    a = c.submit("acme", two())
+    assert (a.status, a.node_id, a.gpu_indices, a.gpu_index) == (JobStatus.RUNNING, "g", [0, 1], 0)
+    assert env_of(c, a)["CUDA_VISIBLE_DEVICES"] == "0,1" and env_of(c, a)["OMP_NUM_THREADS"] == "8"
+    placed = [e.data for e in c.events("acme", a.id) if e.data.get("to") == "running"]
+    assert placed[0]["gpu_indices"] == [0, 1] and "GPUs 0,1" in placed[0]["reason"]
+    one = c.submit("acme", spec())  # best fit: the small node, which could never take a 2-GPU job
+    assert (one.node_id, one.gpu_indices) == ("s", [0])
+    b = c.submit("acme", two())
+    assert (b.node_id, b.gpu_indices) == ("g", [2, 3])
+    waiting = c.submit("acme", two())
+    assert waiting.status is JobStatus.QUEUED
+    assert waiting.queue_reason == "waiting for 2 free GPUs of one node (node g: all 4 GPUs busy)"
+    nodes = {n.node_id: n for n in c.nodes()}
+    assert nodes["g"].busy_gpus == [0, 1, 2, 3] and nodes["s"].busy_gpus == [0]
+    agents(c)["g"].advance(a.id, 100)  # a ends: its two GPUs free together
+    assert c.get("acme", waiting.id).gpu_indices == [0, 1]
+    with pytest.raises(JobRejected, match=r"resources.gpus 5 needs 5 GPUs of one node and the most any node has is 4 "
+                                          r"\(node g\); ask for at most 4"):
+        c.submit("acme", {**spec(), "resources": {"gpus": 5}})
 
 
 # ---- placement with the coordinator -------------------------------------------------------------------------

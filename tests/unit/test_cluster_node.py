@@ -101,7 +101,7 @@ def test_thread_variables_the_container_sets_are_kept(tmp_path):
     finally:
         raylet.kill()
         raylet.wait()
-    res = Reservation("j", GiB, 0, 0.0, gpu_index=None, cpu_threads=4)
+    res = Reservation("j", GiB, 0, 0.0, gpu_indices=[], cpu_threads=4)
     assert engine_env(res, [], kept) == {"CUDA_VISIBLE_DEVICES": "", "HORIZON_RAY_OPTIMIZER_THREADS": "4"}
     assert engine_env(res, [], {})["OMP_NUM_THREADS"] == "4"
 
