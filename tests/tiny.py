@@ -285,3 +285,44 @@ def assert_close_but_adam_roundoff(got, want, units, grads, lr: float, rtol: flo
                                   f"{float(err[worst]):.3g} > {float(bound[worst]):.3g} (roundoff slack "
                                   f"{float(slack[worst]):.3g})")
     assert (slack > atol).double().mean() < 0.01
+
+
+def named_tensors(units, kind: str = "master") -> dict:
+    """HF's (or PEFT's saved) names -> views of the units' flat buffers of one kind (master, grad, ...)."""
+    out = {}
+    for u in units:
+        views = u.layout.views(getattr(u, kind))
+        for t in u.layout.tensors:
+            out[t.name] = views[t.key]
+    return out
+
+
+def peft_reference(base, lora, tmp_path, random_b: bool = True, expert_targets=()):
+    """The reference PEFT model over ``base`` for the engine's ``lora`` (targets among ``expert_targets`` through
+    PEFT's target_parameters, as mlp.<name>), and its initial adapter saved for the engine to load; with a
+    random B (``random_b``) A has a gradient from the first step. Returns (model, adapter dir)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    modules = [t for t in lora.targets if t not in expert_targets]
+    stacked = [f"mlp.{t}" for t in lora.targets if t in expert_targets]
+    cfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=modules,
+                         target_parameters=stacked or None, modules_to_save=list(lora.modules_to_save) or None,
+                         task_type="CAUSAL_LM")
+    model = get_peft_model(base, cfg)
+    if random_b:
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    model.save_pretrained(tmp_path / "init")
+    model.train()
+    return model, tmp_path / "init"
+
+
+def peft_trainable(model) -> dict:
+    """PEFT's trainable parameters by their saved names (the adapter name, and for a module to save its
+    wrapper, dropped)."""
+    return {n.replace(".modules_to_save.default", "").replace(".default", ""): p
+            for n, p in model.named_parameters() if p.requires_grad}

@@ -19,13 +19,12 @@ import json
 
 import pytest
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model
+from peft import PeftModel
 from safetensors import safe_open
 
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig, ModelConfig
 from horizon_ray.engine.model import EXPERT_TARGETS
-from tests.tiny import FAMILY_BUILDERS, V, random_batches, reference_step
+from tests.tiny import FAMILY_BUILDERS, V, named_tensors, peft_reference, peft_trainable, random_batches, reference_step
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 FAMILIES = list(FAMILY_BUILDERS)
@@ -190,35 +189,14 @@ SAVED = {"qwen3": ("norm",), "gemma2": ("norm",), "gemma3": ("pre_feedforward_la
 def _peft(cls, path, lora: LoraConfig, tmp_path):
     """The reference PEFT model (the experts through target_parameters), and its initial adapter saved for the
     engine to load, with a random B so that A has a gradient from the first step."""
-    base = _reference(cls, path)
-    modules = [t for t in lora.targets if t not in EXPERT_TARGETS]
-    stacked = [f"mlp.{t}" for t in lora.targets if t in EXPERT_TARGETS]
-    cfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=modules,
-                         target_parameters=stacked or None, modules_to_save=list(lora.modules_to_save) or None,
-                         task_type="CAUSAL_LM")
-    model = get_peft_model(base, cfg)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    model.save_pretrained(tmp_path / "init")
-    model.train()
-    return model, tmp_path / "init"
+    return peft_reference(_reference(cls, path), lora, tmp_path, expert_targets=EXPERT_TARGETS)
 
 
 def _adapters(eng, kind="master"):
-    out = {}
-    for u in eng.store.adapters:
-        views = u.layout.views(getattr(u, kind))
-        for t in u.layout.tensors:
-            out[t.name] = views[t.key]
-    return out
+    return named_tensors(eng.store.adapters, kind)
 
 
-def _trainable(model):
-    return {n.replace(".modules_to_save.default", "").replace(".default", ""): p
-            for n, p in model.named_parameters() if p.requires_grad}
+_trainable = peft_trainable
 
 
 @pytest.mark.parametrize("family", FAMILIES)

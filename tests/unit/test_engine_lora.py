@@ -17,7 +17,18 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig
-from tests.tiny import V, random_batches, reference_step, resumed_and_uninterrupted, save, tiny_llama, tiny_qwen2
+from tests.tiny import (
+    V,
+    named_tensors,
+    peft_reference,
+    peft_trainable,
+    random_batches,
+    reference_step,
+    resumed_and_uninterrupted,
+    save,
+    tiny_llama,
+    tiny_qwen2,
+)
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -25,37 +36,15 @@ ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 def _peft(cls, path, lora: LoraConfig, tmp_path, random_b=True):
     """The reference PEFT model, and its initial adapter saved for the engine to load."""
-    base = cls.from_pretrained(path).float()
-    cfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                         target_modules=list(lora.targets), modules_to_save=list(lora.modules_to_save) or None,
-                         task_type="CAUSAL_LM")
-    model = get_peft_model(base, cfg)
-    if random_b:
-        g = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    model.save_pretrained(tmp_path / "init")
-    model.train()
-    return model, tmp_path / "init"
+    return peft_reference(cls.from_pretrained(path).float(), lora, tmp_path, random_b)
 
 
 def _adapters(eng, kind="master"):
     """PEFT's saved names -> the engine's adapter tensors of one kind."""
-    out = {}
-    for u in eng.store.adapters:
-        views = u.layout.views(getattr(u, kind))
-        for t in u.layout.tensors:
-            out[t.name] = views[t.key]
-    return out
+    return named_tensors(eng.store.adapters, kind)
 
 
-def _trainable(model):
-    """PEFT's trainable parameters by their saved names (the adapter name, and for a module to save its
-    wrapper, dropped)."""
-    return {n.replace(".modules_to_save.default", "").replace(".default", ""): p
-            for n, p in model.named_parameters() if p.requires_grad}
+_trainable = peft_trainable
 
 
 def _with_varied_norms(path, cls, tmp_path):

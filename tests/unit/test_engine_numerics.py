@@ -18,18 +18,22 @@ from transformers import (
 )
 
 from horizon_ray.engine import Engine, EngineConfig
-from tests.tiny import V, random_batches, reference_step, resumed_and_uninterrupted, save, tiny_llama, tiny_qwen2
+from tests.tiny import (
+    V,
+    named_tensors,
+    random_batches,
+    reference_step,
+    resumed_and_uninterrupted,
+    save,
+    tiny_llama,
+    tiny_qwen2,
+)
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def _engine_tensors(eng, kind):
-    out = {}
-    for u in eng.store.units:
-        views = u.layout.views(getattr(u, kind))
-        for t in u.layout.tensors:
-            out[t.name] = views[t.key]
-    return out
+    return named_tensors(eng.store.units, kind)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
