@@ -10,7 +10,8 @@ its pod spec mounts, and runs as the pod's user. Through that deployment:
 
 - the API becomes ready (it is started before the head: it connects when the head is up);
 - only the worker runs a node agent, which offers the pod's memory less Ray's share;
-- a job submitted over REST trains on the worker and writes its model on the shared volume;
+- a job submitted over REST trains on the worker and writes its model on the shared volume; on the
+  whole-node overlay a job whose REST body asks for 2 GPUs (resources.gpus) runs as two ranks of the one pod;
 - the RayJob example's entrypoint runs through the token-protected job server: as shipped it asks for the
   7B job, which the coordinator turns down on the dev overlay's small worker, naming why; with the spec the
   example names for the dev overlay it trains on the worker;
@@ -211,12 +212,15 @@ def alive_nodes(d: Deployment) -> list[dict[str, Any]]:
     return [n for n in d.get("/nodes").json()["data"] if n["alive"]]
 
 
-def submit_rest_job(d: Deployment, name: str, max_steps: int = 3, checkpoint_every: int = 100) -> dict[str, Any]:
+def submit_rest_job(d: Deployment, name: str, max_steps: int = 3, checkpoint_every: int = 100,
+                    gpus: int = 1) -> dict[str, Any]:
     body = {"name": name, "model": {"path": "tiny-demo"},
             "data": {"path": "chat/train.jsonl", "format": "messages", "eval_fraction": 0.0},
             "training": {"max_steps": max_steps, "micro_batch_size": 2, "seq_len": 64,
                          "schedule": {"type": "constant"}},
             "checkpoint": {"every_steps": checkpoint_every, "keep": 1}, "engine": {"device": "cpu"}}
+    if gpus != 1:
+        body["resources"] = {"gpus": gpus}  # ranks of one node; on a node without GPUs they run on the CPU
     r = d.post("/finetune", body)
     assert r.status_code in (200, 201, 202), r.text
     return r.json()
@@ -423,7 +427,7 @@ def test_dev_overlay_end_to_end(pods_allowed):
           + ", ".join(f"{k.split('/')[-1]}={v / GiB:.2f}" for k, v in peaks.items()))
 
 
-@pytest.mark.parametrize("variant", ["base", "overlays/h200-2tib"])
+@pytest.mark.parametrize("variant", ["base", "overlays/h200-2tib", "overlays/h200-2tib-node"])
 def test_gpu_overlays_serve_and_train_on_their_worker(pods_allowed, variant):
     """The GPU overlays' pods on this GPU-less machine: the worker's engines run on the CPU (device cpu)."""
     with deployment(variant) as d:
@@ -431,3 +435,13 @@ def test_gpu_overlays_serve_and_train_on_their_worker(pods_allowed, variant):
         node = check_only_the_worker_runs_an_agent(d)
         job = wait_job(d, submit_rest_job(d, "rest-tiny")["id"])
         assert job["node_id"] == node["node_id"], job
+        if variant == "overlays/h200-2tib-node":
+            # a job over several ranks of the one pod, asked for in the REST body (resources.gpus): here, without
+            # GPUs, two ranks on the CPU over one host copy of the model
+            ranks = wait_job(d, submit_rest_job(d, "rest-ranks", gpus=2)["id"])
+            assert ranks["node_id"] == node["node_id"] and ranks["spec"]["resources"] == {"gpus": 2}, ranks
+            out = d.shared / "jobs" / TENANT / ranks["id"]
+            start = next(json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
+                         if json.loads(x)["type"] == "start")
+            assert start["gpus"] == 2 and start["device"] == "cpu", start  # two ranks ran it
+            assert (out / "final" / "config.json").is_file(), f"no final model on the shared volume at {out}"

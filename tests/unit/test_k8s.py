@@ -4,7 +4,9 @@
   made strict (a misspelled key fails; see that folder's README); core kinds, and the pod templates inside
   the RayCluster, with kubernetes-validate for one Kubernetes version.
 - Every worker group's pods hold the job spec it is sized for: the planner plans that spec on a node with
-  the pod's memory limit, GPU count and GPU memory, and must say it fits.
+  the pod's memory limit, GPU count and GPU memory, and must say it fits (with the GPUs its resources.gpus
+  asks for), within its tenant's quota. The whole-node overlay gives one pod all 8 GPUs of its server and a
+  job that asks for all of them.
 - Memory requests equal limits, probes, secrets, storage paths and commands agree with the code they run.
 
 Each overlay under k8s/overlays/ is rendered with the small subset of kustomize these manifests use
@@ -40,6 +42,8 @@ GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"  # GPU feature discovery: MiB of one 
 NODE_SHAPE = "horizon-ray.io/node-shape"  # worker group annotation: the node its pods are cut from (JSON)
 TOKEN_SECRET = ("horizon-ray", "auth_token")  # the Secret KubeRay generates for authOptions.mode token
 GiB, MiB = 1 << 30, 1 << 20
+PER_GPU = "overlays/h200-2tib"  # an 8-GPU server cut into 8 pods of one GPU
+WHOLE_NODE = "overlays/h200-2tib-node"  # the same server as one pod of 8 GPUs
 
 VARIANTS = ["base"] + sorted(
     str(p.parent.relative_to(K8S)) for p in (K8S / "overlays").glob("*/kustomization.yaml")
@@ -400,6 +404,103 @@ def test_a_gpu_group_without_gpu_memory_fails_the_fit_check():
     del one(docs, "RayCluster")["spec"]["workerGroupSpecs"][0]["template"]["spec"]["affinity"]
     problems = fit_problems(docs)
     assert len(problems) == 1 and GPU_MEMORY_LABEL in problems[0], problems
+
+
+def quota_problems(docs: list[dict[str, Any]]) -> list[str]:
+    """Job specs of ConfigMap horizon-ray-jobs that the coordinator would refuse for their tenant's quota: it
+    admits a job only when its smallest plan on a node that holds it is within the tenant's
+    max_reserved_bytes (Coordinator._admit). The tenant is the one the spec's output_dir names
+    (<jobs root>/<tenant>/<job>), whose quotas come from the tenants file the head's sidecar hands over."""
+    from horizon_ray.cluster.tenants import TenantsConfig
+    from horizon_ray.planner import format_bytes, plan_for_spec
+
+    args, control, template = control_args(docs)
+    tenants_file = Path(args.tenants)
+    mount = mounts(control)[str(tenants_file.parent)]
+    config = next(v for v in template["spec"]["volumes"] if v["name"] == mount["name"])["configMap"]["name"]
+    tenants = TenantsConfig.from_dict(yaml.safe_load(one(docs, "ConfigMap", config)["data"][tenants_file.name]))
+    jobs_root = f"{args.root}/jobs"
+    nodes = [worker_node(g) for g in one(docs, "RayCluster")["spec"]["workerGroupSpecs"]]
+    problems = []
+    for key, text in one(docs, "ConfigMap", JOBS_CONFIGMAP)["data"].items():
+        spec = planned_spec(text)
+        tenant = Path(spec["output_dir"]).relative_to(jobs_root).parts[0]
+        fitting = [p.host_bytes for p in (plan_for_spec(spec, n, suggest=False) for n in nodes) if p.fits]
+        quota = tenants.quota(tenant).max_reserved_bytes
+        if fitting and min(fitting) > quota:
+            problems.append(f"{key} needs {format_bytes(min(fitting))} of host RAM; tenant {tenant}'s "
+                            f"max_reserved_bytes is {format_bytes(quota)}")
+    return problems
+
+
+def test_every_job_spec_is_within_its_tenants_quota(variant):
+    name, docs = variant
+    assert quota_problems(docs) == [], name
+
+
+def test_a_job_above_its_tenants_quota_is_caught():
+    docs = docs_of(WHOLE_NODE)
+    tenants = one(docs, "ConfigMap", "horizon-ray-config")
+    tenants["data"] = one(base_docs(), "ConfigMap", "horizon-ray-config")["data"]  # the base's quotas: 480 GiB
+    assert quota_problems(docs) == ["qwen2.5-72b-sft.yaml needs 1128.1 GiB of host RAM; tenant team-a's "
+                                    "max_reserved_bytes is 480.0 GiB"]
+
+
+# ---- the whole-node overlay: one pod per 8-GPU server, a job over all of its GPUs -------------------------
+
+def whole_node_group(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The whole-node overlay's GPU group, its node shape and its sized-for job spec (planned form)."""
+    group = next(g for g in one(docs, "RayCluster")["spec"]["workerGroupSpecs"] if g.get("replicas"))
+    annotations = group["template"]["metadata"]["annotations"]
+    spec = planned_spec(one(docs, "ConfigMap", JOBS_CONFIGMAP)["data"][annotations[SIZED_FOR]])
+    return group, json.loads(annotations[NODE_SHAPE]), spec
+
+
+def test_the_whole_node_pod_holds_every_gpu_and_almost_all_of_its_node():
+    group, shape, _ = whole_node_group(docs_of(WHOLE_NODE))
+    gpus = int(quantity(shape["capacity"]["nvidia.com/gpu"]))
+    assert gpus == 8 and shape["podsPerNode"] == 1
+    resources = group["template"]["spec"]["containers"][0]["resources"]
+    assert quantity(resources["requests"]["nvidia.com/gpu"]) == quantity(resources["limits"]["nvidia.com/gpu"]) \
+        == gpus
+    # what the node's allocatable resources leave beside the DaemonSets, less a little headroom
+    for key in ("cpu", "memory"):
+        free = quantity(shape["allocatable"][key]) - quantity(shape["daemonSets"][key])
+        assert 0.98 * free <= quantity(resources["limits"][key]) <= free, key
+
+
+def test_the_whole_node_job_asks_for_every_gpu_of_the_pod_and_fits_it():
+    from dataclasses import replace
+
+    from horizon_ray.planner import plan_for_spec
+
+    docs = docs_of(WHOLE_NODE)
+    group, _, spec = whole_node_group(docs)
+    node = worker_node(group)
+    assert spec["resources"]["gpus"] == node.gpus == 8
+    assert spec["method"] == "full" and spec["model"]["path"] == "Qwen2.5-72B-Instruct"
+    p = plan_for_spec(spec, node)
+    assert p.fits and p.gpus == 8, p.reason
+    assert p.tokens_per_step == 8 * 2048 * 4 * 8  # every rank runs grad_accum micro-batches of every step
+    assert 1120 * GiB < p.host_bytes < 1135 * GiB  # 1128.1 GiB: one host copy, eight ranks' buffers
+    assert 40 * GiB < p.gpu_bytes < 47 * GiB  # 43.5 GiB on each GPU
+    # The count is what the planner checks: fewer GPUs than the job asks for do not hold it ...
+    fewer = plan_for_spec(spec, replace(node, gpus=4))
+    assert not fewer.fits and "resources.gpus" in fewer.reason, fewer.reason
+    # ... and a per-GPU pod of the same server has neither the GPUs nor the RAM.
+    per_gpu = worker_node(one(docs_of(PER_GPU), "RayCluster")["spec"]["workerGroupSpecs"][0])
+    assert not plan_for_spec(spec, per_gpu).fits
+    assert not plan_for_spec(spec, replace(per_gpu, gpus=8)).fits  # host RAM
+
+
+def test_a_pod_with_fewer_gpus_than_its_job_fails_the_fit_check():
+    docs = docs_of(WHOLE_NODE)
+    group, _, _ = whole_node_group(docs)
+    resources = group["template"]["spec"]["containers"][0]["resources"]
+    resources["requests"]["nvidia.com/gpu"] = resources["limits"]["nvidia.com/gpu"] = "4"
+    problems = fit_problems(docs)
+    assert len(problems) == 1 and "qwen2.5-72b-sft.yaml does not fit" in problems[0], problems
+    assert "asks for 8 GPUs (resources.gpus)" in problems[0], problems
 
 
 def memory_mismatches(docs: list[dict[str, Any]]) -> list[str]:
@@ -784,7 +885,7 @@ def test_pods_fit_the_allocatable_resources_of_their_nodes(variant):
 
 
 def test_a_pod_too_big_for_its_node_is_caught():
-    docs = docs_of("overlays/h200-2tib")
+    docs = docs_of(PER_GPU)
     c = one(docs, "RayCluster")["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
     c["resources"]["requests"]["cpu"] = c["resources"]["limits"]["cpu"] = "24"  # 8 x 24 = 192 > 191.45
     assert node_fit_problems(docs) == ["worker group gpu-bigmem: cpu 194 requested on a node with 191.45 "
