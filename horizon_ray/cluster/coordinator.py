@@ -26,6 +26,7 @@ on several hosts, jobs_root must be a shared filesystem (NFS, a mounted bucket).
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import logging
 import threading
 import time
@@ -109,6 +110,36 @@ class _Usage:
     bytes: int = 0
     blocked_by: str | None = None  # id of the tenant's job that could not be served this pass
     extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """A waiting job's hold on the node it waits for: later jobs may take only what it does not need."""
+
+    job_id: str
+    gpus: int  # GPUs it needs there (0: a CPU job)
+    host_bytes: int  # host RAM it needs there
+
+
+def _behind_claim(c: Candidate, claim: _Claim | None) -> Candidate:
+    """`c`, not placeable now where it would take what the node's claimant waits for."""
+    if claim is None or not c.fits_now:
+        return c
+    gpus_ok = not c.needs_gpu or c.free_gpus - c.gpus >= claim.gpus  # takes none, or leaves it enough
+    if gpus_ok and c.free_bytes - c.host_bytes >= claim.host_bytes:
+        return c
+    return dataclasses.replace(c, fits_now=False, reason=f"node {c.node_id} is held for job {claim.job_id}, "
+                                                         "which waits for it")
+
+
+def _claim(job: JobRecord, cands: list[Candidate], claims: dict[str, _Claim]) -> None:
+    """The node `job` waits for: of those that can hold it and no earlier job holds, the one it lacks least."""
+    free = [c for c in cands if c.fits and c.node_id not in claims]
+    if not free:
+        return
+    gpus = lambda c: c.gpus if c.needs_gpu else 0  # noqa: E731
+    c = min(free, key=lambda c: (max(0, gpus(c) - c.free_gpus), max(0, c.host_bytes - c.free_bytes), c.node_id))
+    claims[c.node_id] = _Claim(job.id, gpus(c), c.host_bytes)
 
 
 class Coordinator:
@@ -460,9 +491,10 @@ class Coordinator:
             u.bytes += int((job.plan or {}).get("host_bytes") or 0)
         order = fair_order(self.store.jobs(statuses=WAITING), self._last_served)
         still_waiting: list[tuple[JobRecord, str]] = []
+        claims: dict[str, _Claim] = {}  # node -> the earliest job in fair order that waits for it
         for job in order:
             u = usage.setdefault(job.tenant, _Usage())
-            reason = self._try_place(job, u, infos, agents)
+            reason = self._try_place(job, u, infos, agents, claims)
             if reason is not None:
                 still_waiting.append((job, reason))
                 if job.status is JobStatus.QUEUED and u.blocked_by is None:
@@ -473,8 +505,12 @@ class Coordinator:
                 self.store.put_job(job)
 
     def _try_place(self, job: JobRecord, u: _Usage, infos: dict[str, NodeInfo],
-                   agents: Mapping[str, Agent]) -> str | None:
-        """Start `job` on its best node, or return why it waits."""
+                   agents: Mapping[str, Agent], claims: dict[str, _Claim] | None = None) -> str | None:
+        """Start `job` on its best node, or return why it waits. `claims`: nodes that earlier jobs in fair order
+        wait for; `job` may use one only where it leaves the claimant what it waits for (so that a stream of
+        small jobs cannot starve a large one: a job of several GPUs, or of much RAM), and claims one itself
+        when it has to wait."""
+        claims = {} if claims is None else claims
         quota = self.tenants.quota(job.tenant)
         if job.status is JobStatus.QUEUED and u.blocked_by is not None:
             return f"behind job {u.blocked_by} of the same tenant"
@@ -507,8 +543,10 @@ class Coordinator:
                 return (f"tenant {job.tenant} would hold {format_bytes(u.bytes + need)} of host RAM; "
                         f"its quota is {format_bytes(quota.max_reserved_bytes)}")
             cands = within  # the plan on each node differs: place only where the quota still holds
+        cands = [_behind_claim(c, claims.get(c.node_id)) for c in cands]
         best = best_fit(cands)
         if best is None:
+            _claim(job, cands, claims)
             base = waiting_reason(cands)
             return base if job.status is JobStatus.QUEUED else f"{job.queue_reason}; {base}"
         agent = agents.get(best.node_id)

@@ -249,7 +249,7 @@ def waiting_reason(candidates: list[Candidate]) -> str:
         why = [gpus_free(c.gpu_count, c.free_gpus, c.gpus)] if c.needs_gpu and c.free_gpus < c.gpus else []
         if c.host_bytes > c.free_bytes:
             why.append(f"{format_bytes(c.free_bytes)} free host RAM")
-        per_node.append(f"node {c.node_id}: {', '.join(why)}")
+        per_node.append(f"node {c.node_id}: {', '.join(why)}" if why else c.reason)  # held for an earlier job
     ram_short = any(c.host_bytes > c.free_bytes for c in fitting)
     n = max(c.gpus for c in fitting)
     gpu = "a free GPU" if n == 1 else f"{n} free GPUs of one node"

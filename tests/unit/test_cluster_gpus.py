@@ -162,7 +162,7 @@ def test_gpu_job_waits_for_a_gpu_though_ram_is_free_and_takes_the_one_freed(gpu_
     assert dry["decision"] == "queue" and "all 2 GPUs busy" in dry["reason"]
     assert dry["nodes"][0]["free_gpus"] == 0 and dry["nodes"][0]["needs_gpu"]
     # A CPU job needs no GPU: it runs next to the two GPU engines, and its engine sees no GPU.
-    cpu = c.submit("beta", spec(device="cpu"))
+    cpu = c.submit("gamma", spec(device="cpu"))  # (beta's next jobs wait behind its first waiting one)
     assert cpu.status is JobStatus.RUNNING and cpu.gpu_index is None
     assert env_of(c, cpu)["CUDA_VISIBLE_DEVICES"] == "" and env_of(c, cpu)["OMP_NUM_THREADS"] == "2"
     assert c.get("acme", waiting.id).status is JobStatus.QUEUED
@@ -371,3 +371,22 @@ def test_the_runner_hands_the_agents_core_share_to_the_engine(monkeypatch, tmp_p
     assert engine_config(spec).optimizer_threads == 6
     monkeypatch.delenv("HORIZON_RAY_OPTIMIZER_THREADS")
     assert engine_config(spec).optimizer_threads == 0
+
+
+def test_small_jobs_do_not_starve_a_job_of_several_gpus(fake_cluster):
+    """The earliest waiting job in fair order holds the node it waits for: a later 1-GPU job of another tenant
+    may not take the GPU it needs (that stream would keep a 2-GPU job waiting for ever); a CPU job that leaves
+    it its RAM may run beside it."""
+    c = fake_cluster({"g": "512GiB:4gpu:16cpu"}, auto=False, tenants={"default": {"max_concurrent_jobs": 10}})
+    small = [c.submit("beta", spec()) for _ in range(3)]
+    assert [j.gpu_indices for j in small] == [[0], [1], [2]]
+    big = c.submit("acme", {**spec(), "resources": {"gpus": 2}})
+    assert big.queue_reason == "waiting for 2 free GPUs of one node (node g: 1 of 4 GPUs free, the job needs 2)"
+    later = c.submit("beta", spec())
+    assert later.status is JobStatus.QUEUED and c.nodes()[0].free_gpus == 1
+    assert f"node g is held for job {big.id}, which waits for it" in c.get("beta", later.id).queue_reason
+    cpu = c.submit("gamma", spec(device="cpu"))  # (beta's next jobs wait behind its first waiting one)
+    assert cpu.status is JobStatus.RUNNING
+    agents(c)["g"].advance(small[0].id, 100)  # one GPU frees: with the one kept free, the big job starts
+    assert c.get("acme", big.id).gpu_indices == [0, 3]
+    assert c.get("beta", later.id).status is JobStatus.QUEUED
