@@ -262,10 +262,22 @@ class WandbSpec(_Section):
     tags: list[Text] = Field(default_factory=list, description="tags of the run")
 
 
+def _tracking_server(uri: str | None) -> str | None:
+    """An MLflow tracking URI a tenant may name: a server's http(s) URL. A local store (file:, sqlite:, a path)
+    would be written by the engine on the node, outside the job's output directory."""
+    if uri is not None and not uri.lower().startswith(("http://", "https://")):
+        raise PydanticCustomError(
+            "tracking_uri", "{uri!r} is not an MLflow tracking server's http(s):// URL: a local store (file:, "
+            "sqlite:, a path) would be written on the node outside the job's output directory; name the server, "
+            "or leave tracking_uri null for a store in the job's output directory (./mlruns)", {"uri": uri})
+    return uri
+
+
 class MlflowSpec(_Section):
     experiment: Text = Field("horizon-ray", description="the MLflow experiment the run logs to")
-    tracking_uri: Text | None = Field(None, description=(
-        "the tracking server or store; null: MLflow's own default (MLFLOW_TRACKING_URI, else ./mlruns)"))
+    tracking_uri: Annotated[Text | None, AfterValidator(_tracking_server)] = Field(None, description=(
+        "the tracking server, an http(s):// URL; null: MLFLOW_TRACKING_URI of the node, else ./mlruns in the "
+        "job's output directory"))
     run_name: Text | None = Field(None, description="the run's name; null: the job's name or id")
 
 

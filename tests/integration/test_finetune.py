@@ -181,7 +181,7 @@ def test_the_specs_integrations_log_to_wandb_and_mlflow_when_installed(assets, t
     spec["training"]["max_steps"] = 3
     spec["checkpoint"] = {"every_steps": 0}
     spec["integrations"] = {"tensorboard": False, "wandb": {"project": "p", "tags": ["t"]},
-                            "mlflow": {"experiment": "e", "tracking_uri": "file:///tmp/nowhere"}}
+                            "mlflow": {"experiment": "e", "tracking_uri": "http://127.0.0.1:9/"}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "FAKE_TRACKER_LOG": str(calls),
            "HORIZON_RAY_JOB_ID": "job-0123456789ab"}
@@ -192,7 +192,7 @@ def test_the_specs_integrations_log_to_wandb_and_mlflow_when_installed(assets, t
     log = [json.loads(line) for line in calls.read_text().splitlines()]
     assert log[0] == ["wandb.init", "p", "tiny", ["t"], "job-0123456789ab", "allow", 3]
     assert [c for c in log if c[0].startswith("mlflow.") and c[0] != "mlflow.log_metrics"] == [
-        ["mlflow.set_tracking_uri", "file:///tmp/nowhere"], ["mlflow.set_experiment", "e"],
+        ["mlflow.set_tracking_uri", "http://127.0.0.1:9/"], ["mlflow.set_experiment", "e"],
         ["mlflow.start_run", None, "tiny"], ["mlflow.log_params", "3"], ["mlflow.end_run", "FINISHED"]]
     losses = {r.step: r.loss for r in read_events(out / "metrics.jsonl") if r.TYPE == "metrics"}
     assert {c[1]: c[2]["train/loss"] for c in log if c[0] == "wandb.log" and "train/loss" in c[2]} == \

@@ -349,3 +349,13 @@ def test_errors_carry_the_field():
         with pytest.raises(BadInput) as err:
             JobSpec.from_dict(_with(**changes))
         assert err.value.field == field
+
+
+@pytest.mark.parametrize("uri", ["file:///etc", "/var/lib/horizon-ray/other-tenant", "sqlite:///x.db", "mlruns"])
+def test_an_mlflow_store_on_the_node_is_refused_and_a_server_is_not(uri):
+    """A tenant's tracking_uri names a server: a local store would be written by the engine outside its job."""
+    data = {**MINIMAL, "integrations": {"mlflow": {"tracking_uri": uri}}}
+    with pytest.raises(ValueError, match=r"integrations.*tracking_uri.*not an MLflow tracking server's http\(s\)"):
+        JobSpec.from_dict(data)
+    data["integrations"]["mlflow"]["tracking_uri"] = "https://mlflow.example.org"
+    assert JobSpec.from_dict(data).integrations.mlflow.tracking_uri == "https://mlflow.example.org"
