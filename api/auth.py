@@ -50,8 +50,8 @@ class Tenant:
     async def cancel(self, job_id: str) -> JobRecord:
         return await run_in_threadpool(self.client.cancel, self.name, job_id)
 
-    async def events(self, job_id: str, after_seq: int = 0) -> builtins.list[JobEvent]:
-        return await run_in_threadpool(self.client.events, self.name, job_id, after_seq)
+    async def events(self, job_id: str, after_seq: int = 0, limit: int | None = None) -> builtins.list[JobEvent]:
+        return await run_in_threadpool(self.client.events, self.name, job_id, after_seq, limit)
 
     async def checkpoints(self, job_id: str) -> builtins.list[Checkpoint]:
         return await run_in_threadpool(self.client.checkpoints, self.name, job_id)

@@ -134,7 +134,7 @@ def job_routes(base: str) -> APIRouter:
             except BaseException:
                 close()
                 raise
-        events: list[JobEvent] = await tenant.events(job_id, after)
+        events: list[JobEvent] = await tenant.events(job_id, after, limit + 1)  # one more: is there more?
         page = events[:limit]
         return EventList(data=[event_object(e) for e in page], has_more=len(events) > limit,
                          last_seq=page[-1].seq if page else after)

@@ -76,8 +76,9 @@ class CoordinatorClient(Protocol):
         raises InvalidTransition."""
         ...
 
-    def events(self, tenant: str, job_id: str, after_seq: int = 0) -> builtins.list[JobEvent]:
-        """The job's events with seq > after_seq, oldest first."""
+    def events(self, tenant: str, job_id: str, after_seq: int = 0, limit: int | None = None
+               ) -> builtins.list[JobEvent]:
+        """The job's events with seq > after_seq, oldest first; at most `limit` of them (None: all)."""
         ...
 
     def checkpoints(self, tenant: str, job_id: str) -> builtins.list[Checkpoint]:
@@ -128,8 +129,8 @@ class _Delegating:
     def cancel(self, tenant, job_id) -> JobRecord:
         return self._call("cancel", tenant, job_id)
 
-    def events(self, tenant, job_id, after_seq=0):
-        return self._call("events", tenant, job_id, after_seq)
+    def events(self, tenant, job_id, after_seq=0, limit=None):
+        return self._call("events", tenant, job_id, after_seq, limit)
 
     def checkpoints(self, tenant, job_id):
         return self._call("checkpoints", tenant, job_id)

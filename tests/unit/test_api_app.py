@@ -190,8 +190,8 @@ def test_a_diverged_loss_does_not_break_the_job_page(bed):
         def get(self, tenant, job_id):
             return record
 
-        def events(self, tenant, job_id, after_seq=0):
-            return [JobEvent(1, job_id, time.time(), EventType.METRICS, {"step": 3, "loss": nan})]
+        def events(self, tenant, job_id, after_seq=0, limit=None):
+            return [JobEvent(1, job_id, time.time(), EventType.METRICS, {"step": 3, "loss": nan})][:limit]
 
     with TestClient(create_app(Diverged(), bed.settings), raise_server_exceptions=False) as http:
         job = http.get("/finetune/job-000000000001", headers=bed.auth("acme"))

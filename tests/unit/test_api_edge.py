@@ -514,11 +514,12 @@ def test_openai_events_page_newest_first_without_reading_the_whole_history(bed, 
         """The testbed's client, remembering the `after_seq` of each events call."""
 
         def __init__(self, inner):
-            self.inner, self.afters = inner, []
+            self.inner, self.afters, self.returned = inner, [], []
 
-        def events(self, tenant, job_id, after_seq=0):
+        def events(self, tenant, job_id, after_seq=0, limit=None):
             self.afters.append(after_seq)
-            return self.inner.events(tenant, job_id, after_seq)
+            self.returned.append(len(got := self.inner.events(tenant, job_id, after_seq, limit)))
+            return got
 
         def __getattr__(self, name):
             return getattr(self.inner, name)
@@ -544,6 +545,9 @@ def test_openai_events_page_newest_first_without_reading_the_whole_history(bed, 
             after = page["last_id"]
         assert pages == seqs[::-1]  # every event once, newest first
         assert all(a >= len(seqs) - 3 * (i + 1) - 1 for i, a in enumerate(counting.afters))  # a window each
+        counting.returned.clear()  # the native route reads a page (and one more, to say has_more), not the rest
+        first = http.get(f"/finetune/{job['id']}/events", params={"limit": 3}, headers=auth).json()
+        assert [e["seq"] for e in first["data"]] == seqs[:3] and first["has_more"] and counting.returned == [4]
 
 
 def test_the_final_tar_never_follows_a_link(tmp_path):
