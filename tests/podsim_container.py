@@ -9,7 +9,8 @@ execs the container's command:
   layer is private to the container (what the image's Dockerfile adds, e.g. user 1000's home and
   /var/lib/horizon-ray, is created in that layer); other host mounts the image needs (the checkout and its
   virtual environment, when they are on mounts of their own) are bound read-only;
-- a fresh /proc of the container's PID namespace, the host's /dev and /sys, a private /tmp and /dev/shm;
+- a fresh /proc of the container's PID namespace, the host's /dev and /sys, a private /tmp and /dev/shm (the
+  checkout and interpreter bound back into it, read-only, when the host keeps them under /tmp);
 - every volumeMount of the pod spec bound at its mountPath (read-only where the spec says so), and the
   pod's /etc/hosts (the kubelet writes one per pod). A path the pod spec does not mount does not exist;
 - the pod's securityContext (runAsUser, runAsGroup, fsGroup as a supplementary group), no new privileges.
@@ -74,6 +75,12 @@ def main(spec_path: str) -> None:
     mount("-t", "tmpfs", "-o", f"size={spec['shm_bytes']}", "shm", str(root / "dev" / "shm"))
     bind(str(scratch / "tmp"), root / "tmp", read_only=False)
     os.chmod(root / "tmp", 0o1777)
+    # a checkout or interpreter that lives under the host's /tmp (a CI clone there) stays visible through the
+    # private /tmp, read-only, as the image would carry it
+    under_tmp = sorted({p for p in spec["readable"] if p.startswith("/tmp/")})
+    for p in under_tmp:
+        if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in under_tmp) and os.path.exists(p):
+            bind(p, root / p.lstrip("/"), read_only=True)
     # what the image's Dockerfile creates
     for path, uid, gid, mode in spec["image_dirs"]:
         d = root / path.lstrip("/")
