@@ -283,7 +283,7 @@ def job_object(record: JobRecord, base: str = "/finetune") -> JobObject:
         queue=queue,
         attempts=record.attempts,
         last_checkpoint_step=record.last_checkpoint_step,
-        gpu_indices=list(record.gpu_indices or ([record.gpu_index] if record.gpu_index is not None else [])),
+        gpu_indices=record.gpus_held,
     )
 
 

@@ -125,7 +125,7 @@ def _behind_claim(c: Candidate, claim: _Claim | None) -> Candidate:
     """`c`, not placeable now where it would take what the node's claimant waits for."""
     if claim is None or not c.fits_now:
         return c
-    gpus_ok = not c.needs_gpu or c.free_gpus - c.gpus >= claim.gpus  # takes none, or leaves it enough
+    gpus_ok = not c.gpus_taken or c.free_gpus - c.gpus_taken >= claim.gpus  # takes none, or leaves it enough
     if gpus_ok and c.free_bytes - c.host_bytes >= claim.host_bytes:
         return c
     return dataclasses.replace(c, fits_now=False, reason=f"node {c.node_id} is held for job {claim.job_id}, "
@@ -137,9 +137,9 @@ def _claim(job: JobRecord, cands: list[Candidate], claims: dict[str, _Claim]) ->
     free = [c for c in cands if c.fits and c.node_id not in claims]
     if not free:
         return
-    gpus = lambda c: c.gpus if c.needs_gpu else 0  # noqa: E731
-    c = min(free, key=lambda c: (max(0, gpus(c) - c.free_gpus), max(0, c.host_bytes - c.free_bytes), c.node_id))
-    claims[c.node_id] = _Claim(job.id, gpus(c), c.host_bytes)
+    c = min(free, key=lambda c: (max(0, c.gpus_taken - c.free_gpus), max(0, c.host_bytes - c.free_bytes),
+                                 c.node_id))
+    claims[c.node_id] = _Claim(job.id, c.gpus_taken, c.host_bytes)
 
 
 class Coordinator:

@@ -145,6 +145,11 @@ class JobRecord:
     last_seq: int = 0  # seq of its newest event (filled in by the job store when it reads the record)
     retries: int = 0  # starts in a row that ended without a step (killed, output directory busy): bounded
 
+    @property
+    def gpus_held(self) -> list[int]:
+        """The GPUs of `node_id` it holds or last held (a record written before gpu_indices: its gpu_index)."""
+        return list(self.gpu_indices) or ([self.gpu_index] if self.gpu_index is not None else [])
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (enums become their values)."""
         d = dataclasses.asdict(self)

@@ -110,6 +110,11 @@ class Candidate:
     gpu_count: int = 0  # GPUs of the node
     free_gpus: int = 0  # GPUs of the node no job holds now
 
+    @property
+    def gpus_taken(self) -> int:
+        """GPUs it takes on the node (0 for a CPU job)."""
+        return self.gpus if self.needs_gpu else 0
+
     def summary(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("plan")

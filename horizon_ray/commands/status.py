@@ -94,7 +94,7 @@ def _one(client, tenant: str, args) -> int:
         p = job.progress
         name = f"  name {job.name}" if job.name else ""
         print(f"{job.id}  {job.status.value}  tenant {job.tenant}{name}")
-        gpus = job.gpu_indices or ([job.gpu_index] if job.gpu_index is not None else [])
+        gpus = job.gpus_held
         gpu = f"   gpu{'s' if len(gpus) > 1 else ''}: {','.join(map(str, gpus))}" if gpus else ""
         print(f"  node: {job.node_id or '-'}{gpu}   attempts: {job.attempts}   created {_time(job.created_at)}"
               + (f"   finished {_time(job.finished_at)}" if job.finished_at else ""))
