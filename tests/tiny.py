@@ -113,8 +113,8 @@ def tiny_qwen3_moe(tmp_path, name="model", **kw):
     torch.manual_seed(0)
     kw = {"output_router_logits": True, "router_aux_loss_coef": 0.05, "norm_topk_prob": True, "num_experts": 8,
           "num_experts_per_tok": 2, "num_hidden_layers": 2, **kw}
-    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=V,
-                         tie_word_embeddings=False, **_IDS, **kw)
+    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=V, tie_word_embeddings=False, **_IDS, **kw)
     model = Qwen3MoeForCausalLM(cfg)
     with torch.no_grad():  # HF initialises the router at zero: every token would tie
         for name_, p in model.named_parameters():

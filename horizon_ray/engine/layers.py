@@ -271,7 +271,7 @@ class Template:
 
         HF's loss of one forward call (a micro-batch of N tokens through L MoE layers, R = L N rows): with
         f_e the share of the R x k top-k assignments that went to expert e and P_e the mean routing probability
-        of e over the R rows, aux = E sum_e f_e P_e (L: the MoE layers, where layers differ), weighted by router_aux_loss_coef. The step's loss adds the
+        of e over the R rows, aux = E sum_e f_e P_e, weighted by router_aux_loss_coef. The step's loss adds the
         mean of its micro-batches' terms (one micro-batch: exactly HF's loss), so that the term's weight does
         not grow with gradient accumulation. d aux / d p = E f_e / R at every row (f_e does not depend on p)."""
         cfg = self.cfg

@@ -90,7 +90,8 @@ class DenseMLP:
     def entries(self, p: str, H: int) -> list[Entry]:
         m, k, W = f"{p}{self.module}.", self.key, self.width
         if self.fused_gate_up:
-            return [(m + "gate_up_proj.weight", k + "gate_up", (2 * W, H)), (m + "down_proj.weight", k + "down", (H, W))]
+            return [(m + "gate_up_proj.weight", k + "gate_up", (2 * W, H)),
+                    (m + "down_proj.weight", k + "down", (H, W))]
         return [(m + "gate_proj.weight", k + "gate", (W, H)), (m + "up_proj.weight", k + "up", (W, H)),
                 (m + "down_proj.weight", k + "down", (H, W))]
 

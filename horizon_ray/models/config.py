@@ -153,8 +153,8 @@ class ModelConfig:
     def units(self) -> list[tuple[str, int]]:
         """(name, parameter count) of each unit, in streaming order: embed, layer.0 .. layer.{L-1}, head."""
         H = self.hidden_size
-        return ([("embed", self.embed_params)] + [(f"layer.{i}", layer.params(H)) for i, layer in enumerate(self.layers)]
-                + [("head", self.head_params)])
+        layers = [(f"layer.{i}", layer.params(H)) for i, layer in enumerate(self.layers)]
+        return [("embed", self.embed_params), *layers, ("head", self.head_params)]
 
     # ---- as a planner shape ----------------------------------------------------------------------------
 

@@ -97,7 +97,8 @@ SOFTCAP_BLOCK_ELEMENTS = 1 << 26
 
 def largest_tensor(shape: ModelShape) -> int:
     """Elements of the model's largest single tensor (as the checkpoint stores it: one expert at a time)."""
-    return max(shape.embed_params, *(math.prod(s) for i in range(shape.num_layers) for _, _, s in layer_entries(shape, i)))
+    return max(shape.embed_params,
+               *(math.prod(s) for i in range(shape.num_layers) for _, _, s in layer_entries(shape, i)))
 
 
 def _mlp_workspace(mlp, H: int) -> tuple[int, int]:
