@@ -82,11 +82,14 @@ def submit_and_follow(
     0 succeeded, 1 failed or cancelled, 2 refused (invalid spec, rejected, over quota), 130 interrupted
     (the job is cancelled first: `ray job stop` sends SIGTERM, which lands here).
 
-    tenant: default $HORIZON_RAY_TENANT or "default". idempotency_key: default the Ray job's submission id,
-    so a retried entrypoint follows the same job instead of submitting a second one.
+    Without a `client`, the job acts as the tenant of the API key in $HORIZON_API_KEY (a Ray job's runtime env
+    sets it), which the coordinator verifies; `tenant` is for a given client only. idempotency_key: default
+    the Ray job's submission id, so a retried entrypoint follows the same job instead of submitting a second
+    one.
     """
+    from horizon_ray.cluster.gate import ENV_API_KEY
+
     out = out or sys.stdout
-    tenant = tenant or os.environ.get("HORIZON_RAY_TENANT") or "default"
     ray_job = ray_job_submission_id()
     if idempotency_key is None and ray_job:
         idempotency_key = f"ray-job:{ray_job}"
@@ -94,7 +97,9 @@ def submit_and_follow(
         if client is None:
             from horizon_ray.cluster.client import RayClient
 
-            client = RayClient(address)
+            client = RayClient(address, credential=os.environ.get(ENV_API_KEY) or None)
+            tenant = client.whoami()
+        tenant = tenant or "default"
         job = client.submit(tenant, spec, idempotency_key=idempotency_key, priority=priority,
                             name=name or spec.get("name") or ray_job)
     except HorizonError as exc:
