@@ -159,27 +159,17 @@ def use_ray_token(root: Path, *, create: bool) -> Path | None:
     return path
 
 
-def cluster_temp_dir(root: Path) -> str:
-    """A Ray temp dir of the cluster serve starts for `root`, its own: Ray hands a Ray job the newest cluster of
-    its temp dir, so a shared one (/tmp/ray) would put `ray job submit`'s job on another serve's (or a test's)
-    cluster. Short, under /tmp: Ray's socket paths must fit in 107 bytes."""
-    import hashlib
-
-    return f"/tmp/horizon-ray-{os.getuid()}-{hashlib.sha256(str(root).encode()).hexdigest()[:10]}"
-
-
 def start_simulated_cluster(ram_by_node: dict[str, int | SimulatedNode], *, head_cpus: int = 1,
-                            node_cpus: int = 1, dashboard_port: int | None = None, port: int | None = None,
-                            temp_dir: str | None = None) -> Any:
+                            node_cpus: int = 1, dashboard_port: int | None = None, port: int | None = None) -> Any:
     """A `ray.cluster_utils.Cluster` on this machine: a head (coordinator, API) plus one Ray node per
     simulated node, each carrying the custom resource `horizon_node_<name>` its agent is pinned by and its
     logical GPUs (`num_gpus`). `ram_by_node`: bytes of RAM or a SimulatedNode per node. `dashboard_port`: run
     Ray's dashboard and job server there (`ray job submit` needs it); None: none. `port`: the head's GCS
-    port (None: a free one). `temp_dir`: the cluster's Ray temp dir (None: Ray's default)."""
+    port (None: a free one)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     from ray.cluster_utils import Cluster
 
-    head = _head_args(dashboard_port, port, num_cpus=head_cpus, temp_dir=temp_dir)
+    head = _head_args(dashboard_port, port, num_cpus=head_cpus)
     cluster = Cluster(initialize_head=True, connect=False, head_node_args=head)
     try:
         for name, value in ram_by_node.items():
@@ -192,20 +182,18 @@ def start_simulated_cluster(ram_by_node: dict[str, int | SimulatedNode], *, head
     return cluster
 
 
-def start_local_cluster(*, dashboard_port: int | None = None, port: int | None = None,
-                        temp_dir: str | None = None) -> Any:
+def start_local_cluster(*, dashboard_port: int | None = None, port: int | None = None) -> Any:
     """A one-node Ray cluster of this machine as it is (its cores, GPUs and RAM), started like a simulated one
     so that its ports can be chosen: `port` for the head's GCS (None: a free one), `dashboard_port` for Ray's
     dashboard and job server (None: none)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     from ray.cluster_utils import Cluster
 
-    head = _head_args(dashboard_port, port, num_cpus=len(os.sched_getaffinity(0)), temp_dir=temp_dir)
+    head = _head_args(dashboard_port, port, num_cpus=len(os.sched_getaffinity(0)))
     return Cluster(initialize_head=True, connect=False, head_node_args=head)
 
 
-def _head_args(dashboard_port: int | None, port: int | None, *, num_cpus: int,
-               temp_dir: str | None = None) -> dict[str, Any]:
+def _head_args(dashboard_port: int | None, port: int | None, *, num_cpus: int) -> dict[str, Any]:
     """The head's Ray parameters: the dashboard (and so the job server) on `dashboard_port` at 127.0.0.1, its
     agent on a free port (Ray's fixed default clashes with any other cluster on the machine, and without its
     agent the job server takes no job), the GCS on `port` (None: a free one)."""
@@ -215,8 +203,6 @@ def _head_args(dashboard_port: int | None, port: int | None, *, num_cpus: int,
         head.update(dashboard_port=dashboard_port, dashboard_host="127.0.0.1")
     if port is not None:
         head["gcs_server_port"] = port
-    if temp_dir is not None:
-        head["temp_dir"] = temp_dir
     return head
 
 

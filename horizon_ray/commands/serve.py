@@ -158,25 +158,18 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from horizon_ray.cluster.client import NAMESPACE, RayClient, connect_ray
-    from horizon_ray.cluster.local import (
-        cluster_temp_dir,
-        start_local_cluster,
-        start_service,
-        start_simulated_cluster,
-        stop_service,
-    )
+    from horizon_ray.cluster.local import start_local_cluster, start_service, start_simulated_cluster, stop_service
 
     cluster = None
     if simulated:
         print(f"starting a local Ray cluster of {len(simulated)} simulated nodes ...", flush=True)
-        cluster = start_simulated_cluster(simulated, dashboard_port=dashboard, port=args.ray_port,
-                                          temp_dir=cluster_temp_dir(root))
+        cluster = start_simulated_cluster(simulated, dashboard_port=dashboard, port=args.ray_port)
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
     elif args.address:
         connect_ray(args.address, NAMESPACE)
     else:
         print("starting a local Ray cluster on this machine ...", flush=True)
-        cluster = start_local_cluster(dashboard_port=dashboard, port=args.ray_port, temp_dir=cluster_temp_dir(root))
+        cluster = start_local_cluster(dashboard_port=dashboard, port=args.ray_port)
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
     started_cluster = cluster is not None
     try:

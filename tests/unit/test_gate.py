@@ -182,3 +182,19 @@ def test_the_ray_token_is_made_once_readable_by_its_user_only(tmp_path, monkeypa
     path.chmod(0o644)
     with pytest.raises(ValueError, match="readable by others"):
         use_ray_token(tmp_path, create=False)
+
+
+def test_a_ray_jobs_entrypoint_finds_the_cluster_of_its_job_server():
+    """Ray hands an entrypoint RAY_ADDRESS of the newest cluster of its temp dir; the job supervisor that started
+    it (an ancestor, a Ray worker) names its own cluster with --gcs-address."""
+    import subprocess
+    import sys
+
+    child = "from horizon_ray.cluster.follow import job_server_cluster as f; print(f())"
+    # sh keeps running after python (the `; true`), so python's parent is the process with --gcs-address
+    out = subprocess.run(["sh", "-c", f"{sys.executable} -c '{child}'; true", "--gcs-address=10.0.0.9:6379"],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "RAY_ADDRESS": "10.0.0.1:1"})
+    assert out.stdout.strip() == "10.0.0.9:6379", out.stderr
+    from horizon_ray.cluster.follow import job_server_cluster
+
+    assert job_server_cluster() is None  # pytest runs in no Ray job
