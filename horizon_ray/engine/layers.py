@@ -211,6 +211,14 @@ class _RouterAuxGrad(torch.autograd.Function):
         return grad + extra.to(grad.dtype), None
 
 
+def expert_counts(flat_e: torch.Tensor, E: int) -> torch.Tensor:
+    """Token copies routed to each of the E experts, int64 [E], computed on the device without reading
+    anything back: torch.bincount on CUDA reads its input's maximum on the host to size its output, a sync
+    that stalled the stream in every MoE layer's forward and recompute."""
+    return torch.zeros(E, dtype=torch.int64, device=flat_e.device).index_add_(
+        0, flat_e, torch.ones_like(flat_e, dtype=torch.int64))
+
+
 class Template:
     """The decoder layer and the LM head of one model, as pure functions of weight views.
 
@@ -386,12 +394,12 @@ class Template:
         top_w, top_e = torch.topk(probs_NE, k, dim=-1)
         if moe.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        if stats is not None:  # idempotent: the recompute of the backward writes the same numbers again
-            stats.counts[j] = torch.bincount(top_e.reshape(-1), minlength=E).float()
-            stats.probs[j] = probs_NE.detach().sum(0)
         flat_e = top_e.reshape(-1)
+        counts_E = expert_counts(flat_e, E)
+        if stats is not None:  # idempotent: the recompute of the backward writes the same numbers again
+            stats.counts[j] = counts_E.float()
+            stats.probs[j] = probs_NE.detach().sum(0)
         order = torch.argsort(flat_e, stable=True)  # token copies grouped by expert, in token order within
-        counts_E = torch.bincount(flat_e, minlength=E)
         x_MD = x_ND[order // k]
         gate_up = self._expert_proj(x_MD, w, "experts.gate_up", counts_E, lora, sinks)
         out_MD = self._expert_proj(ops.swiglu(gate_up), w, "experts.down", counts_E, lora, sinks)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -58,6 +58,7 @@ from horizon_ray.engine.model import (
     UnitLayout,
     _unit,
     check_targets,
+    default_lora_targets,
     layer_entries,
     layer_targets,
     modules_to_save_norms,
@@ -78,8 +79,9 @@ class LoraConfig:
     alpha: float = 16.0
     # Dropout probability on each adapter's input while training (a fresh mask per projection).
     dropout: float = 0.0
-    # Projections of every decoder layer that get an adapter (PEFT's target_modules).
-    targets: tuple[str, ...] = ("q_proj", "v_proj")
+    # Projections of every decoder layer that get an adapter (PEFT's target_modules); empty: the family's
+    # default (model.default_lora_targets: q_proj and v_proj, Phi-3's qkv_proj), resolved by for_model.
+    targets: tuple[str, ...] = ()
     # Norms trained beside the adapters, by PEFT's modules_to_save names ("norm": every norm).
     modules_to_save: tuple[str, ...] = ()
 
@@ -92,7 +94,7 @@ class LoraConfig:
             raise BadInput(f"lora dropout must lie in [0, 1), got {self.dropout!r}")
         targets = tuple(self.targets) if not isinstance(self.targets, str) else (self.targets,)
         bad = [t for t in targets if t not in LORA_TARGETS]
-        if bad or not targets:
+        if bad:
             raise BadInput(f"lora targets {list(bad or targets)} are not valid; choose one or more of "
                            f"{', '.join(LORA_TARGETS)}")
         if len(set(targets)) != len(targets):
@@ -109,6 +111,10 @@ class LoraConfig:
     def scaling(self) -> float:
         return self.alpha / self.r
 
+    def for_model(self, cfg) -> LoraConfig:
+        """This config on `cfg`'s family: its default targets where none are named."""
+        return self if self.targets else replace(self, targets=default_lora_targets(cfg))
+
     @property
     def ordered_targets(self) -> tuple[str, ...]:
         """The targets in the layer's order (q, k, v, o, gate, up, down): the adapter unit's layout."""
@@ -121,6 +127,7 @@ def adapter_layouts(cfg: ModelConfig, lora: LoraConfig) -> list[UnitLayout]:
     experts: A [r x E, in], B [out, r x E]), then the layer's selected norms; and ``lora.head`` with the final
     norm when it is selected. The tensor names are PEFT's saved names; the keys ("q.lora_A", "ln1", ...) are
     what the layer template reads."""
+    lora = lora.for_model(cfg)
     check_targets(cfg, lora.targets)
     experts = [t for t in lora.ordered_targets if t in EXPERT_TARGETS]
     if experts and lora.dropout > 0:

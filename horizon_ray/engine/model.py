@@ -202,7 +202,7 @@ def family_projections(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
 
 def default_lora_targets(cfg: ModelConfig) -> tuple[str, ...]:
     """PEFT's default target_modules for the family (its table of defaults): q_proj and v_proj, Phi-3's
-    qkv_proj."""
+    qkv_proj. The job spec's, the planner's and the engine's default targets."""
     return ("qkv_proj",) if cfg.fused_qkv else ("q_proj", "v_proj")
 
 
