@@ -160,3 +160,24 @@ def test_train_on_inputs_trains_every_token_but_the_first_and_weight_zero_turns(
                                                              "chat_template": "{% for m in messages %}\n{% endfor %}"},
                               "training": {"max_steps": 1}, "output_dir": "o"})
     assert spec.data.train_on_inputs and spec.data.chat_template.startswith("{% for")
+
+
+def test_a_sharegpt_upload_is_detected_and_checked_line_by_line(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from api.testing import make_testbed
+
+    bed = make_testbed(tmp_path)
+    line = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+    with TestClient(create_app(bed.client, bed.settings)) as http:
+        for fmt in ("auto", "sharegpt"):
+            r = http.post(f"/files?filename=sg.jsonl&format={fmt}", content=(json.dumps(line) + "\n").encode() * 3,
+                          headers={**bed.auth("acme"), "Content-Type": "application/x-ndjson"})
+            assert r.status_code == 201, r.text
+            assert (r.json()["format"], r.json()["num_examples"]) == ("sharegpt", 3)
+        bad = json.dumps(line) + "\n" + json.dumps({"conversations": [{"from": "bot", "value": "x"}]}) + "\n"
+        r = http.post("/files?filename=sg.jsonl", content=bad.encode(),
+                      headers={**bed.auth("acme"), "Content-Type": "application/x-ndjson"})
+        assert r.status_code == 422 and "sg.jsonl:2: conversations[0] has from 'bot'" in r.json()["error"]["message"]
+    bed.close()
