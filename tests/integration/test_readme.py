@@ -93,7 +93,7 @@ def test_every_command_of_the_readme_runs_as_written(tmp_path):
     env.pop("VIRTUAL_ENV")
     env["PATH"] = env["PATH"].split(":", 1)[1]  # the README's `source .venv/bin/activate` puts it there
     ran: list[str] = []
-    preamble: list[str] = []  # one shell session: what a block sources or exports holds for the next ones
+    preamble: list[str] = []  # one shell session: what a block sources holds for the next ones
     snippets = python_blocks(README.read_text())
     assert len(snippets) == 1, "the README's OpenAI snippet talks to the service on :8000"
     printed: list[str] = []
@@ -106,8 +106,14 @@ def test_every_command_of_the_readme_runs_as_written(tmp_path):
     for block in blocks[1:]:
         with _Background() as background:
             for line in block:
-                if line.startswith(("source ", "export ")):
+                if line.startswith("source "):
                     preamble.append(line)
+                    continue
+                if line.startswith("export "):  # evaluated once, as the user's shell does: a random key stays one
+                    name = line.removeprefix("export ").split("=", 1)[0]
+                    env[name] = run("\n".join(["set -e", *preamble, line, f'printf %s "${name}"']), line)
+                    printed.append("")
+                    ran.append(line)
                     continue
                 script = "\n".join(["set -e", *preamble, line])
                 if line.startswith("horizon-ray serve"):
@@ -129,8 +135,8 @@ def test_every_command_of_the_readme_runs_as_written(tmp_path):
     assert "'demo-tiny'" in models
     assert status in ("validating_files", "queued", "running", "succeeded"), status
     assert any(line.startswith("ray job submit") for line in ran)
-    for run in ("runs/demo", "runs/demo-service", "runs/demo-rayjob"):
-        assert (ws / run / "final" / "model.safetensors").is_file(), f"{run} has no final model"
+    for out_dir in ("runs/demo", "runs/demo-service", "runs/demo-rayjob"):
+        assert (ws / out_dir / "final" / "model.safetensors").is_file(), f"{out_dir} has no final model"
     assert (ws / "runs" / "demo" / "tensorboard").is_dir()
 
 
