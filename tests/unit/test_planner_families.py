@@ -182,3 +182,27 @@ def test_hub_ids_of_the_new_presets():
                       ("allenai/OLMoE-1B-7B-0924", "olmoe-1b-7b"), ("Qwen/Qwen1.5-MoE-A2.7B-Chat", "qwen1.5-moe-a2.7b"),
                       ("Qwen/Qwen2-57B-A14B-Instruct", "qwen2-57b-a14b")):
         assert load_model_shape(hub) is PRESETS[name], hub
+
+
+def test_the_registry_imports_only_the_family_it_reads_and_no_torch():
+    """A lazily imported registry: reading a Qwen2-MoE config imports its module (and Qwen2's, whose attention
+    it shares) and the shared blocks, no other family, and not torch (the planner and the API read it too)."""
+    import subprocess
+    import sys
+
+    code = ("import json, sys\n"
+            "from horizon_ray.models import from_hf\n"
+            f"cfg = from_hf(json.loads({json.dumps(json.dumps(CONFIGS['qwen2_moe']))}))\n"
+            "print(json.dumps([sorted(m for m in sys.modules if m.startswith('horizon_ray.models.')),\n"
+            "                  'torch' in sys.modules, cfg.moe_layers, [u for u in cfg.units()]]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    modules, torch_loaded, moe_layers, units = json.loads(out)
+    assert modules == ["horizon_ray.models.blocks", "horizon_ray.models.config", "horizon_ray.models.hf",
+                       "horizon_ray.models.qwen2", "horizon_ray.models.qwen2_moe"]
+    assert not torch_loaded and moe_layers == [1, 2]
+    # layer 0 dense (attention 4 x 64 x 64 + q/k/v biases, MLP 3 x 64 x 96, two norms); layers 1, 2 the router,
+    # 8 experts of width 32, the shared expert of width 48 and its gate
+    attn = 2 * 64 * 64 + 2 * 64 * 32 + 64 + 2 * 32 + 2 * 64
+    assert units[1] == ["layer.0", attn + 3 * 64 * 96]
+    moe = attn + 8 * 64 + 8 * 3 * 64 * 32 + 3 * 64 * 48 + 64
+    assert units[2:4] == [["layer.1", moe], ["layer.2", moe]]
