@@ -118,7 +118,7 @@ def sparse_layers(hf: dict, layers: int) -> tuple[bool, ...]:
     """Which layers are MoE in the Qwen MoE families: not in mlp_only_layers, and every decoder_sparse_step-th
     (HF: ``layer_idx not in mlp_only_layers and (layer_idx + 1) % decoder_sparse_step == 0``)."""
     dense = hf.get("mlp_only_layers") or []
-    step = hf.get("decoder_sparse_step") or 1
+    step = 1 if hf.get("decoder_sparse_step") is None else hf["decoder_sparse_step"]
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
         raise BadInput(f"config field decoder_sparse_step={step!r}: must be an integer >= 1")
     if not isinstance(dense, list) or any(not isinstance(i, int) or isinstance(i, bool) for i in dense):
