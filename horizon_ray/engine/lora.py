@@ -51,7 +51,6 @@ from safetensors.torch import save_file
 
 from horizon_ray.atomic import atomic_path
 from horizon_ray.engine.model import (
-    _EXPERT_NAMES,
     EXPERT_TARGETS,
     LAYER_NORMS,
     LORA_TARGETS,
@@ -61,8 +60,8 @@ from horizon_ray.engine.model import (
     check_targets,
     default_lora_targets,
     layer_entries,
+    layer_targets,
     modules_to_save_norms,
-    projection_shapes,
 )
 from horizon_ray.errors import BadInput
 
@@ -135,17 +134,16 @@ def adapter_layouts(cfg: ModelConfig, lora: LoraConfig) -> list[UnitLayout]:
         raise BadInput(f"lora dropout={lora.dropout} with targets {experts}: PEFT adapts the experts' stacked "
                        "parameters without dropout (ParamWrapper); set dropout to 0 or leave the experts out",
                        field="lora.dropout")
-    shapes = projection_shapes(cfg)
-    table = cfg.layer_norms
     norms, final = modules_to_save_norms(cfg, lora.modules_to_save)
     H = cfg.hidden_size
     units = []
     for i in range(cfg.num_layers):
         entries = []
-        for t in lora.ordered_targets:
-            key, module = LORA_TARGETS[t]
-            fan_in, fan_out = shapes[t]
-            rank = lora.r * (cfg.num_experts if t in EXPERT_TARGETS else 1)
+        table, have = cfg.layers[i].norms(), layer_targets(cfg, i)
+        # a layer without a target (a dense layer's experts, a MoE layer's MLP) has no adapter there, as in PEFT
+        for t in (t for t in lora.ordered_targets if t in have):
+            key, module, (fan_in, fan_out), copies = have[t]
+            rank = lora.r * copies
             name = f"{_PEFT_PREFIX}model.layers.{i}.{module}"
             if t in EXPERT_TARGETS:
                 # PEFT nests one wrapper per stacked parameter, the first of the module's inside
@@ -156,6 +154,10 @@ def adapter_layouts(cfg: ModelConfig, lora: LoraConfig) -> list[UnitLayout]:
         for n in norms[i]:
             name = f"model.layers.{i}.{n}.weight"
             entries.append((_PEFT_PREFIX + name, table[n], shape_of[name]))
+        if not entries:
+            raise BadInput(f"lora targets {list(lora.targets)} train nothing in layer {i} (it has "
+                           f"{', '.join(have)}); add a target every layer has, e.g. o_proj",
+                           field="lora.targets")
         units.append(_unit(f"lora.{i}", entries))
     if final:
         units.append(_unit("lora.head", [(f"{_PEFT_PREFIX}model.norm.weight", "norm", (H,))]))
@@ -221,10 +223,10 @@ def merge_fn(adapters, lora: LoraConfig, cfg: ModelConfig | None = None):
                 norms[_base_tensor(t.name)] = (unit, t.key)
     # each expert's base tensor -> (adapter unit, stacked key, expert, first row, rows)
     for (layer, key), unit in experts.items():
-        block, _, gate, up, down = _EXPERT_NAMES[cfg.arch]
-        W = cfg.moe_intermediate_size
-        for e in range(cfg.num_experts):
-            p = f"model.layers.{layer}.{block}.experts.{e}."
+        moe = cfg.layers[layer].moe
+        (gate, up, down), W = moe.expert_names, moe.width
+        for e in range(moe.num_experts):
+            p = f"model.layers.{layer}.{moe.module}.experts.{e}."
             if key == "experts.gate_up":
                 where[p + f"{gate}.weight"] = (unit, key, e, 0, W)
                 where[p + f"{up}.weight"] = (unit, key, e, W, W)
