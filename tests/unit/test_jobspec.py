@@ -125,7 +125,7 @@ def test_missing_required_sections_name_the_fix():
 
 def test_lora_section():
     spec = JobSpec.from_dict(_with(method="lora"))
-    assert spec.lora is not None and spec.lora.r == 8 and spec.lora.targets == ["q_proj", "v_proj"]
+    assert spec.lora is not None and spec.lora.r == 8 and spec.lora.targets == []  # empty: the family's
     assert JobSpec.from_dict(spec.to_dict()) == spec
     custom = JobSpec.from_dict(_with(**{"method": "lora", "lora.r": 16, "lora.alpha": 32, "lora.dropout": 0.05,
                                         "lora.targets": ["q_proj", "k_proj", "v_proj", "o_proj"],
