@@ -33,7 +33,7 @@ from horizon_ray.bench.metrics import (
     parse_updates,
     unavailable,
 )
-from horizon_ray.bench.planning import largest_shape, lora_settings, planned_bytes
+from horizon_ray.bench.planning import bound_line, largest_shape, lora_settings, planned_bytes
 from horizon_ray.bench.report import compute_ratios, write_json, write_report
 from horizon_ray.bench.shapes import FIND_LARGEST_SHAPES, model_flops_per_token, resolve_shape
 from horizon_ray.planner.shapes import adapter_params
@@ -366,3 +366,5 @@ def _summary(runs: list[dict], md: Path) -> None:
         mode = r["mode"] + (f"/{r['update']}" if r.get("update") else "")
         print(f"SUMMARY {r['system']:<17} {r['shape']:<16} {mode:<18} {r['tokens_per_step']:>8,} tok/step "
               f"{tps}{ratios}" + (f" ({r['reason']})" if r.get("reason") else ""), flush=True)
+        if r.get("bound"):
+            print(f"  BOUND planned {r.get('planned_step_s')} s/step: {bound_line(r['bound'])}", flush=True)
