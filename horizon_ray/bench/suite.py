@@ -148,7 +148,8 @@ def _shapes(args) -> list[str]:
         accum = max(int(a) for a in str(args.accum).split(","))
         modes = args.mode.split(",")
         name = largest_shape(host_ram_bytes(), mode=modes[0], seq=args.seq, micro=args.micro, accum=accum,
-                             checkpoint_every=args.checkpoint_every, lora=lora_settings(args, modes[0]))
+                             checkpoint_every=args.checkpoint_every,
+                             lora=lora_settings(args, modes[0], resolve_shape(FIND_LARGEST_SHAPES[0])))
         print(f"bench: the largest shape this host holds in mode {modes[0]} (planner): {name}", flush=True)
         return [name]
     return [resolve_shape(args.shape, args.layers).name]
