@@ -267,7 +267,8 @@ class LoraSpec(_Section):
     alpha: Float = Field(16.0, description="the adapters' output is scaled by alpha / r")
     dropout: Float = Field(0.0, description="dropout on each adapter's input while training")
     targets: list[Projection] = Field(default_factory=lambda: list(_A.targets), description=(
-        "projections of every layer that get an adapter"))
+        "projections of every layer that get an adapter; empty (the default): the family's, PEFT's defaults "
+        "(q_proj and v_proj; qkv_proj where the checkpoint fuses them, as Phi-3's does)"))
     modules_to_save: list[Text] = Field(default_factory=lambda: list(_A.modules_to_save), description=(
         "norms trained beside the adapters, by PEFT's modules_to_save names: norm (every norm), input_layernorm, "
         "post_attention_layernorm, model.norm (the final one)"))
