@@ -294,6 +294,8 @@ class _Job:
                 self.step = latest.step
                 assert eng.step == self.step, (eng.step, self.step)
             start = self.step
+            if latest is not None and self.fence is None:
+                self.metrics.drop_after(start)  # by hand: each step once in the file; an agent tails it by offset
             self.metrics.write(Start(
                 step=start, total_steps=self.total, resumed_from=start if latest else None,
                 name=self.spec.name, device=cfg.device, compute_dtype=cfg.compute_dtype,

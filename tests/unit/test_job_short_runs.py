@@ -50,3 +50,28 @@ def test_a_data_error_leaves_no_half_made_output_dir(assets, tmp_path):
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         run_job(spec, progress=False)
     assert (out / "metrics.jsonl").is_file()
+
+
+def test_a_resume_by_hand_leaves_each_step_once_in_metrics_jsonl(assets, tmp_path):
+    from horizon_ray.job.runner import DONE
+
+    out = tmp_path / "out"
+    overrides = ["training.max_steps=3", "eval.every_steps=0", "checkpoint.every_steps=2", "engine.device=cpu"]
+    run_job(demo_spec(assets, out, overrides), progress=False)
+    # as if the run had died after step 3, before final/: its newest checkpoint is step 2's
+    import shutil
+
+    shutil.rmtree(out / "final")
+    (out / DONE).unlink()
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"type": "metrics", "step": 3, "lo')  # and torn its last line
+    before = [e.step for e in read_events(out / "metrics.jsonl") if isinstance(e, Metrics)]
+    assert before == [1, 2, 3]
+    result = run_job(demo_spec(assets, out, overrides), resume=True, progress=False)
+    assert result.start_step == 2 and result.total_steps == 3
+    events = read_events(out / "metrics.jsonl")
+    assert [e.step for e in events if isinstance(e, Metrics)] == [1, 2, 3]
+    assert [(e.step, e.resumed_from) for e in events if isinstance(e, Start)] == [(0, None), (2, 2)]
+    tokens = [e.tokens_seen for e in events if isinstance(e, Metrics)]
+    assert tokens[2] > tokens[1] > tokens[0] > 0  # the resumed run counts the steps before it too
+    assert all(line.endswith("}") for line in (out / "metrics.jsonl").read_text().splitlines())
