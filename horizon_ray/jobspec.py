@@ -472,10 +472,6 @@ class JobSpec(_Section):
                            field="training.epochs")
         if not (t.lr > 0 and math.isfinite(t.lr)):
             raise BadInput(f"training.lr is {t.lr}; set a positive learning rate (e.g. 2e-5)", field="training.lr")
-        if t.max_steps is not None and t.schedule.warmup_steps >= t.max_steps:
-            raise BadInput(f"training.schedule.warmup_steps ({t.schedule.warmup_steps}) must be smaller than "
-                           f"training.max_steps ({t.max_steps}); lower the warmup",
-                           field="training.schedule.warmup_steps")
         if not 0.0 <= t.schedule.min_lr_ratio <= 1.0:  # NaN fails this too
             raise BadInput(f"training.schedule.min_lr_ratio is {t.schedule.min_lr_ratio}; set it in [0, 1]",
                            field="training.schedule.min_lr_ratio")

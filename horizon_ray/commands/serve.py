@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -180,6 +181,9 @@ def run(args: argparse.Namespace) -> int:
         cluster = start_local_cluster(dashboard_port=dashboard, port=args.ray_port)
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
     started_cluster = cluster is not None
+    # SIGTERM (systemd, docker stop, kill) stops serve as Ctrl-C does, after Ray's own handler was installed by
+    # ray.init (which dumps the stack); uvicorn re-raises it once the API has shut down
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         service = start_service(root, ram_by_node=simulated, tenants_file=tenants,
                                 node_dead_after_s=args.node_dead_after, skip_head=args.no_head_agent,
@@ -213,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM does not cut the cleanup short (SIGKILL does)
+        print("serve: stopping", flush=True)
         if started_cluster or args.stop_on_exit:
             try:
                 stop_service()
@@ -222,6 +228,10 @@ def run(args: argparse.Namespace) -> int:
         if cluster is not None:
             cluster.shutdown()
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def with_demo_model(settings):

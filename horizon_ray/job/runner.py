@@ -108,6 +108,7 @@ class Data:
     sampler: Any  # StepSampler: the micro-batches of every step, a pure function of the step
     total: int  # optimizer steps of the whole job
     evals: list | None  # eval micro-batches, or None (no eval data)
+    schedule: Any = None  # training.schedule with its warmup clamped below the job's steps (ScheduleSpec)
 
 
 def load_data(spec: JobSpec) -> Data:
@@ -130,14 +131,17 @@ def load_data(spec: JobSpec) -> Data:
     sampler = StepSampler(train_ds, t.seq_len, micro_batch_size=t.micro_batch_size,
                            grad_accum=t.grad_accum * spec.resources.gpus, packing=t.packing, seed=t.seed)
     total = total_steps_for(spec, sampler.steps_per_epoch)
-    if t.schedule.warmup_steps >= total:
-        raise BadInput(f"training.schedule.warmup_steps ({t.schedule.warmup_steps}) must be smaller "
-                       f"than the job's {total} steps; lower the warmup", field="training.schedule.warmup_steps")
+    schedule = t.schedule
+    if schedule.warmup_steps >= total:
+        # a short run of a spec written for a long one (max_steps=3 on the demo's): warm up for all but its last step
+        schedule = schedule.model_copy(update={"warmup_steps": total - 1})
+        print(f"warning: training.schedule.warmup_steps {t.schedule.warmup_steps} is not below the job's {total} "
+              f"steps; warming up for {schedule.warmup_steps} instead", flush=True)
     evals = None
     if eval_ds is not None and eval_ds.examples:
         evals = eval_batches(eval_ds, t.seq_len, micro_batch_size=t.micro_batch_size,
                              packing=t.packing)[: spec.eval.max_batches]
-    return Data(train_ds, eval_ds, sampler, total, evals)
+    return Data(train_ds, eval_ds, sampler, total, evals, schedule)
 
 
 
@@ -166,7 +170,17 @@ def run_job(spec: JobSpec, resume: bool = False, progress: bool = True) -> JobRe
     spec.check()
     spec.check_paths()
     out = Path(spec.output_dir).expanduser()
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run_in(out, spec, resume, progress)
+    except BadInput:
+        if made and not any((out / name).exists() for name in ("checkpoints", "final")):
+            shutil.rmtree(out, ignore_errors=True)  # refused before anything trained: no half-made directory
+        raise
+
+
+def _run_in(out: Path, spec: JobSpec, resume: bool, progress: bool) -> JobResult:
     # Started by a node agent: the job's lease says whether this engine may still write (see job.lease).
     fence = Fence.from_env(out)
     if fence is not None:
@@ -280,6 +294,8 @@ class _Job:
                 self.step = latest.step
                 assert eng.step == self.step, (eng.step, self.step)
             start = self.step
+            if latest is not None and self.fence is None:
+                self.metrics.drop_after(start)  # by hand: each step once in the file; an agent tails it by offset
             self.metrics.write(Start(
                 step=start, total_steps=self.total, resumed_from=start if latest else None,
                 name=self.spec.name, device=cfg.device, compute_dtype=cfg.compute_dtype,
@@ -358,8 +374,8 @@ class _Job:
 
     def _load_data(self) -> None:
         data = load_data(self.spec)
-        self.train_ds, self.eval_ds, self.sampler, self.total, self.evals = (
-            data.train_ds, data.eval_ds, data.sampler, data.total, data.evals)
+        self.train_ds, self.eval_ds, self.sampler, self.total, self.evals, self.schedule = (
+            data.train_ds, data.eval_ds, data.sampler, data.total, data.evals, data.schedule)
 
     def _train(self, eng: Any) -> tuple[float | None, float | None, float | None]:
         """The step loop. Returns (first eval loss of this run, final eval loss, last training loss)."""
@@ -375,7 +391,7 @@ class _Job:
             for step in range(self.step, total):
                 self._check(f"step {step + 1}")  # a stale engine does not even compute
                 tick = time.monotonic()
-                lr = lr_at(step, total, t.lr, t.schedule)
+                lr = lr_at(step, total, t.lr, self.schedule)
                 eng.set_lr(lr)
                 if step == self.delay_from and eng.update_mode != "delayed":
                     eng.set_update("delayed")  # past the early steps, whose gradients change too fast to lag

@@ -662,3 +662,10 @@ def test_a_probed_node_is_planned_with_its_ceilings_and_the_rest_is_labelled_ass
     assert plan(TINY, **JOB).assumed_ceilings == ["compute_efficiency", "host_copy_bytes_per_s"]
     with pytest.raises(BadInput, match="not a measured ceiling: compute_efficiency"):
         Ceilings.from_measured({"compute_efficiency": 0.9}, "x")
+
+
+def test_the_plan_names_activation_recomputation_not_a_checkpoint():
+    from horizon_ray.planner.planning import format_plan
+
+    text = format_plan(plan(TINY, device="cpu", checkpoint_every=2))
+    assert "activation recomputation every 2 layers" in text and "checkpoint every" not in text
