@@ -71,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from api.settings import ENV_KEYS, ENV_KEYS_FILE, ApiSettings
-    from horizon_ray.cluster.local import default_root, parse_simulated_cluster
+    from horizon_ray.cluster.local import default_root
+    from horizon_ray.cluster.nodes import parse_simulated_cluster
     from horizon_ray.cluster.tenants import TenantsConfig, format_bytes
 
     simulated = parse_simulated_cluster(args.simulate_nodes) if args.simulate_nodes else None

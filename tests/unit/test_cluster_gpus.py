@@ -16,8 +16,8 @@ import pytest
 
 from horizon_ray.cluster import JobRejected, JobStatus
 from horizon_ray.cluster.agent import Ledger, NodeAgent, ReservationRefused, detect_gpus, engine_env
-from horizon_ray.cluster.local import SimulatedNode, parse_simulated_cluster, parse_simulated_nodes
 from horizon_ray.cluster.messages import Launch
+from horizon_ray.cluster.nodes import SimulatedNode, parse_simulated_cluster, parse_simulated_nodes
 from horizon_ray.cluster.placement import needs_gpu
 
 GiB, MiB = 2**30, 2**20
