@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from horizon_ray.cluster.agent import ENGINE_LEASE_S, Agent, AgentUnavailable, ReservationRefused
+from horizon_ray.cluster.agent_protocol import ENGINE_LEASE_S, Agent, AgentUnavailable, ReservationRefused
 from horizon_ray.cluster.errors import (
     IdempotencyConflict,
     InvalidRequest,

@@ -28,8 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from horizon_ray.cluster import placement
-from horizon_ray.cluster.agent import AgentUnavailable, Ledger, engine_env
+from horizon_ray.cluster.agent import engine_env
+from horizon_ray.cluster.agent_protocol import AgentUnavailable
 from horizon_ray.cluster.client import LocalClient
+from horizon_ray.cluster.ledger import Ledger
 from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, Launch, NodeInfo, Reservation
 from horizon_ray.cluster.nodes import parse_node_value
 from horizon_ray.cluster.placement import default_planner

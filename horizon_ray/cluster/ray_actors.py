@@ -30,13 +30,8 @@ import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from horizon_ray.cluster.agent import (
-    ENGINE_LEASE_S,
-    RAY_PROCESSES_BYTES,
-    THREAD_VARS,
-    AgentUnavailable,
-    NodeAgent,
-)
+from horizon_ray.cluster.agent import RAY_PROCESSES_BYTES, THREAD_VARS, NodeAgent
+from horizon_ray.cluster.agent_protocol import ENGINE_LEASE_S, AgentUnavailable
 from horizon_ray.cluster.client import COORDINATOR_NAME, NAMESPACE, Reply
 from horizon_ray.cluster.coordinator import Coordinator
 from horizon_ray.cluster.errors import HorizonError
@@ -112,13 +107,6 @@ class AgentDirectory:
 CALLS_AT_ONCE = 32  # the coordinator actor's max_concurrency: API calls answered while others wait
 
 
-def _answer(method: Any, *args: Any, **kwargs: Any) -> Reply:
-    try:
-        return Reply(value=method(*args, **kwargs))
-    except HorizonError as exc:
-        return Reply(error=exc.to_wire())
-
-
 class CoordinatorActor:
     """The Ray actor around the `Coordinator` core: the client protocol's methods (see
     `client.CoordinatorClient`), each answering a `Reply`, and a tick loop on a thread. A submit or a cancel
@@ -140,40 +128,47 @@ class CoordinatorActor:
 
     def submit(self, tenant: str, spec: dict[str, Any], *, idempotency_key: str | None = None,
                priority: int = 0, name: str | None = None) -> Reply:
-        reply = _answer(self.core.submit, tenant, spec, idempotency_key=idempotency_key, priority=priority,
-                        name=name)
+        reply = self._serve("submit", tenant, spec, idempotency_key=idempotency_key, priority=priority, name=name)
         self._wake.set()
         return reply
 
     def get(self, tenant: str, job_id: str) -> Reply:
-        return _answer(self.core.get, tenant, job_id)
+        return self._serve("get", tenant, job_id)
 
     def list(self, tenant: str, *, limit: int = 20, after: str | None = None,
              status: JobStatus | str | None = None) -> Reply:
-        return _answer(self.core.list, tenant, limit=limit, after=after, status=status)
+        return self._serve("list", tenant, limit=limit, after=after, status=status)
 
     def cancel(self, tenant: str, job_id: str) -> Reply:
-        reply = _answer(self.core.cancel, tenant, job_id)
+        reply = self._serve("cancel", tenant, job_id)
         self._wake.set()
         return reply
 
     def events(self, tenant: str, job_id: str, after_seq: int = 0, limit: int | None = None) -> Reply:
-        return _answer(self.core.events, tenant, job_id, after_seq, limit)
+        return self._serve("events", tenant, job_id, after_seq, limit)
 
     def checkpoints(self, tenant: str, job_id: str) -> Reply:
-        return _answer(self.core.checkpoints, tenant, job_id)
+        return self._serve("checkpoints", tenant, job_id)
 
     def plan(self, tenant: str, spec: dict[str, Any]) -> Reply:
-        return _answer(self.core.plan, tenant, spec)
+        return self._serve("plan", tenant, spec)
 
     def nodes(self) -> Reply:
-        return _answer(self.core.nodes)
+        return self._serve("nodes")
 
     def queue(self, tenant: str | None = None) -> Reply:
-        return _answer(self.core.queue, tenant)
+        return self._serve("queue", tenant)
 
     def ready(self) -> Reply:
-        return _answer(self.core.ready)
+        return self._serve("ready")
+
+    def _serve(self, method: str, *args: Any, **kwargs: Any) -> Reply:
+        """The core's `method` of the protocol; a domain error it raises comes back as data (see RayClient).
+        One place every call passes, for what each must go through (the tenant's credential, say)."""
+        try:
+            return Reply(value=getattr(self.core, method)(*args, **kwargs))
+        except HorizonError as exc:
+            return Reply(error=exc.to_wire())
 
     def tick(self) -> None:
         """One pass now (start-up and benchmarks wait for it: afterwards the coordinator knows every agent)."""

@@ -26,7 +26,8 @@ import threading
 import time
 from pathlib import Path
 
-from horizon_ray.cluster.agent import ENGINE_LEASE_S, SECRET_ENV_PREFIX
+from horizon_ray.cluster.agent import SECRET_ENV_PREFIX
+from horizon_ray.cluster.agent_protocol import ENGINE_LEASE_S
 from horizon_ray.errors import BadInput
 
 

@@ -9,7 +9,6 @@ no CUDA on this machine, train on the CPU with the real engine.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import psutil
@@ -69,7 +68,6 @@ def wait_done(client, job_id, timeout=120.0):
 
 def test_two_jobs_run_side_by_side_each_on_its_own_gpu(gpu_service):
     c = gpu_service["client"]
-    t0 = time.monotonic()
     first, second = after_a_pass(c, c.submit("gpus", spec(gpu_service, 4)), c.submit("gpus", spec(gpu_service, 6)))
     assert first.status.value == second.status.value == "running" and first.node_id == second.node_id == "g"
     assert {first.gpu_index, second.gpu_index} == {0, 1}
@@ -96,4 +94,3 @@ def test_two_jobs_run_side_by_side_each_on_its_own_gpu(gpu_service):
         env_line = next(e.data for e in c.events("gpus", job.id) if e.data.get("to") == "running")
         assert env_line["gpu_index"] == job.gpu_index
     assert c.nodes()[0].busy_gpus == []
-    assert time.monotonic() - t0 < 90

@@ -19,7 +19,7 @@ from horizon_ray.cluster import (
     JobStatus,
     QuotaExceeded,
 )
-from horizon_ray.cluster.agent import ENGINE_LEASE_S
+from horizon_ray.cluster.agent_protocol import ENGINE_LEASE_S
 from horizon_ray.cluster.coordinator import Coordinator, default_validate_spec
 from horizon_ray.cluster.errors import HorizonError
 from horizon_ray.cluster.fake import FakeAgent, FakeStorage, size_planner

@@ -13,7 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from horizon_ray.cluster.agent import NodeAgent, ReservationRefused, read_new_events
+from horizon_ray.cluster.agent import NodeAgent, read_new_events
+from horizon_ray.cluster.agent_protocol import ReservationRefused
 from horizon_ray.cluster.local import wait_for
 from horizon_ray.cluster.messages import Launch
 from horizon_ray.job import events
@@ -362,7 +363,7 @@ def test_a_killed_engine_reports_the_evidence_of_memory_pressure(agent, tmp_path
 
 
 def test_oom_kills_are_read_from_the_kernel_and_the_memory_cgroup(tmp_path):
-    from horizon_ray.cluster.agent import oom_kill_count
+    from horizon_ray.cluster.cgroups import oom_kill_count
 
     (tmp_path / "vmstat").write_text("pgfault 12\noom_kill 3\n")
     cg = tmp_path / "cg"

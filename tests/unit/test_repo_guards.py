@@ -69,3 +69,37 @@ def test_nothing_points_outside_the_repository():
         out = subprocess.run([sys.executable, "-m", "horizon_ray", command, "--help"], cwd=ROOT, capture_output=True,
                              text=True, check=True).stdout
         assert not pointer.search(out), (command, pointer.search(out))
+
+
+def _lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """`lint-imports` (import-linter, the contracts in pyproject.toml) over the packages under `root`."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([str(Path(sys.executable).with_name("lint-imports")), "--no-cache"], cwd=root,
+                          env={**env, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=300)
+
+
+def test_every_import_keeps_to_its_layer():
+    """The import contracts of pyproject.toml hold: the engine takes nothing of Ray, the web or the service;
+    the job and the planner nothing of Ray or the web; the cluster nothing of the API; nothing imports up the
+    stack commands > api > cluster > job > data > engine."""
+    result = _lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "Contracts: 4 kept, 0 broken." in result.stdout
+
+
+def test_an_upward_import_breaks_the_contracts(tmp_path):
+    """The check can fail: a copy of the tree where the cluster imports the API, and the engine Ray."""
+    import shutil
+
+    for name in ("horizon_ray", "api"):
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__", "static"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    with open(tmp_path / "horizon_ray" / "cluster" / "store.py", "a") as f:
+        f.write("\nimport api.errors  # noqa\n")
+    with open(tmp_path / "horizon_ray" / "engine" / "store.py", "a") as f:
+        f.write("\nimport ray  # noqa\n")
+    result = _lint_imports(tmp_path)
+    assert result.returncode != 0
+    assert "horizon_ray.cluster.store -> api.errors" in result.stdout
+    assert "horizon_ray.engine.store -> ray" in result.stdout
+    assert "Contracts: 0 kept, 4 broken." in result.stdout  # each contract sees one of the two
