@@ -146,6 +146,7 @@ def read_new_events(path: Path, offset: int) -> tuple[list[Event], int]:
     return events, offset
 
 
+_LIBC: ctypes.CDLL | None
 try:  # loaded once here: a dlopen between fork and exec in a threaded process can deadlock
     _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
 except OSError:  # not glibc Linux: no parent-death signal

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -62,6 +63,7 @@ from horizon_ray.cluster.messages import (
     Launch,
     NodeInfo,
     Reservation,
+    TenantQuota,
     can_transition,
 )
 from horizon_ray.cluster.placement import (
@@ -237,6 +239,7 @@ class Coordinator:
                     limit="max_queued_jobs")
             job_id = f"job-{uuid.uuid4().hex[:12]}"
             full = self._normalise(spec, tenant, job_id)
+            _check_budget(full, tenant, quota)
             mine = Path(full["output_dir"])
             for other in self.store.jobs(statuses=_LIVE):
                 theirs = Path(other.output_dir)
@@ -423,13 +426,13 @@ class Coordinator:
             self._apply_report(job, report)
             if report.exit is not None:
                 self._finish(job, report.exit)
-                followups.append(lambda job_id=job.id: self._send_forget(agent, job_id))
+                followups.append(functools.partial(self._send_forget, agent, job.id))
             elif job.status is JobStatus.CANCELLING:
                 # again each pass until the engine exits: a lost call is retried
-                followups.append(lambda job=job: self._send_cancel(agent, job))
+                followups.append(functools.partial(self._send_cancel, agent, job))
         for job_id, report in reports.items():
             if not self._stray(node_id, job_id, report):
-                followups.append(lambda job_id=job_id: self._send_forget(agent, job_id))
+                followups.append(functools.partial(self._send_forget, agent, job_id))
 
     @staticmethod
     def _send_cancel(agent: Agent, job: JobRecord) -> None:
@@ -757,6 +760,32 @@ class Coordinator:
 
     def _alive_infos(self) -> builtins.list[NodeInfo]:
         return [_copy_info(st.info) for st in self._nodes.values() if st.alive and st.info is not None]
+
+
+def _check_budget(spec: dict[str, Any], tenant: str, quota: TenantQuota) -> None:
+    """QuotaExceeded when the job would take more optimizer steps or tokens than its tenant may spend on one."""
+    if quota.max_steps_per_job is None and quota.max_tokens_per_job is None:
+        return
+    t = spec.get("training") or {}
+    steps = t.get("max_steps")
+    caps = [f"{quota.max_steps_per_job} steps" if quota.max_steps_per_job is not None else None,
+            f"{quota.max_tokens_per_job} tokens" if quota.max_tokens_per_job is not None else None]
+    budget = " and ".join(c for c in caps if c)
+    if steps is None:
+        raise QuotaExceeded(f"tenant {tenant} may spend at most {budget} on one job, and a job with only "
+                            "training.epochs has no step count until its data is read; set training.max_steps",
+                            limit="max_steps_per_job", field="training.max_steps")
+    if quota.max_steps_per_job is not None and steps > quota.max_steps_per_job:
+        raise QuotaExceeded(f"training.max_steps is {steps}; tenant {tenant} may run at most "
+                            f"{quota.max_steps_per_job} steps a job: lower it", limit="max_steps_per_job",
+                            field="training.max_steps")
+    per_step = (int(t.get("seq_len") or 1) * int(t.get("micro_batch_size") or 1) * int(t.get("grad_accum") or 1)
+                * int((spec.get("resources") or {}).get("gpus") or 1))
+    if quota.max_tokens_per_job is not None and steps * per_step > quota.max_tokens_per_job:
+        raise QuotaExceeded(f"the job would train on {steps * per_step} tokens ({steps} steps of {per_step}); "
+                            f"tenant {tenant} may spend at most {quota.max_tokens_per_job} on one job: lower "
+                            "training.max_steps (or the tokens of a step)", limit="max_tokens_per_job",
+                            field="training.max_steps")
 
 
 def _training_view(spec: dict[str, Any]) -> dict[str, Any]:

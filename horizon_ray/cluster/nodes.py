@@ -64,7 +64,7 @@ def parse_node_value(name: str, value: int | str | SimulatedNode) -> SimulatedNo
             if gpus < 1 or gpu_mem <= 0:
                 raise BadInput(f"node {name}: {part!r} declares no GPU; write e.g. 2gpu or 2gpu@80GiB, or "
                                "leave the GPUs out for a node without")
-        else:
+        elif c is not None:
             cpus = int(c.group(1))
             if cpus < 1:
                 raise BadInput(f"node {name}: {part!r} declares no core; write e.g. 16cpu")

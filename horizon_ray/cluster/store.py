@@ -132,7 +132,7 @@ class JobStore:
 
     def jobs(self, *, statuses: tuple[JobStatus, ...] | None = None) -> list[JobRecord]:
         """Jobs in submit order, optionally only those in `statuses`."""
-        sql, args = "SELECT record, last_seq FROM jobs", ()
+        sql, args = "SELECT record, last_seq FROM jobs", tuple[str, ...]()
         if statuses is not None:
             sql += f" WHERE status IN ({','.join('?' * len(statuses))})"
             args = tuple(s.value for s in statuses)
@@ -144,7 +144,7 @@ class JobStore:
         self, tenant: str, *, limit: int, after: str | None, status: JobStatus | None
     ) -> tuple[list[JobRecord], bool]:
         """A tenant's jobs, newest first, `limit` of them after the job `after`; and whether more follow."""
-        sql, args = "SELECT record, last_seq FROM jobs WHERE tenant=?", [tenant]
+        sql, args = "SELECT record, last_seq FROM jobs WHERE tenant=?", list[Any]([tenant])
         if status is not None:
             sql += " AND status=?"
             args.append(status.value)
