@@ -33,8 +33,8 @@ by its job's lease on the output directory (`horizon_ray.job.lease`): the agent 
 start before it runs, and an engine whose job was recovered elsewhere or cancelled stops at its next step and
 writes nothing more.
 
-Engines get the agent's environment without the API's variables (`HORIZON_API_*`: the tenants' keys and
-their file): nothing but the API process may see them.
+Engines start from an allow-list of the agent's environment (`engine_env`): never the API's variables
+(`HORIZON_API_*`: the tenants' keys and their file) nor Ray's token.
 
 When an engine dies of SIGKILL, its `ExitInfo` carries the evidence the coordinator needs to call it an OOM
 kill or not: the OOM kills the kernel counted while it ran (machine-wide and in this node's memory cgroup),
@@ -69,6 +69,7 @@ from horizon_ray.atomic import write_atomic
 from horizon_ray.cluster import placement
 from horizon_ray.cluster.agent_protocol import ENGINE_LEASE_S, ReservationRefused
 from horizon_ray.cluster.cgroups import available_memory_bytes, node_cpu_count, node_ram_bytes, oom_kill_count
+from horizon_ray.cluster.engine_env import SECRET_ENV_PREFIX, engine_base_env
 from horizon_ray.cluster.gpus import detect_gpus
 from horizon_ray.cluster.ledger import Ledger
 from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, Launch, NodeInfo, Reservation
@@ -79,8 +80,6 @@ log = logging.getLogger("horizon_ray.cluster")
 METRICS_FILE = "metrics.jsonl"
 PROBE_TIMEOUT_S = 600  # a first probe on a busy machine, with the engine's imports
 SPEC_FILE = "job.yaml"
-# Variables only the API process may see: the tenants' API keys and the path of their file.
-SECRET_ENV_PREFIX = "HORIZON_API_"
 _MAX_LINES_PER_POLL = 2000
 _STDERR_TAIL_BYTES = 4000
 
@@ -411,7 +410,7 @@ class NodeAgent:
         log_dir = output_dir / "logs"
         log_dir.mkdir(exist_ok=True)
         log_path = log_dir / f"attempt-{launch.attempt}-{self.node_id}.log"
-        env = without_secrets({**os.environ, **self._env})
+        env = engine_base_env(os.environ, self._env)  # an allow-list: no key, no token reaches a tenant's job
         env[lease.ENV_JOB] = job_id
         env[lease.ENV_EPOCH] = str(launch.attempt)
         env["HORIZON_RAY_NODE_ID"] = self.node_id

@@ -35,6 +35,7 @@ from horizon_ray.cluster.agent_protocol import ENGINE_LEASE_S, AgentUnavailable
 from horizon_ray.cluster.client import COORDINATOR_NAME, NAMESPACE, Reply
 from horizon_ray.cluster.coordinator import Coordinator
 from horizon_ray.cluster.errors import HorizonError
+from horizon_ray.cluster.gate import OPEN_TENANT, Gate, GateConfig, Principal
 from horizon_ray.cluster.messages import AgentJobReport, JobStatus, Launch, NodeInfo, Reservation
 from horizon_ray.cluster.nodes import parse_node_value
 from horizon_ray.cluster.tenants import TenantsConfig
@@ -113,7 +114,10 @@ class CoordinatorActor:
     wakes the loop rather than running a pass itself, so that it answers at once whatever the nodes do."""
 
     def __init__(self, store_path: str, jobs_root: str, tenants_file: str | None = None,
-                 tick_interval_s: float = 0.5, node_dead_after_s: float = 10.0, planner: str | None = None):
+                 tick_interval_s: float = 0.5, node_dead_after_s: float = 10.0, planner: str | None = None,
+                 gate: dict[str, Any] | None = None):
+        # every client call passes the gate (None: a coordinator of tests, which trusts the tenant it is told)
+        self.gate = Gate(GateConfig.from_wire(gate)) if gate is not None else None
         kwargs: dict[str, Any] = {}
         if planner:
             kwargs["planner"] = _import(planner)
@@ -126,47 +130,64 @@ class CoordinatorActor:
         self._thread = threading.Thread(target=self._loop, name="coordinator-tick", daemon=True)
         self._thread.start()
 
+    # Each method is the client protocol's (client.CoordinatorClient) plus `_credential`, what the caller presents
+    # at the gate (RayClient adds it to every call).
+
     def submit(self, tenant: str, spec: dict[str, Any], *, idempotency_key: str | None = None,
-               priority: int = 0, name: str | None = None) -> Reply:
-        reply = self._serve("submit", tenant, spec, idempotency_key=idempotency_key, priority=priority, name=name)
-        self._wake.set()
+               priority: int = 0, name: str | None = None, _credential: str | None = None) -> Reply:
+        reply = self._serve("submit", _credential, tenant, spec, idempotency_key=idempotency_key,
+                            priority=priority, name=name)
+        self._wake.set()  # placed by the pass this starts, not by this call: one slow node stalls no caller
         return reply
 
-    def get(self, tenant: str, job_id: str) -> Reply:
-        return self._serve("get", tenant, job_id)
+    def get(self, tenant: str, job_id: str, *, _credential: str | None = None) -> Reply:
+        return self._serve("get", _credential, tenant, job_id)
 
     def list(self, tenant: str, *, limit: int = 20, after: str | None = None,
-             status: JobStatus | str | None = None) -> Reply:
-        return self._serve("list", tenant, limit=limit, after=after, status=status)
+             status: JobStatus | str | None = None, _credential: str | None = None) -> Reply:
+        return self._serve("list", _credential, tenant, limit=limit, after=after, status=status)
 
-    def cancel(self, tenant: str, job_id: str) -> Reply:
-        reply = self._serve("cancel", tenant, job_id)
-        self._wake.set()
+    def cancel(self, tenant: str, job_id: str, *, _credential: str | None = None) -> Reply:
+        reply = self._serve("cancel", _credential, tenant, job_id)
+        self._wake.set()  # the pass this starts sees the engine stop
         return reply
 
-    def events(self, tenant: str, job_id: str, after_seq: int = 0, limit: int | None = None) -> Reply:
-        return self._serve("events", tenant, job_id, after_seq, limit)
+    def events(self, tenant: str, job_id: str, after_seq: int = 0, limit: int | None = None, *,
+               _credential: str | None = None) -> Reply:
+        return self._serve("events", _credential, tenant, job_id, after_seq, limit)
 
-    def checkpoints(self, tenant: str, job_id: str) -> Reply:
-        return self._serve("checkpoints", tenant, job_id)
+    def checkpoints(self, tenant: str, job_id: str, *, _credential: str | None = None) -> Reply:
+        return self._serve("checkpoints", _credential, tenant, job_id)
 
-    def plan(self, tenant: str, spec: dict[str, Any]) -> Reply:
-        return self._serve("plan", tenant, spec)
+    def plan(self, tenant: str, spec: dict[str, Any], *, _credential: str | None = None) -> Reply:
+        return self._serve("plan", _credential, tenant, spec)
 
-    def nodes(self) -> Reply:
-        return self._serve("nodes")
+    def nodes(self, *, _credential: str | None = None) -> Reply:
+        return self._serve("nodes", _credential)
 
-    def queue(self, tenant: str | None = None) -> Reply:
-        return self._serve("queue", tenant)
+    def queue(self, tenant: str | None = None, *, _credential: str | None = None) -> Reply:
+        return self._serve("queue", _credential, tenant)
 
-    def ready(self) -> Reply:
-        return self._serve("ready")
+    def ready(self, *, _credential: str | None = None) -> Reply:
+        return self._serve("ready", _credential)
 
-    def _serve(self, method: str, *args: Any, **kwargs: Any) -> Reply:
-        """The core's `method` of the protocol; a domain error it raises comes back as data (see RayClient).
-        One place every call passes, for what each must go through (the tenant's credential, say)."""
+    def whoami(self, *, _credential: str | None = None) -> Reply:
+        """The tenant `_credential` acts as (None: the API's, which names the tenant of each call)."""
+        return self._serve("whoami", _credential)
+
+    def _serve(self, method: str, credential: str | None, *args: Any, **kwargs: Any) -> Reply:
+        """The core's `method` as the principal of `credential` (see `gate`); a domain error it raises comes
+        back as data (see RayClient). The one place every call passes."""
         try:
-            return Reply(value=getattr(self.core, method)(*args, **kwargs))
+            who = Principal(OPEN_TENANT)
+            if self.gate is not None:
+                who, args, kwargs = self.gate.admit(method, args, kwargs, credential)
+            if method == "whoami":
+                return Reply(value=who.tenant)
+            result = getattr(self.core, method)(*args, **kwargs)
+            if self.gate is not None:
+                result = self.gate.shown(who, method, result)
+            return Reply(value=result)
         except HorizonError as exc:
             return Reply(error=exc.to_wire())
 
@@ -255,8 +276,10 @@ def ensure_agents(ram_by_node: dict[str, Any] | None = None, *, command: list[st
 
 
 def start_coordinator(store_path: str | Path, jobs_root: str | Path, *, tenants_file: str | None = None,
-                      node_dead_after_s: float = 10.0, planner: str | None = None) -> Any:
-    """The coordinator actor (started if none runs), pinned to the head node; waits until it answers."""
+                      node_dead_after_s: float = 10.0, planner: str | None = None,
+                      gate: GateConfig | None = None) -> Any:
+    """The coordinator actor (started if none runs), pinned to the head node; waits until it answers. `gate`:
+    what it admits (None: it trusts the tenant each call names)."""
     head = _head_node_id()
     handle = CoordinatorActorRemote.options(
         name=COORDINATOR_NAME,
@@ -270,7 +293,8 @@ def start_coordinator(store_path: str | Path, jobs_root: str | Path, *, tenants_
         # sees CoordinatorUnavailable and retries what is safe to retry.
         max_task_retries=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False),
-    ).remote(str(store_path), str(jobs_root), tenants_file, 0.5, node_dead_after_s, planner)
+    ).remote(str(store_path), str(jobs_root), tenants_file, 0.5, node_dead_after_s, planner,
+             gate.to_wire() if gate is not None else None)
     deadline = time.time() + 120
     while True:
         try:

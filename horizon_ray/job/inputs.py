@@ -27,14 +27,18 @@ def load_data(spec: JobSpec) -> Data:
     """The job's datasets and step sampler (a step has resources.gpus x grad_accum micro-batches: every
     rank's), its step count and its eval micro-batches."""
     from horizon_ray.data import StepSampler, build_datasets, eval_batches, load_tokenizer
+    from horizon_ray.data.formats import layout_of
+    from horizon_ray.data.tokenize import with_chat_template
 
     t = spec.training
-    tokenizer = load_tokenizer(Path(spec.model.tokenizer_path or spec.model.path).expanduser())
+    tokenizer = with_chat_template(load_tokenizer(Path(spec.model.tokenizer_path or spec.model.path).expanduser()),
+                                   spec.data.chat_template)
     train_ds, eval_ds = build_datasets(
         spec.data.path, spec.data.format, tokenizer, t.seq_len,
         # eval_path replaces the held-out fraction (the data API takes one or the other)
         eval_fraction=0.0 if spec.data.eval_path else spec.data.eval_fraction,
-        eval_path=spec.data.eval_path, seed=t.seed,
+        eval_path=spec.data.eval_path, seed=t.seed, layout=layout_of(spec.data),
+        train_on_inputs=spec.data.train_on_inputs,
     )
     sampler = StepSampler(train_ds, t.seq_len, micro_batch_size=t.micro_batch_size,
                            grad_accum=t.grad_accum * spec.resources.gpus, packing=t.packing, seed=t.seed)

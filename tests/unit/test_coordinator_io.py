@@ -108,10 +108,12 @@ def test_the_coordinator_actor_answers_the_client_protocol_method_by_method():
     protocol = {n for n, f in vars(CoordinatorClient).items() if inspect.isfunction(f) and not n.startswith("_")}
     assert protocol == {"submit", "get", "list", "cancel", "events", "checkpoints", "plan", "nodes", "queue",
                         "ready"}
-    def params(f):  # Ray's tracing adds a keyword of its own to an actor class's methods
+    def params(f):  # Ray's tracing adds a keyword of its own to an actor class's methods, the gate _credential
         return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()
-                if p.name != "_ray_trace_ctx"]
+                if p.name not in ("_ray_trace_ctx", "_credential")]
 
     for name in protocol:
         assert params(getattr(CoordinatorActor, name)) == params(getattr(CoordinatorClient, name)), name
     assert not hasattr(CoordinatorActor, "call")  # no method dispatched by its name
+    for name in (*protocol, "whoami"):  # each takes the caller's credential for the gate
+        assert "_credential" in inspect.signature(getattr(CoordinatorActor, name)).parameters, name
