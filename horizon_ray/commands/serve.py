@@ -258,9 +258,8 @@ def _rescan_nodes(skip_head: bool, engine_lease_s: float) -> None:
 
 
 def _serve_api(client, settings, host: str, port: int) -> None:
-    import uvicorn
-
     from api.app import create_app
+    from api.server import serve as serve_app
     from api.settings import ENV_DATA_ROOTS, ENV_KEYS, ENV_MODEL_CATALOGUE, ENV_MODEL_ROOTS
 
     app = create_app(client, settings)
@@ -278,4 +277,4 @@ def _serve_api(client, settings, host: str, port: int) -> None:
               + (", ".join(str(r) for r in roots) or "none"))
     print(f"API on http://{host}:{port}  (dashboard http://{host}:{port}/, OpenAI-compatible at "
           f"http://{host}:{port}/v1)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    serve_app(app, host, port)  # with the API's limits on slow clients (api.server.server_config)
