@@ -103,3 +103,19 @@ def test_an_upward_import_breaks_the_contracts(tmp_path):
     assert "horizon_ray.cluster.store -> api.errors" in result.stdout
     assert "horizon_ray.engine.store -> ray" in result.stdout
     assert "Contracts: 1 kept, 4 broken." in result.stdout  # each stack contract sees one of the two
+
+
+def test_the_readme_layout_matches_the_tree():
+    """Every package of horizon_ray is in the README's layout, and every path the layout names exists."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    listed = [m.group(1).rstrip("/") for m in re.finditer(r"^(\S+/)\s", block, re.M)]
+    assert listed, block
+    missing = [p for p in listed if not (ROOT / p).is_dir()]
+    assert not missing, f"the README's layout names what the tree lacks: {missing}"
+    packages = sorted(f"horizon_ray/{p.name}" for p in (ROOT / "horizon_ray").iterdir()
+                      if (p / "__init__.py").is_file())
+    unlisted = [p for p in packages if p not in listed]
+    assert not unlisted, f"packages missing from the README's layout: {unlisted}"
