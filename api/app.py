@@ -49,6 +49,7 @@ def create_app(client: CoordinatorClient, settings: ApiSettings) -> FastAPI:
     app.state.metrics = ApiMetrics(client)
     app.state.limits = TenantLimits(settings)
     app.state.hub = EventHub(client, poll_s=settings.sse_poll_s, threads=settings.stream_poll_threads)
+    files.sweep_stale_uploads(settings)  # parts a server killed mid-upload left: no process finishes them
     install_error_handlers(app)
 
     app.include_router(job_routes("/finetune"))

@@ -22,7 +22,7 @@ from api.auth import Tenant, current_tenant
 from api.errors import ApiError
 from api.outputs import TarStream
 from api.params import EventId, SafePath, SafeText
-from api.paths import PathPolicy, confine, confine_spec, safe_relative
+from api.paths import PathPolicy, confine, confine_spec, safe_relative, single_file
 from api.schemas import (
     CANCEL_RESPONSES,
     ERROR_RESPONSES,
@@ -183,7 +183,7 @@ def job_routes(base: str) -> APIRouter:
         except ApiError:
             raise ApiError(404, "not_found", "no such output file") from None
         target = confine(root / rel, root) if root is not None and is_output(rel) else None
-        if target is None or not target.is_file():
+        if target is None or not single_file(target):  # a hard link may be another file's second name
             raise ApiError(404, "not_found", "no such output file")
         # its own type where it has one (loss_curve.png an image the browser shows; JSON, JSONL, text), else bytes
         media = OUTPUT_MEDIA.get(target.suffix, OCTETS)
@@ -214,7 +214,7 @@ def _walk_outputs(root: Path) -> list[OutputFile]:
             p = Path(dirpath) / name
             if not is_output(PurePosixPath(name)):
                 continue
-            if confine(p, root) is None:  # a symlink out of the namespace is not an output
+            if confine(p, root) is None or not single_file(p):  # a symlink out, or a hard link: no output
                 continue
             try:
                 st = p.stat()

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from horizon_ray.cluster.agent import SECRET_ENV_PREFIX
-from horizon_ray.cluster.engine_env import ENV_ENGINE_ENV
+from horizon_ray.cluster.engine_env import ENV_ENGINE_ENV, SECRET_ENV_PREFIX
 from horizon_ray.cluster.tenants import check_tenant_name
 from horizon_ray.errors import BadInput
 from horizon_ray.home import HOME_VARIABLE, service_root

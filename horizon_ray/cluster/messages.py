@@ -259,6 +259,12 @@ class TenantQuota:
     max_concurrent_jobs: int = 4  # jobs running, cancelling or recovering at once
     max_reserved_bytes: int = 2**62  # host RAM its running jobs may hold together
     max_queued_jobs: int = 1000  # jobs it may have waiting; submit raises QuotaExceeded beyond
+    # optimizer steps one job may take (None: the spec's own bound, jobspec.MAX_STEPS); with a cap, a job must
+    # set training.max_steps (epochs alone has no step count before the data is read)
+    max_steps_per_job: int | None = None
+    # tokens one job may train on: max_steps x seq_len x micro_batch_size x grad_accum x resources.gpus (None: no
+    # cap); with a cap, a job must set training.max_steps
+    max_tokens_per_job: int | None = None
 
 
 @dataclass

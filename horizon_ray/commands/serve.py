@@ -28,7 +28,8 @@ import threading
 import time
 from pathlib import Path
 
-from horizon_ray.cluster.agent import ENGINE_LEASE_S, SECRET_ENV_PREFIX
+from horizon_ray.cluster.agent_protocol import ENGINE_LEASE_S
+from horizon_ray.cluster.engine_env import SECRET_ENV_PREFIX
 from horizon_ray.errors import BadInput
 from horizon_ray.job.demo import DEMO_MODEL_NAME
 
@@ -116,7 +117,8 @@ def take_secrets() -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     from api.settings import ENV_KEYS, ENV_KEYS_FILE, ApiSettings
     from horizon_ray.cluster.gate import GateConfig, service_credential
-    from horizon_ray.cluster.local import default_root, parse_simulated_cluster, use_ray_token
+    from horizon_ray.cluster.local import default_root, use_ray_token
+    from horizon_ray.cluster.nodes import parse_simulated_cluster
     from horizon_ray.cluster.tenants import TenantsConfig, format_bytes
 
     if sys.argv[1:2] == ["serve"]:  # this process is `horizon-ray serve`, not a test calling run()
@@ -266,9 +268,8 @@ def _rescan_nodes(skip_head: bool, engine_lease_s: float) -> None:
 
 
 def _serve_api(client, settings, host: str, port: int) -> None:
-    import uvicorn
-
     from api.app import create_app
+    from api.server import serve as serve_app
     from api.settings import ENV_DATA_ROOTS, ENV_KEYS, ENV_MODEL_CATALOGUE, ENV_MODEL_ROOTS
 
     app = create_app(client, settings)
@@ -286,4 +287,4 @@ def _serve_api(client, settings, host: str, port: int) -> None:
               + (", ".join(str(r) for r in roots) or "none"))
     print(f"API on http://{host}:{port}  (dashboard http://{host}:{port}/, OpenAI-compatible at "
           f"http://{host}:{port}/v1)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    serve_app(app, host, port)  # with the API's limits on slow clients (api.server.server_config)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from horizon_ray.job.inputs import load_data
 from horizon_ray.job.schedule import lr_at
 from horizon_ray.jobspec import JobSpec
 
@@ -125,7 +126,6 @@ def _follower(rank: int, world: int, port: int, spec_dict: dict, cfg: Any, model
 
     from horizon_ray.engine import Engine, ModelConfig
     from horizon_ray.engine.ranks import Ranks
-    from horizon_ray.job.runner import load_data
 
     _join(rank, world, port, cfg)
     try:

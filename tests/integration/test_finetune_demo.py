@@ -9,12 +9,8 @@ from pathlib import Path
 
 import pytest
 
-engine_mod = pytest.importorskip("horizon_ray.engine")
-if not hasattr(engine_mod, "Engine"):
-    pytest.skip("horizon_ray.engine does not provide Engine yet", allow_module_level=True)
-
-from horizon_ray.job.demo import demo_spec, prepare_demo_assets  # noqa: E402
-from horizon_ray.job.events import Eval, read_events  # noqa: E402
+from horizon_ray.job.demo import demo_spec, prepare_demo_assets
+from horizon_ray.job.events import Eval, read_events
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from api.server import free_port
+from tests.serving import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]

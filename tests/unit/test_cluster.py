@@ -19,7 +19,7 @@ from horizon_ray.cluster import (
     JobStatus,
     QuotaExceeded,
 )
-from horizon_ray.cluster.agent import ENGINE_LEASE_S
+from horizon_ray.cluster.agent_protocol import ENGINE_LEASE_S
 from horizon_ray.cluster.coordinator import Coordinator, default_validate_spec
 from horizon_ray.cluster.errors import HorizonError
 from horizon_ray.cluster.fake import FakeAgent, FakeStorage, size_planner
@@ -815,7 +815,7 @@ def test_given_output_dir_is_kept_and_two_live_jobs_cannot_share_one(client, tmp
 
 
 def test_simulated_nodes_parse_strictly():
-    from horizon_ray.cluster.local import parse_simulated_nodes
+    from horizon_ray.cluster.nodes import parse_simulated_nodes
 
     assert parse_simulated_nodes("a=16GiB, b=64GiB,c=256GiB") == {"a": 16 * GiB, "b": 64 * GiB, "c": 256 * GiB}
     for bad in ("a16GiB", "a=16GiB,a=1GiB", "a=lots", "", "a b=1GiB"):

@@ -44,7 +44,8 @@ def _state(p):
 
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_units_and_store_match_the_engine(family):
-    torch = pytest.importorskip("torch")
+    import torch
+
     from horizon_ray.engine.config import DTYPES, EngineConfig
     from horizon_ray.engine.lora import LoraConfig, adapter_layouts
     from horizon_ray.engine.model import ModelConfig, unit_layouts
@@ -81,8 +82,8 @@ MODELS = [("qwen3-0.6b", "Qwen3Config"), ("qwen3-30b-a3b", "Qwen3MoeConfig"), ("
 
 @pytest.mark.parametrize(("name", "config_class"), MODELS)
 def test_preset_param_counts_match_transformers(name, config_class):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
     shape = PRESETS[name]
     hf = shape.to_hf_config()
     cfg = getattr(transformers, config_class)(**{k: v for k, v in hf.items() if k not in ("model_type",
