@@ -231,3 +231,56 @@ def test_quantize_is_refused_by_name():
 
     with pytest.raises(BadInput, match="nf4"):
         LoraConfig(quantize="nf3").validate()
+
+
+@pytest.mark.parametrize("quantize", ["nf4", "int8"])
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_host_bytes_equal_the_plan(quantize, arch):
+    from horizon_ray.planner import Adapters, plan
+
+    config = {"model_type": arch, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "tie_word_embeddings": False}
+    targets = ("q_proj", "v_proj", *(EXPERTS if arch == "mixtral" else ("down_proj",)))
+    if arch == "mixtral":
+        config.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)
+    for dtype in ("float32", "bfloat16"):
+        lora = LoraConfig(r=4, targets=targets, quantize=quantize)
+        eng = Engine.from_config(config, EngineConfig(device="cpu", compute_dtype=dtype, lora=lora))
+        p = plan(config, method="lora", lora=Adapters(r=4, targets=targets, quantize=quantize),
+                 compute_dtype=dtype, device="cpu", seq_len=16, micro_batch_size=2, grad_accum=1, checkpoint_every=1)
+        got, want = eng.store.bytes_by_kind(), p.breakdown["host"]
+        assert got == {"master": want["master"], "moments": want["moments"], "grads": want["grads"],
+                       "wire": want["weights"]}
+        unpacked = plan(config, method="lora", lora=Adapters(r=4, targets=targets), compute_dtype=dtype,
+                        device="cpu", seq_len=16, micro_batch_size=2, grad_accum=1, checkpoint_every=1)
+        assert want["weights"] < unpacked.breakdown["host"]["weights"]
+        eng.close()
+
+
+def test_a_128_gib_node_plans_a_base_over_3_3_times_the_bf16_one():
+    """The issue's target: plan --max-model all --scan-depth --method lora --quantize nf4 on a 128 GiB node."""
+    from dataclasses import replace
+
+    from horizon_ray.planner import H200_NODE, Adapters, max_model, parse_bytes
+
+    node = replace(H200_NODE, ram_bytes=parse_bytes("128GiB"))
+    found = {q: max_model("all", node, "lora", scan_depth=True, lora=Adapters(quantize=q)) for q in ("none", "nf4")}
+    assert found["none"].shape.num_params > 60e9  # llama-3.1-70b@70L at d681f7c
+    assert found["nf4"].shape.num_params >= 3.3 * found["none"].shape.num_params
+
+
+def test_job_spec_carries_quantize_to_the_engine_and_the_plan():
+    from horizon_ray.jobspec import JobSpec
+    from horizon_ray.planner import plan_for_spec
+
+    base = {"model": {"path": "llama-3.1-70b"}, "data": {"path": "train.jsonl"}, "method": "lora",
+            "output_dir": "runs/x", "training": {"max_steps": 10}}
+    plain = JobSpec.from_dict(base)
+    nf4 = JobSpec.from_dict({**base, "lora": {"quantize": "nf4"}})
+    assert plain.lora.quantize == "none" and nf4.lora.quantize == "nf4"
+    assert EngineConfig.from_spec(nf4, device="cpu").lora.quantize == "nf4"
+    # the coordinator places a job by this plan's host bytes: a 70B base in nf4 is ~0.26x its bf16 bytes
+    ratio = plan_for_spec(nf4).host_bytes / plan_for_spec(plain).host_bytes
+    assert 0.2 < ratio < 0.35
+    with pytest.raises(ValueError, match="nf4"):
+        JobSpec.from_dict({**base, "lora": {"quantize": "q4"}})
