@@ -200,13 +200,14 @@ def host_breakdown(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: 
             out[key] *= job.gpus
     step_transient = out["checkpoints"] + out["optimizer_scratch"] + out["workspace"]
     # quantizing while loading adds bitsandbytes' fp32 temporaries of one chunk (quant._CHUNK weights)
-    out["load_staging"] = max(0, 4 * largest_tensor(shape) + (QUANT_CHUNK_BYTES if packed else 0) - step_transient)
+    chunk = QUANT_BYTES_PER_WEIGHT * min(QUANT_CHUNK, largest_tensor(shape)) if packed else 0
+    out["load_staging"] = max(0, 4 * largest_tensor(shape) + chunk - step_transient)
     return out, pinned
 
 
-# Host bytes of one quantization chunk's temporaries (quant._CHUNK = 2^22 weights): the fp32 copy, the scaled
-# values, the int32 codes and the packed bytes of bitsandbytes' quantize_4bit, ~20 B a weight, rounded up.
-QUANT_CHUNK_BYTES = 24 << 22
+# A quantization chunk's temporaries (quant._CHUNK weights, a unit test keeps them equal): the fp32 copy, the
+# scaled values, the int32 codes and the packed bytes of bitsandbytes' quantize_4bit, ~20 B a weight, rounded up.
+QUANT_CHUNK, QUANT_BYTES_PER_WEIGHT = 1 << 22, 24
 
 
 def packed_layers(shape: ModelShape, lora: Adapters | None, mode: PrecisionMode, c: int) -> list[int]:

@@ -226,6 +226,13 @@ def test_resume_is_exact_and_merged_model_is_dequantized_base_plus_adapter(tmp_p
     merged.close()
 
 
+def test_the_plan_knows_the_quantization_chunk():
+    from horizon_ray.engine import quant
+    from horizon_ray.planner import memory
+
+    assert memory.QUANT_CHUNK == quant._CHUNK
+
+
 def test_quantize_is_refused_by_name():
     from horizon_ray.errors import BadInput
 
