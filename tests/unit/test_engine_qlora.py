@@ -291,3 +291,17 @@ def test_job_spec_carries_quantize_to_the_engine_and_the_plan():
     assert 0.2 < ratio < 0.35
     with pytest.raises(ValueError, match="nf4"):
         JobSpec.from_dict({**base, "lora": {"quantize": "q4"}})
+
+
+def test_openai_create_maps_hyperparameters_quantize_to_a_qlora_spec():
+    from api.errors import ApiError
+    from api.openai import CreateJob, job_spec
+
+    body = CreateJob(model="m", training_file="file-" + "a" * 24, hyperparameters={"quantize": "nf4"})
+    spec = job_spec(body, {"m": "/models/m"})
+    assert spec["method"] == "lora" and spec["lora"]["quantize"] == "nf4"
+    with pytest.raises(ApiError, match="method lora"):
+        job_spec(CreateJob(model="m", training_file="file-" + "a" * 24, hyperparameters={"quantize": "nf4"},
+                           spec={"method": "full"}), {"m": "/models/m"})
+    with pytest.raises(ValueError):
+        CreateJob(model="m", training_file="file-x", hyperparameters={"quantize": "nf3"})
