@@ -45,7 +45,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from horizon_ray.engine.model import DTYPE_BYTES, KERNELS, LORA_TARGETS, PRECISIONS, UPDATES
+from horizon_ray.engine.model import DTYPE_BYTES, KERNELS, LORA_TARGETS, PRECISIONS, QUANTIZE, UPDATES
 from horizon_ray.errors import BadInput
 from horizon_ray.home import HOME_VARIABLE, horizon_home
 from horizon_ray.strings import MAX_PATH_BYTES, OUTPUT_ROOM_BYTES, fix, problem, shown
@@ -161,6 +161,7 @@ Update = Literal[UPDATES]
 Kernels = Literal[KERNELS]
 # every family's LoRA targets (Phi-3's fused ones, the experts'); whether the model has one is checked at its plan
 Projection = Literal[tuple(LORA_TARGETS)]
+Quantize = Literal[QUANTIZE]
 
 
 class _Section(BaseModel):
@@ -298,10 +299,15 @@ class LoraSpec(_Section):
         "post_attention_layernorm, model.norm (the final one)"))
     merge: StrictBool = Field(False, description=(
         "also write the merged full model (W + alpha/r x B A, HF format) to final/merged"))
+    quantize: Quantize = Field(_A.quantize, description=(
+        "how the frozen base's projections are kept in host RAM and streamed: none (the compute dtype), nf4 or "
+        "fp4 (bitsandbytes' 4-bit with double-quantized scales, QLoRA: ~0.52 bytes a parameter), int8 "
+        "(LLM.int8's rows, ~1 byte); the adapters train in fp32 either way"))
 
     def adapters(self) -> Adapters:
         """What a plan counts of this section."""
-        return Adapters(r=self.r, targets=tuple(self.targets), modules_to_save=tuple(self.modules_to_save))
+        return Adapters(r=self.r, targets=tuple(self.targets), modules_to_save=tuple(self.modules_to_save),
+                        quantize=self.quantize)
 
     def check(self) -> None:
         """Raise BadInput naming the fix for the first value that cannot train adapters."""

@@ -217,12 +217,20 @@ function select(id) {
   follow(id);
 }
 
+// what the job trains: full, or LoRA with its rank and the base's quantization (QLoRA: nf4)
+function methodText(spec) {
+  if (!spec || spec.method !== "lora") return (spec && spec.method) || "full";
+  const lora = spec.lora || {};
+  const q = lora.quantize && lora.quantize !== "none" ? `, ${lora.quantize} base` : "";
+  return `lora r${lora.r ?? 8}${q}`;
+}
+
 function renderJobFacts(job) {
   if (job.id !== state.selected) return;
   const status = document.getElementById("job-status");
   status.replaceWith(Object.assign(badge(job.status), { id: "job-status" }));
   const facts = [
-    ["status", job.status], ["node", job.node_id || "–"],
+    ["status", job.status], ["method", methodText(job.spec)], ["node", job.node_id || "–"],
     ["step", `${job.progress.step} / ${job.progress.total_steps ?? "?"}`],
     ["tokens/s", num(job.progress.tokens_per_s, 3)], ["ETA", duration(job.progress.eta_s)],
     ["loss", num(job.metrics.loss)], ["host RAM (plan)", bytes(job.plan && job.plan.host_bytes)],
