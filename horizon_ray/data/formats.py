@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from horizon_ray.data.preference import FORMAT as PREFERENCE
+from horizon_ray.data.preference import is_preference, parse_pair
 from horizon_ray.errors import BadInput
 from horizon_ray.jobspec import DATA_FORMATS
 
@@ -58,6 +60,8 @@ def _expand_paths(path: str | Path | Sequence[str | Path]) -> list[Path]:
 
 
 def _detect(record: dict[str, Any], where: str) -> str:
+    if is_preference(record):  # before messages: OpenAI's pairs hold their prompt's messages too
+        return PREFERENCE
     if "messages" in record:
         return "messages"
     if "instruction" in record and "output" in record:
@@ -66,7 +70,8 @@ def _detect(record: dict[str, Any], where: str) -> str:
         return "text"
     raise BadInput(
         f"{where}: cannot tell the format from keys {sorted(record)}; expected 'messages' (chat), "
-        "'instruction' + 'output' (alpaca) or 'text', or set the format explicitly"
+        "'instruction' + 'output' (alpaca), 'text', or 'prompt' + 'chosen' + 'rejected' (preference pairs), or "
+        "set the format explicitly"
     )
 
 
@@ -135,22 +140,27 @@ def _parse_alpaca(record: dict[str, Any], where: str) -> Example:
     return Example([{"role": "user", "content": user}, {"role": "assistant", "content": output}], None, where)
 
 
-def _parse_messages(record: dict[str, Any], where: str) -> Example:
-    turns = record.get("messages")
+def message_list(turns: Any, where: str, key: str = "messages") -> list[dict[str, str]]:
+    """A non-empty list of {role, content} turns (the other keys of a turn dropped); BadInput naming the turn."""
     if not isinstance(turns, list) or not turns:
-        raise BadInput(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        raise BadInput(f"{where}: '{key}' must be a non-empty list of {{role, content}} objects")
     messages: list[dict[str, str]] = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
-            raise BadInput(f"{where}: messages[{i}] must be an object with 'role' and 'content'")
+            raise BadInput(f"{where}: {key}[{i}] must be an object with 'role' and 'content'")
         role = turn.get("role")
         if role not in ROLES:
-            raise BadInput(f"{where}: messages[{i}] has role {role!r}; use one of {', '.join(ROLES)}")
+            raise BadInput(f"{where}: {key}[{i}] has role {role!r}; use one of {', '.join(ROLES)}")
         content = turn.get("content")
         if not isinstance(content, str):
-            raise BadInput(f"{where}: messages[{i}] content must be a string, got {type(content).__name__}")
-        _encodable(content, where, f"messages[{i}] content")
+            raise BadInput(f"{where}: {key}[{i}] content must be a string, got {type(content).__name__}")
+        _encodable(content, where, f"{key}[{i}] content")
         messages.append({"role": role, "content": content})
+    return messages
+
+
+def _parse_messages(record: dict[str, Any], where: str) -> Example:
+    messages = message_list(record.get("messages"), where)
     if not any(m["role"] == "assistant" for m in messages):
         raise BadInput(f"{where}: no assistant message, so nothing to train on; add the assistant's answer")
     return Example(messages, None, where)
@@ -160,7 +170,7 @@ def _parse_text(record: dict[str, Any], where: str) -> Example:
     return Example(None, _string(record, "text", where), where)
 
 
-_PARSERS = {"alpaca": _parse_alpaca, "messages": _parse_messages, "text": _parse_text}
+_PARSERS = {"alpaca": _parse_alpaca, "messages": _parse_messages, "text": _parse_text, PREFERENCE: parse_pair}
 
 
 class LineChecker:
@@ -242,6 +252,9 @@ def iter_file(path: str | Path, fmt: str = "auto") -> Iterator[Example]:
         raise BadInput(f"unknown dataset format {fmt!r}; use one of {', '.join(FORMATS)}")
     p = Path(path)
     file_fmt = detect_format(p) if fmt == "auto" else fmt
+    if file_fmt == PREFERENCE:
+        raise BadInput(f"{p} holds preference pairs (prompt, chosen, rejected), which objective sft does not read: "
+                       "set objective: dpo, or give SFT data", field="data.path")
     parse = _PARSERS[file_fmt]
     for lineno, record in _read_lines(p):
         where = f"{p}:{lineno}"

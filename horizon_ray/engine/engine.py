@@ -40,9 +40,9 @@ from horizon_ray.engine.grads import DeviceGrads, HostGrads
 from horizon_ray.engine.kernels import Kernels, resolve_kernels
 from horizon_ray.engine.layers import LoraCall, MicroBatch, Template
 from horizon_ray.engine.model import NORM_KEYS, ModelConfig, unit_layouts
+from horizon_ray.engine.objective import DpoConfig, DpoMetrics
 from horizon_ray.engine.optimizer import HostAdamW
 from horizon_ray.engine.pinned import HostBuffers
-from horizon_ray.engine.preference import DpoConfig, DpoMetrics
 from horizon_ray.engine.ranks import Ranks, SharedFence
 from horizon_ray.engine.slots import DeviceWeights, HostWeights
 from horizon_ray.engine.stash import KeptStash, OffloadStash

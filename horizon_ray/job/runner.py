@@ -29,7 +29,7 @@ import torch
 from horizon_ray.atomic import atomic_path, write_atomic
 from horizon_ray.errors import BadInput
 from horizon_ray.job import checkpoints as ckpt_io
-from horizon_ray.job import lease, ranks
+from horizon_ray.job import dpo, lease, ranks
 from horizon_ray.job.events import Checkpoint, CheckpointBegin, Done, Error, Eval, Metrics, Start
 from horizon_ray.job.lease import Fence, Fenced
 from horizon_ray.job.metrics import MetricsWriter, plot_loss_curve
@@ -117,6 +117,9 @@ def load_data(spec: JobSpec) -> Data:
 
     t = spec.training
     tokenizer = load_tokenizer(Path(spec.model.tokenizer_path or spec.model.path).expanduser())
+    if spec.objective == "dpo":
+        train_ds, eval_ds, sampler, evals = dpo.load_data(spec, tokenizer)
+        return Data(train_ds, eval_ds, sampler, total_steps_for(spec, sampler.steps_per_epoch), evals)
     train_ds, eval_ds = build_datasets(
         spec.data.path, spec.data.format, tokenizer, t.seq_len,
         # eval_path replaces the held-out fraction (the data API takes one or the other)
@@ -275,6 +278,12 @@ class _Job:
                 _restore_rng(latest.state())
                 self.step = latest.step
                 assert eng.step == self.step, (eng.step, self.step)
+            self.preference = None
+            if self.spec.objective == "dpo":  # the reference: the starting weights' log-probs, once per job
+                self.preference = dpo.Preference(self.spec, self.out, self.train_ds, self.eval_ds, self.sampler,
+                                                 self.evals)
+                self.preference.prepare(eng, self.step, self._commit("writing the reference"),
+                                        lambda line: print(line, flush=True))
             start = self.step
             self.metrics.write(Start(
                 step=start, total_steps=self.total, resumed_from=start if latest else None,
@@ -375,7 +384,10 @@ class _Job:
                 if step == self.delay_from and eng.update_mode != "delayed":
                     eng.set_update("delayed")  # past the early steps, whose gradients change too fast to lag
                 batches = ranks.my_batches(self.sampler.batches_for_step(step), 0, self.world)
-                last_loss = float(eng.train_step(batches))
+                if self.preference is None:
+                    last_loss = float(eng.train_step(batches))
+                else:
+                    last_loss = self.preference.train_step(eng, step, batches)
                 self.step = done = step + 1
 
                 window.append((time.monotonic() - tick, self.sampler.tokens_for_step(step)))
@@ -385,7 +397,8 @@ class _Job:
                 self.metrics.write(Metrics(step=done, loss=last_loss, lr=lr, grad_norm=float(eng.last_grad_norm),
                                            tokens_per_s=round(tps, 1), host_rss_bytes=_rss(), total_steps=total,
                                            eta_s=round(eta, 1),
-                                           rollbacks=eng.stats().rollbacks if t.update == "speculative" else None))
+                                           rollbacks=eng.stats().rollbacks if t.update == "speculative" else None,
+                                           preference=eng.last_dpo.mean() if self.preference else None))
                 bar.update(done, last_loss, tps, eta)
 
                 checkpointed = _due(spec.checkpoint.every_steps, done, total)
@@ -418,6 +431,12 @@ class _Job:
             ckpt_io.prune(self.ckpt_root, spec.checkpoint.keep)
 
     def _evaluate(self, eng: Any) -> float:
+        if self.preference is not None:
+            m = self.preference.evaluate(eng)
+            means = m.mean()
+            self.metrics.write(Eval(step=self.step, eval_loss=means["loss"], eval_tokens=m.pairs,
+                                    eval_preference=means))
+            return means["loss"]
         loss_sum, n_tokens = 0.0, 0
         for mb in self.evals:
             s, n = eng.eval_loss([mb])

@@ -25,7 +25,7 @@ from trl.trainer.dpo_trainer import DPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig
-from horizon_ray.engine.preference import DpoConfig
+from horizon_ray.engine.objective import DpoConfig
 from horizon_ray.errors import BadInput
 from tests.tiny import V, named_tensors, peft_reference, peft_trainable, tiny_llama, tiny_qwen2
 
