@@ -19,6 +19,7 @@ dpo=...)`` takes them), and ``rows_for_step(N)`` says which dataset rows they ar
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 
 import numpy as np
@@ -28,6 +29,8 @@ from horizon_ray.data.preference import PreferencePair
 from horizon_ray.data.shuffle import EPOCH_STREAM, permutation
 from horizon_ray.data.tokenize import IGNORE_INDEX, TokenizedDataset, TokenizedExample, _ids, _render
 from horizon_ray.errors import BadInput
+
+log = logging.getLogger(__name__)
 
 
 def _prompt_ids(pair: PreferencePair, tokenizer) -> list[int]:
@@ -48,6 +51,12 @@ def _completion_ids(pair: PreferencePair, completion, prompt_ids: list[int], tok
                        "follows, so the completion's tokens cannot be told apart; use a template whose rendering "
                        "of the prompt (with the generation prompt) is a prefix of the whole conversation")
     return whole[len(prompt_ids):]
+
+
+def row_lengths(pair: PreferencePair, tokenizer) -> tuple[int, list[int]]:
+    """Tokens of the pair's prompt and of each completion, untruncated."""
+    prompt = _prompt_ids(pair, tokenizer)
+    return len(prompt), [len(_completion_ids(pair, c, prompt, tokenizer)) for c in (pair.chosen, pair.rejected)]
 
 
 def tokenize_pairs(pairs: list[PreferencePair], tokenizer, seq_len: int) -> TokenizedDataset:
@@ -77,6 +86,9 @@ def tokenize_pairs(pairs: list[PreferencePair], tokenizer, seq_len: int) -> Toke
             labels = [IGNORE_INDEX] * len(prompt) + c
             labels[0] = IGNORE_INDEX  # nothing precedes the first token (a prompt-less pair's first token)
             rows.append(TokenizedExample(prompt + c, labels, pair.source))
+    if truncated:
+        log.warning("%d of %d preference pairs longer than seq_len=%d were truncated (the prompt's end and the "
+                    "completions' start kept)", truncated, len(pairs), seq_len)
     pad = tokenizer.pad_token_id
     if pad is None:
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
