@@ -140,3 +140,18 @@ def test_dpo_specs_are_checked(assets, tmp_path):
     with pytest.raises(BadInput, match="did you mean|valid"):
         JobSpec.from_dict({**base, "dpo": {"betta": 0.1}})
     assert JobSpec.from_dict({k: v for k, v in base.items() if k != "dpo"}).dpo.beta == 0.1
+
+
+def test_rewards_reach_trackers_and_the_terminal():
+    from horizon_ray.cluster.follow import format_progress
+    from horizon_ray.job.events import Eval, Metrics
+    from horizon_ray.job.trackers import scalars
+
+    pref = {"loss": 0.5, "rewards/chosen": 0.2, "rewards/rejected": -0.3, "rewards/accuracies": 0.875,
+            "rewards/margins": 0.5, "logps/chosen": -10.0, "logps/rejected": -14.0}
+    train = scalars(Metrics(step=3, loss=0.5, preference=pref))
+    assert train["train/rewards/accuracies"] == 0.875 and train["train/logps/rejected"] == -14.0
+    assert "train/loss" in train and "train/rewards/loss" not in train
+    assert scalars(Eval(step=3, eval_loss=0.5, eval_preference=pref))["eval/rewards/margins"] == 0.5
+    line = format_progress(Metrics(step=3, loss=0.5, total_steps=10, preference=pref).to_dict())
+    assert line == "step 3/10: loss 0.5000, reward accuracy 87.5 %, margin 0.500"
