@@ -42,10 +42,9 @@ def is_preference(record: dict[str, Any]) -> bool:
     return ("chosen" in record and "rejected" in record) or "preferred_output" in record
 
 
-def parse_pair(record: dict[str, Any], where: str) -> PreferencePair:
-    """The pair of one record; BadInput naming ``where`` and the fix otherwise."""
-    from horizon_ray.data.formats import message_list
-
+def parse_pair(record: dict[str, Any], where: str, layout: Any = None) -> PreferencePair:
+    """The pair of one record; BadInput naming ``where`` and the fix otherwise (``layout``: the SFT formats'
+    column names, which preference data does not rename)."""
     if "preferred_output" in record:
         inp = record.get("input")
         if not isinstance(inp, dict) or "messages" not in inp:
@@ -84,10 +83,27 @@ def _text(value: Any, where: str, key: str) -> str:
     return value
 
 
+def message_list(turns: Any, where: str, key: str) -> list[dict[str, str]]:
+    """A non-empty list of {role, content} turns (their other keys dropped); BadInput naming the turn."""
+    from horizon_ray.data.formats import ROLES, _encodable
+
+    if not isinstance(turns, list) or not turns:
+        raise BadInput(f"{where}: '{key}' must be a non-empty list of {{role, content}} objects")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise BadInput(f"{where}: {key}[{i}] must be an object with 'role' and 'content'")
+        if turn.get("role") not in ROLES:
+            raise BadInput(f"{where}: {key}[{i}] has role {turn.get('role')!r}; use one of {', '.join(ROLES)}")
+        if not isinstance(turn.get("content"), str):
+            raise BadInput(f"{where}: {key}[{i}] content must be a string, got {type(turn.get('content')).__name__}")
+        _encodable(turn["content"], where, f"{key}[{i}] content")
+        messages.append({"role": turn["role"], "content": turn["content"]})
+    return messages
+
+
 def _completion(value: Any, where: str, key: str) -> list[dict[str, str]]:
     """A chat completion: one or more assistant messages."""
-    from horizon_ray.data.formats import message_list
-
     if not isinstance(value, list):
         raise BadInput(f"{where}: '{key}' must be a list of assistant messages like the prompt's, got "
                        f"{type(value).__name__}")
