@@ -18,3 +18,15 @@ def test_dpo_plan_counts_the_second_head_pass_and_the_reference(method):
     assert 0 < dpo.reference_step_s < dpo.step_time_s and sft.reference_step_s is None
     assert dpo.host_bytes == sft.host_bytes and dpo.objective == "dpo" and sft.objective == "sft"
     assert "8 pairs a micro-batch" in dpo.reason
+
+
+def test_the_dpo_recipe_loads_strictly_and_plans():
+    from pathlib import Path
+
+    from horizon_ray.jobspec import JobSpec
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "qwen2.5-7b-dpo-lora.yaml"
+    spec = JobSpec.from_yaml(path, ["model.path=qwen2.5-7b"])  # the preset of the same shape
+    assert spec.objective == "dpo" and spec.method == "lora" and spec.dpo.beta == 0.1
+    p = plan_for_spec(spec)
+    assert p.fits and p.objective == "dpo" and p.micro_batch_size == 16
