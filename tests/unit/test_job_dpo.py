@@ -155,3 +155,28 @@ def test_rewards_reach_trackers_and_the_terminal():
     assert scalars(Eval(step=3, eval_loss=0.5, eval_preference=pref))["eval/rewards/margins"] == 0.5
     line = format_progress(Metrics(step=3, loss=0.5, total_steps=10, preference=pref).to_dict())
     assert line == "step 3/10: loss 0.5000, reward accuracy 87.5 %, margin 0.500"
+
+
+def test_rest_finetune_takes_a_dpo_spec_and_uploads_say_preference(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from api.testing import make_testbed
+
+    bed = make_testbed(tmp_path)
+    try:
+        with TestClient(create_app(bed.client, bed.settings), raise_server_exceptions=False) as http:
+            line = json.dumps({"prompt": "copy ab", "chosen": " ab", "rejected": " AB"}) + "\n"
+            up = http.post("/files?name=pairs.jsonl", content=(line * 4).encode(),
+                           headers={**bed.auth("acme"), "Content-Type": "application/x-ndjson"})
+            assert up.status_code in (200, 201), up.text
+            assert up.json()["format"] == "preference" and up.json()["num_examples"] == 4
+            spec = {**bed.spec(data=up.json()["id"], micro_batch_size=4), "objective": "dpo", "dpo": {"beta": 0.2}}
+            r = http.post("/finetune", json=spec, headers=bed.auth("acme"))
+            assert r.status_code in (200, 201, 202), r.text
+            job = bed.client.get("acme", r.json()["id"])
+            assert job.spec["objective"] == "dpo" and job.spec["dpo"]["beta"] == 0.2
+            bad = http.post("/finetune", json={**spec, "dpo": {"beta": 0}}, headers=bed.auth("acme"))
+            assert bad.status_code == 422 and "dpo.beta" in bad.text
+    finally:
+        bed.close()
