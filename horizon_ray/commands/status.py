@@ -105,7 +105,7 @@ def _overview(client, tenant: str, args) -> int:
 
 
 def _one(client, tenant: str, args) -> int:
-    from horizon_ray.cluster.follow import format_event, format_loss, format_memory
+    from horizon_ray.cluster.follow import format_event, format_loss, format_memory, format_rewards
     from horizon_ray.cluster.tenants import format_bytes
     from horizon_ray.job.progress import format_eta
 
@@ -132,6 +132,10 @@ def _one(client, tenant: str, args) -> int:
             print(f"  {format_memory(memory[-1].data)}")
         if "loss" in job.metrics:
             print(f"  loss: {format_loss(job.metrics['loss'])}")
+        for what, key in (("train", "preference"), ("eval", "eval_preference")):
+            rewards = format_rewards(job.metrics.get(key))
+            if rewards:
+                print(f"  {what} {rewards}")
         if job.plan:
             print(f"  plan: {format_bytes(job.plan.get('host_bytes'))} host RAM, "
                   f"{format_bytes(job.plan.get('gpu_bytes') or 0)} GPU memory")

@@ -28,7 +28,7 @@ import torch
 from horizon_ray.atomic import atomic_path, write_atomic
 from horizon_ray.errors import BadInput
 from horizon_ray.job import checkpoints as ckpt_io
-from horizon_ray.job import lease, ranks
+from horizon_ray.job import dpo, lease, ranks
 from horizon_ray.job.events import Checkpoint, CheckpointBegin, Done, Error, Eval, Metrics, Start
 from horizon_ray.job.inputs import load_data
 from horizon_ray.job.lease import Fence, Fenced
@@ -238,6 +238,12 @@ class _Job:
                 _restore_rng(latest.state())
                 self.step = latest.step
                 assert eng.step == self.step, (eng.step, self.step)
+            self.preference = None
+            if self.spec.objective == "dpo":  # the reference: the starting weights' log-probs, once per job
+                self.preference = dpo.Preference(self.spec, self.out, self.train_ds, self.eval_ds, self.sampler,
+                                                 self.evals)
+                self.preference.prepare(eng, self.step, self._commit("writing the reference"),
+                                        lambda line: print(line, flush=True))
             start = self.step
             if latest is not None and self.fence is None:
                 self.metrics.drop_after(start)  # by hand: each step once in the file; an agent tails it by offset
@@ -341,7 +347,10 @@ class _Job:
                 if step == self.delay_from and eng.update_mode != "delayed":
                     eng.set_update("delayed")  # past the early steps, whose gradients change too fast to lag
                 batches = ranks.my_batches(self.sampler.batches_for_step(step), 0, self.world)
-                last_loss = float(eng.train_step(batches))
+                if self.preference is None:
+                    last_loss = float(eng.train_step(batches))
+                else:
+                    last_loss = self.preference.train_step(eng, step, batches)
                 self.step = done = step + 1
 
                 tokens = self.sampler.tokens_for_step(step)
@@ -354,7 +363,8 @@ class _Job:
                                            tokens_per_s=round(tps, 1), host_rss_bytes=_rss(), total_steps=total,
                                            eta_s=round(eta, 1),
                                            rollbacks=eng.stats().rollbacks if t.update == "speculative" else None,
-                                           tokens_seen=seen))
+                                           tokens_seen=seen,
+                                           preference=eng.last_dpo.mean() if self.preference else None))
                 bar.update(done, last_loss, tps, eta)
 
                 checkpointed = _due(spec.checkpoint.every_steps, done, total)
@@ -387,6 +397,12 @@ class _Job:
             ckpt_io.prune(self.ckpt_root, spec.checkpoint.keep)
 
     def _evaluate(self, eng: Any) -> float:
+        if self.preference is not None:
+            m = self.preference.evaluate(eng)
+            means = m.mean()
+            self.metrics.write(Eval(step=self.step, eval_loss=means["loss"], eval_tokens=m.pairs,
+                                    eval_preference=means))
+            return means["loss"]
         loss_sum, n_tokens = 0.0, 0
         for mb in self.evals:
             s, n = eng.eval_loss([mb])
