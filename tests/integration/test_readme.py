@@ -103,8 +103,10 @@ def test_every_command_of_the_readme_runs_as_written(tmp_path):
                                                 f"{out.stderr[-3000:]}"
                 ran.append(line)
     assert any(line.startswith("ray job submit") for line in ran)
-    for run in ("runs/demo", "runs/demo-service", "runs/demo-rayjob"):
-        assert (ws / run / "final" / "model.safetensors").is_file(), f"{run} has no final model"
+    # the service's jobs lie in the tenant's output namespace, <service root>/jobs/<tenant>/
+    service_jobs = home / "service" / "jobs" / "me"
+    for run in (ws / "runs" / "demo", service_jobs / "demo-service", service_jobs / "demo-rayjob"):
+        assert (run / "final" / "model.safetensors").is_file(), f"{run} has no final model"
     assert (ws / "runs" / "demo" / "tensorboard").is_dir()
 
 
