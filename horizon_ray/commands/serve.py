@@ -29,6 +29,7 @@ from pathlib import Path
 
 from horizon_ray.cluster.agent import ENGINE_LEASE_S, SECRET_ENV_PREFIX
 from horizon_ray.errors import BadInput
+from horizon_ray.job.demo import DEMO_MODEL_NAME
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a node agent that has not heard from the coordinator this long stops its engines; the "
                              "coordinator waits as long (and a kill grace) before it recovers a lost node's jobs "
                              f"elsewhere (default {ENGINE_LEASE_S:.0f})")
+    parser.add_argument("--demo-model", action=argparse.BooleanOptionalAction, default=None,
+                        help=f"offer the embedded demo model as catalogue entry {DEMO_MODEL_NAME!r} (built into "
+                             "$HORIZON_RAY_HOME/demo if missing), with its directory as a model root and a data "
+                             "root (train.jsonl, eval.jsonl); default: on for a cluster serve starts, off with "
+                             "--address (the nodes of a joined cluster may not see this machine's files)")
     parser.add_argument("--stop-on-exit", action="store_true",
                         help="on a joined cluster, remove the coordinator and agents when serve exits")
 
@@ -132,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
     root = (args.root or default_root()).expanduser().resolve()
     # the API's settings, checked before anything starts; their jobs root is also the coordinator's
     settings = ApiSettings.from_env({**os.environ, **secrets}, root=root, insecure_no_auth=args.insecure_no_auth)
+    if args.demo_model if args.demo_model is not None else not args.address:
+        settings = with_demo_model(settings)
     if not (settings.api_keys or args.insecure_no_auth):
         raise BadInput(f"the service has no API key, so it would refuse every call: set {ENV_KEYS}=KEY=TENANT (e.g. "
                        f"{ENV_KEYS}=$(python -c 'import secrets; print(secrets.token_urlsafe(24))')=me) or "
@@ -216,6 +224,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def with_demo_model(settings):
+    """`settings` that also offer the embedded demo model (built if missing): catalogue entry DEMO_MODEL_NAME
+    unless the operator's catalogue has that name, its assets directory a model root and a data root."""
+    from dataclasses import replace
+
+    from horizon_ray.job.demo import prepare_demo_assets
+
+    assets, _ = prepare_demo_assets()
+    catalogue = {DEMO_MODEL_NAME: assets.model_dir, **settings.model_catalogue}
+    return replace(settings, model_catalogue=catalogue, model_roots=[*settings.model_roots, assets.root],
+                   data_roots=[*settings.data_roots, assets.root])
+
+
 def _wait() -> None:
     print("coordinator and agents running; Ctrl-C to stop", flush=True)
     while True:
@@ -238,7 +259,7 @@ def _serve_api(client, settings, host: str, port: int) -> None:
     import uvicorn
 
     from api.app import create_app
-    from api.settings import ENV_KEYS
+    from api.settings import ENV_DATA_ROOTS, ENV_KEYS, ENV_MODEL_CATALOGUE, ENV_MODEL_ROOTS
 
     app = create_app(client, settings)
     if settings.insecure_no_auth:
@@ -248,6 +269,11 @@ def _serve_api(client, settings, host: str, port: int) -> None:
         tenants = sorted(set(settings.api_keys.values()))
         print(f"API keys for tenant(s) {', '.join(tenants)}; send 'Authorization: Bearer <key>'")
     print(f"  job outputs {settings.jobs_root}/<tenant>/<job>; uploads {settings.uploads_dir}/<tenant>")
+    print(f"  models (catalogue, {ENV_MODEL_CATALOGUE}): "
+          + (", ".join(f"{name}={path}" for name, path in sorted(settings.model_catalogue.items())) or "none"))
+    for var, roots in ((ENV_MODEL_ROOTS, settings.model_roots), (ENV_DATA_ROOTS, settings.data_roots)):
+        print(f"  {'model' if var == ENV_MODEL_ROOTS else 'data'} roots ({var}): "
+              + (", ".join(str(r) for r in roots) or "none"))
     print(f"API on http://{host}:{port}  (dashboard http://{host}:{port}/, OpenAI-compatible at "
           f"http://{host}:{port}/v1)", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="info")
