@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
                        f"{ENV_KEYS_FILE} (also with --no-api: the coordinator checks the keys of the CLI and Ray "
                        "jobs), or pass --insecure-no-auth on a machine of your own (every setting: horizon-ray serve "
                        "--help)")
+    settings.check_served_keys()
     if args.insecure_no_auth and settings.api_keys:
         raise BadInput(f"--insecure-no-auth with API keys set ({ENV_KEYS} or {ENV_KEYS_FILE}): drop one of them")
     if args.insecure_no_auth and not args.no_api and args.host not in LOOPBACK_HOSTS:
