@@ -12,6 +12,8 @@ from typing import TextIO
 from horizon_ray.atomic import Commit, atomic_path
 from horizon_ray.job.events import Eval, Event, Metrics, decode, encode, read_events
 
+METRICS_FILE = "metrics.jsonl"  # a job's events in its output directory: what the runner writes and the agent tails
+
 
 class MetricsWriter:
     """Appends one event (``events.encode``) per line; each line is flushed at once so that a tailing reader

@@ -32,7 +32,7 @@ from horizon_ray.job import dpo, lease, ranks
 from horizon_ray.job.events import Checkpoint, CheckpointBegin, Done, Error, Eval, Metrics, Start
 from horizon_ray.job.inputs import load_data
 from horizon_ray.job.lease import Fence, Fenced
-from horizon_ray.job.metrics import MetricsWriter, plot_loss_curve
+from horizon_ray.job.metrics import METRICS_FILE, MetricsWriter, plot_loss_curve
 from horizon_ray.job.progress import Progress
 from horizon_ray.job.schedule import lr_at
 from horizon_ray.job.trackers import Trackers
@@ -131,7 +131,7 @@ def _run_in(out: Path, spec: JobSpec, resume: bool, progress: bool) -> JobResult
     if fence is not None:
         fence.check("starting")
     guard = _guard(fence)
-    with _exclusive(out, fence), MetricsWriter(out / "metrics.jsonl", guard) as metrics:
+    with _exclusive(out, fence), MetricsWriter(out / METRICS_FILE, guard) as metrics:
         with guard("starting the trackers"):  # they write in the output directory (tensorboard/, run ids)
             trackers = Trackers(spec, out, run_id=os.environ.get(lease.ENV_JOB) or _run_id(out))
         metrics.sinks.append(trackers)  # fed under the same guard as each metrics line
@@ -268,7 +268,7 @@ class _Job:
             if group is not None:
                 ranks.stop(group)
         try:
-            plot_loss_curve(self.out / "metrics.jsonl", self.out / "loss_curve.png", self.spec.name or "",
+            plot_loss_curve(self.out / METRICS_FILE, self.out / "loss_curve.png", self.spec.name or "",
                             self._commit("drawing the loss curve"))
         except Exception as exc:  # a missing plot must not fail a finished job
             print(f"warning: could not draw the loss curve: {exc}", flush=True)

@@ -20,7 +20,7 @@ from tests.serving import ROOT, free_port, serving, user_env
 
 pytestmark = pytest.mark.integration
 
-KEY, TENANT = "test-key-7f3a9c", "me"
+KEY, TENANT = "test-key-7f3a9c2e0b", "me"
 
 
 @pytest.fixture(scope="module")
