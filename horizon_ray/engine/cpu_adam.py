@@ -15,15 +15,22 @@ Both follow torch.optim.AdamW's arithmetic (decoupled decay, lerp for m, bias co
 them) with the clip coefficient applied to the gradient first, as clip_grad_norm_ does (rounded to bf16 in
 bf16-state, where clip_grad_norm_ scales the bf16 gradient in place).
 
-They are compiled on first use with torch.utils.cpp_extension (needs a C++ compiler and ninja) into the
-torch extensions cache, so a later process loads the build; where that is not possible the optimizer falls
-back to the torch path and says so once.
+They are compiled on first use with torch.utils.cpp_extension (needs a C++ compiler and ninja) and the
+library is kept in the torch extensions cache under a name keyed by the source, flags and torch version, so a
+later process loads it; where that is not possible the optimizer falls back to the torch path and says so once.
+Each build runs in a fresh private directory and its library is moved into place with one rename:
+cpp_extension's own build directory holds a ``lock`` file that a killed build leaves behind, and every later
+process would wait on it forever.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
 import os
+import shutil
+import tempfile
 import threading
 
 log = logging.getLogger(__name__)
@@ -176,9 +183,58 @@ void adamw_bf16(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor exp_av
 }
 """
 
+_FUNCTIONS = ["adamw_f32", "adamw_bf16", "adamw_f32_redo"]
+# -fno-math-errno lets the compiler vectorise sqrt
+_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None
+
+
+def build_name() -> str:
+    """The module's name: a change to the source, the flags or torch builds a new library, never reuses one."""
+    import torch
+
+    key = hashlib.sha256("\0".join([_SOURCE, *_FUNCTIONS, *_CFLAGS, *_LDFLAGS, torch.__version__]).encode())
+    return f"horizon_ray_adamw_{key.hexdigest()[:16]}"
+
+
+def build_root() -> str:
+    """Where libraries are kept: ``TORCH_EXTENSIONS_DIR`` if set, else torch's extensions cache."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+
+
+def _import(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load_or_build():
+    from torch.utils.cpp_extension import load_inline
+
+    name, root = build_name(), build_root()
+    library = os.path.join(root, f"{name}.so")
+    if os.path.exists(library):
+        return _import(name, library)
+    os.makedirs(root, exist_ok=True)
+    # a directory no other process uses: nobody else's lock file (live or left by a killed build) is in it
+    private = tempfile.mkdtemp(prefix=f"{name}.build-", dir=root)
+    try:
+        module = load_inline(name=name, cpp_sources=[_SOURCE], functions=_FUNCTIONS, extra_cflags=_CFLAGS,
+                             extra_ldflags=_LDFLAGS, build_directory=private, verbose=False)
+        # one rename on one filesystem: a reader sees no library or a whole one; racing builders each
+        # move an identical build, the last one wins
+        os.replace(os.path.join(private, f"{name}.so"), library)
+        return module
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def kernel():
@@ -192,16 +248,7 @@ def kernel():
                 _failed = "disabled by HORIZON_RAY_NO_CPU_KERNEL"
                 return None
             try:
-                from torch.utils.cpp_extension import load_inline
-
-                _module = load_inline(
-                    name="horizon_ray_adamw_v7", cpp_sources=[_SOURCE],
-                    functions=["adamw_f32", "adamw_bf16", "adamw_f32_redo"],
-                    # -fno-math-errno lets the compiler vectorise sqrt
-                    extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
-                    verbose=False,
-                )
+                _module = _load_or_build()
             except Exception as exc:  # no compiler or ninja: the torch path is correct, only slower
                 _failed = f"{type(exc).__name__}: {exc}"
                 log.warning("one-pass CPU AdamW unavailable (%s); using torch's fused AdamW in several passes",

@@ -1,5 +1,10 @@
 """The one-pass bf16-wire AdamW kernel against torch.optim.AdamW, and the optimizer with and without it."""
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
@@ -101,3 +106,32 @@ def test_redo_lands_within_a_few_ulps_of_the_clipped_update():
     for a, b in zip(spec, direct):  # within a few fp32 ulps of each tensor's scale (v: 6e-7 seen)
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     assert torch.equal(wire, spec[0].bfloat16())
+
+
+def _load_kernel_in_a_child(extensions_dir, timeout_s: float) -> float:
+    """Seconds a fresh process takes to get the compiled kernel with ``extensions_dir`` as its cache."""
+    code = ("import sys, torch\nfrom horizon_ray.engine import cpu_adam\nmod = cpu_adam.kernel()\n"
+            "assert mod is not None, cpu_adam._failed\n"
+            "p = torch.ones(8); m = torch.zeros(8); v = torch.zeros(8); g = torch.ones(8, dtype=torch.bfloat16)\n"
+            "w = torch.empty(8, dtype=torch.bfloat16)\n"
+            "mod.adamw_f32(p, m, v, g, w, 0.1, 0.9, 0.999, 1e-8, 0.0, 1.0, 1.0)\n"
+            "assert torch.allclose(p, torch.full((8,), 0.9)), p\n")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions_dir), "PYTHONPATH": os.getcwd()}
+    env.pop("HORIZON_RAY_NO_CPU_KERNEL", None)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=timeout_s, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return time.monotonic() - start
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
+    # what a build killed mid-compile leaves: cpp_extension's lock file in the build directories, both the
+    # name this package used before and the one it uses now
+    for name in ("horizon_ray_adamw_v7", cpu_adam.build_name()):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "lock").touch()
+    _load_kernel_in_a_child(tmp_path, timeout_s=400)  # a compile; the old loader waited here forever
+    assert (tmp_path / f"{cpu_adam.build_name()}.so").is_file(), sorted(p.name for p in tmp_path.iterdir())
+    assert not list(tmp_path.glob("*.build-*")), "the private build directory is removed"
+    # the next process loads the kept library without compiling (well under a compile's time)
+    assert _load_kernel_in_a_child(tmp_path, timeout_s=60) < 30
