@@ -45,6 +45,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from horizon_ray.engine.hyper import ADAMW
 from horizon_ray.engine.model import DTYPE_BYTES, KERNELS, LORA_TARGETS, PRECISIONS, QUANTIZE, UPDATES
 from horizon_ray.engine.objective import LOSSES as DPO_LOSSES
 from horizon_ray.engine.objective import OBJECTIVES, DpoConfig
@@ -234,12 +235,12 @@ class TrainingSpec(_Section):
         "passes over the training split; with max_steps, whichever ends first"))
     max_steps: Int | None = Field(None, ge=1, le=MAX_STEPS, description=(
         "optimizer steps; one of epochs / max_steps is required"))
-    lr: Float = Field(2e-5, description="peak learning rate")
+    lr: Float = Field(ADAMW.lr, description="peak learning rate")
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
-    weight_decay: Float = Field(0.0, description="decoupled (AdamW) weight decay")
-    max_grad_norm: Float | None = Field(1.0, description="global-norm clipping; null: no clipping")
-    betas: list[Float] = Field(default_factory=lambda: [0.9, 0.999], description="AdamW betas")
-    eps: Float = Field(1e-8, description="AdamW epsilon")
+    weight_decay: Float = Field(ADAMW.weight_decay, description="decoupled (AdamW) weight decay")
+    max_grad_norm: Float | None = Field(ADAMW.max_grad_norm, description="global-norm clipping; null: no clipping")
+    betas: list[Float] = Field(default_factory=lambda: list(ADAMW.betas), description="AdamW betas")
+    eps: Float = Field(ADAMW.eps, description="AdamW epsilon")
     seed: Int = Field(0, ge=0, description="data order and shuffling; the whole run is a function of it")
     packing: StrictBool = Field(_W.packed, description=(
         "pack several examples per row (no cross-attention between them)"))

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from horizon_ray.engine.hyper import ADAMW
 from horizon_ray.engine.lora import LoraConfig
 from horizon_ray.engine.model import DTYPE_BYTES, KERNELS, PRECISIONS, UPDATES
 from horizon_ray.errors import BadInput
@@ -15,13 +16,13 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}
 
 @dataclass
 class EngineConfig:
-    # AdamW hyper-parameters, with torch.optim.AdamW's meaning.
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    # AdamW hyper-parameters, with torch.optim.AdamW's meaning (defaults: the job spec's, hyper.py).
+    lr: float = ADAMW.lr
+    betas: tuple[float, float] = ADAMW.betas
+    eps: float = ADAMW.eps
+    weight_decay: float = ADAMW.weight_decay
     # Global-norm clipping with torch.nn.utils.clip_grad_norm_'s semantics; None or <= 0 disables it.
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float | None = ADAMW.max_grad_norm
     # Keep the input of every K-th layer; the backward recomputes the rest of each block of K layers.
     checkpoint_every: int = 1
     # "cpu", "cuda", "cuda:N" or "auto" (cuda when available).
