@@ -52,7 +52,7 @@ from horizon_ray.engine.objective import OBJECTIVES, DpoConfig
 from horizon_ray.errors import BadInput
 from horizon_ray.home import HOME_VARIABLE, horizon_home
 from horizon_ray.strings import MAX_PATH_BYTES, OUTPUT_ROOM_BYTES, fix, problem, shown
-from horizon_ray.workload import Adapters, Resolved, Workload, resolve
+from horizon_ray.workload import Adapters, Resolved, Workload, check_lora_scaling, resolve
 
 _W, _A = Workload, Adapters  # the defaults of what the planner reads
 
@@ -317,12 +317,7 @@ class LoraSpec(_Section):
 
     def check(self) -> None:
         """Raise BadInput naming the fix for the first value that cannot train adapters."""
-        if not (self.alpha > 0 and math.isfinite(self.alpha)):
-            raise BadInput(f"lora.alpha is {self.alpha}; set it > 0 (e.g. 16; the adapters' scaling is alpha / r)",
-                           field="lora.alpha")
-        if not 0.0 <= self.dropout < 1.0:
-            raise BadInput(f"lora.dropout is {self.dropout}; set it in [0, 1) (e.g. 0.05, or 0 for none)",
-                           field="lora.dropout")
+        check_lora_scaling(self.alpha, self.dropout)
         self.adapters().check()
 
 

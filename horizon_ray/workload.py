@@ -10,6 +10,7 @@ and the coordinator's placement call to turn "auto" into a device, a dtype and a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -91,7 +92,8 @@ class Adapters:
         return self if self.targets else replace(self, targets=default_lora_targets(shape))
 
     def check(self) -> None:
-        """Refuse what no model can take (the targets a family lacks are refused at its plan)."""
+        """Refuse what no model can take (the targets a family lacks are refused at its plan). The one place of
+        these rules: the spec's LoraSpec and the engine's LoraConfig call it."""
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
             raise BadInput(f"lora.r must be an integer >= 1 (e.g. 8), got {self.r!r}", field="lora.r")
         bad = [t for t in self.targets if t not in LORA_TARGETS]
@@ -108,6 +110,16 @@ class Adapters:
         if self.quantize not in QUANTIZE:
             raise BadInput(f"lora.quantize is {self.quantize!r}; use one of {', '.join(QUANTIZE)} (nf4: QLoRA's "
                            "4-bit base)", field="lora.quantize")
+
+
+def check_lora_scaling(alpha: Any, dropout: Any) -> None:
+    """The rules of what an adapter scales its input and output by (the spec's and the engine's LoRA)."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (alpha > 0 and math.isfinite(alpha)):
+        raise BadInput(f"lora.alpha is {alpha!r}; set it > 0 (e.g. 16; the adapters' scaling is alpha / r)",
+                       field="lora.alpha")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise BadInput(f"lora.dropout is {dropout!r}; set it in [0, 1) (e.g. 0.05, or 0 for none)",
+                       field="lora.dropout")
 
 
 def _names(value: Any) -> tuple[str, ...]:

@@ -52,9 +52,7 @@ from safetensors.torch import save_file
 from horizon_ray.atomic import atomic_path
 from horizon_ray.engine.model import (
     EXPERT_TARGETS,
-    LAYER_NORMS,
     LORA_TARGETS,
-    QUANTIZE,
     ModelConfig,
     UnitLayout,
     _unit,
@@ -65,6 +63,7 @@ from horizon_ray.engine.model import (
     modules_to_save_norms,
 )
 from horizon_ray.errors import BadInput
+from horizon_ray.workload import Adapters, check_lora_scaling
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -90,29 +89,13 @@ class LoraConfig:
     quantize: str = "none"
 
     def validate(self) -> None:
-        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
-            raise BadInput(f"lora r must be an integer >= 1 (e.g. 8), got {self.r!r}")
-        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
-            raise BadInput(f"lora alpha must be a number > 0 (e.g. 16; scaling is alpha / r), got {self.alpha!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise BadInput(f"lora dropout must lie in [0, 1), got {self.dropout!r}")
-        targets = tuple(self.targets) if not isinstance(self.targets, str) else (self.targets,)
-        bad = [t for t in targets if t not in LORA_TARGETS]
-        if bad:
-            raise BadInput(f"lora targets {list(bad or targets)} are not valid; choose one or more of "
-                           f"{', '.join(LORA_TARGETS)}")
-        if len(set(targets)) != len(targets):
-            raise BadInput(f"lora targets {list(targets)} name a projection twice; list each once")
+        """The spec's rules (workload.py holds them), for a config built by hand as for one from a spec."""
         if isinstance(self.modules_to_save, str):
             raise BadInput(f"lora modules_to_save must be a list of module names, got the string "
                            f"{self.modules_to_save!r}; write [{self.modules_to_save!r}]")
-        if self.quantize not in QUANTIZE:
-            raise BadInput(f"lora quantize must be one of {', '.join(QUANTIZE)} (nf4: QLoRA's 4-bit base), got "
-                           f"{self.quantize!r}", field="lora.quantize")
-        bad = [m for m in self.modules_to_save if not isinstance(m, str) or not m]
-        if bad:
-            raise BadInput(f"lora modules_to_save entries {bad} are not module names; name norms, e.g. "
-                           f"{', '.join(LAYER_NORMS)}, or norm (every norm)")
+        targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
+        check_lora_scaling(self.alpha, self.dropout)
+        Adapters(r=self.r, targets=targets, modules_to_save=tuple(self.modules_to_save), quantize=self.quantize).check()
 
     @property
     def scaling(self) -> float:

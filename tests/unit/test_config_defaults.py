@@ -2,8 +2,12 @@
 
 import dataclasses
 
+import pytest
+
 from horizon_ray.engine import EngineConfig, LoraConfig
-from horizon_ray.jobspec import JobSpec
+from horizon_ray.errors import BadInput
+from horizon_ray.jobspec import JobSpec, LoraSpec
+from horizon_ray.workload import Adapters
 
 SPEC = {"model": {"path": "/models/tiny"}, "data": {"path": "/data/train.jsonl"}, "training": {"max_steps": 10},
         "output_dir": "/runs/x"}
@@ -29,3 +33,24 @@ def test_lora_defaults_are_the_spec_defaults():
     differ = {f.name: (getattr(by_hand, f.name), getattr(lora, f.name)) for f in dataclasses.fields(LoraConfig)
               if f.name != "targets" and getattr(by_hand, f.name) != getattr(lora, f.name)}
     assert differ == {}
+
+
+@pytest.mark.parametrize("bad", [{"r": 0}, {"r": True}, {"alpha": 0.0}, {"alpha": float("inf")}, {"dropout": 1.0},
+                                 {"targets": ["q_proj", "nope"]}, {"targets": ["q_proj", "q_proj"]},
+                                 {"modules_to_save": [""]}, {"quantize": "q3"}])
+def test_one_lora_rule_one_refusal(bad):
+    """A LoRA value is refused by the same rule, with the same words and field, whichever view checks it:
+    the spec's section, the planner's adapters and the engine's config built by hand."""
+    spec_section = LoraSpec.model_construct(**{**LoraSpec().model_dump(), **bad})
+    engine = LoraConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in bad.items()})
+    refusals = []
+    for check in (spec_section.check, engine.validate):
+        with pytest.raises(BadInput) as exc:
+            check()
+        refusals.append((str(exc.value), exc.value.field))
+    if not {"alpha", "dropout"} & set(bad):  # the planner's view counts no scaling
+        with pytest.raises(BadInput) as exc:
+            Adapters.of(bad).check()
+        refusals.append((str(exc.value), exc.value.field))
+    assert len(set(refusals)) == 1, refusals
+    assert refusals[0][1] == f"lora.{next(iter(bad))}"
