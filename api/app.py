@@ -84,6 +84,7 @@ def app_from_env() -> FastAPI:
     from horizon_ray.cluster.gate import service_credential
 
     settings = ApiSettings.from_env()  # bad settings fail here, before anything connects
+    settings.check_served_keys()
     # the API's credential at the coordinator's gate, derived from the keys it verifies itself
     client = RayClient(os.environ.get("HORIZON_RAY_ADDRESS") or None, lazy=True,
                        credential=service_credential(settings.api_keys))

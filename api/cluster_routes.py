@@ -93,5 +93,7 @@ def storage_full(settings) -> str | None:
 @health.get("/metrics", response_class=Response, summary="Prometheus metrics",
             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
+    if not request.app.state.settings.metrics_open:  # it counts every tenant's jobs: a key's holders only
+        await current_tenant(request)
     body = await run_in_threadpool(generate_latest, request.app.state.metrics.registry)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

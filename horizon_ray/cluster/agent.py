@@ -75,9 +75,9 @@ from horizon_ray.cluster.ledger import Ledger
 from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, Launch, NodeInfo, Reservation
 from horizon_ray.job import lease
 from horizon_ray.job.events import Event, decode
+from horizon_ray.job.metrics import METRICS_FILE
 
 log = logging.getLogger("horizon_ray.cluster")
-METRICS_FILE = "metrics.jsonl"
 PROBE_TIMEOUT_S = 600  # a first probe on a busy machine, with the engine's imports
 SPEC_FILE = "job.yaml"
 _MAX_LINES_PER_POLL = 2000
@@ -272,7 +272,7 @@ class NodeAgent:
             self._jobs.pop(job_id, None)
             res = self._ledger.reserve(job_id, launch.host_bytes, launch.gpu_bytes,
                                        _needs_gpu(launch, self._ledger.gpu_count), tenant=launch.tenant,
-                                       gpus=launch.gpus)
+                                       gpus=launch.gpus, cpu_threads=launch.cpu_threads)
             try:
                 self._jobs[job_id] = self._launch(launch, res)
             except BaseException:

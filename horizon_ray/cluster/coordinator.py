@@ -30,6 +30,7 @@ import builtins
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -81,6 +82,7 @@ from horizon_ray.cluster.store import JobStore
 from horizon_ray.cluster.tenants import TenantsConfig, check_tenant_name, fair_order, format_bytes
 from horizon_ray.errors import BadInput
 from horizon_ray.job import lease
+from horizon_ray.job.metrics import METRICS_FILE
 from horizon_ray.strings import fix, problem
 
 log = logging.getLogger("horizon_ray.cluster")
@@ -89,6 +91,10 @@ WAITING = (JobStatus.RECOVERING, JobStatus.QUEUED)
 ACTIVE = (JobStatus.RUNNING, JobStatus.CHECKPOINTING, JobStatus.CANCELLING)
 _NOT_TRAINING_KEYS = ("output_dir",)  # spec keys that may differ between two submits of one job
 _LIVE = tuple(s for s in JobStatus if not s.is_terminal())
+
+
+# What a run leaves in its output_dir (the lease, metrics.jsonl, checkpoints/, final/): a new job refuses it.
+_RUN_OUTPUTS = (lease.LEASE_FILE, METRICS_FILE, "checkpoints", "final")
 
 
 def default_validate_spec(spec: dict[str, Any]) -> dict[str, Any]:
@@ -252,6 +258,11 @@ class Coordinator:
                 raise InvalidSpec(f"output_dir {full['output_dir']} holds a finished run (its DONE marker); a job "
                                   "there would only report that run; give this job a new output_dir",
                                   field="output_dir")
+            held = [name for name in _RUN_OUTPUTS if os.path.lexists(mine / name)]
+            if held:  # a job is its own: another run's lease, metrics or checkpoints would be replayed as its own
+                raise InvalidSpec(f"output_dir {full['output_dir']} holds another run's outputs ({', '.join(held)}); a "
+                                  "job there would report that run's metrics and checkpoints as its own; give this "
+                                  "job a new output_dir, or none (the service makes one per job)", field="output_dir")
             now = self._created_time()
             job = JobRecord(id=job_id, tenant=tenant, name=name if name is not None else full.get("name"),
                             status=JobStatus.VALIDATING, priority=priority, created_at=now, updated_at=now,
@@ -615,7 +626,8 @@ class Coordinator:
         try:
             res = agent.start(Launch(job_id=job.id, tenant=job.tenant, spec=job.spec, output_dir=job.output_dir,
                                      host_bytes=best.host_bytes, gpu_bytes=best.gpu_bytes,
-                                     attempt=job.attempts + 1, needs_gpu=best.needs_gpu, gpus=best.gpus))
+                                     attempt=job.attempts + 1, needs_gpu=best.needs_gpu, gpus=best.gpus,
+                                     cpu_threads=job.cpu_threads))
         except (ReservationRefused, AgentUnavailable) as exc:
             return f"node {best.node_id} refused it: {exc}"
         except Exception as exc:  # noqa: BLE001 - the agent failed to launch it (e.g. output_dir not writable)
@@ -638,6 +650,7 @@ class Coordinator:
         now = self._clock()
         job.node_id, job.plan, job.gpu_index = best.node_id, best.plan, res.gpu_index
         job.gpu_indices = list(res.gpu_indices)
+        job.cpu_threads = job.cpu_threads or res.cpu_threads  # pinned by the first attempt
         job.attempts += 1
         job.started_at = job.started_at or now
         job.queue_reason = job.queue_position = None

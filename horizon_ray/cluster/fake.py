@@ -107,7 +107,7 @@ class FakeAgent:
             return self.ledger.entries[job_id]
         needs_gpu = placement.needs_gpu(spec, self.ledger.gpu_count) if launch.needs_gpu is None else launch.needs_gpu
         res = self.ledger.reserve(job_id, host_bytes, launch.gpu_bytes, needs_gpu, tenant=launch.tenant,
-                                  gpus=launch.gpus)
+                                  gpus=launch.gpus, cpu_threads=launch.cpu_threads)
         training = spec.get("training") or {}
         total = self.total_steps or training.get("max_steps") or 3
         every = self.checkpoint_every

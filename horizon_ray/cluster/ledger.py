@@ -49,10 +49,10 @@ class Ledger:
         return max(1, self.cpu_count // (len(self.entries) + 1))
 
     def reserve(self, job_id: str, host_bytes: int, gpu_bytes: int, needs_gpu: bool | None = None,
-                tenant: str | None = None, gpus: int = 1) -> Reservation:
+                tenant: str | None = None, gpus: int = 1, cpu_threads: int = 0) -> Reservation:
         """Set aside host RAM, `gpus` free GPUs (when `needs_gpu`; None: when gpu_bytes > 0 on a GPU node) and
-        a share of the cores per GPU for `tenant`'s job; raise ReservationRefused when the node cannot take it
-        now."""
+        a share of the cores per GPU for `tenant`'s job (`cpu_threads` when given: the job's pinned count);
+        raise ReservationRefused when the node cannot take it now."""
         if job_id in self.entries:
             return self.entries[job_id]
         gpu = bool(gpu_bytes) and self.gpu_count > 0 if needs_gpu is None else bool(needs_gpu)
@@ -67,7 +67,7 @@ class Ledger:
                 raise ReservationRefused(f"job {job_id} needs {want}; " + (
                     placement.gpus_free(self.gpu_count, len(free), gpus) if self.gpu_count else "the node has none"))
             indices = free[:gpus]
-        threads = self.cpu_share(gpu) * (len(indices) or 1)
+        threads = cpu_threads or self.cpu_share(gpu) * (len(indices) or 1)
         self.entries[job_id] = Reservation(job_id, int(host_bytes), int(gpu_bytes), time.time(),
                                            gpu_indices=indices, cpu_threads=threads, tenant=tenant)
         return self.entries[job_id]

@@ -137,7 +137,7 @@ def _follower(rank: int, world: int, port: int, spec_dict: dict, cfg: Any, model
         data = load_data(spec)
         t = spec.training
         for step in range(start_step, data.total):  # the leader's loop, without its writing
-            eng.set_lr(lr_at(step, data.total, t.lr, t.schedule))
+            eng.set_lr(lr_at(step, data.total, t.lr, data.schedule))
             eng.train_step(my_batches(data.sampler.batches_for_step(step), rank, world))
         eng.synchronize()  # this rank's shard of the last update is in the store before it leaves
         dist.barrier()  # the leader saves final/ after every rank's last update

@@ -468,7 +468,7 @@ def test_mfu_uses_the_benchmarks_flops_convention():
     assert bench_shapes.model_flops_per_token is model_flops_per_token  # one definition
     shape = PRESETS["qwen2.5-7b"]
     # N: the layers' projections and the LM head; not the embedding (a lookup), norms or biases
-    assert flops_params(shape) == shape.num_layers * shape.layer_matmul_params + shape.vocab_size * shape.hidden_size
+    assert flops_params(shape) == shape.matmul_params + shape.vocab_size * shape.hidden_size
     assert flops_params(shape) < shape.num_params - shape.embed_params
     p = plan(shape, seq_len=1024, micro_batch_size=16, grad_accum=4, checkpoint_every=1)
     flops = model_flops_per_token(shape, 1024) * p.tokens_per_step
@@ -659,3 +659,10 @@ def test_a_probed_node_is_planned_with_its_ceilings_and_the_rest_is_labelled_ass
     assert plan(TINY, **JOB).assumed_ceilings == ["compute_efficiency", "host_copy_bytes_per_s"]
     with pytest.raises(BadInput, match="not a measured ceiling: compute_efficiency"):
         Ceilings.from_measured({"compute_efficiency": 0.9}, "x")
+
+
+def test_the_plan_names_activation_recomputation_not_a_checkpoint():
+    from horizon_ray.planner.planning import format_plan
+
+    text = format_plan(plan(TINY, device="cpu", checkpoint_every=2))
+    assert "activation recomputation every 2 layers" in text and "checkpoint every" not in text
