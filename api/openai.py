@@ -58,6 +58,7 @@ from api.params import SafePath, SafeText
 from api.paths import FILE_ID_RE, PathPolicy, confine
 from api.settings import ENV_MODEL_CATALOGUE
 from horizon_ray.cluster.messages import Checkpoint, EventType, JobEvent, JobRecord, JobStatus
+from horizon_ray.engine.model import QUANTIZE
 from horizon_ray.errors import BadInput
 from horizon_ray.jobspec import DpoSpec, JobSpec, Text, TrainingSpec, spec_error
 from horizon_ray.strings import MAX_COMPONENT_BYTES, fix, problem
@@ -111,6 +112,8 @@ class Hyperparameters(_Strict):
     n_epochs: Literal["auto"] | int | None = Field(None, ge=1)
     batch_size: Literal["auto"] | int | None = Field(None, ge=1)
     learning_rate_multiplier: Literal["auto"] | float | None = Field(None, gt=0)
+    # horizon-ray's: LoRA on a quantized base (QLoRA: nf4), spec method lora + lora.quantize
+    quantize: Literal[QUANTIZE] | None = None
 
 
 class Supervised(_Strict):
@@ -338,6 +341,14 @@ def job_spec(body: CreateJob, catalogue: dict) -> dict[str, Any]:
     if hyper.learning_rate_multiplier not in (None, "auto"):
         base = training.get("lr", TrainingSpec().lr)
         training["lr"] = float(base) * hyper.learning_rate_multiplier
+    if hyper.quantize is not None:
+        if spec.setdefault("method", "lora") != "lora":
+            raise ApiError(400, "conflicting_parameters", f"hyperparameters.quantize {hyper.quantize!r} quantizes "
+                           f"LoRA's frozen base, but spec.method is {spec['method']!r}; use method lora or leave "
+                           "quantize out", field="hyperparameters.quantize")
+        if not isinstance(spec.setdefault("lora", {}), dict):
+            raise ApiError(400, "invalid_spec", "spec.lora must be an object", field="spec.lora")
+        spec["lora"]["quantize"] = hyper.quantize
     if body.seed is not None:
         training["seed"] = body.seed
     if body.suffix is not None:
@@ -488,6 +499,9 @@ def job_object(record: JobRecord, tenant: Tenant) -> dict[str, Any]:
              "batch_size": (training.get("micro_batch_size", 1) * training.get("grad_accum", 1)
                             if training.get("packing") is False else "auto"),
              "learning_rate_multiplier": round(float(training.get("lr", TrainingSpec().lr)) / TrainingSpec().lr, 6)}
+    quantize = (spec.get("lora") or {}).get("quantize", "none") if spec.get("method") == "lora" else "none"
+    if quantize != "none":
+        hyper["quantize"] = quantize
     succeeded = record.status is JobStatus.SUCCEEDED
     p = record.progress
     eta = p.eta_s if p.eta_s is not None and math.isfinite(p.eta_s) and not record.status.is_terminal() else None

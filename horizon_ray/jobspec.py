@@ -45,7 +45,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from horizon_ray.engine.model import DTYPE_BYTES, KERNELS, LORA_TARGETS, PRECISIONS, UPDATES
+from horizon_ray.engine.model import DTYPE_BYTES, KERNELS, LORA_TARGETS, PRECISIONS, QUANTIZE, UPDATES
 from horizon_ray.engine.objective import LOSSES as DPO_LOSSES
 from horizon_ray.engine.objective import OBJECTIVES, DpoConfig
 from horizon_ray.errors import BadInput
@@ -56,6 +56,12 @@ from horizon_ray.workload import Adapters, Resolved, Workload, resolve
 _W, _A = Workload, Adapters  # the defaults of what the planner reads
 
 METHODS = ("full", "lora")
+# Bounds on what a spec may ask for, so that every job ends: a step count or an epoch count past these is a
+# typo or an attack (`max_steps: 1e30` runs forever, `epochs: 1e308` overflows the step count), not a job. A
+# tenant's own caps (the tenants file: max_steps_per_job, max_tokens_per_job) may be lower.
+MAX_STEPS = 100_000_000  # optimizer steps of one job: years of any real run
+MAX_EPOCHS = 100_000  # passes over the training split
+MAX_INT = 2**63 - 1  # any integer of a spec: what the job table and every reader hold exactly
 DATA_FORMATS = ("auto", "alpaca", "messages", "sharegpt", "text", "preference")
 SCHEDULES = ("constant", "linear", "cosine")
 COMPUTE_DTYPES = ("auto", *DTYPE_BYTES)
@@ -76,12 +82,29 @@ def _number(value: Any) -> Any:
 
 def _integer(value: Any) -> Any:
     value = _number(value)
-    return int(value) if isinstance(value, float) and value.is_integer() else value
+    value = int(value) if isinstance(value, float) and value.is_integer() else value
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        raise PydanticCustomError("number_too_large", "{value} is too large; give a number below 2**63",
+                                  {"value": shown(value, 40)})
+    return value
 
 
 def _float(value: Any) -> Any:
     value = _number(value)
-    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:  # 10**400: JSON holds it, a float does not
+            raise PydanticCustomError("number_too_large", "{value} is too large for a floating-point number; "
+                                      "give a finite number", {"value": shown(value, 40)}) from None
+    return value
+
+
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise PydanticCustomError("number_not_finite", "{value} is not a finite number; give a finite one",
+                                  {"value": str(value)})
+    return value
 
 
 def expand_path(value: str) -> str:
@@ -126,7 +149,7 @@ def _safe_path(value: str) -> str:
 
 
 Int = Annotated[int, BeforeValidator(_integer), Strict()]
-Float = Annotated[float, BeforeValidator(_float), Strict()]
+Float = Annotated[float, BeforeValidator(_float), Strict(), AfterValidator(_finite)]
 Text = Annotated[StrictStr, AfterValidator(_safe_text)]
 PathStr = Annotated[StrictStr, AfterValidator(_safe_path), AfterValidator(_expand_user)]
 Method = Literal[METHODS]
@@ -142,6 +165,7 @@ Update = Literal[UPDATES]
 Kernels = Literal[KERNELS]
 # every family's LoRA targets (Phi-3's fused ones, the experts'); whether the model has one is checked at its plan
 Projection = Literal[tuple(LORA_TARGETS)]
+Quantize = Literal[QUANTIZE]
 
 
 class _Section(BaseModel):
@@ -206,9 +230,10 @@ class TrainingSpec(_Section):
     seq_len: Int = Field(_W.seq_len, ge=1, description="tokens per sequence (packed rows or padded examples)")
     micro_batch_size: Int = Field(_W.micro_batch_size, ge=1, description="sequences per micro-batch")
     grad_accum: Int = Field(_W.grad_accum, ge=1, description="micro-batches per optimizer step")
-    epochs: Float | None = Field(None, description=(
+    epochs: Float | None = Field(None, le=MAX_EPOCHS, description=(
         "passes over the training split; with max_steps, whichever ends first"))
-    max_steps: Int | None = Field(None, ge=1, description="optimizer steps; one of epochs / max_steps is required")
+    max_steps: Int | None = Field(None, ge=1, le=MAX_STEPS, description=(
+        "optimizer steps; one of epochs / max_steps is required"))
     lr: Float = Field(2e-5, description="peak learning rate")
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     weight_decay: Float = Field(0.0, description="decoupled (AdamW) weight decay")
@@ -279,10 +304,15 @@ class LoraSpec(_Section):
         "post_attention_layernorm, model.norm (the final one)"))
     merge: StrictBool = Field(False, description=(
         "also write the merged full model (W + alpha/r x B A, HF format) to final/merged"))
+    quantize: Quantize = Field(_A.quantize, description=(
+        "how the frozen base's projections are kept in host RAM and streamed: none (the compute dtype), nf4 or "
+        "fp4 (bitsandbytes' 4-bit with double-quantized scales, QLoRA: ~0.52 bytes a parameter), int8 "
+        "(LLM.int8's rows, ~1 byte); the adapters train in fp32 either way"))
 
     def adapters(self) -> Adapters:
         """What a plan counts of this section."""
-        return Adapters(r=self.r, targets=tuple(self.targets), modules_to_save=tuple(self.modules_to_save))
+        return Adapters(r=self.r, targets=tuple(self.targets), modules_to_save=tuple(self.modules_to_save),
+                        quantize=self.quantize)
 
     def check(self) -> None:
         """Raise BadInput naming the fix for the first value that cannot train adapters."""
@@ -509,10 +539,6 @@ class JobSpec(_Section):
                            field="training.epochs")
         if not (t.lr > 0 and math.isfinite(t.lr)):
             raise BadInput(f"training.lr is {t.lr}; set a positive learning rate (e.g. 2e-5)", field="training.lr")
-        if t.max_steps is not None and t.schedule.warmup_steps >= t.max_steps:
-            raise BadInput(f"training.schedule.warmup_steps ({t.schedule.warmup_steps}) must be smaller than "
-                           f"training.max_steps ({t.max_steps}); lower the warmup",
-                           field="training.schedule.warmup_steps")
         if not 0.0 <= t.schedule.min_lr_ratio <= 1.0:  # NaN fails this too
             raise BadInput(f"training.schedule.min_lr_ratio is {t.schedule.min_lr_ratio}; set it in [0, 1]",
                            field="training.schedule.min_lr_ratio")

@@ -24,9 +24,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+# how long `status --address HOST:PORT` waits for the address to answer before it says so (Ray itself retries the
+# GCS for minutes, printing its warnings)
+CONNECT_TIMEOUT_S = 5.0
+
+
 def run(args: argparse.Namespace) -> int:
     from horizon_ray.cluster.errors import HorizonError
 
+    if args.address and (silent := _unanswered(args.address)):
+        print(f"error: no Ray cluster answers at {args.address} ({silent}, within {CONNECT_TIMEOUT_S:.0f} s); "
+              "check --address: serve prints its cluster's ('clients: horizon-ray submit JOB.yaml --address ...'), "
+              "or leave it out to use the service of --root", file=sys.stderr)
+        return 2
     try:
         client, tenant = connect(args)
         if args.job_id:
@@ -35,6 +45,21 @@ def run(args: argparse.Namespace) -> int:
     except HorizonError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
+
+
+def _unanswered(address: str) -> str | None:
+    """Why nothing listens at a HOST:PORT (or ray://HOST:PORT) address, or None when something does (or the
+    address is Ray's "auto", which Ray resolves)."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
 
 
 def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:

@@ -151,7 +151,8 @@ class Engine:
         units = Units(model.num_layers, min(cfg.checkpoint_every, max(model.num_layers, 1)))
         spec = Engine._speculation_order_of(units, cfg.update, cfg.speculate_units, Engine._n_trained(model, cfg))
         store = HostStore(unit_layouts(model), cfg.dtype, cfg.master_dtype, pin=pin, adapter_layouts=adapters,
-                          wires=2 if cfg.update == "delayed" else 1, own_grads=frozenset(spec), world=world)
+                          wires=2 if cfg.update == "delayed" else 1, own_grads=frozenset(spec), world=world,
+                          quantize=cfg.lora.quantize if cfg.lora is not None else "none")
         if cfg.lora is not None:
             lora_io.init_adapters(store.adapters, cfg.seed)
         return store
@@ -179,7 +180,7 @@ class Engine:
         if lora_io.is_adapter_dir(model_dir):
             return cls._from_adapter(model_dir, cfg)
         eng = cls(ModelConfig.load(model_dir), cfg)
-        io.load_into(eng.store, model_dir, eng.model.tie_word_embeddings)
+        io.load_into(eng.store, model_dir, eng.model.tie_word_embeddings, eng.device)
         eng.base_model_path = str(model_dir.resolve())
         eng._base_loaded()
         return eng
@@ -207,7 +208,7 @@ class Engine:
         """Random initialisation with HF's conventions: N(0, initializer_range) matrices, zero biases,
         unit norms."""
         eng = cls(ModelConfig.load(config), cfg)
-        _init_random(eng.store, eng.model, cfg)
+        _init_random(eng.store, eng.model, cfg, eng.device)
         eng._base_loaded()
         return eng
 
@@ -713,14 +714,20 @@ class Engine:
         G.flush(self.units.embed, acc, k)
 
 
-def _init_random(store: HostStore, model: ModelConfig, cfg: EngineConfig) -> None:
+def _init_random(store: HostStore, model: ModelConfig, cfg: EngineConfig,
+                 device: torch.device | None = None) -> None:
     """Random initialisation with HF's conventions: N(0, initializer_range) matrices, zero biases, unit norms;
-    the matrices drawn in chunks on every core, each chunk from its own seed (deterministic whatever the cores)."""
+    the matrices drawn in chunks on every core, each chunk from its own seed (deterministic whatever the cores).
+    A quantized base is drawn in its compute dtype a layer at a time and packed on ``device``."""
+    device = device or torch.device("cpu")
     std = model.initializer_range
     normal = []  # (flat view, seed)
     for u, unit in enumerate(store.units):
+        packed = store.packed[u]
+        # a packed (quantized) layer is drawn unpacked, then packed tensor by tensor
+        master = unit.master if packed is None else torch.empty(unit.layout.numel, dtype=store.compute_dtype)
         for i, t in enumerate(unit.layout.tensors):
-            flat = unit.master[t.offset:t.offset + t.numel]
+            flat = master[t.offset:t.offset + t.numel]
             if len(t.shape) == 2:
                 normal += [(flat[lo:lo + _INIT_CHUNK], lora_io.mix_seed(cfg.seed, u, i, lo))
                            for lo in range(0, t.numel, _INIT_CHUNK)]
@@ -728,15 +735,23 @@ def _init_random(store: HostStore, model: ModelConfig, cfg: EngineConfig) -> Non
                 flat.fill_(1.0 - model.norm_offset)
             else:
                 flat.zero_()
+        if packed is not None:
+            _draw_all(normal, std)
+            normal = []
+            for t in unit.layout.tensors:
+                packed.pack(unit.master, t.key, t.view_of(master), device)
+    _draw_all(normal, std)
+    for unit in store.units:
+        store.refresh_wire(unit)
 
+
+def _draw_all(normal: list, std: float) -> None:
     def draw(item):
         view, seed = item
         view.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         list(pool.map(draw, normal))
-    for unit in store.units:
-        store.refresh_wire(unit)
 
 
 def _shape_of(lora):

@@ -490,13 +490,19 @@ def max_model(family: str | list = "qwen2.5", node: NodeSpec | None = None, mode
 # ---- text ---------------------------------------------------------------------------------------------------
 
 
+def recomputation(every: int) -> str:
+    """engine.activation_checkpoint_every in words: the backward recomputes each block from the input kept every
+    `every` layers (not a job checkpoint)."""
+    return f"activation recomputation every {every} layer{'s' if every != 1 else ''}"
+
+
 def format_plan(p: Plan) -> str:
     """The plan as a readable table."""
     rows = [f"model        {p.model}: {human_params(p.params)} params"
             + (f", {human_params(p.trainable_params)} trainable" if p.trainable_params != p.params else ""),
             f"job          {p.method}, mode {p.mode}, {p.compute_dtype} on {p.device}; seq {p.seq_len} x micro "
             f"{p.micro_batch_size} x accum {p.grad_accum} = {p.tokens_per_step} tokens/step; "
-            f"checkpoint every {p.checkpoint_every}",
+            f"{recomputation(p.checkpoint_every)}",
             f"node         {format_bytes(p.node.get('ram_bytes', 0))} RAM, "
             f"{p.node.get('gpus', 0)} GPU x {format_bytes(p.node.get('gpu_mem_bytes', 0))}", ""]
     for side, total, limit in (("host", p.host_bytes, p.host_limit_bytes), ("gpu", p.gpu_bytes, p.gpu_limit_bytes)):
