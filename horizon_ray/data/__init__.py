@@ -12,6 +12,9 @@
     eval_micro_batches = eval_batches(eval, seq_len, micro_batch_size=8)   # fixed order, nothing dropped
     train.num_truncated, train.num_dropped      # examples cut to seq_len / left with no trained token
 
+Preference pairs (objective dpo): ``load_pairs(path)`` -> ``tokenize_pairs(pairs, tok, seq_len)`` (rows 2i chosen,
+2i+1 rejected, labelled on the completions) -> ``PairSampler(ds, micro_batch_size, grad_accum, seed)``.
+
 Demo: ``build_demo_tokenizer(out_dir)`` writes a byte-level tokenizer (262 ids) with a chat template;
 ``make_demo_dataset(path, n, seed)`` writes checkable instruction data (messages JSONL);
 ``preds = greedy_answers(engine.forward_logits, tok, [it.prompt for it in items])`` then
@@ -38,6 +41,8 @@ _EXPORTS = {
     **dict.fromkeys(("IGNORE_INDEX", "TokenizedDataset", "TokenizedExample", "load_tokenizer", "tokenize_example",
                      "tokenize_examples"), "tokenize"),
     "build_demo_tokenizer": "tokenizer",
+    **dict.fromkeys(("PreferencePair", "load_pairs"), "preference"),
+    **dict.fromkeys(("PairSampler", "pair_batches", "tokenize_pairs"), "pairs"),
 }
 __all__ = sorted(_EXPORTS)
 
