@@ -165,3 +165,15 @@ def test_bad_requests_are_refused_with_the_fix(tmp_path):
         gen.generate([Request((5, 6), SamplingParams(max_tokens=10**6))])
     with pytest.raises(BadInput, match="tokenizer"):
         gen.chat_prompt([{"role": "user", "content": "hi"}])
+
+
+def test_a_kv_cache_kept_in_host_memory_gives_the_same_tokens(tmp_path):
+    """Layers whose cache does not fit the device keep it on the host ([S, B, kvH, d]) and stage it per layer."""
+    path, _ = tiny_llama(tmp_path)
+    gen = Generator.from_pretrained(path, device="cpu", tokenizer=None)
+    gen.eos_ids = frozenset()
+    want = [c.token_ids for c in gen.generate([Request(tuple(p), SamplingParams(max_tokens=8)) for p in PROMPTS])]
+    for on_device in (0, 2):
+        gen._device_kv_layers = lambda B, S, T0, n=on_device: n
+        got = [c.token_ids for c in gen.generate([Request(tuple(p), SamplingParams(max_tokens=8)) for p in PROMPTS])]
+        assert got == want, on_device
