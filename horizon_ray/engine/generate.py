@@ -45,8 +45,6 @@ from horizon_ray.errors import BadInput
 
 # Of the GPU budget, the share resident weights may take (the rest: KV cache and the layers' workspace).
 RESIDENT_SHARE = 0.75
-# A decode step's weights are read once for the batch; the step before reads no other version.
-_STEP = 0
 
 
 class KVCache:
@@ -118,7 +116,9 @@ class Generator:
 
     def __init__(self, model: ModelConfig, store: HostStore, device: torch.device, lora: lora_io.LoraConfig | None,
                  tokenizer: Any = None, eos_ids: Sequence[int] = (), gpu_budget_bytes: int | None = None,
-                 kernels: str = "auto"):
+                 kernels: str = "auto", weights: tuple | None = None):
+        """``weights``: (HostWeights, Units, template, step) of a training engine to generate with its current
+        weights (``of_engine``); None: this generator's own, over ``store``."""
         self.model = model
         self.store = store
         self.device = device
@@ -126,21 +126,28 @@ class Generator:
         self.lora = lora
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(int(e) for e in eos_ids)
-        self.template = Template(model, Kernels(resolve_kernels(kernels, device)))
-        L = model.num_layers
-        n = max(len(store.units), len(store.adapters))
-        fence = Fence(n, "updates")  # never marked: nothing updates these weights, version 0 is the only one
         self._buffers = HostBuffers(store.pool)
         self.weight_bytes = sum(u.master.nbytes for u in store.units) + sum(a.master.nbytes for a in store.adapters)
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             self.gpu_budget = int(gpu_budget_bytes if gpu_budget_bytes is not None else free * 0.9)
+        else:
+            self.gpu_budget = 0
+        if weights is not None:
+            self.weights, self.units, self.template, self._step = weights
+            self.resident = False
+            return
+        self._step = lambda: 0  # nothing updates these weights: version 0 is the only one
+        self.template = Template(model, Kernels(resolve_kernels(kernels, device)))
+        L = model.num_layers
+        n = max(len(store.units), len(store.adapters))
+        fence = Fence(n, "updates")  # never marked: nothing updates these weights, version 0 is the only one
+        if device.type == "cuda":
             self.resident = self.weight_bytes <= RESIDENT_SHARE * self.gpu_budget
             units = _Resident(L, max(L, 1)) if self.resident else Units(L, 1)
             h2d = torch.cuda.Stream(device)
             self.weights: HostWeights = DeviceWeights(store, units, fence, 0, device, self._buffers, h2d)
         else:
-            self.gpu_budget = 0
             self.resident = True  # the host buffers are the weights
             units = Units(L, 1)
             self.weights = HostWeights(store, units, fence, 0)
@@ -182,6 +189,13 @@ class Generator:
         elif tokenizer is not None:
             tok = tokenizer
         return cls(model, store, dev, lora, tok, _eos_ids(base, tok), gpu_budget_bytes, kernels)
+
+    @classmethod
+    def of_engine(cls, eng: Any, tokenizer: Any = None, eos_ids: Sequence[int] = ()) -> Generator:
+        """Generation with a training engine's newest weights, through its own weight slots (evaluation by
+        generation during a job: nothing is copied or loaded)."""
+        return cls(eng.model, eng.store, eng.device, eng.lora, tokenizer, eos_ids,
+                   weights=(eng._weights, eng.units, eng.template, eng._newest))
 
     # ---- prompts --------------------------------------------------------------------------------------------
 
@@ -312,25 +326,25 @@ class Generator:
     def _forward(self, ids_BT, pos_BS, valid_BS, cache: KVCache) -> torch.Tensor:
         """One pass of T tokens per row through every layer; the float32 logits of each row's last token [B, V]
         (on the device)."""
-        W, units = self.weights, self.units
+        W, units, k = self.weights, self.units, self._step()
         mb = self._micro_batch(ids_BT, pos_BS, valid_BS, cache)
         if W.host_embed:
-            W.prefetch(units.of_layer(0), _STEP)  # the first layer's copy overlaps the gather of the rows
-            h = W.embed_rows(0, mb.input_ids_host, _STEP)
+            W.prefetch(units.of_layer(0), k)  # the first layer's copy overlaps the gather of the rows
+            h = W.embed_rows(0, mb.input_ids_host, k)
         else:
-            embed = W.weights(units.embed, _STEP)["embed"]
-            W.prefetch(units.of_layer(0), _STEP)
+            embed = W.weights(units.embed, k)["embed"]
+            W.prefetch(units.of_layer(0), k)
             h = F.embedding(mb.input_ids_BT, embed)
             W.release(units.embed)
         lora = LoraCall(self.lora.scaling, 0.0) if self.lora is not None else None
         for j in range(self.model.num_layers):
             u = units.of_layer(j)
-            w = W.weights(u, _STEP)
-            W.prefetch(u + 1, _STEP)  # the next layer (or the head) streams in while this one computes
+            w = W.weights(u, k)
+            W.prefetch(u + 1, k)  # the next layer (or the head) streams in while this one computes
             h = self.template.layer(h, w, mb, lora, j=j)
             W.release(u)
         cache.advance(ids_BT.shape[1])
-        logits = self.template.logits(h[:, -1], W.head_weights(_STEP))
+        logits = self.template.logits(h[:, -1], W.head_weights(k))
         W.release_head()
         return logits
 

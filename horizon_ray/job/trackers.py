@@ -29,6 +29,8 @@ def scalars(event: Event) -> dict[str, float]:
                   "train/host_rss_gib": event.host_rss_bytes / GiB if event.host_rss_bytes else None}
     elif isinstance(event, Eval):
         values = {"eval/loss": event.eval_loss}
+        if event.generate_metric:  # eval.generate: the share answered right, as eval/exact_match or eval/contains
+            values[f"eval/{event.generate_metric}"] = event.generate_score
     else:
         return {}
     return {k: float(v) for k, v in values.items() if v is not None}
