@@ -54,7 +54,7 @@ EVAL_SEED = 2
 EVAL_TASKS = ("copy", "reverse", "sort")
 
 # Evaluation by generation of the demo job: greedy answers to the held-out prompts, exact match.
-DEMO_GENERATE: dict[str, Any] = {"max_tokens": 8, "metric": "exact_match", "max_prompts": 64}
+DEMO_GENERATE: dict[str, Any] = {"max_tokens": 8, "metric": "exact_match", "max_prompts": 64, "batch_size": 64}
 # The demo job: every training knob in one place (examples/demo.yaml mirrors it).
 DEMO_JOB: dict[str, Any] = {
     "name": "demo",
