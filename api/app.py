@@ -85,9 +85,13 @@ def app_from_env() -> FastAPI:
     import os
 
     from horizon_ray.cluster.client import RayClient
+    from horizon_ray.cluster.gate import service_credential
 
     settings = ApiSettings.from_env()  # bad settings fail here, before anything connects
-    return create_app(RayClient(os.environ.get("HORIZON_RAY_ADDRESS") or None, lazy=True), settings)
+    # the API's credential at the coordinator's gate, derived from the keys it verifies itself
+    client = RayClient(os.environ.get("HORIZON_RAY_ADDRESS") or None, lazy=True,
+                       credential=service_credential(settings.api_keys))
+    return create_app(client, settings)
 
 
 # The dashboard loads nothing from elsewhere and runs no inline script.

@@ -29,6 +29,7 @@ from horizon_ray.cluster.errors import (
     JobNotFound,
     JobRejected,
     QuotaExceeded,
+    Unauthorized,
 )
 from horizon_ray.errors import BadInput
 from horizon_ray.jobspec import spec_error
@@ -45,6 +46,8 @@ DOMAIN_STATUS: dict[type[HorizonError], int] = {
     InvalidTransition: 409,
     IdempotencyConflict: 409,
     CoordinatorUnavailable: 503,
+    # the coordinator's gate refused the API's own credential: its key table differs from the API's
+    Unauthorized: 503,
     HorizonError: 400,
 }
 

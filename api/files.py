@@ -46,7 +46,7 @@ from api.paths import (
 from api.quotas import TenantLimits
 from api.schemas import ERROR_RESPONSES, ErrorBody, FileList, FileObject
 from horizon_ray.atomic import write_atomic
-from horizon_ray.data.formats import LineChecker
+from horizon_ray.data.formats import FORMATS, LineChecker
 from horizon_ray.errors import BadInput
 
 router = APIRouter(tags=["files"])
@@ -106,7 +106,7 @@ async def upload_file(
     response: Response,
     tenant: Annotated[Tenant, Depends(current_tenant)],
     filename: Annotated[FileName, Query(min_length=1, description="name to show")] = "data.jsonl",
-    format: Annotated[str, Query(pattern="^(auto|alpaca|messages|text)$")] = "auto",
+    format: Annotated[str, Query(pattern=f"^({'|'.join(FORMATS)})$")] = "auto",
     tokenizer: Annotated[SafePath | None, Query(min_length=1, max_length=512, description=(
         "a base model (catalogue name or path under a model root) whose tokenizer counts the tokens: the upload's "
         "stats then hold tokens and a histogram of example lengths"))] = None,

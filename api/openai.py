@@ -40,10 +40,11 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, FastAPI, File, Form, Header, Query, Request, UploadFile
-from fastapi.responses import JSONResponse
+from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api import files
@@ -51,7 +52,7 @@ from api.auth import Tenant, current_tenant
 from api.errors import ApiError, SafeJSONResponse
 from api.jobs import JOB_ID, checked_spec
 from api.params import SafePath, SafeText
-from api.paths import FILE_ID_RE
+from api.paths import FILE_ID_RE, PathPolicy, confine
 from api.settings import ENV_MODEL_CATALOGUE
 from horizon_ray.cluster.messages import Checkpoint, EventType, JobEvent, JobRecord, JobStatus
 from horizon_ray.errors import BadInput
@@ -60,6 +61,11 @@ from horizon_ray.strings import MAX_COMPONENT_BYTES, fix, problem
 
 PREFIX = "/v1"
 AUTO_EPOCHS = 3  # n_epochs "auto": three passes, OpenAI's usual choice for small datasets
+# checkpoint.every_steps and keep of a job created here unless its spec says: OpenAI keeps the newest three
+# checkpoints, and a node that dies then costs at most this many steps
+CHECKPOINT_EVERY, CHECKPOINT_KEEP = 100, 3
+# a job's result file (its metrics.jsonl) is file-<the job id's 12 hex digits><RESULT_TAG>: found from the id
+RESULT_TAG = "0" * 12
 UPLOAD_CHUNK = 1 << 20
 
 STATUS = {
@@ -197,8 +203,13 @@ async def list_files(tenant: Annotated[Tenant, Depends(current_tenant)],
     return _page(page, has_more=len(metas) > limit)
 
 
-@router.get("/files/{file_id}", summary="One file (OpenAI)")
+@router.get("/files/{file_id}", summary="One file (OpenAI): an upload, or a job's result file")
 async def retrieve_file(file_id: SafeText, tenant: Annotated[Tenant, Depends(current_tenant)]) -> dict[str, Any]:
+    if (job_id := result_job_id(file_id)) is not None:
+        path, record = await _result_path(tenant, job_id, file_id)
+        return {"id": file_id, "object": "file", "bytes": path.stat().st_size, "created_at": int(record.created_at),
+                "filename": "metrics.jsonl", "purpose": "fine-tune-results", "status": "processed",
+                "status_details": None, "expires_at": None}
     return file_object((await files.get_file(file_id, tenant)).model_dump())
 
 
@@ -210,7 +221,35 @@ async def delete_file(file_id: SafeText, tenant: Annotated[Tenant, Depends(curre
 
 @router.get("/files/{file_id}/content", summary="A file's content (OpenAI)")
 async def file_content(file_id: SafeText, tenant: Annotated[Tenant, Depends(current_tenant)]):
+    if (job_id := result_job_id(file_id)) is not None:
+        path, _ = await _result_path(tenant, job_id, file_id)
+        return FileResponse(path, media_type="application/x-ndjson", filename="metrics.jsonl")
     return await files.get_file_content(file_id, tenant)
+
+
+def result_file_id(job_id: str) -> str | None:
+    """The id of a job's result file (its metrics.jsonl), for result_files."""
+    digits = job_id.removeprefix("job-")
+    return f"file-{digits}{RESULT_TAG}" if len(digits) == 12 and all(c in "0123456789abcdef" for c in digits) \
+        else None
+
+
+def result_job_id(file_id: str) -> str | None:
+    """The job whose result file `file_id` is, or None (an upload's id)."""
+    if not FILE_ID_RE.fullmatch(file_id) or not file_id.endswith(RESULT_TAG):
+        return None
+    return f"job-{file_id.removeprefix('file-')[:12]}"
+
+
+async def _result_path(tenant: Tenant, job_id: str, file_id: str) -> tuple[Path, JobRecord]:
+    """A job's metrics.jsonl inside the tenant's namespace (404 for another tenant's job, or before it exists)."""
+    record = await tenant.get(job_id)
+    root = PathPolicy(tenant.settings, tenant.name).owns_output(record.output_dir or record.spec.get("output_dir"))
+    path = confine(root / "metrics.jsonl", root) if root is not None else None
+    if path is None or not path.is_file():
+        raise ApiError(404, "not_found", f"no file {file_id!r}: job {job_id} has written no metrics yet",
+                       field="file_id")
+    return path, record
 
 
 # ---- models -----------------------------------------------------------------------------------------------
@@ -260,6 +299,10 @@ def job_spec(body: CreateJob, catalogue: dict) -> dict[str, Any]:
         raise ApiError(400, "invalid_spec", "spec.training and spec.data must be objects", field="spec")
     training = spec.setdefault("training", {})
     data = spec.setdefault("data", {})
+    if not isinstance(spec.setdefault("checkpoint", {}), dict):
+        raise ApiError(400, "invalid_spec", "spec.checkpoint must be an object", field="spec.checkpoint")
+    spec["checkpoint"].setdefault("every_steps", CHECKPOINT_EVERY)
+    spec["checkpoint"].setdefault("keep", CHECKPOINT_KEEP)
     spec["model"] = {**(spec.get("model") or {}), "path": body.model}
     data["path"] = body.training_file
     if body.validation_file:
@@ -356,6 +399,11 @@ async def list_checkpoints(job_id: JOB_ID, tenant: Annotated[Tenant, Depends(cur
                            limit: Annotated[int, Query(ge=1, le=100)] = 10) -> dict[str, Any]:
     record = await tenant.get(job_id)
     ckpts = sorted(await tenant.checkpoints(job_id), key=lambda c: -c.step)
+    if record.status is JobStatus.SUCCEEDED and record.progress.step and record.output_dir and (
+            not ckpts or ckpts[0].step < record.progress.step):
+        # the model after the last step is final/ (the runner writes no checkpoint there: it would be a copy)
+        ckpts.insert(0, Checkpoint(step=record.progress.step, path=f"{record.output_dir}/final",
+                                   time=record.finished_at or record.updated_at or record.created_at))
     if after is not None:
         cut = _seq_of(after, job_id, "ftckpt")
         ckpts = [c for c in ckpts if c.step < cut]
@@ -421,8 +469,10 @@ def job_object(record: JobRecord, tenant: Tenant) -> dict[str, Any]:
                   if record.error else None),
         "fine_tuned_model": f"ft:{model}:{record.tenant}:{suffix}:{record.id}" if succeeded else None,
         "finished_at": _ts(record.finished_at), "hyperparameters": hyper, "model": model,
-        "organization_id": record.tenant, "result_files": [], "seed": int(training.get("seed", 0)),
-        "status": STATUS[record.status], "trained_tokens": None, "training_file": _file_id(data.get("path")),
+        "organization_id": record.tenant, "seed": int(training.get("seed", 0)),
+        "result_files": [rid] if (rid := result_file_id(record.id)) and record.progress.step else [],
+        "status": STATUS[record.status], "training_file": _file_id(data.get("path")),
+        "trained_tokens": record.metrics.get("tokens_seen") if isinstance(record.metrics, dict) else None,
         "validation_file": _file_id(data.get("eval_path")),
         "estimated_finish": int(time.time() + eta) if eta is not None else None,
         "integrations": ([{"type": "wandb", "wandb": spec["integrations"]["wandb"]}]
@@ -535,7 +585,9 @@ def _reshaping(handler: Callable) -> Callable:
             return response
         status = 400 if response.status_code == 422 else response.status_code
         shaped = {"error": {"message": err.get("message", ""), "type": ERROR_TYPES.get(status, "server_error"),
-                            "param": err.get("field"), "code": err.get("code")}}
+                            "param": err.get("field"), "code": err.get("code"),
+                            # a placement refusal's verdict of every node, as /finetune gives them
+                            **({"details": err["details"]} if "nodes" in (err.get("details") or {}) else {})}}
         headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
         return SafeJSONResponse(shaped, status_code=status, headers=headers)
 

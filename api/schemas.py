@@ -212,7 +212,7 @@ class FileObject(BaseModel):
     filename: str
     bytes: int
     created_at: float
-    format: str = Field(description="alpaca | messages | text")
+    format: str = Field(description="alpaca | messages | sharegpt | text")
     num_examples: int
     sha256: str
     stats: dict[str, Any] | None = Field(None, description=(

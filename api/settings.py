@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from horizon_ray.cluster.agent import SECRET_ENV_PREFIX
+from horizon_ray.cluster.engine_env import ENV_ENGINE_ENV
 from horizon_ray.cluster.tenants import check_tenant_name
 from horizon_ray.errors import BadInput
 from horizon_ray.home import HOME_VARIABLE, service_root
@@ -28,6 +29,7 @@ ENV_JOBS_ROOT = "HORIZON_JOBS_ROOT"  # the coordinator's jobs_root: outputs live
 ENV_DATA_ROOTS = "HORIZON_DATA_ROOTS"  # os.pathsep-separated read-only dataset roots
 ENV_MODEL_ROOTS = "HORIZON_MODEL_ROOTS"  # os.pathsep-separated read-only base-model roots
 ENV_MODEL_CATALOGUE = "HORIZON_MODEL_CATALOGUE"  # "name=/models/dir,name2=/models/dir2"
+ENV_TRACKER_HOSTS = "HORIZON_TRACKER_HOSTS"  # "mlflow.internal,mlflow2.internal": hosts a spec's tracker URL may name
 ENV_MAX_BODY = "HORIZON_API_MAX_BODY_BYTES"
 # Words of the keys that examples and templates ship (k8s/examples/api-keys.secret.yaml): a key holding one
 # was copied, not generated, and anyone who read the same example could use it.
@@ -89,6 +91,11 @@ SETTINGS: tuple[Setting, ...] = (
                                          "model of the OpenAI-compatible API); each directory under a model root"),
     Setting(ENV_DATA_ROOTS, "none", f"{os.pathsep}-separated read-only dataset directories specs may name "
                                     "(data.path relative to one of them); uploads need none"),
+    Setting(ENV_TRACKER_HOSTS, "none", "comma-separated hosts a job's tracker URL (integrations.mlflow.tracking_uri) "
+                                       "may name; any other is refused, so that no job sends metrics (and the node's "
+                                       "MLFLOW_TRACKING_TOKEN) elsewhere"),
+    Setting(ENV_ENGINE_ENV, "none", "comma-separated variables of a node's environment its engines may see besides "
+                                    "the allow-list (e.g. MLFLOW_TRACKING_TOKEN,WANDB_API_KEY); set on the nodes"),
     Setting(ENV_MAX_BODY, "1048576 (1 MiB)", "largest JSON request body; larger ones get 413"),
     Setting(ENV_MAX_UPLOAD, "1073741824 (1 GiB)", "largest dataset upload (POST /files, POST /v1/files); larger "
                                                   "ones get 413"),
@@ -173,6 +180,8 @@ class ApiSettings:
     max_file_bytes_per_tenant: int = 100 << 30
     # longest line (one example) an upload may have: what checking a line holds in memory at once
     max_upload_line_bytes: int = 8 << 20
+    # hosts a job's tracker URL may name (integrations.mlflow.tracking_uri); none: no tracker URL is accepted
+    tracker_hosts: list[str] = field(default_factory=list)
     # serve /docs: Swagger UI from the vendored files of the swagger-ui-bundle package (pip install
     # horizon-ray[docs]), under a Content-Security-Policy; off: /openapi.json only
     docs: bool = False
@@ -255,6 +264,8 @@ class ApiSettings:
                 except ValueError:
                     raise BadInput(f"{var}={env[var]!r} is not {'an integer' if kind is int else 'a number'}; "
                                    f"set it to one, or leave it unset for the default") from None
+        if env.get(ENV_TRACKER_HOSTS):
+            kwargs["tracker_hosts"] = [h.strip().lower() for h in env[ENV_TRACKER_HOSTS].split(",") if h.strip()]
         if env.get(ENV_DOCS):
             kwargs["docs"] = env[ENV_DOCS].strip().lower() in ("1", "true", "yes", "on")
         kwargs.update(overrides)

@@ -54,7 +54,7 @@ from horizon_ray.workload import Adapters, Resolved, Workload, resolve
 _W, _A = Workload, Adapters  # the defaults of what the planner reads
 
 METHODS = ("full", "lora")
-DATA_FORMATS = ("auto", "alpaca", "messages", "text")
+DATA_FORMATS = ("auto", "alpaca", "messages", "sharegpt", "text")
 SCHEDULES = ("constant", "linear", "cosine")
 COMPUTE_DTYPES = ("auto", *DTYPE_BYTES)
 
@@ -108,6 +108,14 @@ def _safe_text(value: str) -> str:
     return value
 
 
+def _safe_template(value: str) -> str:
+    # A Jinja chat template spans lines and is longer than a label; any other control character is refused.
+    bad = problem(value.replace("\n", " ").replace("\t", " "), max_bytes=64 << 10)
+    if bad:
+        raise PydanticCustomError("unsafe_string", "{problem}; {fix}", {"problem": bad, "fix": fix(bad)})
+    return value
+
+
 def _safe_path(value: str) -> str:
     bad = problem(value, max_bytes=MAX_PATH_BYTES, path=True)
     if bad:
@@ -121,6 +129,8 @@ Text = Annotated[StrictStr, AfterValidator(_safe_text)]
 PathStr = Annotated[StrictStr, AfterValidator(_safe_path), AfterValidator(_expand_user)]
 Method = Literal[METHODS]
 DataFormat = Literal[DATA_FORMATS]
+ChatRole = Literal["system", "user", "assistant"]
+TemplateText = Annotated[StrictStr, AfterValidator(_safe_template)]
 Schedule = Literal[SCHEDULES]
 ComputeDtype = Literal[COMPUTE_DTYPES]
 Precision = Literal[PRECISIONS]
@@ -145,15 +155,39 @@ class ModelSpec(_Section):
         "directory with tokenizer.json, like path; null: the model directory"))
 
 
+class DataColumns(_Section):
+    messages: Text | None = Field(None, description="messages / sharegpt: the list of turns")
+    role: Text | None = Field(None, description="messages / sharegpt: a turn's role")
+    content: Text | None = Field(None, description="messages / sharegpt: a turn's text")
+    weight: Text | None = Field(None, description="messages / sharegpt: a turn's weight (0: not trained)")
+    system: Text | None = Field(None, description="alpaca / sharegpt: a system prompt beside the turns")
+    instruction: Text | None = Field(None, description="alpaca: the instruction")
+    input: Text | None = Field(None, description="alpaca: the input after the instruction")
+    output: Text | None = Field(None, description="alpaca: the answer")
+    text: Text | None = Field(None, description="text: the document")
+
+
 class DataSpec(_Section):
     path: PathStr = Field("", description=(
         "training data, JSONL (a file or a folder of them); over the API an uploaded file id (file-...), or a file "
         "relative to (or inside) a data root. Required"))
-    format: DataFormat = Field("auto", description="alpaca | messages | text | auto (detected from the first record)")
+    format: DataFormat = Field("auto", description=(
+        "alpaca | messages | sharegpt | text | auto (detected from the first record); JSONL or a .json array"))
     eval_fraction: Float = Field(0.05, description=(
         "share of path held out for eval when eval_path is not given; 0: no eval"))
     eval_path: PathStr | None = Field(None, description=(
         "separate eval file in the same format, like path; overrides eval_fraction"))
+    columns: DataColumns | None = Field(None, description=(
+        "the file's keys for the format's fields (LLaMA-Factory's dataset_info columns, axolotl's field_messages), "
+        "e.g. {messages: chat, role: speaker, content: text}"))
+    roles: dict[Text, ChatRole] | None = Field(None, description=(
+        "the file's role values -> system | user | assistant (sharegpt knows human, gpt, system), e.g. {bot: "
+        "assistant}"))
+    chat_template: TemplateText | None = Field(None, description=(
+        "chat and alpaca data: a template name (chatml, llama3) or a Jinja chat template; default: the "
+        "tokenizer's own"))
+    train_on_inputs: StrictBool = Field(False, description=(
+        "chat and alpaca data: train on every token (prompts too), not only the assistant turns"))
 
 
 class ScheduleSpec(_Section):
@@ -249,7 +283,8 @@ class LoraSpec(_Section):
     alpha: Float = Field(16.0, description="the adapters' output is scaled by alpha / r")
     dropout: Float = Field(0.0, description="dropout on each adapter's input while training")
     targets: list[Projection] = Field(default_factory=lambda: list(_A.targets), description=(
-        "projections of every layer that get an adapter"))
+        "projections of every layer that get an adapter; empty (the default): the family's, PEFT's defaults "
+        "(q_proj and v_proj; qkv_proj where the checkpoint fuses them, as Phi-3's does)"))
     modules_to_save: list[Text] = Field(default_factory=lambda: list(_A.modules_to_save), description=(
         "norms trained beside the adapters, by PEFT's modules_to_save names: norm (every norm), input_layernorm, "
         "post_attention_layernorm, model.norm (the final one)"))
@@ -373,6 +408,9 @@ class JobSpec(_Section):
         d["training"].pop("kernels")
         if d["training"]["update"] == "exact":
             d["training"].pop("update")
+        for key, default in (("columns", None), ("roles", None), ("chat_template", None), ("train_on_inputs", False)):
+            if d["data"][key] == default:
+                d["data"].pop(key)  # data read as before these existed hashes as before
         if d["lora"] is None:
             d.pop("lora")  # full fine-tuning hashes as it did before LoRA existed
         else:

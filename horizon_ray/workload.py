@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from horizon_ray.engine.model import DTYPE_BYTES, LORA_TARGETS, UPDATES
+from horizon_ray.engine.model import DTYPE_BYTES, LORA_TARGETS, UPDATES, default_lora_targets
 from horizon_ray.errors import BadInput
 
 
@@ -56,7 +56,9 @@ class Adapters:
     """LoRA as a plan counts it: the job spec's lora section (``LoraSpec``), whose defaults these are."""
 
     r: int = 8  # rank of every adapter
-    targets: tuple[str, ...] = ("q_proj", "v_proj")  # projections of every layer that get an adapter
+    # projections of every layer that get an adapter; empty: the family's (model.default_lora_targets),
+    # resolved by for_shape where the model is known
+    targets: tuple[str, ...] = ()
     modules_to_save: tuple[str, ...] = ()  # norms trained beside the adapters (PEFT's names)
 
     # The section's keys that change no byte and no FLOP of a plan.
@@ -81,12 +83,15 @@ class Adapters:
         return cls(r=lora.get("r", d.r), targets=_names(lora.get("targets", d.targets)),
                    modules_to_save=_names(lora.get("modules_to_save", d.modules_to_save)))
 
+    def for_shape(self, shape) -> Adapters:
+        """These adapters on `shape` (a ModelShape or ModelConfig): the family's default targets where none are
+        named, so that one default serves Phi's fused projections as well as Llama's."""
+        return self if self.targets else replace(self, targets=default_lora_targets(shape))
+
     def check(self) -> None:
+        """Refuse what no model can take (the targets a family lacks are refused at its plan)."""
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
             raise BadInput(f"lora.r must be an integer >= 1 (e.g. 8), got {self.r!r}", field="lora.r")
-        if not self.targets:
-            raise BadInput(f"lora.targets is empty; list one or more of {', '.join(LORA_TARGETS)}",
-                           field="lora.targets")
         bad = [t for t in self.targets if t not in LORA_TARGETS]
         if bad:
             raise BadInput(f"lora.targets {bad} are not valid; choose one or more of {', '.join(LORA_TARGETS)}",

@@ -112,10 +112,9 @@ def tiny_qwen3_moe(tmp_path, name="model", **kw):
 
     torch.manual_seed(0)
     kw = {"output_router_logits": True, "router_aux_loss_coef": 0.05, "norm_topk_prob": True, "num_experts": 8,
-          "num_experts_per_tok": 2, **kw}
-    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=V,
-                         tie_word_embeddings=False, **_IDS, **kw)
+          "num_experts_per_tok": 2, "num_hidden_layers": 2, **kw}
+    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=V, tie_word_embeddings=False, **_IDS, **kw)
     model = Qwen3MoeForCausalLM(cfg)
     with torch.no_grad():  # HF initialises the router at zero: every token would tie
         for name_, p in model.named_parameters():
@@ -141,8 +140,28 @@ def tiny_olmoe(tmp_path, name="model", **kw):
     return save(_varied(model), tmp_path, name)
 
 
+def tiny_qwen2_moe(tmp_path, name="model", **kw):
+    """Qwen2-MoE: q/k/v biases, a dense first layer (mlp_only_layers) and then MoE layers of 8 experts of width 32,
+    top-2 not renormalised, each with a shared expert of width 48 under its sigmoid gate; the aux loss on."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    kw = {"output_router_logits": True, "router_aux_loss_coef": 0.05, "num_experts": 8, "num_experts_per_tok": 2,
+          "mlp_only_layers": [0], **kw}
+    cfg = Qwen2MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=V, tie_word_embeddings=False, **_IDS, **kw)
+    model = Qwen2MoeForCausalLM(cfg)
+    with torch.no_grad():  # a router of std 0.02 would route every token alike; the shared gate's likewise
+        for name_, p in model.named_parameters():
+            if name_.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                p.normal_(0, 0.5)
+    return save(_varied(model), tmp_path, name)
+
+
 FAMILY_BUILDERS = {"qwen3": tiny_qwen3, "phi3": tiny_phi3, "gemma2": tiny_gemma2, "gemma3": tiny_gemma3,
-                   "mixtral": tiny_mixtral, "qwen3_moe": tiny_qwen3_moe, "olmoe": tiny_olmoe}
+                   "mixtral": tiny_mixtral, "qwen3_moe": tiny_qwen3_moe, "olmoe": tiny_olmoe,
+                   "qwen2_moe": tiny_qwen2_moe}
 
 
 def save(model, tmp_path, name="model"):

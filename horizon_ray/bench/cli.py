@@ -50,8 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "engine process, all of them at one accumulation before the next accumulation")
     job.add_argument("--lora-r", type=int, default=16,
                      help="with --mode lora and the PEFT peers: adapter rank (alpha is 2 r, dropout 0)")
-    job.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-                     help="with --mode lora and the PEFT peers: comma list of projections that get adapters")
+    job.add_argument("--lora-targets", default="",
+                     help="with --mode lora and the PEFT peers: comma list of projections that get adapters "
+                          "(default: every projection of the shape's family: attention and MLP, the experts' "
+                          "stacked projections on a mixture of experts, Phi-3's fused qkv_proj and gate_up_proj)")
     job.add_argument("--offload", default="auto",
                      help="horizon-ray's activation checkpoints on the host: auto, true, false; a comma list "
                           "runs each (auto: host on CUDA)")

@@ -52,7 +52,7 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
     t0 = time.perf_counter()
     rss0 = host_rss()
     lora = None
-    planned_lora = lora_settings(args, args.mode)
+    planned_lora = lora_settings(args, args.mode, shape)
     if planned_lora is not None:  # the base is frozen; only the adapters (exact fp32 AdamW) train
         lora = LoraConfig(r=planned_lora.r, alpha=lora_alpha(planned_lora.r), targets=planned_lora.targets)
     eng = Engine.from_config(hf_config(shape), EngineConfig(

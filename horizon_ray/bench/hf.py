@@ -24,6 +24,7 @@ from horizon_ray.bench.metrics import (
 )
 from horizon_ray.bench.runtime import device_name, free_memory, gpu_peaks, profile_step, sync
 from horizon_ray.bench.shapes import hf_config, model_flops_per_token
+from horizon_ray.engine.model import EXPERT_TARGETS
 
 
 def transformers_config(shape):
@@ -56,8 +57,25 @@ def apply_liger(shape) -> str:
     apply = getattr(liger, name, None)
     if apply is None:
         raise Unavailable(f"this Liger-Kernel has no {name} for the {shape.arch} family of {shape.name}")
-    apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+    kwargs = liger_kwargs(apply)
+    try:
+        apply(**kwargs)
+    except Exception as exc:  # a patch that does not fit this transformers' classes: no peer, said why
+        raise Unavailable(f"{name}({', '.join(kwargs)}) failed on this transformers: {error_reason(exc)}") from exc
     return version("liger-kernel")
+
+
+# Each Liger kernel a family's patch may take, on: its gated MLP under the family's own name (swiglu for
+# SiLU-gated MLPs, geglu for Gemma's GELU-tanh), RoPE, RMSNorm, layer norm, the fused linear cross-entropy
+# (which never materialises the logits) in place of the plain one.
+LIGER_KERNELS = {"rope": True, "rms_norm": True, "layer_norm": True, "swiglu": True, "geglu": True,
+                 "cross_entropy": False, "fused_linear_cross_entropy": True}
+
+
+def liger_kwargs(apply: Callable) -> dict[str, bool]:
+    """The arguments of a family's Liger patch: each of LIGER_KERNELS its signature takes."""
+    params = inspect.signature(apply).parameters
+    return {k: v for k, v in LIGER_KERNELS.items() if k in params}
 
 
 def require_peft() -> str:
@@ -71,14 +89,19 @@ def require_peft() -> str:
 
 def peft_lora(model, rank: int, alpha: float, targets: tuple[str, ...]):
     """The model wrapped by PEFT with LoRA adapters (dropout 0, no bias) on ``targets`` of every layer, the
-    base frozen in its dtype and the adapters in fp32. Call it after enabling checkpointing."""
+    base frozen in its dtype and the adapters in fp32; the experts' stacked projections through PEFT's
+    target_parameters (as target_modules they match no module, and PEFT would silently adapt only the rest).
+    Call it after enabling checkpointing."""
     from peft import LoraConfig, get_peft_model
 
     # with checkpointing, the embedding's output must require a gradient for the adapters' gradients to flow
     # back through a checkpointed layer whose own weights are all frozen
     model.enable_input_require_grads()
+    modules = [t for t in targets if t not in EXPERT_TARGETS]
+    stacked = [f"mlp.{t}" for t in targets if t in EXPERT_TARGETS]
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
-                                             target_modules=list(targets), task_type="CAUSAL_LM"))
+                                             target_modules=modules, target_parameters=stacked or None,
+                                             task_type="CAUSAL_LM"))
     # fp32 adapters whatever the base's dtype (PEFT upcasts bf16 adapters by default; this does not rely on it)
     for p in model.parameters():
         if p.requires_grad:

@@ -31,7 +31,7 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
     why = unavailable(args.system, dev)
     if why:
         raise Unavailable(why)
-    lora = lora_settings(args, "lora")
+    lora = lora_settings(args, "lora", shape)
     lora.check()
     extra = {"peft": hf.require_peft()}
     model, device, every, t0 = hf.prepare_peer(args, shape, dev, dtype, extra)

@@ -3,14 +3,19 @@ holds. Pure Python: the parent process uses it without importing torch."""
 
 from __future__ import annotations
 
+from horizon_ray.engine.model import family_projections
 from horizon_ray.planner import Adapters, NodeSpec, max_model, plan
 
 
-def lora_settings(args, mode: str | None) -> Adapters | None:
-    """The run's LoRA settings (--lora-r, --lora-targets) when its mode is lora, else None."""
+def lora_settings(args, mode: str | None, shape=None) -> Adapters | None:
+    """The run's LoRA settings (--lora-r, --lora-targets) when its mode is lora, else None. Without
+    --lora-targets: every projection of `shape`'s family (without a shape: the planner's family default)."""
     if mode != "lora":
         return None
-    return Adapters.of({"r": args.lora_r, "targets": args.lora_targets})
+    lora = Adapters.of({"r": args.lora_r, "targets": args.lora_targets})
+    if lora.targets or shape is None:
+        return lora
+    return Adapters(r=lora.r, targets=tuple(family_projections(shape)))
 
 
 def lora_alpha(rank: int) -> float:

@@ -8,7 +8,7 @@ both read ``ModelShape.to_hf_config()``.
 
 from __future__ import annotations
 
-from horizon_ray.planner import PRESETS, ModelShape
+from horizon_ray.planner import PRESETS, ModelShape, load_model_shape
 from horizon_ray.planner.shapes import split_depth
 from horizon_ray.planner.timing import flops_params, model_flops_per_token
 
@@ -16,11 +16,12 @@ from horizon_ray.planner.timing import flops_params, model_flops_per_token
 __all__ = ["FIND_LARGEST_SHAPES", "SHAPES", "TINY", "flops_params", "hf_config", "model_flops_per_token",
            "resolve_shape"]
 
-TINY = ModelShape(
-    name="tiny", arch="qwen2", hidden_size=256, intermediate_size=768, num_layers=8, num_heads=4,
-    num_kv_heads=2, head_dim=64, vocab_size=8192, tie_word_embeddings=False, qkv_bias=True,
-    note="10.5M parameters: runs the whole harness on a CPU in seconds",
-)
+TINY = load_model_shape({
+    "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 256, "intermediate_size": 768,
+    "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 8192,
+    "tie_word_embeddings": False, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+    "max_position_embeddings": 32768,
+}).named("tiny", "10.5M parameters: runs the whole harness on a CPU in seconds")
 
 SHAPES: dict[str, ModelShape] = {"tiny": TINY, **PRESETS}
 

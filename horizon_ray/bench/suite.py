@@ -188,7 +188,7 @@ def child_argv(system: str, shape: str, args, device: str, dtype: str, mode: str
         if args.gpu_budget_gib:
             argv += ["--gpu-budget-gib", f"{args.gpu_budget_gib:g}"]
     if mode == "lora" or system in PEFT:  # the same adapters for horizon-ray's LoRA and the PEFT peers
-        argv += ["--lora-r", str(args.lora_r), "--lora-targets", args.lora_targets]
+        argv += ["--lora-r", str(args.lora_r)] + (["--lora-targets", args.lora_targets] if args.lora_targets else [])
     if system == "fsdp2-offload":
         if args.fsdp_gpu_budget_gib:
             argv += ["--fsdp-gpu-budget-gib", f"{args.fsdp_gpu_budget_gib:g}"]
@@ -281,7 +281,7 @@ def _placeholders(system, shape_name, args, device, dtype, mode, offload, status
         mode = "lora"
     elif system != "horizon-ray":  # the peers' precision: what they keep their weights and AdamW state in
         mode = "exact" if system == "fsdp2-offload" or dtype != "bfloat16" else "bf16-state"
-    lora = lora_settings(args, mode)
+    lora = lora_settings(args, mode, shape)
     out = []
     for accum, update in [(a, u) for a in accums or _accums(args) for u in updates or _updates(system, args)]:
         rec = base_record(system, shape, mode=mode, dtype=dtype, device=device.split(":")[0],

@@ -33,8 +33,8 @@ by its job's lease on the output directory (`horizon_ray.job.lease`): the agent 
 start before it runs, and an engine whose job was recovered elsewhere or cancelled stops at its next step and
 writes nothing more.
 
-Engines get the agent's environment without the API's variables (`HORIZON_API_*`: the tenants' keys and
-their file): nothing but the API process may see them.
+Engines start from an allow-list of the agent's environment (`engine_env`): never the API's variables
+(`HORIZON_API_*`: the tenants' keys and their file) nor Ray's token.
 
 When an engine dies of SIGKILL, its `ExitInfo` carries the evidence the coordinator needs to call it an OOM
 kill or not: the OOM kills the kernel counted while it ran (machine-wide and in this node's memory cgroup),
@@ -67,6 +67,7 @@ import yaml
 
 from horizon_ray.atomic import write_atomic
 from horizon_ray.cluster import placement
+from horizon_ray.cluster.engine_env import SECRET_ENV_PREFIX, engine_base_env
 from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, Launch, NodeInfo, Reservation
 from horizon_ray.job import lease
 from horizon_ray.job.events import Event, decode
@@ -79,8 +80,6 @@ SPEC_FILE = "job.yaml"
 # restart (its actor reloads the job table and polls again within seconds); the coordinator waits this long
 # (and the kill grace) after it last heard from a lost node before it starts that node's jobs elsewhere.
 ENGINE_LEASE_S = 60.0
-# Variables only the API process may see: the tenants' API keys and the path of their file.
-SECRET_ENV_PREFIX = "HORIZON_API_"
 _MAX_LINES_PER_POLL = 2000
 _STDERR_TAIL_BYTES = 4000
 
@@ -682,7 +681,7 @@ class NodeAgent:
         log_dir = output_dir / "logs"
         log_dir.mkdir(exist_ok=True)
         log_path = log_dir / f"attempt-{launch.attempt}-{self.node_id}.log"
-        env = without_secrets({**os.environ, **self._env})
+        env = engine_base_env(os.environ, self._env)  # an allow-list: no key, no token reaches a tenant's job
         env[lease.ENV_JOB] = job_id
         env[lease.ENV_EPOCH] = str(launch.attempt)
         env["HORIZON_RAY_NODE_ID"] = self.node_id

@@ -254,7 +254,9 @@ class RayClient(_Delegating):
         timeout_s: float = 60.0,
         lazy: bool = False,
         retry_s: float = 2.0,
+        credential: str | None = None,
     ):
+        self._credential = credential  # presented on every call: a tenant's API key, or the API's (gate.py)
         self._address = address
         self._name = name
         self._namespace = namespace
@@ -325,7 +327,7 @@ class RayClient(_Delegating):
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         try:
-            reply = ray.get(self._handle().call.remote(method, *args, **kwargs),
+            reply = ray.get(self._handle().call.remote(method, *args, _credential=self._credential, **kwargs),
                             timeout=_timeout_s or self._timeout_s)
         except (RayActorError, GetTimeoutError) as exc:
             self._actor = None
@@ -347,6 +349,11 @@ class RayClient(_Delegating):
             return bool(self._call("ready", _timeout_s=10.0))  # a probe: answer fast
         except CoordinatorUnavailable:
             return False
+
+    def whoami(self) -> str | None:
+        """The tenant this client's credential acts as (None: the API's, which names the tenant of each call).
+        Raises Unauthorized for a missing or unknown key."""
+        return self._call("whoami")
 
 
 def _drop_client_sessions() -> None:

@@ -673,15 +673,16 @@ class Coordinator:
 
     def _normalise(self, spec: dict[str, Any], tenant: str, job_id: str) -> dict[str, Any]:
         """The spec validated strictly (InvalidSpec names the fix), with its output_dir made absolute or,
-        when it has none, set to `<jobs_root>/<tenant>/<job_id>`. Callers confine tenants' paths (the API
-        does); the coordinator only refuses two live jobs writing to one directory."""
+        when it has none, set to `<jobs_root>/<tenant>/<job_id>` (a relative one lies in `<jobs_root>/<tenant>/`).
+        The gate in front of the actor confines tenants' paths (`gate.py`); the core only refuses two live jobs
+        writing to one directory."""
         if not isinstance(spec, dict):
             raise InvalidSpec("a job spec is a mapping (the YAML/JSON object `horizon-ray finetune` reads)")
         given = spec.get("output_dir")
         if given is not None and not isinstance(given, str):
             raise InvalidSpec("output_dir must be a string (a directory path)")
         default = self.jobs_root / tenant / job_id
-        output_dir = str(Path(given).expanduser().resolve()) if given else str(default)
+        output_dir = str((self.jobs_root / tenant / Path(given).expanduser()).resolve()) if given else str(default)
         full = dict(spec, output_dir=output_dir)
         try:
             return self._validate_spec(full)

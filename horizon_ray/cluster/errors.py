@@ -78,6 +78,13 @@ class IdempotencyConflict(HorizonError):
     code = "idempotency_conflict"
 
 
+class Unauthorized(HorizonError):
+    """The call's credential is missing, invalid, or another tenant's than the tenant it names
+    (`horizon_ray.cluster.gate`). 401."""
+
+    code = "unauthorized"
+
+
 class CoordinatorUnavailable(HorizonError):
     """The coordinator cannot be reached or is not ready. 503."""
 
@@ -95,5 +102,6 @@ _BY_CODE: dict[str, type[HorizonError]] = {
         InvalidTransition,
         IdempotencyConflict,
         CoordinatorUnavailable,
+        Unauthorized,
     )
 }

@@ -45,6 +45,32 @@ def ray_job_submission_id(environ: Mapping[str, str] | None = None) -> str | Non
         return None
 
 
+def job_server_cluster(pid: int | None = None) -> str | None:
+    """The GCS address of the cluster whose job server started this Ray job's entrypoint: the one its job
+    supervisor (an ancestor process, a Ray worker started with --gcs-address) belongs to. None outside a Ray job.
+
+    Not RAY_ADDRESS: Ray sets it to the newest cluster of the supervisor's temp dir, which is another cluster
+    when another one started later on the machine (another serve, a test's)."""
+    import psutil
+
+    try:
+        proc: psutil.Process | None = psutil.Process(pid or os.getpid())
+        while proc is not None:
+            for arg in proc.cmdline():
+                if arg.startswith("--gcs-address="):
+                    return arg.split("=", 1)[1]
+            proc = proc.parent()
+    except (psutil.Error, OSError):
+        return None
+    return None
+
+
+def entrypoint_address(environ: Mapping[str, str] | None = None) -> str | None:
+    """The Ray address a Ray job's entrypoint reaches the service at: its job server's cluster."""
+    env = os.environ if environ is None else environ
+    return job_server_cluster() or env.get("RAY_ADDRESS")
+
+
 def should_submit_to_coordinator(environ: Mapping[str, str] | None = None) -> bool:
     """Whether `horizon-ray finetune` should submit its spec to the coordinator (see the module doc)."""
     env = os.environ if environ is None else environ
@@ -53,7 +79,7 @@ def should_submit_to_coordinator(environ: Mapping[str, str] | None = None) -> bo
         return flag in ("1", "true", "yes", "on")
     if RAY_JOB_ENV not in env:
         return False
-    return coordinator_reachable(env.get("RAY_ADDRESS"))
+    return coordinator_reachable(entrypoint_address(env))
 
 
 def coordinator_reachable(address: str | None = None) -> bool:
@@ -82,11 +108,14 @@ def submit_and_follow(
     0 succeeded, 1 failed or cancelled, 2 refused (invalid spec, rejected, over quota), 130 interrupted
     (the job is cancelled first: `ray job stop` sends SIGTERM, which lands here).
 
-    tenant: default $HORIZON_RAY_TENANT or "default". idempotency_key: default the Ray job's submission id,
-    so a retried entrypoint follows the same job instead of submitting a second one.
+    Without a `client`, the job acts as the tenant of the API key in $HORIZON_API_KEY (a Ray job's runtime env
+    sets it), which the coordinator verifies; `tenant` is for a given client only. idempotency_key: default
+    the Ray job's submission id, so a retried entrypoint follows the same job instead of submitting a second
+    one.
     """
+    from horizon_ray.cluster.gate import ENV_API_KEY
+
     out = out or sys.stdout
-    tenant = tenant or os.environ.get("HORIZON_RAY_TENANT") or "default"
     ray_job = ray_job_submission_id()
     if idempotency_key is None and ray_job:
         idempotency_key = f"ray-job:{ray_job}"
@@ -94,7 +123,9 @@ def submit_and_follow(
         if client is None:
             from horizon_ray.cluster.client import RayClient
 
-            client = RayClient(address)
+            client = RayClient(address or entrypoint_address(), credential=os.environ.get(ENV_API_KEY) or None)
+            tenant = client.whoami()
+        tenant = tenant or "default"
         job = client.submit(tenant, spec, idempotency_key=idempotency_key, priority=priority,
                             name=name or spec.get("name") or ray_job)
     except HorizonError as exc:

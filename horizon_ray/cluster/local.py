@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 import re
+import stat
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,11 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from horizon_ray.cluster.gate import GateConfig
 from horizon_ray.cluster.tenants import parse_bytes
 from horizon_ray.errors import BadInput
 from horizon_ray.planner.node import H200_NODE
 
 ADDRESS_FILE = "ray_address"  # under the service root: the GCS address of the cluster serve runs on
+RAY_TOKEN_FILE = "ray_token"  # under the service root: the Ray token of the cluster serve starts (0600)
+RAY_AUTH_MODE, RAY_AUTH_TOKEN_PATH = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"  # Ray's token authentication
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
 _GPUS = re.compile(r"^([0-9]+)gpus?(?:@(.+))?$", re.IGNORECASE)
 _CPUS = re.compile(r"^([0-9]+)cpus?$", re.IGNORECASE)
@@ -114,6 +119,46 @@ def parse_simulated_nodes(text: str) -> dict[str, int]:
     return {name: node.ram_bytes for name, node in parse_simulated_cluster(text).items()}
 
 
+def use_ray_token(root: Path, *, create: bool) -> Path | None:
+    """Turn on Ray's token authentication in this process (and every process it starts: the Ray cluster, a
+    client) with the token file under the service `root`: made with a random token, readable by this user
+    only, when `create` and missing. Returns its path, or None (no token there and not `create`; an explicit
+    RAY_AUTH_MODE is left as it is).
+
+    The environment names the file, not the token: Ray's processes read it from there, and the engines, which
+    start from an allow-list environment (`engine_env`), get neither."""
+    import secrets
+
+    path = Path(root) / RAY_TOKEN_FILE
+    if os.environ.get(RAY_AUTH_MODE) not in (None, "token"):
+        return None
+    if os.environ.get(RAY_AUTH_MODE) == "token" and (os.environ.get("RAY_AUTH_TOKEN") or
+                                                     os.environ.get(RAY_AUTH_TOKEN_PATH, str(path)) != str(path)):
+        return None  # an operator's own token (a k8s Secret): that one
+    if not path.is_file():
+        if not create:
+            return None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            pass  # another serve of this root made it first
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+    mode = os.lstat(path).st_mode
+    if mode & 0o077 or not stat.S_ISREG(mode):
+        raise BadInput(f"the Ray token {path} is readable by others or not a plain file; chmod 600 it (or delete it "
+                       "and serve makes a new one)")
+    os.environ[RAY_AUTH_MODE] = "token"
+    os.environ[RAY_AUTH_TOKEN_PATH] = str(path)
+    if "ray" in sys.modules:  # Ray reads its configuration once: tell it again
+        from ray._raylet import Config
+
+        Config.initialize("")
+    return path
+
+
 def start_simulated_cluster(ram_by_node: dict[str, int | SimulatedNode], *, head_cpus: int = 1,
                             node_cpus: int = 1, dashboard_port: int | None = None, port: int | None = None) -> Any:
     """A `ray.cluster_utils.Cluster` on this machine: a head (coordinator, API) plus one Ray node per
@@ -184,11 +229,13 @@ def start_service(root: str | Path, *, ram_by_node: dict[str, int | SimulatedNod
                   tenants_file: str | Path | None = None, node_dead_after_s: float = 10.0,
                   agent_env: dict[str, str] | None = None, planner: str | None = None,
                   skip_head: bool = False, jobs_root: str | Path | None = None,
-                  engine_lease_s: float | None = None, agent_command: list[str] | None = None) -> Service:
+                  engine_lease_s: float | None = None, agent_command: list[str] | None = None,
+                  gate: GateConfig | None = None) -> Service:
     """Agents on every node (only the simulated ones when `ram_by_node` is given: bytes of RAM or a
     SimulatedNode per node; not on the head with `skip_head`) and the coordinator. `engine_lease_s`: how long an
     agent's engines outlive the coordinator's last call (default agent.ENGINE_LEASE_S); `agent_command`: the argv
-    prefix of an engine (default `python -m horizon_ray.job`; benchmarks give a stand-in).
+    prefix of an engine (default `python -m horizon_ray.job`; benchmarks give a stand-in); `gate`: what the
+    coordinator admits (`horizon_ray.cluster.gate`; None: it trusts the tenant each call names, for tests).
 
     Needs `ray.init` done. The job table is `<root>/coordinator.sqlite`; jobs without an output_dir write
     to `<jobs_root>/<tenant>/<job_id>/` (default jobs_root: `<root>/jobs`).
@@ -203,7 +250,7 @@ def start_service(root: str | Path, *, ram_by_node: dict[str, int | SimulatedNod
     store = root / "coordinator.sqlite"
     jobs = Path(jobs_root).expanduser().resolve() if jobs_root is not None else root / "jobs"
     coordinator = start_coordinator(store, jobs, tenants_file=str(tenants_file) if tenants_file else None,
-                                    node_dead_after_s=node_dead_after_s, planner=planner)
+                                    node_dead_after_s=node_dead_after_s, planner=planner, gate=gate)
     import ray
 
     ray.get(coordinator.tick.remote(), timeout=120)  # so that it knows every agent before serving

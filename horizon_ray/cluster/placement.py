@@ -11,7 +11,8 @@ node's one RAM ledger. Whether a job needs a GPU (`needs_gpu`) follows its `engi
 - "cuda" (or "cuda:N": the agent picks the GPU, the index is ignored): always; a node without GPUs can never
   hold it;
 - "auto" (the default): a GPU on a node that has GPUs, the CPU on a node that has none. On a GPU node whose
-  GPUs are all busy it waits for one (it does not fall back to the CPU there).
+  GPUs are all busy it waits for one (it does not fall back to the CPU there). With `resources.gpus` above 1 it
+  asks for that many GPUs, and no node without GPUs holds it (CPU ranks are asked for with "cpu").
 A GPU job takes `resources.gpus` GPUs of one node (default 1; one rank on each, over one host copy of the
 model): a node with fewer GPUs can never hold it. It fits a node now when the node's free RAM holds it *and*
 that many of its GPUs are free; otherwise it waits in the queue with the reason (e.g. "node b: all 2 GPUs
@@ -40,6 +41,8 @@ def needs_gpu(spec: dict[str, Any], gpu_count: int) -> bool:
     for the node by the rule the job runner follows (``workload.resolve``)."""
     engine = spec.get("engine") if isinstance(spec, dict) else None
     device = str((engine or {}).get("device") or "auto") if isinstance(engine, dict) else "auto"
+    if device == "auto" and gpus_wanted(spec) > 1:
+        return True  # several GPUs asked for: CPU ranks would not be what the user wanted
     return resolve(gpu=gpu_count > 0, device=device).cuda
 
 
@@ -154,6 +157,10 @@ def _candidate(node: NodeInfo, plan: dict[str, Any], gpu_job: bool, gpus: int = 
     if not planner_fits:
         fits, reason = False, str(plan.get("reason") or "the planner says it does not fit")
         short = [str(x) for x in plan.get("short_of") or []]
+    elif gpu_job and not node.gpu_count and gpus > 1:
+        fits, reason = False, (f"resources.gpus {gpus} needs {gpus} GPUs of one node; node {node.node_id} has none "
+                               f"(engine.device cpu runs {gpus} CPU ranks)")
+        short = ["GPUs"]
     elif gpu_job and not node.gpu_count:
         fits, reason = False, (f"engine.device cuda needs a GPU; node {node.node_id} has none (set "
                                "engine.device to auto or cpu to run on the CPU)")
@@ -212,6 +219,9 @@ def never_fits_reason(candidates: list[Candidate]) -> str:
     """One sentence on why no node can ever hold the job, naming the limit that binds (host RAM, GPU memory, a
     GPU). Each node's own reason is its candidate's (`per_node_reasons`)."""
     head = "no node can ever hold this job"
+    if candidates and all(c.needs_gpu and not c.gpu_count for c in candidates) and candidates[0].gpus > 1:
+        return (f"{head}: resources.gpus {candidates[0].gpus} needs {candidates[0].gpus} GPUs of one node and no "
+                f"node has a GPU; set engine.device cpu to train on {candidates[0].gpus} CPU ranks, or add a GPU node")
     if candidates and all(c.needs_gpu and not c.gpu_count for c in candidates):
         return (f"{head}: its engine.device cuda needs a GPU and no node has one; set engine.device to auto or "
                 "cpu to train on the CPU, or add a GPU node")

@@ -38,6 +38,7 @@ from horizon_ray.cluster.agent import (
 from horizon_ray.cluster.client import _METHODS, COORDINATOR_NAME, NAMESPACE
 from horizon_ray.cluster.coordinator import Coordinator
 from horizon_ray.cluster.errors import HorizonError
+from horizon_ray.cluster.gate import OPEN_TENANT, Gate, GateConfig, Principal
 from horizon_ray.cluster.messages import AgentJobReport, Launch, NodeInfo, Reservation
 from horizon_ray.cluster.tenants import TenantsConfig
 
@@ -110,7 +111,10 @@ class CoordinatorActor:
     """The Ray actor around the `Coordinator` core: one generic `call` and a tick loop on a thread."""
 
     def __init__(self, store_path: str, jobs_root: str, tenants_file: str | None = None,
-                 tick_interval_s: float = 0.5, node_dead_after_s: float = 10.0, planner: str | None = None):
+                 tick_interval_s: float = 0.5, node_dead_after_s: float = 10.0, planner: str | None = None,
+                 gate: dict[str, Any] | None = None):
+        # every client call passes the gate (None: a coordinator of tests, which trusts the tenant it is told)
+        self.gate = Gate(GateConfig.from_wire(gate)) if gate is not None else None
         kwargs: dict[str, Any] = {}
         if planner:
             kwargs["planner"] = _import(planner)
@@ -122,12 +126,20 @@ class CoordinatorActor:
         self._thread = threading.Thread(target=self._loop, name="coordinator-tick", daemon=True)
         self._thread.start()
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Run one client method; domain errors come back as plain data (see RayClient)."""
-        if method not in _METHODS:
+    def call(self, method: str, *args: Any, _credential: str | None = None, **kwargs: Any) -> dict[str, Any]:
+        """Run one client method as the principal of `_credential` (see `gate`); domain errors come back as
+        plain data (see RayClient)."""
+        if method not in (*_METHODS, "whoami"):
             return {"error": {"code": "invalid_request", "message": f"unknown method {method!r}"}}
         try:
+            who = Principal(OPEN_TENANT)
+            if self.gate is not None:
+                who, args, kwargs = self.gate.admit(method, args, kwargs, _credential)
+            if method == "whoami":
+                return {"ok": who.tenant}
             result = getattr(self.core, method)(*args, **kwargs)
+            if self.gate is not None:
+                result = self.gate.shown(who, method, result)
             if method in ("submit", "cancel"):
                 # Place (or stop) it now rather than at the next tick, and answer with the outcome.
                 self.core.tick()
@@ -220,8 +232,10 @@ def ensure_agents(ram_by_node: dict[str, Any] | None = None, *, command: list[st
 
 
 def start_coordinator(store_path: str | Path, jobs_root: str | Path, *, tenants_file: str | None = None,
-                      node_dead_after_s: float = 10.0, planner: str | None = None) -> Any:
-    """The coordinator actor (started if none runs), pinned to the head node; waits until it answers."""
+                      node_dead_after_s: float = 10.0, planner: str | None = None,
+                      gate: GateConfig | None = None) -> Any:
+    """The coordinator actor (started if none runs), pinned to the head node; waits until it answers. `gate`:
+    what it admits (None: it trusts the tenant each call names)."""
     head = _head_node_id()
     handle = CoordinatorActorRemote.options(
         name=COORDINATOR_NAME,
@@ -234,7 +248,8 @@ def start_coordinator(store_path: str | Path, jobs_root: str | Path, *, tenants_
         # sees CoordinatorUnavailable and retries what is safe to retry.
         max_task_retries=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False),
-    ).remote(str(store_path), str(jobs_root), tenants_file, 0.5, node_dead_after_s, planner)
+    ).remote(str(store_path), str(jobs_root), tenants_file, 0.5, node_dead_after_s, planner,
+             gate.to_wire() if gate is not None else None)
     deadline = time.time() + 120
     while True:
         try:

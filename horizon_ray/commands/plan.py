@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lora, ceil = Adapters(), Ceilings()  # the job spec's defaults, the planner's node
     job.add_argument("--lora-rank", type=int, default=lora.r, help=f"adapter rank r (default {lora.r})")
     job.add_argument("--lora-targets", default=",".join(lora.targets),
-                     help=f"comma-separated projections that get an adapter (default {','.join(lora.targets)})")
+                     help="comma-separated projections that get an adapter (default: each model's family's, "
+                          "q_proj,v_proj or Phi-3's qkv_proj)")
     job.add_argument("--lora-modules-to-save", default="",
                      help="comma-separated norms trained beside the adapters (PEFT's names; norm: every norm; "
                           "default none)")

@@ -20,6 +20,7 @@ settings first, then drops every HORIZON_API_* variable from its environment bef
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import threading
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from horizon_ray.cluster.agent import ENGINE_LEASE_S, SECRET_ENV_PREFIX
 from horizon_ray.errors import BadInput
+from horizon_ray.job.demo import DEMO_MODEL_NAME
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,14 +67,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a node agent that has not heard from the coordinator this long stops its engines; the "
                              "coordinator waits as long (and a kill grace) before it recovers a lost node's jobs "
                              f"elsewhere (default {ENGINE_LEASE_S:.0f})")
+    parser.add_argument("--demo-model", action=argparse.BooleanOptionalAction, default=None,
+                        help=f"offer the embedded demo model as catalogue entry {DEMO_MODEL_NAME!r} (built into "
+                             "$HORIZON_RAY_HOME/demo if missing), with its directory as a model root and a data "
+                             "root (train.jsonl, eval.jsonl); default: on for a cluster serve starts, off with "
+                             "--address (the nodes of a joined cluster may not see this machine's files)")
     parser.add_argument("--stop-on-exit", action="store_true",
                         help="on a joined cluster, remove the coordinator and agents when serve exits")
 
 
+SECRETS_FD = "HORIZON_SERVE_SECRETS_FD"  # the memory file a re-executed serve reads its secrets from
+RAY_TOKEN_VAR = "RAY_AUTH_TOKEN"  # Ray's token, when an operator gives it in the environment (a k8s Secret)
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+
+
+def secret_names(environ: dict[str, str] | os._Environ) -> list[str]:
+    """The variables of `environ` that hold a secret: the API's (keys, their file) and Ray's token."""
+    return [k for k in environ if k.startswith(SECRET_ENV_PREFIX) or k == RAY_TOKEN_VAR]
+
+
+def exec_without_secrets(argv: list[str]) -> None:
+    """Start this serve again (`python -m horizon_ray ARGV`) with its secrets moved from the environment into an
+    anonymous memory file it inherits: /proc/<pid>/environ shows a process's environment as it was at exec,
+    whatever it deletes later, and every process of the same user reads it. Returns only when there is none."""
+    names = secret_names(os.environ)
+    if not names:
+        return
+    fd = os.memfd_create("horizon-ray-serve-secrets", 0)  # inherited across exec (no MFD_CLOEXEC)
+    os.write(fd, json.dumps({k: os.environ[k] for k in names}).encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    env = {k: v for k, v in os.environ.items() if k not in names}
+    env[SECRETS_FD] = str(fd)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "horizon_ray", *argv], env)
+
+
+def take_secrets() -> dict[str, str]:
+    """The secrets `exec_without_secrets` handed over (closing their memory file); {} when it did not run."""
+    raw = os.environ.pop(SECRETS_FD, None)
+    if raw is None:
+        return {}
+    with os.fdopen(int(raw), "rb") as f:
+        return json.loads(f.read())
+
+
 def run(args: argparse.Namespace) -> int:
     from api.settings import ENV_KEYS, ENV_KEYS_FILE, ApiSettings
-    from horizon_ray.cluster.local import default_root, parse_simulated_cluster
+    from horizon_ray.cluster.gate import GateConfig, service_credential
+    from horizon_ray.cluster.local import default_root, parse_simulated_cluster, use_ray_token
     from horizon_ray.cluster.tenants import TenantsConfig, format_bytes
+
+    if sys.argv[1:2] == ["serve"]:  # this process is `horizon-ray serve`, not a test calling run()
+        exec_without_secrets(sys.argv[1:])
+    secrets = take_secrets()
+    if RAY_TOKEN_VAR in secrets:  # this process's own connection to Ray needs it; its exec environment has it not
+        os.environ[RAY_TOKEN_VAR] = secrets.pop(RAY_TOKEN_VAR)
 
     simulated = parse_simulated_cluster(args.simulate_nodes) if args.simulate_nodes else None
     if simulated and args.address:
@@ -87,20 +137,31 @@ def run(args: argparse.Namespace) -> int:
     tenants = args.tenants.absolute() if args.tenants else None
     root = (args.root or default_root()).expanduser().resolve()
     # the API's settings, checked before anything starts; their jobs root is also the coordinator's
-    settings = ApiSettings.from_env(root=root, insecure_no_auth=args.insecure_no_auth)
-    if not (args.no_api or settings.api_keys or args.insecure_no_auth):
-        raise BadInput(f"the API has no key, so it would answer every call 401: set {ENV_KEYS}=KEY=TENANT (e.g. "
+    settings = ApiSettings.from_env({**os.environ, **secrets}, root=root, insecure_no_auth=args.insecure_no_auth)
+    if args.demo_model if args.demo_model is not None else not args.address:
+        settings = with_demo_model(settings)
+    if not (settings.api_keys or args.insecure_no_auth):
+        raise BadInput(f"the service has no API key, so it would refuse every call: set {ENV_KEYS}=KEY=TENANT (e.g. "
                        f"{ENV_KEYS}=$(python -c 'import secrets; print(secrets.token_urlsafe(24))')=me) or "
-                       f"{ENV_KEYS_FILE}, or pass --insecure-no-auth on a machine of your own (every setting: "
-                       "horizon-ray serve --help)")
+                       f"{ENV_KEYS_FILE} (also with --no-api: the coordinator checks the keys of the CLI and Ray "
+                       "jobs), or pass --insecure-no-auth on a machine of your own (every setting: horizon-ray serve "
+                       "--help)")
     if args.insecure_no_auth and settings.api_keys:
         raise BadInput(f"--insecure-no-auth with API keys set ({ENV_KEYS} or {ENV_KEYS_FILE}): drop one of them")
+    if args.insecure_no_auth and not args.no_api and args.host not in LOOPBACK_HOSTS:
+        raise BadInput(f"--insecure-no-auth serves the API without keys, so only on loopback: drop --host "
+                       f"{args.host} (the default is 127.0.0.1), or set {ENV_KEYS} and drop --insecure-no-auth")
+    gate = GateConfig.from_keys(settings.api_keys, uploads_dir=settings.uploads_dir, jobs_root=settings.jobs_root,
+                                data_roots=settings.data_roots, model_roots=settings.model_roots,
+                                model_catalogue=settings.model_catalogue, tracker_hosts=settings.tracker_hosts)
     dashboard = args.dashboard_port if args.dashboard_port else None
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     # The API's settings were read above, and its variables (the tenants' keys, their file) leave this process's
     # environment before any Ray process starts from it: no raylet, worker or engine inherits them.
     for name in [k for k in os.environ if k.startswith(SECRET_ENV_PREFIX)]:
         del os.environ[name]
+    # Ray's token authentication: a cluster serve starts takes only clients that hold the token of <root>
+    token = use_ray_token(root, create=not args.address)
 
     import ray
 
@@ -122,8 +183,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         service = start_service(root, ram_by_node=simulated, tenants_file=tenants,
                                 node_dead_after_s=args.node_dead_after, skip_head=args.no_head_agent,
-                                jobs_root=settings.jobs_root, engine_lease_s=args.engine_lease)
-        client = RayClient()
+                                jobs_root=settings.jobs_root, engine_lease_s=args.engine_lease, gate=gate)
+        client = RayClient(credential=service_credential(settings.api_keys))  # the API's: it names each tenant
         address = ray.get_runtime_context().gcs_address
         print(f"horizon-ray service on Ray cluster {address} (namespace {NAMESPACE})")
         for node in client.nodes():
@@ -132,11 +193,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"  node {node.node_id}: {format_bytes(node.ram_bytes)} RAM, {gpus}, {node.cpu_count} cores "
                   "split among its engines")
         print(f"  job table {service.store_path}; job outputs default to {service.jobs_root}/<tenant>/<job>")
-        print(f"  clients: horizon-ray submit JOB.yaml --address {address}  (or --root {root})")
+        print(f"  clients: horizon-ray submit JOB.yaml --address {address}  (or --root {root}), with "
+              "HORIZON_API_KEY set to a tenant's key")
+        if token is not None:
+            print(f"  Ray token authentication: clients of Ray need RAY_AUTH_MODE=token "
+                  f"RAY_AUTH_TOKEN_PATH={token} (horizon-ray submit/status find it under --root)")
         jobs_url = f"http://{cluster.webui_url}" if cluster is not None and cluster.webui_url else None
         if jobs_url:
-            print(f"  Ray Jobs: ray job submit -- horizon-ray finetune --config JOB.yaml  (the job server is "
-                  f"{jobs_url}; --address {jobs_url} when another Ray cluster started later on this machine)")
+            print(f"  Ray Jobs: ray job submit --address {jobs_url} --runtime-env-json "
+                  "'{\"env_vars\": {\"HORIZON_API_KEY\": \"...\"}}' -- horizon-ray finetune --config JOB.yaml")
         print(flush=True)
         if not simulated:
             threading.Thread(target=_rescan_nodes, args=(args.no_head_agent, args.engine_lease),
@@ -157,6 +222,19 @@ def run(args: argparse.Namespace) -> int:
         if cluster is not None:
             cluster.shutdown()
     return 0
+
+
+def with_demo_model(settings):
+    """`settings` that also offer the embedded demo model (built if missing): catalogue entry DEMO_MODEL_NAME
+    unless the operator's catalogue has that name, its assets directory a model root and a data root."""
+    from dataclasses import replace
+
+    from horizon_ray.job.demo import prepare_demo_assets
+
+    assets, _ = prepare_demo_assets()
+    catalogue = {DEMO_MODEL_NAME: assets.model_dir, **settings.model_catalogue}
+    return replace(settings, model_catalogue=catalogue, model_roots=[*settings.model_roots, assets.root],
+                   data_roots=[*settings.data_roots, assets.root])
 
 
 def _wait() -> None:
@@ -181,7 +259,7 @@ def _serve_api(client, settings, host: str, port: int) -> None:
     import uvicorn
 
     from api.app import create_app
-    from api.settings import ENV_KEYS
+    from api.settings import ENV_DATA_ROOTS, ENV_KEYS, ENV_MODEL_CATALOGUE, ENV_MODEL_ROOTS
 
     app = create_app(client, settings)
     if settings.insecure_no_auth:
@@ -191,6 +269,11 @@ def _serve_api(client, settings, host: str, port: int) -> None:
         tenants = sorted(set(settings.api_keys.values()))
         print(f"API keys for tenant(s) {', '.join(tenants)}; send 'Authorization: Bearer <key>'")
     print(f"  job outputs {settings.jobs_root}/<tenant>/<job>; uploads {settings.uploads_dir}/<tenant>")
+    print(f"  models (catalogue, {ENV_MODEL_CATALOGUE}): "
+          + (", ".join(f"{name}={path}" for name, path in sorted(settings.model_catalogue.items())) or "none"))
+    for var, roots in ((ENV_MODEL_ROOTS, settings.model_roots), (ENV_DATA_ROOTS, settings.data_roots)):
+        print(f"  {'model' if var == ENV_MODEL_ROOTS else 'data'} roots ({var}): "
+              + (", ".join(str(r) for r in roots) or "none"))
     print(f"API on http://{host}:{port}  (dashboard http://{host}:{port}/, OpenAI-compatible at "
           f"http://{host}:{port}/v1)", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+from horizon_ray.cluster.gate import ENV_API_KEY
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", type=Path, metavar="JOB.yaml", help="the job spec (YAML)")
@@ -28,8 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tenant", default=None,
-                        help="tenant to act as (default $HORIZON_RAY_TENANT or 'default')")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help=f"your API key: you act as its tenant, the one whose jobs the dashboard shows for it "
+                             f"(default ${ENV_API_KEY}; a flag shows in the process list, the variable does not)")
     parser.add_argument("--address", default=None,
                         help="Ray cluster of the service (default $HORIZON_RAY_ADDRESS, $RAY_ADDRESS, the "
                              "address `serve` wrote under --root, else auto)")
@@ -37,21 +40,28 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def connect(args: argparse.Namespace):
-    """(client, tenant) for the service the arguments name."""
+    """(client, tenant) for the service the arguments name: the tenant is the one of the API key
+    (--api-key or $HORIZON_API_KEY) the coordinator verified; printed to stderr."""
     import os
 
     from horizon_ray.cluster.client import RayClient
-    from horizon_ray.cluster.local import resolve_address
+    from horizon_ray.cluster.local import default_root, resolve_address, use_ray_token
 
-    tenant = args.tenant or os.environ.get("HORIZON_RAY_TENANT") or "default"
-    return RayClient(resolve_address(args.address, args.root)), tenant
+    root = (args.root or default_root()).expanduser()
+    use_ray_token(root, create=False)  # the Ray token of the service serve runs for this root, when there is one
+    key = args.api_key or os.environ.get(ENV_API_KEY) or None
+    client = RayClient(resolve_address(args.address, args.root), credential=key)
+    tenant = client.whoami()
+    print(f"acting as tenant {tenant}", file=sys.stderr)
+    return client, tenant
 
 
 def local_spec(path: Path, overrides: list[str] | tuple[str, ...] = (), cwd: Path | None = None) -> dict:
     """The spec file as plain data to hand to the service, whose nodes resolve no relative path: parsed
     strictly (a misspelt key is refused here), ~ and $HORIZON_RAY_HOME expanded on this machine, and each
-    relative path made absolute where it was written: a path in the file relative to the file, a path given
-    as a key=value override relative to `cwd` (default: the working directory)."""
+    relative input path made absolute where it was written: a path in the file relative to the file, a path
+    given as a key=value override relative to `cwd` (default: the working directory). A relative output_dir
+    stays relative: the service puts it in the tenant's output namespace."""
     from horizon_ray.jobspec import JobSpec, apply_overrides, read_yaml
 
     spec = read_yaml(path)
@@ -78,8 +88,7 @@ def _absolute(spec: dict, base: Path) -> None:
     for section, key in _PATHS:
         if isinstance(spec.get(section), dict) and key in spec[section]:
             spec[section][key] = fix(spec[section][key])
-    if "output_dir" in spec:
-        spec["output_dir"] = fix(spec["output_dir"])
+    # output_dir is not made absolute: a relative one lies in the tenant's output namespace on the service
 
 
 def _merge(base: dict, over: dict) -> dict:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from horizon_ray.data.formats import Example, load_examples
+from horizon_ray.data.formats import PLAIN, Example, Layout, load_examples
 from horizon_ray.data.shuffle import SPLIT_STREAM, permutation
 from horizon_ray.data.tokenize import TokenizedDataset, load_tokenizer, tokenize_examples
 from horizon_ray.errors import BadInput
@@ -50,28 +50,31 @@ def build_datasets(
     eval_fraction: float = 0.0,
     eval_path: PathLike | None = None,
     seed: int = 0,
+    layout: Layout = PLAIN,
+    train_on_inputs: bool = False,
 ) -> tuple[TokenizedDataset, TokenizedDataset | None]:
     """Load, split and tokenize: ``(train, eval)``; eval is None without eval_fraction and eval_path.
 
     ``tokenizer`` is a transformers tokenizer or a local folder to load one from (offline). ``fmt`` is
-    "auto", "alpaca", "messages" or "text" and applies to ``eval_path`` too.
+    "auto", "alpaca", "messages", "sharegpt" or "text" and, with ``layout`` (the file's keys and role values),
+    applies to ``eval_path`` too; ``train_on_inputs``: a chat's prompts are targets too.
     """
     if eval_path is not None and eval_fraction:
         raise BadInput("give either eval_fraction or eval_path, not both; eval_path is a separate eval set")
     if eval_fraction < 0:
         raise BadInput(f"eval_fraction={eval_fraction} is negative; use a value in [0, 1), e.g. 0.05")
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str | Path) else tokenizer
-    examples = load_examples(path, fmt)
+    examples = load_examples(path, fmt, layout)
     eval_examples: list[Example] | None = None
     if eval_path is not None:
-        eval_examples = load_examples(eval_path, fmt)
+        eval_examples = load_examples(eval_path, fmt, layout)
     elif eval_fraction > 0:
         examples, eval_examples = split_examples(examples, eval_fraction, seed)
-    train = tokenize_examples(examples, tok, seq_len)
+    train = tokenize_examples(examples, tok, seq_len, train_on_inputs)
     evals = None
     if eval_examples is not None:
         try:
-            evals = tokenize_examples(eval_examples, tok, seq_len)
+            evals = tokenize_examples(eval_examples, tok, seq_len, train_on_inputs)
         except ValueError as exc:
             where = f"data.eval_path {eval_path}" if eval_path is not None else "the held-out eval split"
             raise BadInput(f"{where}: {exc}") from None

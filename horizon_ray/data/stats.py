@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from horizon_ray.data.formats import detect_format, iter_file, load_examples
+from horizon_ray.data.formats import detect_format, iter_file, layout_of, load_examples
 from horizon_ray.errors import BadInput
 
 
@@ -113,7 +113,7 @@ def check_spec_data(spec: Any) -> dict[str, int]:
         if not value or not Path(value).expanduser().exists():
             continue
         try:
-            checked[key] = len(load_examples(Path(value).expanduser(), spec.data.format))
+            checked[key] = len(load_examples(Path(value).expanduser(), spec.data.format, layout_of(spec.data)))
         except UnicodeDecodeError:
             raise BadInput(f"{key} {value}: not UTF-8 text; give a UTF-8 JSONL file", field=key) from None
         except BadInput as exc:

@@ -9,6 +9,10 @@ Labels follow HF's convention (the engine shifts: token t is trained to predict 
   is rendered up to each assistant turn (with and without the turn) and the characters in between are
   mapped to tokens through the fast tokenizer's offsets, which is robust to merges at the boundary.
 - text: every token is a target; eos is appended so packed documents end like they do in pretraining.
+- ``train_on_inputs``: every token of a chat is a target, prompts and template markup too (axolotl's and
+  LLaMA-Factory's switch of that name); an assistant turn of weight 0 (``Example.untrained``) is not.
+- the chat template is the tokenizer's unless the spec names one (``CHAT_TEMPLATES``) or gives a Jinja string
+  (``with_chat_template``).
 
 ``labels[0]`` is always ``IGNORE_INDEX``: nothing in the example precedes its first token, and in a packed
 row the token before it belongs to another example, which must not be trained to predict it.
@@ -37,6 +41,20 @@ log = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+# data.chat_template names; each renders "add_generation_prompt" as the start of an assistant turn
+CHAT_TEMPLATES = {
+    "chatml": (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+        "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+        "{% endif %}"
+    ),
+    "llama3": (
+        "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+        "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+    ),
+}
 
 
 @dataclass
@@ -109,6 +127,20 @@ def load_tokenizer(path: str | Path) -> Any:
         ) from exc
 
 
+def with_chat_template(tokenizer: Any, template: str | None) -> Any:
+    """`tokenizer` rendering chats with `template`: a name of CHAT_TEMPLATES or a Jinja string (None: its own)."""
+    if template is None:
+        return tokenizer
+    if template in CHAT_TEMPLATES:
+        template = CHAT_TEMPLATES[template]
+    elif "{{" not in template and "{%" not in template:
+        raise BadInput(f"data.chat_template {template!r} is neither a known template ({', '.join(CHAT_TEMPLATES)}) "
+                       "nor a Jinja template ({% for message in messages %}...); name one or give the Jinja text",
+                       field="data.chat_template")
+    tokenizer.chat_template = template
+    return tokenizer
+
+
 def _ids(encoded: Any) -> list[int]:
     """input_ids from apply_chat_template / __call__ output (a list in transformers 4, a dict in 5)."""
     if isinstance(encoded, list):
@@ -123,18 +155,40 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_promp
 
 
 def _chat_mask_from_generation_tags(
-    tokenizer: Any, messages: list[dict[str, str]]
-) -> tuple[list[int], list[bool]]:
+    tokenizer: Any, messages: list[dict[str, str]], untrained: tuple[int, ...] = ()
+) -> tuple[list[int], list[bool]] | None:
+    """ids and mask from the template's {% generation %} blocks; None when the turns of weight 0 cannot be told
+    apart in it (a block per assistant turn, each a run of the mask, is what it takes)."""
     out = tokenizer.apply_chat_template(
         messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
     ids = list(out["input_ids"])
     mask = [bool(m) for m in out["assistant_masks"]]
+    if untrained:
+        runs = _runs(mask)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if len(runs) != len(turns):
+            return None
+        for turn, (start, end) in zip(turns, runs, strict=True):
+            if turn in untrained:
+                mask[start:end] = [False] * (end - start)
     return ids, mask
 
 
+def _runs(mask: list[bool]) -> list[tuple[int, int]]:
+    """The (start, end) of every run of True."""
+    runs, start = [], None
+    for i, m in enumerate([*mask, False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
 def _chat_mask_from_prefixes(
-    tokenizer: Any, messages: list[dict[str, str]], source: str
+    tokenizer: Any, messages: list[dict[str, str]], source: str, untrained: tuple[int, ...] = ()
 ) -> tuple[list[int], list[bool]]:
     if not getattr(tokenizer, "is_fast", False):
         raise BadInput(
@@ -145,7 +199,7 @@ def _chat_mask_from_prefixes(
     text = _render(tokenizer, messages)
     spans: list[tuple[int, int]] = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i in untrained:
             continue
         before = _render(tokenizer, messages[:i], add_generation_prompt=True)
         through = _render(tokenizer, messages[: i + 1])
@@ -165,8 +219,18 @@ def _chat_mask_from_prefixes(
     return ids, mask
 
 
-def tokenize_example(example: Example, tokenizer: Any) -> TokenizedExample:
-    """Token ids and labels of one example, not truncated."""
+def _assistant_mask(tokenizer: Any, messages: list[dict[str, str]], source: str,
+                    untrained: tuple[int, ...] = ()) -> tuple[list[int], list[bool]]:
+    """ids and the mask of the assistant turns not in `untrained`, by the template's tags or by prefixes."""
+    template = tokenizer.chat_template
+    found = None
+    if isinstance(template, str) and _GENERATION_TAG.search(template):
+        found = _chat_mask_from_generation_tags(tokenizer, messages, untrained)
+    return found or _chat_mask_from_prefixes(tokenizer, messages, source, untrained)
+
+
+def tokenize_example(example: Example, tokenizer: Any, train_on_inputs: bool = False) -> TokenizedExample:
+    """Token ids and labels of one example, not truncated; `train_on_inputs`: a chat's prompts are targets too."""
     if example.text is not None:
         ids = _ids(tokenizer(example.text, add_special_tokens=True))
         eos = tokenizer.eos_token_id
@@ -181,24 +245,28 @@ def tokenize_example(example: Example, tokenizer: Any) -> TokenizedExample:
                 f"{example.source}: the tokenizer has no chat_template, which chat and alpaca data need; use "
                 "the model's instruct tokenizer, set tokenizer.chat_template, or use the text format"
             )
-        if isinstance(template, str) and _GENERATION_TAG.search(template):
-            ids, mask = _chat_mask_from_generation_tags(tokenizer, example.messages)
-        else:
-            ids, mask = _chat_mask_from_prefixes(tokenizer, example.messages, example.source)
+        ids, mask = _assistant_mask(tokenizer, example.messages, example.source, example.untrained)
+        if train_on_inputs:
+            # every token a target but those of the assistant turns of weight 0: in the mask of every turn, not
+            # in the weighted one
+            every = (_assistant_mask(tokenizer, example.messages, example.source)[1] if example.untrained
+                     else [False] * len(ids))
+            mask = [not (turn and not kept) for turn, kept in zip(every, mask, strict=True)]
         labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)]
     if labels:
         labels[0] = IGNORE_INDEX
     return TokenizedExample(ids, labels, example.source)
 
 
-def tokenize_examples(examples: list[Example], tokenizer: Any, seq_len: int) -> TokenizedDataset:
+def tokenize_examples(examples: list[Example], tokenizer: Any, seq_len: int,
+                      train_on_inputs: bool = False) -> TokenizedDataset:
     """Tokenize, truncate to ``seq_len`` and count; refuses a result with no usable example."""
     if seq_len < 2:
         raise BadInput(f"seq_len={seq_len} is too short to train anything; use at least 2 (typically 512+)")
     out: list[TokenizedExample] = []
     truncated = dropped = 0
     for example in examples:
-        te = tokenize_example(example, tokenizer)
+        te = tokenize_example(example, tokenizer, train_on_inputs)
         if len(te.input_ids) > seq_len:
             truncated += 1
             te = TokenizedExample(te.input_ids[:seq_len], te.labels[:seq_len], te.source)

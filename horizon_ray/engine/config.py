@@ -130,6 +130,14 @@ class EngineConfig:
         engine.device) included. The learning rate is the spec's peak; a schedule sets it before each step."""
         t, e = spec.training, spec.engine
         r = spec.resolve(gpu=torch.cuda.is_available(), device=device)
+        if r.cuda and not torch.cuda.is_available():
+            # before any rank starts: torch without CUDA fails deep inside (torch._C has no _cuda_setDevice)
+            raise BadInput(f"engine.device {device or e.device} needs CUDA, and torch {torch.__version__} here sees no "
+                           "CUDA GPU (a CPU build, no driver, or a simulated node that declares GPUs it lacks); set "
+                           "engine.device to cpu (or auto, which runs on the CPU here)", field="engine.device")
+        if r.cuda and spec.resources.gpus > torch.cuda.device_count():
+            raise BadInput(f"resources.gpus {spec.resources.gpus} needs as many GPUs; torch sees "
+                           f"{torch.cuda.device_count()} here; ask for at most that many", field="resources.gpus")
         lora = spec.lora if spec.method == "lora" else None
         return cls(
             lr=t.lr, betas=(t.betas[0], t.betas[1]), eps=t.eps, weight_decay=t.weight_decay,

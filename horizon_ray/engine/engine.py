@@ -77,6 +77,8 @@ class Engine:
         """``store`` and ``ranks``: one rank of a job of several on one node (ranks.py), over a store that
         ``Engine.new_store(..., world=N)`` made in shared memory and filled; None: a job of one."""
         cfg.validate()
+        if cfg.lora is not None:  # the family's default targets where the config names none
+            cfg = replace(cfg, lora=cfg.lora.for_model(model))
         self.cfg = cfg
         self.model = model
         self.device = resolve_device(cfg.device)

@@ -13,8 +13,8 @@ The families beyond Llama add: RMSNorm scaling by (1 + w) in fp32 (Gemma; Liger'
 1), the GELU-tanh gated MLP (torch's gelu), soft-capped logits in the loss (Liger's kernel caps in place),
 attention with soft-capped scores (``softcap_attention``: SDPA cannot cap, so an exact attention over blocks
 of queries that recomputes its probabilities in the backward, memory O(block x keys)), and the experts of a
-mixture-of-experts layer (``expert_linear``: tokens sorted by expert, one GEMM per expert, or torch's grouped
-GEMM for all of them on CUDA in bfloat16).
+mixture-of-experts layer (``expert_linear``: tokens sorted by expert, one GEMM per expert, or on CUDA in bfloat16
+torch's grouped GEMM for all of them, forward, dL/dx and the experts' weight gradients alike).
 
 Weight gradients never exist as tensors of their own: ``linear`` takes the fp32 accumulator of its weight
 (a view of the unit's gradient buffer on the device) and its backward adds ``dy^T x`` into it, on CUDA
@@ -111,21 +111,45 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, gw: 
     return _SinkLinear.apply(x, w, b, gw, gb)
 
 
-# ---- mixture-of-experts: one GEMM per expert over its tokens -----------------------------------------------
+# ---- mixture-of-experts: one grouped GEMM over every expert's tokens ---------------------------------------
+
+# Devices whose experts run through torch's grouped GEMM. The CPU runs one GEMM per expert, so that the numerics
+# tests pin the plain path against HF; tests add "cpu" to run the grouped path on torch's CPU implementation.
+GROUPED_MM_DEVICES = ("cuda",)
 
 
 def _grouped(x: torch.Tensor, w_EOI: torch.Tensor) -> bool:
-    """torch's grouped GEMM serves: CUDA, bfloat16, rows of 16-byte multiples (its kernels' layout rule)."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and w_EOI.dtype == x.dtype and hasattr(F, "grouped_mm")
-            and x.shape[-1] % 8 == 0 and w_EOI.shape[-2] % 8 == 0 and w_EOI.shape[-1] % 8 == 0)
+    """torch's grouped GEMM serves: bfloat16 on a device of GROUPED_MM_DEVICES, every width a multiple of
+    8 elements (its kernels' rule: each row of an operand starts on a 16-byte boundary)."""
+    return (x.device.type in GROUPED_MM_DEVICES and x.dtype == torch.bfloat16 and w_EOI.dtype == x.dtype
+            and hasattr(F, "grouped_mm") and x.shape[-1] % 8 == 0 and w_EOI.shape[-2] % 8 == 0
+            and w_EOI.shape[-1] % 8 == 0)
+
+
+def _gmm_layout(t: torch.Tensor) -> torch.Tensor:
+    """t itself where the grouped GEMM takes its layout, else a contiguous copy. Its rule, by strides and not by
+    shape: one of the last two dims has stride 1, the other a stride of at least that dim's size and a multiple of
+    16 bytes, and the data starts on 16 bytes. A view can hold a valid shape in a layout the kernel refuses:
+    LoRA's stacked B of the experts, [out, r x E] viewed as [E, out, r], has strides (1, r E, E)."""
+    st, sz = t.stride(), t.shape
+    align = 16 // t.element_size()
+    row_major = st[-1] == 1 and st[-2] >= max(1, sz[-1]) and st[-2] % align == 0
+    col_major = st[-2] == 1 and st[-1] >= max(1, sz[-2]) and st[-1] % align == 0
+    if (row_major or col_major) and t.data_ptr() % 16 == 0:
+        return t
+    c = t.contiguous()
+    return c if c.data_ptr() % 16 == 0 else c.clone()
+
+
+def _offsets(counts_E: torch.Tensor) -> torch.Tensor:
+    """Each expert's end row, int32 on the device: the grouped GEMM reads them there (no host sync)."""
+    return torch.cumsum(counts_E, 0, dtype=torch.int32)
 
 
 def _expert_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """Rows of x sorted by expert, counts_E[e] of them for expert e: each block times its expert's W^T."""
     if _grouped(x_MI, w_EOI):
-        # offsets stay on the device: no host sync in the forward
-        offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        return F.grouped_mm(x_MI, w_EOI.transpose(-2, -1), offs=offs)
+        return F.grouped_mm(_gmm_layout(x_MI), _gmm_layout(w_EOI.transpose(-2, -1)), offs=_offsets(counts_E))
     out = x_MI.new_empty(x_MI.shape[0], w_EOI.shape[1])
     lo = 0
     for e, n in enumerate(counts_E.tolist()):  # one GEMM per expert that has tokens
@@ -135,9 +159,21 @@ def _expert_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor) 
     return out
 
 
+def _expert_wgrad(gy_MO: torch.Tensor, x_MI: torch.Tensor, counts_E: torch.Tensor,
+                  w_EOI: torch.Tensor) -> torch.Tensor | None:
+    """Every expert's dL/dW_e = gy_e^T x_e in one grouped GEMM ([E, out, in] in the compute dtype), where it
+    serves; None where it does not (the caller then runs one GEMM per expert)."""
+    if not _grouped(x_MI, w_EOI):
+        return None
+    g_EOI = F.grouped_mm(_gmm_layout(gy_MO.t()), _gmm_layout(x_MI), offs=_offsets(counts_E))
+    # an expert without rows sums over none of them: its block is not promised to be written, so zero it
+    return g_EOI.masked_fill_((counts_E == 0)[:, None, None], 0)
+
+
 class _ExpertLinear(torch.autograd.Function):
     """y = x W_e^T for each expert's block of rows; the backward returns dL/dx, dL/dW when W needs it (LoRA's
-    stacked adapters), and adds each expert's dL/dW into the fp32 accumulator ``gw`` when one is given."""
+    stacked adapters), and adds each expert's dL/dW into the fp32 accumulator ``gw`` when one is given. On the
+    grouped path the backward is two grouped GEMMs and reads no count on the host."""
 
     @staticmethod
     def forward(ctx, x, w, counts, gw):
@@ -153,20 +189,26 @@ class _ExpertLinear(torch.autograd.Function):
         gx = None
         if need_x:
             if _grouped(gy, w):
-                gx = F.grouped_mm(gy, w, offs=torch.cumsum(counts, 0, dtype=torch.int32))
+                gx = F.grouped_mm(_gmm_layout(gy), _gmm_layout(w), offs=_offsets(counts))
             else:
                 gx = _expert_mm(gy, w.transpose(-2, -1), counts)
+        if gw is None and not need_w:
+            return gx, None, None, None
+        g_EOI = _expert_wgrad(gy, x, counts, w)
+        if g_EOI is not None:
+            if gw is not None:
+                gw.add_(g_EOI)
+            return gx, g_EOI if need_w else None, None, None
         gw_out = torch.zeros_like(w) if need_w else None
-        if gw is not None or need_w:
-            lo = 0
-            for e, n in enumerate(counts.tolist()):  # an expert without tokens adds nothing
-                if n:
-                    gy_e, x_e = gy[lo:lo + n], x[lo:lo + n]
-                    if gw is not None:
-                        accumulate_mm(gw[e], gy_e.t(), x_e)
-                    if gw_out is not None:
-                        gw_out[e] = gy_e.t() @ x_e
-                    lo += n
+        lo = 0
+        for e, n in enumerate(counts.tolist()):  # an expert without tokens adds nothing
+            if n:
+                gy_e, x_e = gy[lo:lo + n], x[lo:lo + n]
+                if gw is not None:
+                    accumulate_mm(gw[e], gy_e.t(), x_e)
+                if gw_out is not None:
+                    gw_out[e] = gy_e.t() @ x_e
+                lo += n
         return gx, gw_out, None, None
 
 

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from horizon_ray.engine.kernels import Kernels, accumulate_mm, cap_logits, expert_linear, linear, softcap_attention
 from horizon_ray.engine.lora import mix_seed
 from horizon_ray.engine.model import LEAF_KEYS, ModelConfig
+from horizon_ray.models.blocks import DenseMLP, Layer, MoE
 
 
 @dataclass
@@ -220,6 +221,14 @@ class _RouterAuxGrad(torch.autograd.Function):
         return grad + extra.to(grad.dtype), None
 
 
+def expert_counts(flat_e: torch.Tensor, E: int) -> torch.Tensor:
+    """Token copies routed to each of the E experts, int64 [E], computed on the device without reading
+    anything back: torch.bincount on CUDA reads its input's maximum on the host to size its output, a sync
+    that stalled the stream in every MoE layer's forward and recompute."""
+    return torch.zeros(E, dtype=torch.int64, device=flat_e.device).index_add_(
+        0, flat_e, torch.ones_like(flat_e, dtype=torch.int64))
+
+
 class Template:
     """The decoder layer and the LM head of one model, as pure functions of weight views.
 
@@ -234,7 +243,7 @@ class Template:
         self.cfg = cfg
         self.ops = kernels or Kernels()
         self.inv_freq = {kind: inv_frequencies(cfg, kind) for kind in sorted(set(cfg.layer_types))}
-        self._uniform = len(set(cfg.layer_types)) == 1 and not cfg.embed_scale
+        self._uniform = len(set(cfg.layers)) == 1 and not cfg.embed_scale
 
     @staticmethod
     def leaf_keys(w: dict) -> list[str]:
@@ -285,7 +294,7 @@ class Template:
         not grow with gradient accumulation. d aux / d p = E f_e / R at every row (f_e does not depend on p)."""
         cfg = self.cfg
         stats = [mb.router for mb in mbs]
-        E, L, coef = cfg.num_experts, cfg.num_layers, cfg.router_aux_coef / micro_batches
+        E, L, coef = cfg.num_experts, len(cfg.moe_layers), cfg.router_aux_coef / micro_batches
         groups: dict[int, list] = {}
         for st in stats:
             c = torch.stack(list(st.counts.values())).sum(0)
@@ -314,72 +323,80 @@ class Template:
         y = linear(x, w[key], w.get(key + "_b"), sink.get(key), sink.get(key + "_b"))
         return _lora_add(x, y, w, key, lora)
 
-    def _kind(self, j: int | None) -> str:
+    def _layer(self, j: int | None) -> Layer:
         if j is None:
             if not self._uniform:
                 raise ValueError(f"the layers of this {self.cfg.arch} model differ: pass the layer's index j")
-            return self.cfg.layer_types[0]
-        return self.cfg.layer_types[j]
+            return self.cfg.layers[0]
+        return self.cfg.layers[j]
 
     def layer(self, x_BTD: torch.Tensor, w: dict, mb: MicroBatch, lora: LoraCall | None = None,
               sinks: dict | None = None, j: int | None = None) -> torch.Tensor:
-        """Decoder layer j (the index matters where layers differ: Gemma's sliding and global layers, the
-        embedding's scale at the bottom, a MoE layer's routing statistics)."""
-        cfg, ops = self.cfg, self.ops
-        cos, sin, mask = mb.attention_inputs(self._kind(j))
+        """Decoder layer j, as its blocks describe it (the index matters where layers differ: Gemma's sliding
+        and global layers, dense and MoE layers, the embedding's scale at the bottom, a MoE layer's routing
+        statistics)."""
+        cfg, ops, spec = self.cfg, self.ops, self._layer(j)
+        a = spec.attn
+        cos, sin, mask = mb.attention_inputs(a.kind)
         if cfg.embed_scale and j == 0:
             # Gemma scales the embeddings by sqrt(hidden) in their dtype, here at the bottom layer's input so
             # that its backward carries the factor into the embedding's gradient
             x_BTD = x_BTD * torch.tensor(cfg.hidden_size**0.5).to(x_BTD.dtype)
         B, T, D = x_BTD.shape
-        hd = cfg.head_dim
+        hd = a.head_dim
         h = self._norm(x_BTD, w["ln1"])
         if "qkv" in w:
-            q, k, v = self._proj(h, w, "qkv", lora, sinks).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
+            q, k, v = self._proj(h, w, "qkv", lora, sinks).split([a.q_dim, a.kv_dim, a.kv_dim], dim=-1)
         else:
             q, k, v = (self._proj(h, w, key, lora, sinks) for key in ("q", "k", "v"))
-        if cfg.qk_norm == "proj":  # OLMoE: over the whole projection
+        if a.qk_norm == "proj":  # OLMoE: over the whole projection
             q, k = self._norm(q, w["q_norm"]), self._norm(k, w["k_norm"])
-        q = q.view(B, T, cfg.num_heads, hd)
-        k = k.view(B, T, cfg.num_kv_heads, hd)
-        if cfg.qk_norm == "head":  # Qwen3, Gemma 3: each head
+        q = q.view(B, T, a.num_heads, hd)
+        k = k.view(B, T, a.num_kv_heads, hd)
+        if a.qk_norm == "head":  # Qwen3, Gemma 3: each head
             q, k = self._norm(q, w["q_norm"]), self._norm(k, w["k_norm"])
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = v.view(B, T, cfg.num_kv_heads, hd).transpose(1, 2)
+        v = v.view(B, T, a.num_kv_heads, hd).transpose(1, 2)
         q, k = ops.rope(q, k, cos, sin)
         if mb.cache is not None:  # generation: the queries of this call see the cached positions too
             k, v = mb.cache.extend(j, k, v)
         # grouped-query attention without materialising repeated k/v heads
-        if cfg.attn_softcap:
-            attn = softcap_attention(q, k, v, mask, cfg.attn_scale, cfg.attn_softcap)
+        if a.softcap:
+            attn = softcap_attention(q, k, v, mask, cfg.attn_scale, a.softcap)
         else:
             attn = ops.attention(q, k, v, mask, cfg.attn_scale)
-        attn = attn.transpose(1, 2).reshape(B, T, cfg.q_dim)
-        if cfg.sandwich_norms:
+        attn = attn.transpose(1, 2).reshape(B, T, a.q_dim)
+        if spec.sandwich_norms:
             x_BTD = x_BTD + self._norm(self._proj(attn, w, "o", lora, sinks), w["ln1_post"])
         else:
             x_BTD = x_BTD + self._proj(attn, w, "o", lora, sinks)
         h = self._norm(x_BTD, w["ln2"])
-        if cfg.moe:
-            return x_BTD + self._experts(h, w, mb, lora, sinks, j)
-        if "gate_up" in w:
-            gate_up = self._proj(h, w, "gate_up", lora, sinks)
-            mlp = ops.swiglu(gate_up) if cfg.hidden_act == "silu" else ops.geglu(gate_up)
-        elif cfg.hidden_act == "silu":
-            mlp = F.silu(self._proj(h, w, "gate", lora, sinks)) * self._proj(h, w, "up", lora, sinks)
-        else:
-            mlp = F.gelu(self._proj(h, w, "gate", lora, sinks), approximate="tanh") * self._proj(h, w, "up", lora,
-                                                                                              sinks)
-        if cfg.sandwich_norms:
-            return x_BTD + self._norm(self._proj(mlp, w, "down", lora, sinks), w["ln2_post"])
-        return x_BTD + self._proj(mlp, w, "down", lora, sinks)
+        if spec.moe:
+            return x_BTD + self._experts(h, w, mb, lora, sinks, j, spec.moe)
+        mlp = self._mlp(h, w, spec.mlp, lora, sinks)
+        if spec.sandwich_norms:
+            return x_BTD + self._norm(self._proj(mlp, w, spec.mlp.key + "down", lora, sinks), w["ln2_post"])
+        return x_BTD + self._proj(mlp, w, spec.mlp.key + "down", lora, sinks)
 
-    def _experts(self, h_BTD, w, mb: MicroBatch, lora: LoraCall | None, sinks: dict | None, j: int | None):
+    def _mlp(self, h, w, mlp: DenseMLP, lora: LoraCall | None, sinks: dict | None):
+        """act(gate(h)) * up(h) of a gated MLP (down is the caller's)."""
+        ops, key = self.ops, mlp.key
+        if key + "gate_up" in w:
+            gate_up = self._proj(h, w, key + "gate_up", lora, sinks)
+            return ops.swiglu(gate_up) if mlp.act == "silu" else ops.geglu(gate_up)
+        if mlp.act == "silu":
+            return F.silu(self._proj(h, w, key + "gate", lora, sinks)) * self._proj(h, w, key + "up", lora, sinks)
+        return F.gelu(self._proj(h, w, key + "gate", lora, sinks), approximate="tanh") * self._proj(h, w, key + "up",
+                                                                                                 lora, sinks)
+
+    def _experts(self, h_BTD, w, mb: MicroBatch, lora: LoraCall | None, sinks: dict | None, j: int | None,
+                 moe: MoE):
         """The mixture of experts of a MoE layer: route, sort the token copies by expert, run each expert once
-        over its tokens, sum each token's k outputs weighted by the router."""
-        cfg, ops = self.cfg, self.ops
+        over its tokens, sum each token's k outputs weighted by the router; plus the shared expert where the
+        layer has one, scaled by the sigmoid of its gate."""
+        ops = self.ops
         B, T, D = h_BTD.shape
-        E, k = cfg.num_experts, cfg.experts_per_token
+        E, k = moe.num_experts, moe.top_k
         x_ND = h_BTD.reshape(-1, D)
         logits_NE = self._proj(x_ND, w, "router", lora, sinks)
         stats = mb.router
@@ -387,25 +404,30 @@ class Template:
             logits_NE = _RouterAuxGrad.apply(logits_NE, stats.grad_E)
         probs_NE = torch.softmax(logits_NE.float(), dim=-1)
         top_w, top_e = torch.topk(probs_NE, k, dim=-1)
-        if cfg.norm_topk_prob:
+        if moe.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        if stats is not None:  # idempotent: the recompute of the backward writes the same numbers again
-            stats.counts[j] = torch.bincount(top_e.reshape(-1), minlength=E).float()
-            stats.probs[j] = probs_NE.detach().sum(0)
         flat_e = top_e.reshape(-1)
+        counts_E = expert_counts(flat_e, E)
+        if stats is not None:  # idempotent: the recompute of the backward writes the same numbers again
+            stats.counts[j] = counts_E.float()
+            stats.probs[j] = probs_NE.detach().sum(0)
         order = torch.argsort(flat_e, stable=True)  # token copies grouped by expert, in token order within
-        counts_E = torch.bincount(flat_e, minlength=E)
         x_MD = x_ND[order // k]
         gate_up = self._expert_proj(x_MD, w, "experts.gate_up", counts_E, lora, sinks)
         out_MD = self._expert_proj(ops.swiglu(gate_up), w, "experts.down", counts_E, lora, sinks)
         weights_M = top_w.reshape(-1)[order]
-        if cfg.arch == "mixtral":  # HF keeps Mixtral's routing weights in fp32 for the product
+        if moe.fp32_combine:  # HF keeps Mixtral's routing weights in fp32 for the product
             out_MD = (out_MD * weights_M[:, None]).to(x_ND.dtype)
         else:
             out_MD = out_MD * weights_M.to(x_ND.dtype)[:, None]
         # back to token order, then each token's k outputs summed
         y = out_MD.new_empty(out_MD.shape).index_copy(0, order, out_MD)
-        return y.view(B, T, k, D).sum(2)
+        y = y.view(B, T, k, D).sum(2)
+        if moe.shared is None:
+            return y
+        shared = self._proj(self._mlp(x_ND, w, moe.shared, lora, sinks), w, moe.shared.key + "down", lora, sinks)
+        gate_N1 = torch.sigmoid(self._proj(x_ND, w, "shared_gate", lora, sinks))
+        return y + (gate_N1 * shared).view(B, T, D)
 
     def _expert_proj(self, x_MI, w, key: str, counts_E, lora: LoraCall | None, sinks: dict | None):
         """One stacked projection of the experts, with its LoRA adapter when the layer has one: PEFT's adapter of
@@ -415,7 +437,7 @@ class Template:
         a = w.get(key + ".lora_A")
         if a is None:
             return y
-        E = self.cfg.num_experts
+        E = w[key].shape[0]
         r = a.shape[0] // E
         b = w[key + ".lora_B"]
         a3, b3 = a.view(E, r, a.shape[1]), b.view(b.shape[0], r, E).permute(2, 0, 1)

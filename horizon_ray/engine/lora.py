@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -51,7 +51,6 @@ from safetensors.torch import save_file
 
 from horizon_ray.atomic import atomic_path
 from horizon_ray.engine.model import (
-    _EXPERT_NAMES,
     EXPERT_TARGETS,
     LAYER_NORMS,
     LORA_TARGETS,
@@ -59,9 +58,10 @@ from horizon_ray.engine.model import (
     UnitLayout,
     _unit,
     check_targets,
+    default_lora_targets,
     layer_entries,
+    layer_targets,
     modules_to_save_norms,
-    projection_shapes,
 )
 from horizon_ray.errors import BadInput
 
@@ -79,8 +79,9 @@ class LoraConfig:
     alpha: float = 16.0
     # Dropout probability on each adapter's input while training (a fresh mask per projection).
     dropout: float = 0.0
-    # Projections of every decoder layer that get an adapter (PEFT's target_modules).
-    targets: tuple[str, ...] = ("q_proj", "v_proj")
+    # Projections of every decoder layer that get an adapter (PEFT's target_modules); empty: the family's
+    # default (model.default_lora_targets: q_proj and v_proj, Phi-3's qkv_proj), resolved by for_model.
+    targets: tuple[str, ...] = ()
     # Norms trained beside the adapters, by PEFT's modules_to_save names ("norm": every norm).
     modules_to_save: tuple[str, ...] = ()
 
@@ -93,7 +94,7 @@ class LoraConfig:
             raise BadInput(f"lora dropout must lie in [0, 1), got {self.dropout!r}")
         targets = tuple(self.targets) if not isinstance(self.targets, str) else (self.targets,)
         bad = [t for t in targets if t not in LORA_TARGETS]
-        if bad or not targets:
+        if bad:
             raise BadInput(f"lora targets {list(bad or targets)} are not valid; choose one or more of "
                            f"{', '.join(LORA_TARGETS)}")
         if len(set(targets)) != len(targets):
@@ -110,6 +111,10 @@ class LoraConfig:
     def scaling(self) -> float:
         return self.alpha / self.r
 
+    def for_model(self, cfg) -> LoraConfig:
+        """This config on `cfg`'s family: its default targets where none are named."""
+        return self if self.targets else replace(self, targets=default_lora_targets(cfg))
+
     @property
     def ordered_targets(self) -> tuple[str, ...]:
         """The targets in the layer's order (q, k, v, o, gate, up, down): the adapter unit's layout."""
@@ -122,23 +127,23 @@ def adapter_layouts(cfg: ModelConfig, lora: LoraConfig) -> list[UnitLayout]:
     experts: A [r x E, in], B [out, r x E]), then the layer's selected norms; and ``lora.head`` with the final
     norm when it is selected. The tensor names are PEFT's saved names; the keys ("q.lora_A", "ln1", ...) are
     what the layer template reads."""
+    lora = lora.for_model(cfg)
     check_targets(cfg, lora.targets)
     experts = [t for t in lora.ordered_targets if t in EXPERT_TARGETS]
     if experts and lora.dropout > 0:
         raise BadInput(f"lora dropout={lora.dropout} with targets {experts}: PEFT adapts the experts' stacked "
                        "parameters without dropout (ParamWrapper); set dropout to 0 or leave the experts out",
                        field="lora.dropout")
-    shapes = projection_shapes(cfg)
-    table = cfg.layer_norms
     norms, final = modules_to_save_norms(cfg, lora.modules_to_save)
     H = cfg.hidden_size
     units = []
     for i in range(cfg.num_layers):
         entries = []
-        for t in lora.ordered_targets:
-            key, module = LORA_TARGETS[t]
-            fan_in, fan_out = shapes[t]
-            rank = lora.r * (cfg.num_experts if t in EXPERT_TARGETS else 1)
+        table, have = cfg.layers[i].norms(), layer_targets(cfg, i)
+        # a layer without a target (a dense layer's experts, a MoE layer's MLP) has no adapter there, as in PEFT
+        for t in (t for t in lora.ordered_targets if t in have):
+            key, module, (fan_in, fan_out), copies = have[t]
+            rank = lora.r * copies
             name = f"{_PEFT_PREFIX}model.layers.{i}.{module}"
             if t in EXPERT_TARGETS:
                 # PEFT nests one wrapper per stacked parameter, the first of the module's inside
@@ -149,6 +154,10 @@ def adapter_layouts(cfg: ModelConfig, lora: LoraConfig) -> list[UnitLayout]:
         for n in norms[i]:
             name = f"model.layers.{i}.{n}.weight"
             entries.append((_PEFT_PREFIX + name, table[n], shape_of[name]))
+        if not entries:
+            raise BadInput(f"lora targets {list(lora.targets)} train nothing in layer {i} (it has "
+                           f"{', '.join(have)}); add a target every layer has, e.g. o_proj",
+                           field="lora.targets")
         units.append(_unit(f"lora.{i}", entries))
     if final:
         units.append(_unit("lora.head", [(f"{_PEFT_PREFIX}model.norm.weight", "norm", (H,))]))
@@ -214,10 +223,10 @@ def merge_fn(adapters, lora: LoraConfig, cfg: ModelConfig | None = None):
                 norms[_base_tensor(t.name)] = (unit, t.key)
     # each expert's base tensor -> (adapter unit, stacked key, expert, first row, rows)
     for (layer, key), unit in experts.items():
-        block, _, gate, up, down = _EXPERT_NAMES[cfg.arch]
-        W = cfg.moe_intermediate_size
-        for e in range(cfg.num_experts):
-            p = f"model.layers.{layer}.{block}.experts.{e}."
+        moe = cfg.layers[layer].moe
+        (gate, up, down), W = moe.expert_names, moe.width
+        for e in range(moe.num_experts):
+            p = f"model.layers.{layer}.{moe.module}.experts.{e}."
             if key == "experts.gate_up":
                 where[p + f"{gate}.weight"] = (unit, key, e, 0, W)
                 where[p + f"{up}.weight"] = (unit, key, e, W, W)

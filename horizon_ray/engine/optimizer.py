@@ -60,6 +60,9 @@ class HostAdamW:
         self.threads = threads
         self.chunk = _CHUNK
         self.one_pass = True  # use the compiled one-pass kernels where the layout allows (cpu_adam.py)
+        # built (or loaded from torch's extensions cache) now, with the engine: a first build takes ~20 s, which
+        # would otherwise land in the first step's update, inside a benchmark's timed steps when it warms up less
+        cpu_adam.kernel()
         self._cv = threading.Condition()
         self._tasks: deque = deque()
         self._busy = False

@@ -52,6 +52,9 @@ TRAIN_SEED = 1
 EVAL_EXAMPLES = 200
 EVAL_SEED = 2
 EVAL_TASKS = ("copy", "reverse", "sort")
+# The demo model's name in the catalogue of a `serve` that offers it (serve --demo-model, the default on a
+# cluster serve starts); its data files are then named relative to the demo's data root (train.jsonl, eval.jsonl).
+DEMO_MODEL_NAME = "demo-tiny"
 
 # Evaluation by generation of the demo job: greedy answers to the held-out prompts, exact match.
 DEMO_GENERATE: dict[str, Any] = {"max_tokens": 8, "metric": "exact_match", "max_prompts": 64, "batch_size": 64}

@@ -68,6 +68,7 @@ class Metrics(Event):
     total_steps: int | None = None
     eta_s: float | None = None  # estimated seconds to the end of training
     rollbacks: int | None = None  # update speculative: steps rolled back and redone so far in this run
+    tokens_seen: int | None = None  # non-padding tokens trained on from the job's first step through this one
 
 
 @dataclass(kw_only=True)

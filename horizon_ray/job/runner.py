@@ -114,14 +114,18 @@ def load_data(spec: JobSpec) -> Data:
     """The job's datasets and step sampler (a step has resources.gpus x grad_accum micro-batches: every
     rank's), its step count and its eval micro-batches."""
     from horizon_ray.data import StepSampler, build_datasets, eval_batches, load_tokenizer
+    from horizon_ray.data.formats import layout_of
+    from horizon_ray.data.tokenize import with_chat_template
 
     t = spec.training
-    tokenizer = load_tokenizer(Path(spec.model.tokenizer_path or spec.model.path).expanduser())
+    tokenizer = with_chat_template(load_tokenizer(Path(spec.model.tokenizer_path or spec.model.path).expanduser()),
+                                   spec.data.chat_template)
     train_ds, eval_ds = build_datasets(
         spec.data.path, spec.data.format, tokenizer, t.seq_len,
         # eval_path replaces the held-out fraction (the data API takes one or the other)
         eval_fraction=0.0 if spec.data.eval_path else spec.data.eval_fraction,
-        eval_path=spec.data.eval_path, seed=t.seed,
+        eval_path=spec.data.eval_path, seed=t.seed, layout=layout_of(spec.data),
+        train_on_inputs=spec.data.train_on_inputs,
     )
     sampler = StepSampler(train_ds, t.seq_len, micro_batch_size=t.micro_batch_size,
                            grad_accum=t.grad_accum * spec.resources.gpus, packing=t.packing, seed=t.seed)
@@ -363,6 +367,7 @@ class _Job:
         bar = Progress(total, start_step=self.step, enabled=self.show_progress, title=spec.name or "finetune")
         first_eval = last_loss = None
         window: deque[tuple[float, int]] = deque(maxlen=20)  # (seconds, tokens) of the latest steps
+        seen: int | None = None  # tokens trained on through the latest step (a resumed run counts the steps before)
         try:
             if self.evals and self.step == 0:
                 first_eval = self._evaluate(eng)
@@ -378,14 +383,17 @@ class _Job:
                 last_loss = float(eng.train_step(batches))
                 self.step = done = step + 1
 
-                window.append((time.monotonic() - tick, self.sampler.tokens_for_step(step)))
+                tokens = self.sampler.tokens_for_step(step)
+                window.append((time.monotonic() - tick, tokens))
+                seen = (seen if seen is not None else sum(map(self.sampler.tokens_for_step, range(step)))) + tokens
                 secs = sum(w[0] for w in window)
                 tps = sum(w[1] for w in window) / secs if secs > 0 else 0.0
                 eta = secs / len(window) * (total - done)
                 self.metrics.write(Metrics(step=done, loss=last_loss, lr=lr, grad_norm=float(eng.last_grad_norm),
                                            tokens_per_s=round(tps, 1), host_rss_bytes=_rss(), total_steps=total,
                                            eta_s=round(eta, 1),
-                                           rollbacks=eng.stats().rollbacks if t.update == "speculative" else None))
+                                           rollbacks=eng.stats().rollbacks if t.update == "speculative" else None,
+                                           tokens_seen=seen))
                 bar.update(done, last_loss, tps, eta)
 
                 checkpointed = _due(spec.checkpoint.every_steps, done, total)

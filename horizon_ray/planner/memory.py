@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import math
 
-from horizon_ray.engine.model import DTYPE_BYTES, EXPERT_TARGETS, layer_entries
+from horizon_ray.engine.model import DTYPE_BYTES, EXPERT_TARGETS, layer_entries, projection_shapes
+from horizon_ray.models.blocks import MoE
 from horizon_ray.planner.modes import ParamBytes, PrecisionMode
 from horizon_ray.planner.node import MiB
 from horizon_ray.planner.shapes import ModelShape, adapter_unit_params, ceil_div
@@ -96,7 +97,22 @@ SOFTCAP_BLOCK_ELEMENTS = 1 << 26
 
 def largest_tensor(shape: ModelShape) -> int:
     """Elements of the model's largest single tensor (as the checkpoint stores it: one expert at a time)."""
-    return max(shape.embed_params, *(math.prod(s) for _, _, s in layer_entries(shape, 0)))
+    return max(shape.embed_params,
+               *(math.prod(s) for i in range(shape.num_layers) for _, _, s in layer_entries(shape, i)))
+
+
+def _mlp_workspace(mlp, H: int) -> tuple[int, int]:
+    """(saved, transient) elements per token of a layer's MLP in the backward."""
+    if not isinstance(mlp, MoE):
+        return LAYER_SAVED_I * mlp.width, LAYER_BACKWARD_I * mlp.width
+    # a MoE layer keeps, per token and chosen expert, its sorted input, gate/up, their product and the
+    # expert's output, and per token the router's logits and fp32 probabilities; a shared expert as a dense MLP
+    k, W, E = mlp.top_k, mlp.width, mlp.num_experts
+    saved, transient = k * (LAYER_SAVED_MOE_H * H + LAYER_SAVED_MOE_W * W) + 3 * E, k * (3 * W + H)
+    if mlp.shared:
+        dense = _mlp_workspace(mlp.shared, H)
+        saved, transient = saved + dense[0] + 2, transient + dense[1]
+    return saved, transient
 
 
 def pow2ceil(n: int) -> int:
@@ -215,14 +231,8 @@ def device_items(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Ad
     out["checkpoints"] = min(resident, ceil_div(L, K)) * T * H * c
     out["recompute_inputs"] = (K - 1) * T * H * c
     out["hidden_states"] = 2 * T * H * c
-    if shape.num_experts:
-        # a MoE layer keeps, per token and chosen expert, its sorted input, gate/up, their product and the
-        # expert's output, and per token the router's logits and fp32 probabilities
-        k, W, E = shape.experts_per_token, shape.moe_intermediate_size, shape.num_experts
-        mlp_saved, mlp_transient = k * (LAYER_SAVED_MOE_H * H + LAYER_SAVED_MOE_W * W) + 3 * E, k * (3 * W + H)
-    else:
-        mlp_saved = LAYER_SAVED_I * shape.intermediate_size
-        mlp_transient = LAYER_BACKWARD_I * shape.intermediate_size
+    # the widest MLP of any layer (layers may differ: dense and MoE)
+    mlp_saved, mlp_transient = (max(kind) for kind in zip(*(_mlp_workspace(layer.mlp, H) for layer in shape.layers)))
     norms = LAYER_SAVED_FP32_H + (2 if shape.sandwich_norms else 0)
     saved = m * (c * (LAYER_SAVED_H * H + LAYER_SAVED_Q * shape.q_dim + LAYER_SAVED_KV * shape.kv_dim
                       + mlp_saved) + 4 * norms * H)
@@ -235,7 +245,7 @@ def device_items(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Ad
         # an adapter's backward (layers._LoraAdd) rebuilds its dropped-out input and returns dL/dx, each
         # [tokens, in] in the compute dtype, beside the incoming [tokens, out]: the widest target, transient (an
         # expert target's rows are the k copies of each token)
-        dims = shape.linear_shapes()
+        dims = projection_shapes(shape)
         out["layer_workspace"] += m * c * max(sum(dims[t]) * (shape.experts_per_token if t in EXPERT_TARGETS else 1)
                                               for t in lora.targets)
     chunk = min(job.loss_chunk_tokens, m)

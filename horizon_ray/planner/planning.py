@@ -166,6 +166,7 @@ def _plan_job(shape: ModelShape, method: str, mode: str | None, job: Workload, l
                        "compute_dtype='bfloat16' or use mode 'exact'")
     _concurrent(concurrent_engines, job.device, node)
     if lora is not None:
+        lora = lora.for_shape(shape)
         lora.check()
         adapter_unit_params(lora, shape)  # refuses modules_to_save entries that select no norm
     p = _plan(shape, pm, job, node, gpu_budget_bytes, lora, suggest, pinned_pow2, concurrent_engines)

@@ -1,14 +1,16 @@
 """Model shapes: what the planner needs to know of a model, from a preset or an HF config.json.
 
-A shape is split into the engine's *units* (``horizon_ray.engine.model.unit_layouts``): ``embed`` [V, H],
-one unit per decoder layer, and ``head`` (final norm [H], plus the LM head [V, H] unless it is tied to
-the embedding). A layer's tensors are the engine's own list (``model.layer_entries``: the family's norms,
-fused projections, and for a mixture of experts the router and every expert), so the parameter counts here
-equal the engine's unit sizes element for element; a unit test checks it. Parsing is ``ModelConfig.from_hf``
-(plain Python, no torch), so the planner stays cheap for the coordinator and the API.
+A shape is the model's family description (``horizon_ray.models``: ``ModelConfig``, plain Python, no torch,
+so the planner stays cheap for the coordinator and the API), the same the engine lays its units out from:
+``embed`` [V, H], one unit per decoder layer (each its own layer's blocks: the family's norms, fused
+projections, and for a mixture of experts the router and every expert; layers may differ), and ``head``
+(final norm [H], plus the LM head [V, H] unless it is tied to the embedding). So the parameter counts here
+equal the engine's unit sizes element for element; a unit test checks it. A preset is an HF config.json
+read the same way, with its name and where its numbers come from.
 
 A MoE layer streams and updates all its experts (host RAM, PCIe, the host AdamW count every one), while a
-token's matmuls use only its top-k experts and the router (``layer_active_matmul_params``: the FLOPs).
+token's matmuls use only its top-k experts, the router and any shared expert (``active_matmul_params``: the
+FLOPs).
 """
 
 from __future__ import annotations
@@ -16,178 +18,64 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 from horizon_ray.engine.model import (
     ARCHITECTURES,
     EXPERT_TARGETS,
-    ModelConfig,
     adapter_params_of,
     check_targets,
     layer_entries,
     modules_to_save_norms,
-    projection_shapes,
 )
 from horizon_ray.errors import BadInput
+from horizon_ray.models import from_hf
+from horizon_ray.models.config import ModelConfig
 from horizon_ray.workload import Adapters
 
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str  # preset name or the path it was read from
-    arch: str  # the HF model_type: a key of horizon_ray.engine.model.ARCHITECTURES
-    hidden_size: int  # H
-    intermediate_size: int  # I, the SwiGLU width
-    num_layers: int  # L
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int  # V
-    tie_word_embeddings: bool  # the LM head is the embedding (no head [V, H] unit of its own)
-    qkv_bias: bool  # q/k/v projections carry biases (Qwen2, or Llama with attention_bias)
-    o_bias: bool = False  # the output projection carries a bias (Llama with attention_bias)
-    note: str = ""  # where the numbers come from
-    # the family's layer (ModelConfig's fields of the same names): q/k norms ("head" | "proj"), Gemma's four
-    # norms, Phi-3's fused projections, a mixture of experts (experts, top-k, each expert's width)
-    qk_norm: str | None = None
-    sandwich_norms: bool = False
-    fused_qkv: bool = False
-    fused_gate_up: bool = False
-    num_experts: int = 0
-    experts_per_token: int = 0
-    moe_intermediate_size: int = 0
-    attn_softcap: float | None = None  # Gemma 2's attention soft-cap (an explicit attention, not SDPA)
-    # config.json fields beyond the geometry that its family needs to be this model (to_hf_config)
-    extra: tuple[tuple[str, object], ...] = ()
-
-    # ---- geometry ------------------------------------------------------------------------------------
-
-    @property
-    def q_dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """Each projection LoRA can target on a decoder layer as (in_features, out_features); an expert
-        target's are those of one expert."""
-        return projection_shapes(self)
-
-    @property
-    def layer_matmul_params(self) -> int:
-        """Weight elements of a layer's projections (router and every expert included): what it streams."""
-        return sum(math.prod(shape) for _, key, shape in layer_entries(self, 0) if len(shape) == 2)
-
-    @property
-    def layer_active_matmul_params(self) -> int:
-        """Weight elements a token's matmuls multiply by in one layer: attention, the router and its top-k
-        experts (all of a dense layer's projections)."""
-        if not self.num_experts:
-            return self.layer_matmul_params
-        expert = 3 * self.hidden_size * self.moe_intermediate_size
-        return self.layer_matmul_params - (self.num_experts - self.experts_per_token) * expert
-
-    @property
-    def layer_params(self) -> int:
-        """One decoder layer's unit: projections, their biases and the norms (the engine's tensor list)."""
-        return sum(math.prod(shape) for _, _, shape in layer_entries(self, 0))
-
-    @property
-    def embed_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    @property
-    def head_params(self) -> int:
-        return self.hidden_size + (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
-
-    @property
-    def num_params(self) -> int:
-        return self.embed_params + self.num_layers * self.layer_params + self.head_params
-
-    def units(self) -> list[tuple[str, int]]:
-        """(name, parameter count) of each unit, in streaming order: embed, layer.0 .. layer.{L-1}, head."""
-        return ([("embed", self.embed_params)]
-                + [(f"layer.{i}", self.layer_params) for i in range(self.num_layers)]
-                + [("head", self.head_params)])
-
-    def with_layers(self, num_layers: int) -> ModelShape:
-        return replace(self, name=f"{self.name}@{num_layers}L", num_layers=num_layers,
-                       note=f"{self.name}'s layer stacked {num_layers} deep")
-
-    def to_hf_config(self) -> dict:
-        """A config.json for this shape (what ``Engine.from_config`` accepts)."""
-        cfg = {
-            "model_type": self.arch, "architectures": [ARCHITECTURES[self.arch]],
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "vocab_size": self.vocab_size, "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
-            "max_position_embeddings": 32768,
-        }
-        if self.arch not in ("qwen2", "mixtral", "phi3"):
-            cfg["attention_bias"] = self.qkv_bias
-        if self.arch in ("gemma2", "gemma3_text"):
-            cfg["hidden_activation"] = "gelu_pytorch_tanh"
-            del cfg["hidden_act"]
-        if self.arch == "mixtral":
-            cfg.update(num_local_experts=self.num_experts, num_experts_per_tok=self.experts_per_token)
-        elif self.arch in ("qwen3_moe", "olmoe"):
-            cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token)
-            if self.arch == "qwen3_moe":
-                cfg["moe_intermediate_size"] = self.moe_intermediate_size
-        cfg.update(dict(self.extra))
-        return cfg
-
-    # ---- parsing -------------------------------------------------------------------------------------
-
-    @staticmethod
-    def from_hf(hf: dict, name: str = "config") -> ModelShape:
-        """From an HF config dict, read by the engine's own ``ModelConfig.from_hf`` (so that what the engine
-        refuses, MLP biases, other rope types, ..., is not planned either)."""
-        try:
-            cfg = ModelConfig.from_hf(hf)
-        except KeyError as exc:
-            raise BadInput(f"{name}: config lacks {exc.args[0]!r}; give a complete HF config.json") from None
-        except ZeroDivisionError:
-            raise BadInput(f"{name}: every size in the config must be >= 1") from None
-        except ValueError as exc:
-            raise BadInput(f"{name}: {exc}") from None
-        shape = ModelShape(name=name, arch=cfg.arch, hidden_size=cfg.hidden_size,
-                           intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
-                           num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                           vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
-                           qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=cfg.qk_norm,
-                           sandwich_norms=cfg.sandwich_norms, fused_qkv=cfg.fused_qkv,
-                           fused_gate_up=cfg.fused_gate_up, num_experts=cfg.num_experts,
-                           experts_per_token=cfg.experts_per_token, moe_intermediate_size=cfg.moe_intermediate_size,
-                           attn_softcap=cfg.attn_softcap)
-        if min(shape.hidden_size, shape.intermediate_size, shape.num_layers, shape.num_heads,
-               shape.num_kv_heads, shape.head_dim, shape.vocab_size) < 1:
-            raise BadInput(f"{name}: every size in the config must be >= 1")
-        return shape
+# The planner's name for a model: its family's description, with a preset's name and note.
+ModelShape = ModelConfig
 
 
-def _preset(name, arch, H, I, L, heads, kv, V, tied, note, head_dim=None) -> ModelShape:
-    return ModelShape(name=name, arch=arch, hidden_size=H, intermediate_size=I, num_layers=L, num_heads=heads,
-                      num_kv_heads=kv, head_dim=head_dim or H // heads, vocab_size=V, tie_word_embeddings=tied,
-                      qkv_bias=arch == "qwen2", note=note)
+def parse_shape(hf: dict, name: str = "config", note: str = "") -> ModelConfig:
+    """From an HF config dict, read by the family's own parser (so that what the engine refuses, MLP biases,
+    other rope types, ..., is not planned either)."""
+    try:
+        cfg = from_hf(hf)
+    except KeyError as exc:
+        raise BadInput(f"{name}: config lacks {exc.args[0]!r}; give a complete HF config.json") from None
+    except ZeroDivisionError:
+        raise BadInput(f"{name}: every size in the config must be >= 1") from None
+    except ValueError as exc:
+        if isinstance(exc, BadInput):
+            raise
+        raise BadInput(f"{name}: {exc}") from None
+    if min(cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+           cfg.vocab_size) < 1:
+        raise BadInput(f"{name}: every size in the config must be >= 1")
+    return cfg.named(name, note)
 
 
 _HF = "values of the model's config.json on the HF hub"
+# What transformers needs beyond a preset's geometry to build the model (the engine ignores what it does not read)
+_DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "max_position_embeddings": 32768}
 
 
-def _from_config(name: str, note: str = _HF, **hf) -> ModelShape:
-    """A preset of a family read the way a config.json is (the engine's parser and layout); ``hf`` keeps what
-    the family needs beyond the geometry, so that to_hf_config gives the model back."""
-    geometry = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "model_type"}
-    shape = ModelShape.from_hf({**hf, "architectures": [ARCHITECTURES[hf["model_type"]]]}, name=name)
-    extra = tuple(sorted((k, v) for k, v in hf.items() if k not in geometry))
-    return replace(shape, note=note, extra=extra)
+def _from_config(name: str, note: str = _HF, **hf) -> ModelConfig:
+    """A preset of a family: its config.json (the fields the family needs beyond the geometry included), read
+    the way the engine reads one, so that to_hf_config gives the model back."""
+    heads = hf["num_attention_heads"]
+    config = {"architectures": [ARCHITECTURES[hf["model_type"]]], **_DEFAULTS,
+              "num_key_value_heads": heads, "head_dim": hf["hidden_size"] // heads, **hf}
+    if "hidden_activation" in config:  # Gemma reads hidden_activation only
+        del config["hidden_act"]
+    return parse_shape(config, name, note)
+
+
+def _preset(name, arch, H, I, L, heads, kv, V, tied, note, head_dim=None) -> ModelConfig:
+    return _from_config(name, note, model_type=arch, hidden_size=H, intermediate_size=I, num_hidden_layers=L,
+                        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim or H // heads,
+                        vocab_size=V, tie_word_embeddings=tied)
 
 
 def _qwen3(name, H, I, L, heads, tied):
@@ -224,6 +112,13 @@ def _mixtral(name, H, I, L, heads, V):
     return _from_config(name, model_type="mixtral", hidden_size=H, intermediate_size=I, num_hidden_layers=L,
                         num_attention_heads=heads, num_key_value_heads=8, vocab_size=V, tie_word_embeddings=False,
                         num_local_experts=8, num_experts_per_tok=2, rope_theta=1_000_000.0, rms_norm_eps=1e-5)
+
+
+def _qwen2_moe(name, H, I, L, heads, kv, experts, k, width, shared):
+    return _from_config(name, model_type="qwen2_moe", hidden_size=H, intermediate_size=I, num_hidden_layers=L,
+                        num_attention_heads=heads, num_key_value_heads=kv, vocab_size=151936,
+                        tie_word_embeddings=False, num_experts=experts, num_experts_per_tok=k,
+                        moe_intermediate_size=width, shared_expert_intermediate_size=shared, norm_topk_prob=False)
 
 
 # Known shapes, by name. Family = the name's prefix before the size (see FAMILIES).
@@ -270,6 +165,8 @@ PRESETS: dict[str, ModelShape] = {s.name: s for s in [
                  rope_theta=250000.0, rms_norm_eps=1e-5),
     _mixtral("mixtral-8x7b", 4096, 14336, 32, 32, 32000),
     _mixtral("mixtral-8x22b", 6144, 16384, 56, 48, 32768),
+    _qwen2_moe("qwen1.5-moe-a2.7b", 2048, 5632, 24, 16, 16, 60, 4, 1408, 5632),
+    _qwen2_moe("qwen2-57b-a14b", 3584, 18944, 28, 28, 4, 64, 8, 2560, 20480),
     _from_config("olmoe-1b-7b", model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
                  num_attention_heads=16, num_key_value_heads=16, vocab_size=50304, tie_word_embeddings=False,
                  num_experts=64, num_experts_per_tok=8, rms_norm_eps=1e-5),
@@ -291,6 +188,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "phi": _named("phi-"),
     "mixtral": _named("mixtral-"),
     "olmoe": _named("olmoe-"),
+    "qwen2-moe": ("qwen1.5-moe-a2.7b", "qwen2-57b-a14b"),
     "moe": tuple(n for n in PRESETS if PRESETS[n].num_experts),
     "all": tuple(PRESETS),
 }
@@ -310,6 +208,7 @@ _ALIASES = {
     "mistralai/mixtral-8x7b-v0.1": "mixtral-8x7b", "mistralai/mixtral-8x22b-v0.1": "mixtral-8x22b",
     "mistralai/mixtral-8x7b-instruct-v0.1": "mixtral-8x7b", "mistralai/mixtral-8x22b-instruct-v0.1": "mixtral-8x22b",
     "allenai/olmoe-1b-7b-0924": "olmoe-1b-7b",
+    "qwen/qwen1.5-moe-a2.7b": "qwen1.5-moe-a2.7b", "qwen/qwen2-57b-a14b": "qwen2-57b-a14b",
 }
 
 
@@ -338,10 +237,10 @@ def split_depth(name: str) -> tuple[str, int | None]:
 def load_model_shape(model: str | Path | dict | ModelShape) -> ModelShape:
     """A preset name (``qwen2.5-7b``, ``Qwen/Qwen2.5-7B-Instruct``), a preset stacked to another depth
     (``qwen2.5-72b@64L``), a config.json path, a model directory holding one, or an HF config dict."""
-    if isinstance(model, ModelShape):
+    if isinstance(model, ModelConfig):
         return model
     if isinstance(model, dict):
-        return ModelShape.from_hf(model, name=str(model.get("_name_or_path") or model.get("model_type")))
+        return parse_shape(model, name=str(model.get("_name_or_path") or model.get("model_type")))
     path = Path(model).expanduser()
     config = path / "config.json" if path.is_dir() else path
     if config.is_file():
@@ -351,7 +250,7 @@ def load_model_shape(model: str | Path | dict | ModelShape) -> ModelShape:
             raise BadInput(f"cannot read {config}: {exc}; give a valid HF config.json") from None
         if not isinstance(hf, dict):
             raise BadInput(f"{config} is not a JSON object; give an HF config.json")
-        return ModelShape.from_hf(hf, name=str(path))
+        return parse_shape(hf, name=str(path))
     base, layers = split_depth(str(model))
     key = _preset_key(base)
     if key is not None:
@@ -376,33 +275,36 @@ def closest_preset(name: str) -> str | None:
     return _ALIASES.get(found[0], found[0]) if found else None
 
 
-def adapter_layer_params(lora: Adapters, shape: ModelShape) -> int:
-    """LoRA adapter parameters of one layer: A [r, in] + B [out, r] per targeted projection (per expert for the
-    experts' stacked projections). Refuses a target the family does not have."""
+def adapter_layer_params(lora: Adapters, shape: ModelConfig, i: int = 0) -> int:
+    """LoRA adapter parameters of layer i: A [r, in] + B [out, r] per targeted projection it has (per expert for
+    the experts' stacked projections). Refuses a target the family does not have."""
     check_targets(shape, lora.targets)
-    return sum(adapter_params_of(shape, t, lora.r) for t in lora.targets)
+    return sum(adapter_params_of(shape, t, lora.r, i) for t in lora.targets)
 
 
-def adapter_active_layer_params(lora: Adapters, shape: ModelShape) -> int:
+def adapter_active_layer_params(lora: Adapters, shape: ModelConfig, i: int = 0) -> int:
     """Of those, the ones a token's matmuls use: an expert target's k of E experts."""
+    full = adapter_layer_params(lora, shape, i)
+    moe = shape.layers[i].moe
     per_expert = [t for t in lora.targets if t in EXPERT_TARGETS]
-    full = adapter_layer_params(lora, shape)
-    if not per_expert:
+    if not per_expert or moe is None:
         return full
-    unused = sum(adapter_params_of(shape, t, lora.r) for t in per_expert)
-    return full - unused * (shape.num_experts - shape.experts_per_token) // shape.num_experts
+    unused = sum(adapter_params_of(shape, t, lora.r, i) for t in per_expert)
+    return full - unused * (moe.num_experts - moe.top_k) // moe.num_experts
 
 
-def adapter_unit_params(lora: Adapters, shape: ModelShape) -> list[int]:
+def adapter_unit_params(lora: Adapters, shape: ModelConfig) -> list[int]:
     """Trained parameters of each adapter unit, as the engine lays them out: one per layer (its adapters and
     its selected norms), then one for the final norm when it is selected."""
     per_layer, final = modules_to_save_norms(shape, lora.modules_to_save)
-    size = {name.split(".", 3)[3].removesuffix(".weight"): math.prod(s) for name, _, s in layer_entries(shape, 0)}
-    units = [adapter_layer_params(lora, shape) + sum(size[n] for n in norms) for norms in per_layer]
+    units = []
+    for i, norms in enumerate(per_layer):
+        size = {name.split(".", 3)[3].removesuffix(".weight"): math.prod(s) for name, _, s in layer_entries(shape, i)}
+        units.append(adapter_layer_params(lora, shape, i) + sum(size[n] for n in norms))
     return units + [shape.hidden_size] if final else units
 
 
-def adapter_params(lora: Adapters, shape: ModelShape) -> int:
+def adapter_params(lora: Adapters, shape: ModelConfig) -> int:
     """Parameters LoRA trains on `shape`: every adapter unit's."""
     return sum(adapter_unit_params(lora, shape))
 

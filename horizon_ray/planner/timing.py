@@ -69,7 +69,7 @@ def flops_params(shape: ModelShape) -> int:
     """N of the house convention: the weights a token's matmuls multiply by, i.e. the projections of every
     layer (of a MoE layer: the router and the token's top-k experts) and the LM head. The embedding is a
     lookup, norms and biases are elementwise (no matmul)."""
-    return shape.num_layers * shape.layer_active_matmul_params + shape.vocab_size * shape.hidden_size
+    return shape.active_matmul_params + shape.vocab_size * shape.hidden_size
 
 
 def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
@@ -111,12 +111,14 @@ def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapt
     K = min(job.checkpoint_every, max(L, 1))
     tokens, seq_len = job.tokens_per_step, job.seq_len
     full = mode.method == "full"
-    adapter_layer = 0 if full else adapter_layer_params(lora, shape)
+    # the adapters of all layers (layers may differ: a dense layer has no expert adapter)
+    adapters = 0 if full else sum(adapter_layer_params(lora, shape, i) for i in range(L))
 
-    # a token's matmuls: a MoE layer's router and top-k experts (and their adapters), not every expert
-    f_mm = 2.0 * shape.layer_active_matmul_params
+    # a token's matmuls, per layer on average: a MoE layer's router and top-k experts (and their adapters), not
+    # every expert
+    f_mm = 2.0 * shape.active_matmul_params / L
     f_attn = 2.0 * shape.q_dim * seq_len
-    f_adapter = 0.0 if full else 2.0 * adapter_active_layer_params(lora, shape)
+    f_adapter = 0.0 if full else 2.0 * sum(adapter_active_layer_params(lora, shape, i) for i in range(L)) / L
     f = f_mm + f_attn + f_adapter
     backward = (2 * f_mm if full else f_mm) + 2 * f_attn + 2 * f_adapter
     fwd_flops = tokens * L * f
@@ -129,9 +131,9 @@ def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapt
     opt_work = shape.num_params * pb.optimizer_bytes
     if not full:
         adapter = mode.adapter()
-        grads_down += L * adapter_layer * adapter.grad_bytes
-        opt_work += L * adapter_layer * adapter.optimizer_bytes
-    adapter_wire = L * adapter_layer * 4
+        grads_down += adapters * adapter.grad_bytes
+        opt_work += adapters * adapter.optimizer_bytes
+    adapter_wire = adapters * 4
     embed_opt_work = shape.embed_params * pb.optimizer_bytes
     embed_grad_down = shape.embed_params * pb.grad_bytes
     grads_down, opt_work = grads_down / job.gpus, opt_work / job.gpus

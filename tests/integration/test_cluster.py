@@ -173,7 +173,8 @@ def test_burst_from_two_tenants_is_served_fairly_within_quotas(service, assets):
 def test_cli_submit_follow_and_status(service, assets, tmp_path):
     import yaml
 
-    env = {**os.environ, "HORIZON_RAY_ADDRESS": service["address"], "HORIZON_RAY_TENANT": "cli"}
+    # a coordinator started without a gate (this module's) takes the CLI without a key as tenant default
+    env = {**os.environ, "HORIZON_RAY_ADDRESS": service["address"]}
     job_yaml = tmp_path / "job.yaml"
     job_yaml.write_text(yaml.safe_dump(spec(assets, steps=2, name="from-cli")))
     cli = [sys.executable, "-m", "horizon_ray"]
@@ -274,7 +275,7 @@ def test_coordinator_killed_and_restarted_loses_no_job(service, assets):
     from horizon_ray.cluster.client import COORDINATOR_NAME, NAMESPACE
 
     c = service["client"]
-    before_ids = {t: {j.id for j in c.list(t, limit=100)[0]} for t in ("place", "fair-a", "fair-b", "cli")}
+    before_ids = {t: {j.id for j in c.list(t, limit=100)[0]} for t in ("place", "fair-a", "fair-b", "default")}
     running = c.submit("restart", spec(assets, steps=16, data="full", every=4))
     blocked = [c.submit("quota-one", spec(assets, steps=steps)) for steps in (8, 1)]
     assert blocked[1].status.value == "queued"

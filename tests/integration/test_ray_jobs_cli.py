@@ -59,8 +59,11 @@ def stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
     proc.wait(timeout=30)
 
 
+KEY = "rayjobs-k-0d5e2b97f4a1"  # tenant rayjobs's API key: a Ray job declares its tenant by it
+
+
 @pytest.fixture(scope="module")
-def ray_head():
+def ray_head(job_files):
     temp = Path(tempfile.mkdtemp(prefix="hr-ray-", dir="/tmp"))  # short: Ray's socket paths must fit
     ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "OMP_NUM_THREADS": "1"}
@@ -79,18 +82,22 @@ def ray_head():
         token_auth = _wait_for_dashboard(dashboard, head, temp)
         root = temp / "service"
         serve_log = temp / "serve.log"
+        # the coordinator's gate: the tenant's key, and the roots a spec may read
+        serve_env = {**env, "HORIZON_API_KEYS": f"{KEY}=rayjobs", "HORIZON_DATA_ROOTS": str(job_files["home"]),
+                     "HORIZON_MODEL_ROOTS": str(job_files["home"])}
         with open(serve_log, "w") as f:
             serve = subprocess.Popen(
                 [sys.executable, "-m", "horizon_ray", "serve", "--address", address, "--no-api", "--root",
-                 str(root)], env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+                 str(root)], env=serve_env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + 180
         while "coordinator and agents running" not in serve_log.read_text():
             assert serve.poll() is None and time.time() < deadline, serve_log.read_text()
             time.sleep(0.5)
         # `serve` found the token on its own (connect_ray); Ray's own CLI, given an explicit address, reads it
         # only with RAY_AUTH_MODE=token, as Ray's documentation tells its users
-        cli_env = {**env, "RAY_AUTH_MODE": "token"} if token_auth else env
-        yield {"address": address, "dashboard": dashboard, "env": cli_env, "temp": temp}
+        cli_env = {**env, "RAY_AUTH_MODE": "token"} if token_auth else dict(env)
+        cli_env["HORIZON_API_KEY"] = KEY  # horizon-ray status acts as tenant rayjobs
+        yield {"address": address, "dashboard": dashboard, "env": cli_env, "temp": temp, "root": root}
     finally:
         if serve is not None:
             stop_group(serve)
@@ -131,14 +138,14 @@ def job_files(tmp_path_factory):
             "training": {"max_steps": 2, "micro_batch_size": 2, "seq_len": 64, "schedule": {"type": "constant"}},
             "engine": {"device": "cpu"}}
     good, bad = home / "job.yaml", home / "bad.yaml"
-    good.write_text(yaml.safe_dump({**base, "output_dir": str(home / "out-good")}))
-    bad.write_text(yaml.safe_dump({**base, "data": {"path": str(home / "missing.jsonl")},
-                                   "output_dir": str(home / "out-bad")}))
+    # relative: in the tenant's output namespace, <jobs_root>/rayjobs/
+    good.write_text(yaml.safe_dump({**base, "output_dir": "out-good"}))
+    bad.write_text(yaml.safe_dump({**base, "data": {"path": str(home / "missing.jsonl")}, "output_dir": "out-bad"}))
     return {"good": good, "bad": bad, "home": home}
 
 
 def ray_job_submit(head, submission_id: str, config: Path) -> subprocess.CompletedProcess:
-    runtime_env = json.dumps({"env_vars": {"HORIZON_RAY_TENANT": "rayjobs"}})
+    runtime_env = json.dumps({"env_vars": {"HORIZON_API_KEY": KEY}})
     return subprocess.run(
         [str(BIN / "ray"), "job", "submit", "--address", head["dashboard"], "--submission-id", submission_id,
          "--runtime-env-json", runtime_env, "--", str(BIN / "horizon-ray"), "finetune", "--config",
@@ -152,21 +159,23 @@ def test_ray_job_submit_runs_the_spec_through_the_coordinator(ray_head, job_file
     assert "submitted job job-" in out.stdout and "succeeded" in out.stdout, out.stdout
 
     status = subprocess.run([sys.executable, "-m", "horizon_ray", "status", "--address", ray_head["address"],
-                             "--tenant", "rayjobs", "--json"], env=ray_head["env"], capture_output=True,
+                             "--json"], env=ray_head["env"], capture_output=True,
                             text=True, timeout=120, cwd=ROOT)
     assert status.returncode == 0, status.stderr
     jobs = json.loads(status.stdout)["jobs"]
     assert jobs, "finetune trained inside the Ray job instead of handing the spec to the coordinator"
     assert [(j["name"], j["status"], j["idempotency_key"]) for j in jobs] == [
         ("hr-good-1", "succeeded", "ray-job:hr-good-1")]
-    assert jobs[0]["output_dir"] == str(job_files["home"] / "out-good")
-    assert (job_files["home"] / "out-good" / "final" / "config.json").is_file()
+    out = ray_head["root"] / "jobs" / "rayjobs" / "out-good"
+    assert jobs[0]["output_dir"] == str(out)
+    assert (out / "final" / "config.json").is_file()
     assert jobs[0]["node_id"] is not None and jobs[0]["attempts"] == 1
 
+    # a spec naming a file that is not under the roots is refused by the coordinator's gate: no job, exit non-zero
     out = ray_job_submit(ray_head, "hr-bad-1", job_files["bad"])
     assert out.returncode != 0, out.stdout
+    assert "was not found under the roots this service lets you read" in out.stdout, out.stdout
     status = subprocess.run([sys.executable, "-m", "horizon_ray", "status", "--address", ray_head["address"],
-                             "--tenant", "rayjobs", "--json"], env=ray_head["env"], capture_output=True,
+                             "--json"], env=ray_head["env"], capture_output=True,
                             text=True, timeout=120, cwd=ROOT)
-    jobs = {j["name"]: j for j in json.loads(status.stdout)["jobs"]}
-    assert jobs["hr-bad-1"]["status"] == "failed" and jobs["hr-bad-1"]["error"]["code"] == "bad_input"
+    assert "hr-bad-1" not in {j["name"] for j in json.loads(status.stdout)["jobs"]}

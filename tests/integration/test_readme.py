@@ -2,13 +2,15 @@
 is what runs this suite) and every line of its other bash blocks, in order, in a shell that ran the blocks'
 `source` and `export` lines, from a directory laid out like the repository's root (its `examples/`, its
 `.venv`), with the demo's assets built (as `scripts/demo.sh` leaves them). A `horizon-ray serve` line runs
-in the background, as in its own terminal, until the block's other lines are done.
+in the background, as in its own terminal, until the block's other lines are done and the README's Python
+snippets that talk to the service (the OpenAI SDK's) have run against it, as written.
 
 Also: the settings table is the code's, and the demo's task list says which task is not scored.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import socket
@@ -22,6 +24,11 @@ from tests.serving import ROOT, serving, user_env
 
 README = ROOT / "README.md"
 COMMENT = re.compile(r"\s{2,}#.*$")
+
+
+def python_blocks(text: str) -> list[str]:
+    """The ```python blocks that talk to the service `serve` starts (on :8000)."""
+    return [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "127.0.0.1:8000" in b]
 
 
 def bash_blocks(text: str) -> list[list[str]]:
@@ -86,25 +93,50 @@ def test_every_command_of_the_readme_runs_as_written(tmp_path):
     env.pop("VIRTUAL_ENV")
     env["PATH"] = env["PATH"].split(":", 1)[1]  # the README's `source .venv/bin/activate` puts it there
     ran: list[str] = []
-    preamble: list[str] = []  # one shell session: what a block sources or exports holds for the next ones
+    preamble: list[str] = []  # one shell session: what a block sources holds for the next ones
+    snippets = python_blocks(README.read_text())
+    assert len(snippets) == 1, "the README's OpenAI snippet talks to the service on :8000"
+    printed: list[str] = []
+
+    def run(script: str, what: str) -> str:
+        out = subprocess.run(["bash", "-c", script], cwd=ws, env=env, capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, f"`{what}` exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        return out.stdout
+
     for block in blocks[1:]:
         with _Background() as background:
             for line in block:
-                if line.startswith(("source ", "export ")):
+                if line.startswith("source "):
                     preamble.append(line)
+                    continue
+                if line.startswith("export "):  # evaluated once, as the user's shell does: a random key stays one
+                    name = line.removeprefix("export ").split("=", 1)[0]
+                    env[name] = run("\n".join(["set -e", *preamble, line, f'printf %s "${name}"']), line)
+                    printed.append("")
+                    ran.append(line)
                     continue
                 script = "\n".join(["set -e", *preamble, line])
                 if line.startswith("horizon-ray serve"):
                     background.start(script, env, ws, tmp_path / f"serve-{len(ran)}.log")
+                    printed.append("")
                 else:
-                    out = subprocess.run(["bash", "-c", script], cwd=ws, env=env, capture_output=True, text=True,
-                                         timeout=900)
-                    assert out.returncode == 0, f"`{line}` exited {out.returncode}:\n{out.stdout[-3000:]}\n" \
-                                                f"{out.stderr[-3000:]}"
+                    printed.append(run(script, line))
                 ran.append(line)
+            if background.contexts:  # the Python snippets, in the user's shell, while this serve runs
+                for snippet in snippets:
+                    (tmp_path / "snippet.py").write_text(snippet)
+                    printed.append(run("\n".join(["set -e", *preamble, f"python {tmp_path / 'snippet.py'}"]),
+                                       snippet))
+                    ran.append(snippet)
+    assert any(line.startswith("curl ") and "/finetune" in line for line in ran)
+    created = next(json.loads(out) for line, out in zip(ran, printed, strict=True) if line.startswith("curl "))
+    assert created["status"] in ("queued", "running", "validating") and created["id"].startswith("job-"), created
+    models, status = printed[ran.index(snippets[0])].splitlines()[-2:]
+    assert "'demo-tiny'" in models
+    assert status in ("validating_files", "queued", "running", "succeeded"), status
     assert any(line.startswith("ray job submit") for line in ran)
-    for run in ("runs/demo", "runs/demo-service", "runs/demo-rayjob"):
-        assert (ws / run / "final" / "model.safetensors").is_file(), f"{run} has no final model"
+    for out_dir in ("runs/demo", "runs/demo-service", "runs/demo-rayjob"):
+        assert (ws / out_dir / "final" / "model.safetensors").is_file(), f"{out_dir} has no final model"
     assert (ws / "runs" / "demo" / "tensorboard").is_dir()
 
 

@@ -76,27 +76,30 @@ def test_ray_job_submit_with_no_address_reaches_the_service(service, tmp_path):
     assets = service["assets"]
     spec = {"model": {"path": str(assets.model_dir)}, "data": {"path": str(assets.train_path), "eval_fraction": 0},
             "training": {"max_steps": 3, "seq_len": 64, "schedule": {"warmup_steps": 0}},
-            "engine": {"device": "cpu"}, "output_dir": str(tmp_path / "out")}
+            "engine": {"device": "cpu"}, "output_dir": "from-ray-job"}  # in the tenant's output namespace
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
-    env = service["env"]
+    # Ray's token of the cluster serve started, and the tenant's key for the job (its runtime env)
+    token = service["home"] / "service" / "ray_token"
+    env = {**service["env"], "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "HORIZON_API_KEY": KEY}
     # the entrypoint runs in the cluster's working directory, not this one: the spec is named absolutely
-    out = subprocess.run(["ray", "job", "submit", "--", "horizon-ray", "finetune", "--config",
+    out = subprocess.run(["ray", "job", "submit", "--runtime-env-json", json.dumps({"env_vars": {
+                          "HORIZON_API_KEY": KEY}}), "--", "horizon-ray", "finetune", "--config",
                           str(tmp_path / "job.yaml")], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "submitted job job-" in out.stdout and "succeeded" in out.stdout, out.stdout
-    assert (tmp_path / "out" / "final" / "config.json").is_file()
-    # the entrypoint runs in the cluster's environment, not this shell's: its tenant is the default one
-    status = subprocess.run(["horizon-ray", "status", "--json", "--tenant", "default"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=120)
-    assert status.returncode == 0, status.stderr
+    assert f"(tenant {TENANT})" in out.stdout and "succeeded" in out.stdout, out.stdout
+    done = service["home"] / "service" / "jobs" / TENANT / "from-ray-job"
+    assert (done / "final" / "config.json").is_file()
+    # the CLI acts as the tenant of its key: the Ray job is among its jobs, as among the dashboard's
+    status = subprocess.run(["horizon-ray", "status", "--json"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert status.returncode == 0 and f"acting as tenant {TENANT}" in status.stderr, status.stderr
     jobs = json.loads(status.stdout)["jobs"]
-    assert [j["status"] for j in jobs if j["output_dir"] == str(tmp_path / "out")] == ["succeeded"], jobs
+    assert [j["status"] for j in jobs if j["output_dir"] == str(done)] == ["succeeded"], jobs
     log = service["log"].read_text()
-    assert "ray job submit -- horizon-ray finetune" in log  # serve said how
+    assert f"ray job submit --address http://127.0.0.1:{service['dashboard_port']} --runtime-env-json" in log
     # on the ports it was given
     assert f"Ray cluster 127.0.0.1:{service['ray_port']} " in log
-    assert f"the job server is http://127.0.0.1:{service['dashboard_port']};" in log
 
 
 def test_serve_refuses_to_start_an_api_without_keys(tmp_path):
@@ -105,7 +108,8 @@ def test_serve_refuses_to_start_an_api_without_keys(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stdout + out.stderr
     err = out.stderr.strip()
-    assert err.startswith("error: the API has no key") and "HORIZON_API_KEYS" in err and "--insecure-no-auth" in err
+    assert err.startswith("error: the service has no API key") and "HORIZON_API_KEYS" in err
+    assert "--insecure-no-auth" in err
     assert "Traceback" not in err and "starting a local Ray cluster" not in out.stdout  # refused before Ray
     help_text = subprocess.run(["horizon-ray", "serve", "--help"], cwd=ROOT, env=env, capture_output=True,
                                text=True, timeout=60).stdout

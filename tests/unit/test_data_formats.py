@@ -116,7 +116,7 @@ def test_empty_dataset_refused(tmp_path, content):
 def test_bad_paths_and_format_refused(tmp_path):
     with pytest.raises(ValueError, match="no such dataset file"):
         load_examples(tmp_path / "missing.jsonl")
-    with pytest.raises(ValueError, match="no \\*.jsonl file"):
+    with pytest.raises(ValueError, match=r"no \*.jsonl or \*.json file"):
         load_examples(tmp_path)
     with pytest.raises(ValueError, match="no dataset path"):
         load_examples([])

@@ -6,7 +6,8 @@ norms around attention and the MLP, GELU-tanh, scaled embeddings, query_pre_attn
 sliding (window 5 of 12 tokens) and global layers, attention and final logit caps tight enough to bend the
 numbers; Gemma 3's q/k norms and its sliding and global layers' own RoPE (the global one interpolated);
 Mixtral, Qwen3-MoE and OLMoE's routers, experts and the load-balancing loss (weighted 0.05-0.1, so that it
-moves the gradients).
+moves the gradients); Qwen2-MoE's shared expert under its sigmoid gate, with a dense layer below its MoE layers
+(per-layer layouts), as Qwen3-MoE's mlp_only_layers and decoder_sparse_step give too.
 
 Reference semantics as in test_engine_numerics.py: the HF model in float32, summed token loss / total
 non-ignored tokens of the step (plus, for MoE with output_router_logits, router_aux_loss_coef x HF's aux
@@ -28,7 +29,7 @@ from tests.tiny import FAMILY_BUILDERS, V, named_tensors, peft_reference, peft_t
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 FAMILIES = list(FAMILY_BUILDERS)
-MOE = ("mixtral", "qwen3_moe", "olmoe")
+MOE = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 
 
 def _build(family, tmp_path, name="model", **kw):
@@ -137,6 +138,41 @@ def test_an_expert_without_tokens_still_gets_its_adamw_step(tmp_path):
         assert not torch.equal(after[name][e], start[name][e])
 
 
+@pytest.mark.parametrize(("family", "kw", "moe_layers", "seed"), [
+    ("qwen3_moe", {"mlp_only_layers": [0], "num_hidden_layers": 3}, (1, 2), 1),
+    # (seed 1's batches give two embedding elements a roundoff gradient in an early step, which AdamW turns into
+    # different steps on the two sides, moving step 3's gradients there by 2.7e-6: the effect
+    # test_moe_without_the_aux_loss_trains_on_the_cross_entropy_alone describes; these batches have none)
+    ("qwen3_moe", {"decoder_sparse_step": 2, "num_hidden_layers": 4}, (1, 3), 2),
+    ("qwen2_moe", {"mlp_only_layers": [], "decoder_sparse_step": 2}, (1,), 1),
+])
+def test_dense_and_moe_layers_in_one_model_match_hf_and_peft(tmp_path, family, kw, moe_layers, seed):
+    """Layers that differ in their MLP (HF's mlp_only_layers, decoder_sparse_step): each unit is its own layer's
+    layout, the load-balancing loss counts only the MoE layers' rows (as HF's), LoRA adapts the experts of the MoE
+    layers and the attention of all."""
+    path, cls = _build(family, tmp_path, "base", **kw)
+    eng, _ = _train_against_hf(path, cls, K=2, seed=seed)
+    assert eng.model.moe_layers == moe_layers
+    sizes = {u.layout.name: u.layout.numel for u in eng.store.units}
+    assert sizes["layer.0"] < sizes[f"layer.{moe_layers[0]}"]
+    lora = LoraConfig(r=4, alpha=8, targets=("v_proj", "experts.gate_up_proj", "experts.down_proj"))
+    ref, init = _peft(cls, path, lora, tmp_path)
+    params = _trainable(ref)
+    eng = Engine.from_pretrained(path, EngineConfig(**HP, max_grad_norm=0.05, device="cpu", compute_dtype="float32",
+                                                    lora=lora))
+    eng.load_adapter(init)
+    assert set(_adapters(eng)) == set(params)
+    assert not any(".layers.0.mlp" in name for name in params)  # the dense layer has no expert adapter
+    opt = torch.optim.AdamW(params.values(), **HP)
+    for mbs in random_batches(2, micro=2):
+        loss = eng.train_step(mbs)
+        ref_loss, _, ref_grads = reference_step(ref, params, opt, mbs, 0.05, aux_coef=eng.model.router_aux_coef)
+        assert loss == pytest.approx(ref_loss, rel=1e-4)
+        eng.close()
+        for name, g in _adapters(eng, "grad").items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_aux_loss_is_per_micro_batch_whatever_its_row_groups(tmp_path):
     """layer_chunk_tokens splits each micro-batch into row groups (one row each here): the load-balancing loss
     still counts each micro-batch's routing as a whole, so the step does not change."""
@@ -179,11 +215,12 @@ TARGETS = {
     "mixtral": ("q_proj", "v_proj", "experts.gate_up_proj", "experts.down_proj"),
     "qwen3_moe": ("k_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"),
     "olmoe": ("q_proj", "experts.down_proj"),
+    "qwen2_moe": ("q_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"),
 }
 # norms trained beside the adapters (PEFT's modules_to_save): "norm" selects Qwen3's q_norm / k_norm too,
 # and every one of Gemma's four layer norms
 SAVED = {"qwen3": ("norm",), "gemma2": ("norm",), "gemma3": ("pre_feedforward_layernorm", "k_norm"),
-         "phi3": ("input_layernorm",)}
+         "phi3": ("input_layernorm",), "qwen2_moe": ("post_attention_layernorm",)}
 
 
 def _peft(cls, path, lora: LoraConfig, tmp_path):
@@ -250,6 +287,11 @@ def test_lora_targets_outside_the_family_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="without dropout"):
         Engine.from_pretrained(moe, EngineConfig(device="cpu", lora=LoraConfig(
             dropout=0.1, targets=("q_proj", "experts.down_proj"))))
+    shared, _ = _build("qwen2_moe", tmp_path, "qwen2_moe")
+    with pytest.raises(ValueError, match="shared expert's projections answer to the same names"):
+        Engine.from_pretrained(shared, EngineConfig(device="cpu", lora=LoraConfig(targets=("q_proj", "gate_proj"))))
+    with pytest.raises(ValueError, match="train nothing in layer 0"):  # its dense layer has no experts
+        Engine.from_pretrained(shared, EngineConfig(device="cpu", lora=LoraConfig(targets=("experts.down_proj",))))
     llama_like, _ = _build("qwen3", tmp_path, "qwen3")
     with pytest.raises(ValueError, match="not projections of this qwen3 model"):
         Engine.from_pretrained(llama_like, EngineConfig(device="cpu", lora=LoraConfig(targets=("qkv_proj",))))
@@ -261,7 +303,8 @@ BASE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num
 
 @pytest.mark.parametrize(("config", "needle"), [
     ({"model_type": "gemma3"}, "vision-language checkpoint .* Gemma3ForCausalLM"),
-    ({"model_type": "qwen2_moe"}, "shared expert is not supported"),
+    ({"model_type": "qwen2_moe", "use_sliding_window": True}, "use_sliding_window=True"),
+    ({"model_type": "qwen2_moe", "decoder_sparse_step": 0}, "decoder_sparse_step=0"),
     ({"model_type": "phimoe"}, "Phi-3.5-MoE is not supported"),
     ({"model_type": "gpt_oss"}, "model_type 'gpt_oss' is not supported; supported: .*'qwen3_moe'"),
     ({"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
@@ -271,7 +314,7 @@ BASE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num
     ({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}, "Gemma 3 does not cap attention"),
     ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "bidirectional"),
     ({"model_type": "gemma2", "hidden_activation": "gelu"}, "hidden_activation='gelu'"),
-    ({"model_type": "qwen3_moe", "mlp_only_layers": [1]}, "mlp_only_layers"),
+    ({"model_type": "qwen3_moe", "mlp_only_layers": 1}, "mlp_only_layers=1: must be a list"),
     ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 8}, "num_experts_per_tok=8"),
     ({"model_type": "mixtral", "router_jitter_noise": 0.1}, "router jitter"),
     ({"model_type": "olmoe", "clip_qkv": 8.0}, "clip_qkv"),
