@@ -191,6 +191,22 @@ class Generator:
         return cls(model, store, dev, lora, tok, _eos_ids(base, tok), gpu_budget_bytes, kernels)
 
     @classmethod
+    def from_tensors(cls, hf_config: dict, tensors: dict, device: str = "auto", dtype: str | None = None,
+                     gpu_budget_bytes: int | None = None, kernels: str = "auto") -> Generator:
+        """A model from its config.json (a dict) and its tensors by HF name (an HF model's state_dict): the
+        benchmark's random-init models, with no checkpoint on disk."""
+        dev = resolve_device(device)
+        dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        model = ModelConfig.load(hf_config)
+        store = HostStore(unit_layouts(model), dt, dt, pin=dev.type == "cuda", adapter_layouts=[])
+        for unit in store.units:
+            for t in unit.layout.tensors:
+                if t.name not in tensors:
+                    raise BadInput(f"no tensor {t.name} among the given tensors: they are not of this config's model")
+                t.view_of(unit.master).copy_(tensors[t.name])
+        return cls(model, store, dev, None, None, (), gpu_budget_bytes, kernels)
+
+    @classmethod
     def of_engine(cls, eng: Any, tokenizer: Any = None, eos_ids: Sequence[int] = ()) -> Generator:
         """Generation with a training engine's newest weights, through its own weight slots (evaluation by
         generation during a job: nothing is copied or loaded)."""

@@ -177,3 +177,12 @@ def test_a_kv_cache_kept_in_host_memory_gives_the_same_tokens(tmp_path):
         gen._device_kv_layers = lambda B, S, T0, n=on_device: n
         got = [c.token_ids for c in gen.generate([Request(tuple(p), SamplingParams(max_tokens=8)) for p in PROMPTS])]
         assert got == want, on_device
+
+
+def test_a_model_from_its_tensors_generates_as_hf(tmp_path):
+    """from_tensors (the benchmark's random-init models: no checkpoint on disk) is the same model."""
+    path, cls = tiny_qwen2(tmp_path)
+    ref = _reference(cls, path)
+    gen = Generator.from_tensors(ref.config.to_dict(), dict(ref.state_dict()), device="cpu")
+    got = gen.generate([Request(tuple(p), SamplingParams(max_tokens=8)) for p in PROMPTS])
+    assert [c.token_ids for c in got] == [_hf_greedy(ref, p, 8) for p in PROMPTS]
