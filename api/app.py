@@ -86,12 +86,14 @@ def app_from_env() -> FastAPI:
 
     from horizon_ray.cluster.client import RayClient
     from horizon_ray.cluster.gate import service_credential
+    from horizon_ray.cluster.generation import RayGeneration
 
     settings = ApiSettings.from_env()  # bad settings fail here, before anything connects
     # the API's credential at the coordinator's gate, derived from the keys it verifies itself
     client = RayClient(os.environ.get("HORIZON_RAY_ADDRESS") or None, lazy=True,
                        credential=service_credential(settings.api_keys))
-    return create_app(client, settings)
+    # /v1/chat/completions: each model in a Ray actor on a node whose RAM holds it, reserved in its ledger
+    return create_app(client, settings, generation=RayGeneration(client))
 
 
 # The dashboard loads nothing from elsewhere and runs no inline script.

@@ -176,7 +176,8 @@ class RayGeneration:
                     continue
                 break
             remote = ray.remote(GenerationActor).options(
-                name=key, namespace=NAMESPACE, num_cpus=0, lifetime=None,
+                # threads: a request's polls and another's submit run side by side (the pool batches them)
+                name=key, namespace=NAMESPACE, num_cpus=0, lifetime=None, max_concurrency=16,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node.ray_node_id, soft=False)
                 if node.ray_node_id else "DEFAULT")
             actor = remote.remote(self.limits, self.idle_s, res.gpu_index)
@@ -222,7 +223,9 @@ class RayGeneration:
             for key, (actor, _) in items:
                 try:
                     idle = ray.get(actor.idle.remote(), timeout=10)
-                except Exception:  # noqa: BLE001 - dead or unanswering: ended below all the same
-                    idle = True
+                except ray.exceptions.GetTimeoutError:
+                    continue  # busy (loading the model, or a long call): asked again next time
+                except ray.exceptions.RayActorError:
+                    idle = True  # dead: its reservation is released all the same
                 if idle:
                     self._end(key)
