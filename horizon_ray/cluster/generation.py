@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,18 +76,29 @@ class GenerationActor:
         if gpu_index is not None:  # the GPU its reservation holds, alone
             os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu_index)
         self.pool = ModelPool(limits, idle_s=idle_s)
+        self.idle_s = idle_s
         self._handles: dict[str, Handle] = {}
         self._n = 0
+        self._submitting = 0  # submits under way (loading the model, tokenising): the actor is not idle
+        self._active = time.monotonic()  # the last submit or poll
+        self._lock = threading.Lock()
 
     def submit(self, req: GenerationRequest) -> tuple[str | None, int, str | None]:
         """(request id, prompt tokens, None), or (None, 0, the refusal) for a BadInput."""
+        with self._lock:
+            self._submitting += 1
+            self._active = time.monotonic()
         try:
             handle = self.pool.submit(req)
         except BadInput as exc:
             return None, 0, exc.message
-        self._n += 1
-        rid = str(self._n)
-        self._handles[rid] = handle
+        finally:
+            with self._lock:
+                self._submitting -= 1
+        with self._lock:
+            self._n += 1
+            rid = str(self._n)
+            self._handles[rid] = handle
         return rid, handle.prompt_tokens, None
 
     def poll(self, rid: str, wait_s: float = 1.0) -> list[Event]:
@@ -94,6 +106,7 @@ class GenerationActor:
         import queue
 
         handle = self._handles[rid]
+        self._active = time.monotonic()
         out: list[Event] = []
         try:
             out.append(handle.events.get(timeout=wait_s))
@@ -102,12 +115,16 @@ class GenerationActor:
         except queue.Empty:
             pass
         if out and out[-1].done:
-            del self._handles[rid]
+            with self._lock:
+                del self._handles[rid]
         return out
 
     def idle(self) -> bool:
-        """No model loaded (the pool unloaded it) and no request open: the actor may end."""
-        return not self.pool.loaded() and not self._handles
+        """No model loaded (the pool unloaded it), no request open or being submitted, none for idle_s: the actor
+        may end."""
+        with self._lock:
+            quiet = not self._handles and not self._submitting and time.monotonic() - self._active >= self.idle_s
+        return quiet and not self.pool.loaded()
 
 
 class RayGeneration:

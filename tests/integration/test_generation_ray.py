@@ -57,6 +57,8 @@ def test_the_model_runs_on_the_node_that_holds_it_and_leaves_when_idle(tmp_path,
             while backend.loaded() and time.monotonic() < deadline:
                 time.sleep(0.5)
             assert not backend.loaded()
+            while any(n.ledger for n in client.nodes()) and time.monotonic() < deadline:
+                time.sleep(0.5)  # the coordinator's view of the ledgers is refreshed each tick
             assert all(not n.ledger for n in client.nodes())
         finally:
             backend.close()
