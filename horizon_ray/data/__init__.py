@@ -31,7 +31,7 @@ _EXPORTS = {
     **dict.fromkeys(("MicroBatch", "StepSampler", "eval_batches", "make_micro_batch", "pack_rows"), "batching"),
     **dict.fromkeys(("build_datasets", "split_examples"), "build"),
     **dict.fromkeys(("DEMO_TASKS", "DemoItem", "DemoScore", "evaluate_demo", "make_demo_dataset", "make_demo_items",
-                     "read_demo_items", "score_answer"), "demo"),
+                     "make_demo_preferences", "read_demo_items", "score_answer"), "demo"),
     **dict.fromkeys(("FORMATS", "Example", "detect_format", "load_examples"), "formats"),
     **dict.fromkeys(("IGNORE_INDEX", "TokenizedDataset", "TokenizedExample", "load_tokenizer", "tokenize_example",
                      "tokenize_examples"), "tokenize"),

@@ -27,10 +27,12 @@ def scalars(event: Event) -> dict[str, float]:
         values = {"train/loss": event.loss, "train/lr": event.lr, "train/grad_norm": event.grad_norm,
                   "train/tokens_per_s": event.tokens_per_s,
                   "train/host_rss_gib": event.host_rss_bytes / GiB if event.host_rss_bytes else None}
+        values.update({f"train/{k}": v for k, v in (event.preference or {}).items() if k != "loss"})
     elif isinstance(event, Eval):
         values = {"eval/loss": event.eval_loss}
         if event.generate_metric:  # eval.generate: the share answered right, as eval/exact_match or eval/contains
             values[f"eval/{event.generate_metric}"] = event.generate_score
+        values.update({f"eval/{k}": v for k, v in (event.eval_preference or {}).items() if k != "loss"})
     else:
         return {}
     return {k: float(v) for k, v in values.items() if v is not None}

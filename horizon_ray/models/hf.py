@@ -117,8 +117,11 @@ def top_k(hf: dict, experts: int, default: int) -> int:
 def sparse_layers(hf: dict, layers: int) -> tuple[bool, ...]:
     """Which layers are MoE in the Qwen MoE families: not in mlp_only_layers, and every decoder_sparse_step-th
     (HF: ``layer_idx not in mlp_only_layers and (layer_idx + 1) % decoder_sparse_step == 0``)."""
-    dense = hf.get("mlp_only_layers") or []
-    step = hf.get("decoder_sparse_step") or 1
+    # None (absent or null) is HF's default; 0 is a value, and refused below, as HF would divide by it
+    dense = hf.get("mlp_only_layers")
+    dense = [] if dense is None else dense
+    step = hf.get("decoder_sparse_step")
+    step = 1 if step is None else step
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
         raise BadInput(f"config field decoder_sparse_step={step!r}: must be an integer >= 1")
     if not isinstance(dense, list) or any(not isinstance(i, int) or isinstance(i, bool) for i in dense):
