@@ -447,9 +447,13 @@ def _held_back(text: str, stop: tuple[str, ...]) -> int:
 def _tokenizer_of(path: Path) -> Any:
     if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
         return None
-    from horizon_ray.data.tokenize import load_tokenizer
+    from transformers import AutoTokenizer
 
-    return load_tokenizer(path)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"cannot load the tokenizer saved in {path} ({exc}); save it with the model "
+                       "(tokenizer.save_pretrained), or pass tokenizer=None for token ids") from None
 
 
 def _eos_ids(model_dir: Path, tokenizer: Any) -> list[int]:
