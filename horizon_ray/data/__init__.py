@@ -17,8 +17,7 @@ Preference pairs (objective dpo): ``load_pairs(path)`` -> ``tokenize_pairs(pairs
 
 Demo: ``build_demo_tokenizer(out_dir)`` writes a byte-level tokenizer (262 ids) with a chat template;
 ``make_demo_dataset(path, n, seed)`` writes checkable instruction data (messages JSONL);
-``preds = greedy_answers(engine.forward_logits, tok, [it.prompt for it in items])`` then
-``evaluate_demo(items, preds).accuracy`` scores exact matches (items: ``make_demo_items(n, seed,
+``evaluate_demo(items, preds).accuracy`` scores a model's answers by exact match (items: ``make_demo_items(n, seed,
 exclude=train_prompts)`` for a held-out set, or ``read_demo_items(path)``).
 
 Every name below loads its module on first use (PEP 562), so that `horizon_ray.data.formats`, the JSONL rules
@@ -34,9 +33,8 @@ from typing import Any
 _EXPORTS = {
     **dict.fromkeys(("MicroBatch", "StepSampler", "eval_batches", "make_micro_batch", "pack_rows"), "batching"),
     **dict.fromkeys(("build_datasets", "split_examples"), "build"),
-    **dict.fromkeys(("DEMO_TASKS", "DemoItem", "DemoScore", "evaluate_demo", "greedy_answer", "greedy_answers",
-                     "make_demo_dataset", "make_demo_items", "make_demo_preferences", "read_demo_items",
-                     "score_answer"), "demo"),
+    **dict.fromkeys(("DEMO_TASKS", "DemoItem", "DemoScore", "evaluate_demo", "make_demo_dataset", "make_demo_items",
+                     "make_demo_preferences", "read_demo_items", "score_answer"), "demo"),
     **dict.fromkeys(("FORMATS", "Example", "detect_format", "load_examples"), "formats"),
     **dict.fromkeys(("IGNORE_INDEX", "TokenizedDataset", "TokenizedExample", "load_tokenizer", "tokenize_example",
                      "tokenize_examples"), "tokenize"),
