@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from horizon_ray.engine.model import DTYPE_BYTES, LORA_TARGETS, UPDATES, default_lora_targets
+from horizon_ray.engine.model import DTYPE_BYTES, LORA_TARGETS, QUANTIZE, UPDATES, default_lora_targets
 from horizon_ray.errors import BadInput
 
 
@@ -60,6 +60,7 @@ class Adapters:
     # resolved by for_shape where the model is known
     targets: tuple[str, ...] = ()
     modules_to_save: tuple[str, ...] = ()  # norms trained beside the adapters (PEFT's names)
+    quantize: str = "none"  # how the frozen base's projections are kept (model.QUANTIZE): nf4 ~0.52 B/param
 
     # The section's keys that change no byte and no FLOP of a plan.
     IGNORED_KEYS = ("alpha", "dropout", "merge")
@@ -75,13 +76,14 @@ class Adapters:
         if not isinstance(lora, dict):
             raise BadInput(f"lora must be a mapping like {{'r': 8, 'targets': ['q_proj', 'v_proj']}}, not "
                            f"{type(lora).__name__}")
-        unknown = sorted(set(lora) - {"r", "targets", "modules_to_save", *cls.IGNORED_KEYS})
+        unknown = sorted(set(lora) - {"r", "targets", "modules_to_save", "quantize", *cls.IGNORED_KEYS})
         if unknown:
-            raise BadInput(f"lora keys {unknown} are not known; give r, targets, modules_to_save "
+            raise BadInput(f"lora keys {unknown} are not known; give r, targets, modules_to_save, quantize "
                            f"({', '.join(cls.IGNORED_KEYS)} change nothing a plan counts)")
         d = cls()
         return cls(r=lora.get("r", d.r), targets=_names(lora.get("targets", d.targets)),
-                   modules_to_save=_names(lora.get("modules_to_save", d.modules_to_save)))
+                   modules_to_save=_names(lora.get("modules_to_save", d.modules_to_save)),
+                   quantize=lora.get("quantize", d.quantize))
 
     def for_shape(self, shape) -> Adapters:
         """These adapters on `shape` (a ModelShape or ModelConfig): the family's default targets where none are
@@ -103,6 +105,9 @@ class Adapters:
             raise BadInput(f"lora.modules_to_save {list(self.modules_to_save)} holds an entry that is not a module "
                            "name; name norms: norm (every norm), input_layernorm, post_attention_layernorm or "
                            "model.norm", field="lora.modules_to_save")
+        if self.quantize not in QUANTIZE:
+            raise BadInput(f"lora.quantize is {self.quantize!r}; use one of {', '.join(QUANTIZE)} (nf4: QLoRA's "
+                           "4-bit base)", field="lora.quantize")
 
 
 def _names(value: Any) -> tuple[str, ...]:

@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="with --mode lora and the PEFT peers: comma list of projections that get adapters "
                           "(default: every projection of the shape's family: attention and MLP, the experts' "
                           "stacked projections on a mixture of experts, Phi-3's fused qkv_proj and gate_up_proj)")
+    job.add_argument("--quantize", default="none", choices=("none", "nf4", "fp4", "int8"),
+                     help="with --mode lora: the frozen base quantized (QLoRA: nf4); the PEFT peers then run on "
+                          "bitsandbytes' Linear4bit / Linear8bitLt layers (PEFT + bitsandbytes QLoRA)")
     job.add_argument("--offload", default="auto",
                      help="horizon-ray's activation checkpoints on the host: auto, true, false; a comma list "
                           "runs each (auto: host on CUDA)")

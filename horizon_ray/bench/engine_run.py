@@ -54,7 +54,8 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
     lora = None
     planned_lora = lora_settings(args, args.mode, shape)
     if planned_lora is not None:  # the base is frozen; only the adapters (exact fp32 AdamW) train
-        lora = LoraConfig(r=planned_lora.r, alpha=lora_alpha(planned_lora.r), targets=planned_lora.targets)
+        lora = LoraConfig(r=planned_lora.r, alpha=lora_alpha(planned_lora.r), targets=planned_lora.targets,
+                          quantize=planned_lora.quantize)
     eng = Engine.from_config(hf_config(shape), EngineConfig(
         lr=1e-5, weight_decay=0.01, max_grad_norm=args.max_grad_norm, checkpoint_every=args.checkpoint_every,
         device=device,
@@ -84,7 +85,8 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
                        offload_resolved=eng.offload_checkpoints,  # where checkpoints lived: host or device
                        kernels=eng.template.ops.name)  # the layer template's kernels: torch or liger
             if lora is not None:
-                rec.update(lora_r=lora.r, lora_alpha=lora.alpha, lora_targets=list(lora.targets))
+                rec.update(lora_r=lora.r, lora_alpha=lora.alpha, lora_targets=list(lora.targets),
+                           quantize=lora.quantize)
             _switch_and_measure(eng, rec, batches, args, rss0)
             emit(rec)
             results.append(rec)

@@ -8,14 +8,15 @@ from horizon_ray.planner import Adapters, NodeSpec, max_model, plan
 
 
 def lora_settings(args, mode: str | None, shape=None) -> Adapters | None:
-    """The run's LoRA settings (--lora-r, --lora-targets) when its mode is lora, else None. Without
+    """The run's LoRA settings (--lora-r, --lora-targets, --quantize) when its mode is lora, else None. Without
     --lora-targets: every projection of `shape`'s family (without a shape: the planner's family default)."""
     if mode != "lora":
         return None
-    lora = Adapters.of({"r": args.lora_r, "targets": args.lora_targets})
+    lora = Adapters.of({"r": args.lora_r, "targets": args.lora_targets,
+                        "quantize": args.quantize})
     if lora.targets or shape is None:
         return lora
-    return Adapters(r=lora.r, targets=tuple(family_projections(shape)))
+    return Adapters(r=lora.r, targets=tuple(family_projections(shape)), quantize=lora.quantize)
 
 
 def lora_alpha(rank: int) -> float:

@@ -190,6 +190,8 @@ def child_argv(system: str, shape: str, args, device: str, dtype: str, mode: str
             argv += ["--gpu-budget-gib", f"{args.gpu_budget_gib:g}"]
     if mode == "lora" or system in PEFT:  # the same adapters for horizon-ray's LoRA and the PEFT peers
         argv += ["--lora-r", str(args.lora_r)] + (["--lora-targets", args.lora_targets] if args.lora_targets else [])
+        if args.quantize != "none":  # horizon-ray's packed base, PEFT + bitsandbytes for the peers
+            argv += ["--quantize", args.quantize]
     if system == "fsdp2-offload":
         if args.fsdp_gpu_budget_gib:
             argv += ["--fsdp-gpu-budget-gib", f"{args.fsdp_gpu_budget_gib:g}"]

@@ -20,6 +20,7 @@ from horizon_ray.errors import BadInput
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from horizon_ray.engine.model import QUANTIZE
     from horizon_ray.planner import Adapters, Ceilings
 
     what = parser.add_mutually_exclusive_group(required=True)
@@ -53,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--lora-modules-to-save", default="",
                      help="comma-separated norms trained beside the adapters (PEFT's names; norm: every norm; "
                           "default none)")
+    job.add_argument("--quantize", default=lora.quantize, choices=QUANTIZE,
+                     help="with --method lora: how the frozen base is kept, none (the compute dtype), nf4 / fp4 "
+                          "(QLoRA's 4-bit, ~0.52 B/param), int8 (default none)")
 
     node = parser.add_argument_group("node (defaults: the measured H200 box)")
     node.add_argument("--here", action="store_true",
@@ -111,7 +115,8 @@ def _this_machine():
     import os
     import sys
 
-    from horizon_ray.cluster.agent import detect_gpus, node_ram_bytes
+    from horizon_ray.cluster.cgroups import node_ram_bytes
+    from horizon_ray.cluster.gpus import detect_gpus
     from horizon_ray.planner import NodeSpec
     from horizon_ray.probe import cached_probe
 
@@ -173,7 +178,10 @@ def run(args: argparse.Namespace) -> int:
     method, mode = _method_and_mode(args)
     if method == "lora":
         job["lora"] = planner.Adapters.of({"r": args.lora_rank, "targets": args.lora_targets,
-                                           "modules_to_save": args.lora_modules_to_save})
+                                           "modules_to_save": args.lora_modules_to_save,
+                                           "quantize": args.quantize})
+    elif args.quantize != "none":
+        raise BadInput(f"--quantize {args.quantize} quantizes LoRA's frozen base: add --method lora")
 
     if args.max_model:
         found = planner.max_model(args.max_model, node, mode, scan_depth=args.scan_depth, **job)
@@ -190,7 +198,9 @@ def run(args: argparse.Namespace) -> int:
                       f"{planner.format_bytes(t['host_bytes']):>11}  gpu {planner.format_bytes(t['gpu_bytes']):>10}"
                       f"  {'fits' if t['fits'] else 'does not fit'}")
             lora = job.get("lora")
-            what = f"mode {found.mode}" + (f" (rank {lora.r}, targets {','.join(lora.targets)})" if lora else "")
+            what = f"mode {found.mode}" + (f" (rank {lora.r}, targets {','.join(lora.targets)}"
+                                           + (f", base {lora.quantize}" if lora.quantize != "none" else "") + ")"
+                                           if lora else "")
             if found.shape is None:
                 print(f"\nno model of family {found.family} fits this node in {what}")
             else:

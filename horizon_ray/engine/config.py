@@ -147,7 +147,8 @@ class EngineConfig:
             kernels=t.kernels, update=t.update,
             lora=None if lora is None else LoraConfig(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
                                                       targets=tuple(lora.targets),
-                                                      modules_to_save=tuple(lora.modules_to_save)),
+                                                      modules_to_save=tuple(lora.modules_to_save),
+                                                      quantize=lora.quantize),
         )
 
 

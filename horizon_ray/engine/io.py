@@ -1,9 +1,11 @@
 """Safetensors in and out of the host store, with no torch model built on the way.
 
 Loading reads each HF tensor straight into its unit's master buffer (with LoRA: into the frozen base's
-wire, which is its only copy, cast to the compute dtype on the way). Saving writes HF-compatible shards
-(+ index) and config.json into a temporary directory that is renamed into place only when complete, so a
-failure never leaves a half-written model behind.
+wire, which is its only copy, cast to the compute dtype on the way; with a quantized base, quantized into the
+packed wire on the way, quant.py), one tensor at a time. Saving writes HF-compatible shards (+ index) and
+config.json into a temporary directory that is renamed into place only when complete, so a failure never
+leaves a half-written model behind; one shard is in memory at a time (a quantized base's merged model is
+dequantized shard by shard).
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     raise BadInput(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
-def load_into(store: HostStore, model_dir: Path, tied: bool) -> None:
+def load_into(store: HostStore, model_dir: Path, tied: bool, device: torch.device | None = None) -> None:
+    """``device``: where a quantized base's tensors are quantized (the engine's; default the CPU)."""
+    device = device or torch.device("cpu")
     files = _weight_files(model_dir)
     expected = {t.name for u in store.layouts for t in u.tensors}
     unexpected = sorted(k for k in files if k not in expected and not k.endswith(_IGNORED_SUFFIXES)
@@ -54,7 +58,7 @@ def load_into(store: HostStore, model_dir: Path, tied: bool) -> None:
                          f"({len(missing)} missing): the config.json does not match the weights")
     handles: dict[Path, object] = {}
     try:
-        for unit in store.units:
+        for unit, packed in zip(store.units, store.packed):
             for t in unit.layout.tensors:
                 path = files[t.name]
                 if path not in handles:
@@ -65,7 +69,11 @@ def load_into(store: HostStore, model_dir: Path, tied: bool) -> None:
                                      f"config implies {t.shape}: the config.json does not match the weights")
                 if not src.is_floating_point():
                     raise BadInput(f"tensor {t.name} has dtype {src.dtype}; expected a floating-point tensor")
-                t.view_of(unit.master).copy_(src)
+                if packed is None:
+                    t.view_of(unit.master).copy_(src)
+                else:
+                    packed.pack(unit.master, t.key, src, device)
+                del src  # one source tensor at a time
             store.refresh_wire(unit)
     finally:
         for h in handles.values():
@@ -78,27 +86,31 @@ def save_pretrained(store: HostStore, hf_config: dict, out_dir: Path, dtype: tor
     out_dir = Path(out_dir)
     with atomic_path(out_dir) as tmp:  # the directory appears whole or not at all
         tmp.mkdir(parents=True)
-        shards: list[dict[str, torch.Tensor]] = [{}]
+        # the shards' members first (their names need the count), then one shard in memory at a time
+        plan: list[list[tuple[int, object]]] = [[]]
         size = 0
-        for unit in store.units:
+        for u, unit in enumerate(store.units):
             for t in unit.layout.tensors:
                 nbytes = t.numel * dtype.itemsize
-                if shards[-1] and size + nbytes > max_shard_bytes:
-                    shards.append({})
+                if plan[-1] and size + nbytes > max_shard_bytes:
+                    plan.append([])
                     size = 0
-                w = t.view_of(unit.master)
-                w = w if merge is None else merge(t.name, w)
-                shards[-1][t.name] = w.to(dtype).contiguous()
+                plan[-1].append((u, t))
                 size += nbytes
-        total = sum(v.nbytes for s in shards for v in s.values())
-        if len(shards) == 1:
-            save_file(shards[0], tmp / "model.safetensors", metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, tmp / name, metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(shard, name))
+        total = sum(t.numel for members in plan for _, t in members) * dtype.itemsize
+        weight_map = {}
+        for i, members in enumerate(plan):
+            shard = {}
+            for u, t in members:
+                unit, packed = store.units[u], store.packed[u]
+                w = t.view_of(unit.master) if packed is None else packed.dequantize(unit.master, t.key)
+                w = w if merge is None else merge(t.name, w)
+                shard[t.name] = w.to(dtype).contiguous()
+            name = "model.safetensors" if len(plan) == 1 else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
+            save_file(shard, tmp / name, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+            del shard
+        if len(plan) > 1:
             with open(tmp / "model.safetensors.index.json", "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         config = dict(hf_config)

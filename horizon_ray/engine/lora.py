@@ -54,6 +54,7 @@ from horizon_ray.engine.model import (
     EXPERT_TARGETS,
     LAYER_NORMS,
     LORA_TARGETS,
+    QUANTIZE,
     ModelConfig,
     UnitLayout,
     _unit,
@@ -84,6 +85,9 @@ class LoraConfig:
     targets: tuple[str, ...] = ()
     # Norms trained beside the adapters, by PEFT's modules_to_save names ("norm": every norm).
     modules_to_save: tuple[str, ...] = ()
+    # How the frozen base's projections are kept (model.QUANTIZE): "none" in the compute dtype, "nf4" / "fp4"
+    # bitsandbytes' 4-bit with double-quantized scales (QLoRA), "int8" LLM.int8's rows (quant.py).
+    quantize: str = "none"
 
     def validate(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
@@ -102,6 +106,9 @@ class LoraConfig:
         if isinstance(self.modules_to_save, str):
             raise BadInput(f"lora modules_to_save must be a list of module names, got the string "
                            f"{self.modules_to_save!r}; write [{self.modules_to_save!r}]")
+        if self.quantize not in QUANTIZE:
+            raise BadInput(f"lora quantize must be one of {', '.join(QUANTIZE)} (nf4: QLoRA's 4-bit base), got "
+                           f"{self.quantize!r}", field="lora.quantize")
         bad = [m for m in self.modules_to_save if not isinstance(m, str) or not m]
         if bad:
             raise BadInput(f"lora modules_to_save entries {bad} are not module names; name norms, e.g. "
@@ -171,13 +178,14 @@ def _base_tensor(name: str) -> str:
 
 def copy_base_norms(store) -> None:
     """Start every trained norm from the base's weights (once the base is loaded)."""
-    base = {t.name: (u, t.key) for u in store.units for t in u.layout.tensors}
+    base = {t.name: (u, t.key) for u, unit in enumerate(store.units) for t in unit.layout.tensors}
     for unit in store.adapters:
         views = unit.layout.views(unit.master)
         for t in unit.layout.tensors:
             if not t.key.endswith((".lora_A", ".lora_B")):
-                src, key = base[_base_tensor(t.name)]
-                views[t.key].copy_(src.layout.views(src.wire)[key])
+                u, key = base[_base_tensor(t.name)]
+                src, packed = store.units[u], store.packed[u]  # a norm is never quantized
+                views[t.key].copy_(src.layout.views(src.wire)[key] if packed is None else packed.plain(src.wire, key))
 
 
 def init_adapters(adapters, seed: int) -> None:

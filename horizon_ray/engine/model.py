@@ -279,3 +279,49 @@ def modules_to_save_norms(cfg, entries) -> tuple[list[tuple[str, ...]], bool]:
             raise BadInput(f"lora modules_to_save entry {entry!r} selects no module of this model; name norms: "
                            f"{norms}, norm (every norm), or one layer's as 'layers.3.input_layernorm'")
     return per_layer, final
+
+
+# ---- a quantized frozen base (LoRA's quantize; engine/quant.py packs and unpacks it) ----------------------
+
+# How LoRA keeps the frozen base's projections: "none" in the compute dtype; "nf4" / "fp4" bitsandbytes'
+# 4-bit blocks of QUANT_BLOCK weights with double-quantized block scales (QLoRA's defaults, what
+# BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=..., bnb_4bit_use_double_quant=True) gives);
+# "int8": LLM.int8's weights, int8 rows with one fp32 scale a row (BitsAndBytesConfig(load_in_8bit=True)).
+QUANTIZE = ("none", "nf4", "fp4", "int8")
+QUANT_BLOCK = 64  # weights per 4-bit block (one absmax each)
+QUANT_NESTED_BLOCK = 256  # block scales per block of the double quantization (one fp32 absmax each)
+# Keys of a layer unit that are quantized: the nn.Linear weights bitsandbytes' HF integration replaces, and
+# each expert's (checkpoints keep one matrix per expert). Norms, biases, the router, the embedding and the LM
+# head stay in the compute dtype, as they do in transformers + bitsandbytes.
+QUANTIZED_KEYS = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down")
+_PACK_ALIGN = 16  # every part of a packed tensor starts 16-byte aligned, so each is a view of its dtype
+
+
+def is_quantized(key: str, quantize: str) -> bool:
+    """Whether a layer unit's tensor ``key`` is packed under ``quantize``."""
+    return quantize != "none" and (key in QUANTIZED_KEYS or _is_expert_key(key))
+
+
+def packed_parts(quantize: str, shape: tuple[int, ...], c: int) -> list[tuple[str, int]]:
+    """(part, bytes) of one tensor as the store packs it: "w" in the compute dtype (c bytes) when it is not
+    quantized; 4-bit: the codes (two a byte), one uint8 scale per block, one fp32 absmax per block of block
+    scales and their fp32 offset (their mean); int8: the int8 weights and one fp32 scale a row (SCB)."""
+    n = math.prod(shape)
+    if quantize in ("nf4", "fp4"):
+        blocks = -(-n // QUANT_BLOCK)
+        return [("codes", -(-n // 2)), ("absmax", blocks), ("absmax2", 4 * -(-blocks // QUANT_NESTED_BLOCK)),
+                ("offset", 4)]
+    if quantize == "int8":
+        return [("cb", n), ("scb", 4 * shape[0])]
+    return [("w", n * c)]
+
+
+def packed_nbytes(quantize: str, shape: tuple[int, ...], c: int) -> int:
+    """Host bytes of one tensor packed (its parts, each rounded up to the alignment)."""
+    return sum(-(-b // _PACK_ALIGN) * _PACK_ALIGN for _, b in packed_parts(quantize, shape, c))
+
+
+def packed_layer_bytes(entries, quantize: str, c: int) -> int:
+    """Host bytes of a layer unit with ``quantize`` (entries: layer_entries' (name, key, shape))."""
+    return sum(packed_nbytes(quantize if is_quantized(key, quantize) else "none", shape, c)
+               for _, key, shape in entries)

@@ -10,7 +10,9 @@ embedding and the head have a slot each; an untied embedding never needs its who
 rows of a micro-batch are gathered on the host and only [tokens x hidden] crosses. A slot remembers which
 wire (and which rewrite of it) it holds, so a copy that would bring the same bytes again is skipped. With
 LoRA each slot has an fp32 adapter slot beside it: a layer's adapters travel with its base weights, so
-device memory does not grow with the layer count.
+device memory does not grow with the layer count. A quantized base (quant.py) crosses packed: a layer slot
+is then a uint8 buffer of the largest packed layer, and reading a layer dequantizes its projections from the
+slot into the compute dtype (bitsandbytes' kernels on the device), for that read only.
 
 On the CPU (``HostWeights``) the views are the host buffers themselves and copies are free.
 """
@@ -54,11 +56,18 @@ class HostWeights:
         norms under the base's keys, which they replace)."""
         a = self._wait(u, k)
         unit = self.store.units[u]
-        w = unit.layout.views(unit.wire_of(k), self.fused)
+        w = self._views(u, unit.wire_of(k))
         if a is not None:
             adapter = self.store.adapters[a]
             w.update(adapter.layout.views(adapter.master))
         return w
+
+    def _views(self, u: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Unit u's tensors in a flat buffer of its wire (a packed layer's dequantized)."""
+        packed = self.store.packed[u]
+        if packed is not None:
+            return packed.views(flat)
+        return self.store.units[u].layout.views(flat, self.fused)
 
     def head_weights(self, k: int) -> dict[str, torch.Tensor]:
         w = self.weights(self.units.head, k)
@@ -91,9 +100,11 @@ class DeviceWeights(HostWeights):
         self.host_embed = not tied
         dtype = store.compute_dtype
         layers = store.units[1:-1]
-        max_layer = max((u.layout.numel for u in layers), default=1)
+        # a packed layer's wire is bytes (uint8), an unpacked one's elements of the compute dtype
+        layer_dtype = torch.uint8 if store.quantize != "none" else dtype
+        max_layer = max((u.wire.numel() for u in layers), default=1)
         # slot key -> flat device buffer. Layer slots are ints, the embedding and head slots are named.
-        self._slots = {s: torch.empty(max_layer, dtype=dtype, device=device) for s in range(units.layer_slots)}
+        self._slots = {s: torch.empty(max_layer, dtype=layer_dtype, device=device) for s in range(units.layer_slots)}
         if not self.host_embed:
             self._slots["embed"] = torch.empty(store.units[0].layout.numel, dtype=dtype, device=device)
         self._slots["head"] = torch.empty(store.units[-1].layout.numel, dtype=dtype, device=device)
@@ -124,7 +135,7 @@ class DeviceWeights(HostWeights):
             # non_blocking from pinned memory: the copy engine runs while the compute stream works. The wire
             # is rewritten only by an update that the fence orders after this step's last read of it.
             if held is None or held[:2] != want[:2]:
-                self._slots[slot][:unit.layout.numel].copy_(unit.wire_of(k), non_blocking=True)
+                self._slots[slot][:unit.wire.numel()].copy_(unit.wire_of(k), non_blocking=True)
             if adapter is not None and (held is None or held[0] != u or held[2] != want[2]):
                 self._adapter_slots[slot][:adapter.layout.numel].copy_(adapter.master, non_blocking=True)
             ev = torch.cuda.Event()
@@ -137,7 +148,7 @@ class DeviceWeights(HostWeights):
         slot = self.units.slot(u)
         # read-after-write: compute must not read the slot before its copy has landed
         self.compute.wait_event(self._copied[slot])
-        w = unit.layout.views(self._slots[slot], self.fused)
+        w = self._views(u, self._slots[slot][:unit.wire.numel()])
         a = self.units.adapter_of(u, self.head_adapter) if self.lora else None
         if a is not None:
             adapter = self.store.adapters[a]

@@ -19,6 +19,9 @@ Bytes per parameter, by precision and update mode (the planner's table, modes.py
   (2 in bfloat16, 4 in float32), which is also its ``master``; it has no moments, gradient or update. The
   adapters (one unit per layer, ``self.adapters``) are trained units in fp32 whose master is their wire, with
   fp32 m, v and gradient: 16 per adapter parameter. ``trained`` lists what the optimizer updates.
+- LoRA with ``quantize`` (nf4, fp4, int8): each decoder layer's wire is a flat uint8 buffer of its packed
+  tensors (quant.py, ``packed[u]`` says where each part sits): ~0.52 bytes a projection weight in nf4, 1 (+ a
+  row scale) in int8; the embedding and head units stay in the compute dtype.
 On CUDA the wire and gradient buffers are page-locked (pageable copies run at a seventh of the speed),
 once, unit by unit, at start, at their exact size (see pinned.py).
 """
@@ -31,6 +34,7 @@ import torch
 
 from horizon_ray.engine.model import UnitLayout
 from horizon_ray.engine.pinned import PinnedPool
+from horizon_ray.engine.quant import PackedLayout
 
 
 @dataclass
@@ -75,10 +79,11 @@ class UnitState:
 class HostStore:
     def __init__(self, layouts: list[UnitLayout], compute_dtype: torch.dtype, master_dtype: torch.dtype,
                  pin: bool, adapter_layouts: list[UnitLayout] | None = None, wires: int = 1,
-                 own_grads: frozenset[int] = frozenset(), world: int = 1):
+                 own_grads: frozenset[int] = frozenset(), world: int = 1, quantize: str = "none"):
         """``wires``: 2 for the delayed update; ``own_grads``: trained units whose gradient must not share the
         wire (the units the speculative update may roll back); ``world`` > 1: every buffer in shared memory,
-        for that many ranks to map (ranks.py), each pinning it in its own CUDA context (``attach``)."""
+        for that many ranks to map (ranks.py), each pinning it in its own CUDA context (``attach``);
+        ``quantize`` (LoRA only): how the frozen layers are packed (model.QUANTIZE)."""
         self.layouts = layouts
         self.compute_dtype = compute_dtype
         self.master_dtype = master_dtype
@@ -86,8 +91,14 @@ class HostStore:
         self.world = world
         self.pool = PinnedPool(pin and world == 1, shared=world > 1)
         self.frozen = adapter_layouts is not None  # LoRA: the base units are never updated
+        assert self.frozen or quantize == "none", "only a frozen base is quantized"
+        self.quantize = quantize
+        # unit -> where its packed tensors sit (None: a flat buffer in the compute dtype, UnitLayout's views)
+        self.packed: list[PackedLayout | None] = [
+            PackedLayout(layout, quantize, compute_dtype) if quantize != "none" and 0 < u < len(layouts) - 1 else None
+            for u, layout in enumerate(layouts)]
         if self.frozen:
-            self.units = [self._frozen_unit(layout, compute_dtype) for layout in layouts]
+            self.units = [self._frozen_unit(layout, compute_dtype, self.packed[u]) for u, layout in enumerate(layouts)]
         else:
             self.units = [self._trained_unit(layout, compute_dtype, master_dtype, wires, u in own_grads)
                           for u, layout in enumerate(layouts)]
@@ -140,8 +151,9 @@ class HostStore:
             step=torch.tensor(0.0),
         )
 
-    def _frozen_unit(self, layout: UnitLayout, compute_dtype: torch.dtype) -> UnitState:
-        wire = self.pool.empty(layout.numel, compute_dtype)
+    def _frozen_unit(self, layout: UnitLayout, compute_dtype: torch.dtype, packed: PackedLayout | None) -> UnitState:
+        wire = self.pool.empty(layout.numel, compute_dtype) if packed is None else \
+            self.pool.empty(packed.nbytes, torch.uint8)
         none = torch.empty(0, dtype=compute_dtype)  # no moments, no gradient: never updated
         return UnitState(layout=layout, master=wire, exp_avg=none, exp_avg_sq=none, wires=[wire], grad_own=none,
                          step=torch.tensor(0.0))

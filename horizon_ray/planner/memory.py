@@ -29,7 +29,9 @@ K = checkpoint interval, L = layers:
     hidden_states      2 x T x H x c                 a layer's input and output lists (dL/dy and dL/dx)
     layer_workspace    one row group through one layer under autograd (LAYER_* coefficients below)
                        + the layer's weight gradients, returned at once by torch.autograd.grad; with LoRA
-                       + an adapter backward's [tokens, in + out] of the widest target
+                       + an adapter backward's [tokens, in + out] of the widest target; with a quantized
+                       base + the layer dequantized (layer x c) while it is read
+    (quantized base: weight_slots hold the largest packed layer, model.packed_layer_bytes, not layer x c)
     loss_workspace     chunk x V x (12 + 2c) + V x H x c   logits (c, fp32), log-softmax, their grads;
                        dL/dW of the LM head as autograd returns it; counted beyond layer_workspace only, as
                        the two are never live together
@@ -47,7 +49,7 @@ from __future__ import annotations
 
 import math
 
-from horizon_ray.engine.model import DTYPE_BYTES, EXPERT_TARGETS, layer_entries, projection_shapes
+from horizon_ray.engine.model import DTYPE_BYTES, EXPERT_TARGETS, layer_entries, packed_layer_bytes, projection_shapes
 from horizon_ray.models.blocks import MoE
 from horizon_ray.planner.modes import ParamBytes, PrecisionMode
 from horizon_ray.planner.node import MiB
@@ -155,8 +157,14 @@ def host_breakdown(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: 
             pin(nbytes)
 
     kinds = [mode.base(compute_dtype)]
-    for _, n in shape.units():
-        add(n, kinds[0])
+    packed = packed_layers(shape, lora, mode, c)
+    for name, n in shape.units():
+        if packed and name.startswith("layer."):
+            nbytes = packed[int(name.removeprefix("layer."))]
+            out["weights"] += nbytes  # a quantized layer: its packed bytes are its wire (engine/quant.py)
+            pin(nbytes)
+        else:
+            add(n, kinds[0])
     if mode.method == "lora":
         for n in adapter_unit_params(lora, shape):
             add(n, mode.adapter())
@@ -191,8 +199,22 @@ def host_breakdown(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: 
         for key in ("checkpoints", "embed_rows", "baseline", "workspace", "optimizer_scratch", "pinned_padding"):
             out[key] *= job.gpus
     step_transient = out["checkpoints"] + out["optimizer_scratch"] + out["workspace"]
-    out["load_staging"] = max(0, 4 * largest_tensor(shape) - step_transient)
+    # quantizing while loading adds bitsandbytes' fp32 temporaries of one chunk (quant._CHUNK weights)
+    chunk = QUANT_BYTES_PER_WEIGHT * min(QUANT_CHUNK, largest_tensor(shape)) if packed else 0
+    out["load_staging"] = max(0, 4 * largest_tensor(shape) + chunk - step_transient)
     return out, pinned
+
+
+# A quantization chunk's temporaries (quant._CHUNK weights, a unit test keeps them equal): the fp32 copy, the
+# scaled values, the int32 codes and the packed bytes of bitsandbytes' quantize_4bit, ~20 B a weight, rounded up.
+QUANT_CHUNK, QUANT_BYTES_PER_WEIGHT = 1 << 22, 24
+
+
+def packed_layers(shape: ModelShape, lora: Adapters | None, mode: PrecisionMode, c: int) -> list[int]:
+    """Bytes of each decoder layer's packed wire under LoRA's quantize; empty when the base is not quantized."""
+    if mode.method != "lora" or lora is None or lora.quantize == "none":
+        return []
+    return [packed_layer_bytes(layer_entries(shape, i), lora.quantize, c) for i in range(shape.num_layers)]
 
 
 def device_items(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapters | None) -> dict[str, int]:
@@ -206,8 +228,10 @@ def device_items(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Ad
     full = mode.method == "full"
     trained_layer = layer if full else max(adapter_unit_params(lora, shape))
     out: dict[str, int] = {}
+    packed = max(packed_layers(shape, lora, mode, c), default=0)
     if cuda:
-        out["weight_slots"] = 2 * K * layer * c
+        # a quantized base's slots hold a layer packed; reading it dequantizes the layer (layer_workspace)
+        out["weight_slots"] = 2 * K * (packed or layer * c)
         out["embed_slot"] = shape.embed_params * c if shape.tie_word_embeddings else 0
         out["head_slot"] = shape.head_params * c
         if full:
@@ -240,7 +264,7 @@ def device_items(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Ad
     if shape.attn_softcap:
         # the soft-capped attention's blocks of fp32 scores: scores, tanh, probabilities and two gradients
         transient += 5 * 4 * SOFTCAP_BLOCK_ELEMENTS
-    out["layer_workspace"] = saved + transient + trained_layer * (c if full else 4)
+    out["layer_workspace"] = saved + transient + trained_layer * (c if full else 4) + (layer * c if packed else 0)
     if not full:
         # an adapter's backward (layers._LoraAdd) rebuilds its dropped-out input and returns dL/dx, each
         # [tokens, in] in the compute dtype, beside the incoming [tokens, out]: the widest target, transient (an

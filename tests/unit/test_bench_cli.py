@@ -111,3 +111,39 @@ def test_lora_mode_trains_adapters_and_is_planned_against_the_peft_peers(tmp_pat
         # accumulations run smallest first: each step's RSS is compared with its own plan
         assert (r["rss_plan_host_bytes"], r["rss_plan_tokens_per_step"]) == (r["planned_host_bytes"],
                                                                              r["tokens_per_step"])
+
+
+def test_lora_on_a_quantized_base_runs_against_peft_bitsandbytes_qlora(tmp_path):
+    """--mode lora --quantize nf4: horizon-ray on its packed base, planned with it, against PEFT + bitsandbytes
+    QLoRA (the peer's projections are bitsandbytes' Linear4bit), on the CPU."""
+    runs, _, _ = _bench(tmp_path, "--mode", "lora", "--lora-r", "4", "--lora-targets", "q_proj,v_proj",
+                        "--quantize", "nf4", "--systems", "horizon-ray,in-gpu-peft")
+    assert [(r["system"], r["status"], r["quantize"]) for r in runs] == (
+        [("horizon-ray", "ok", "nf4")] * 2 + [("in-gpu-peft", "ok", "nf4")] * 2)
+    from horizon_ray.bench.shapes import resolve_shape
+    from horizon_ray.planner import Adapters, plan
+
+    tiny = resolve_shape("tiny")
+    kw = dict(method="lora", seq_len=64, micro_batch_size=2, grad_accum=1, checkpoint_every=1,
+              compute_dtype="float32", device="cpu", loss_chunk_tokens=1024)
+    nf4 = plan(tiny, lora=Adapters(r=4, targets=("q_proj", "v_proj"), quantize="nf4"), **kw)
+    bf = plan(tiny, lora=Adapters(r=4, targets=("q_proj", "v_proj")), **kw)
+    assert runs[0]["accum"] == 1 and runs[0]["planned_host_bytes"] == nf4.host_bytes
+    assert nf4.breakdown["host"]["weights"] < 0.5 * bf.breakdown["host"]["weights"]
+    assert all(r["tokens_per_s"] > 0 for r in runs)
+    assert runs[2]["bitsandbytes"] and runs[2]["trainable_params"] == runs[0]["trainable_params"]
+
+
+def test_quantized_peer_layers_are_bitsandbytes_linear4bit():
+    import argparse
+
+    import bitsandbytes as bnb
+
+    from horizon_ray.bench import peft_peer
+    from horizon_ray.bench.shapes import resolve_shape
+
+    args = argparse.Namespace(system="in-gpu-peft", checkpoint_every=1)
+    model, _, _, _ = peft_peer._prepare_quantized(args, resolve_shape("tiny", layers=2), "cpu", "float32", "nf4", {})
+    kinds = {type(m) for n, m in model.named_modules() if n.endswith(("q_proj", "down_proj"))}
+    assert kinds == {bnb.nn.Linear4bit} and not any(p.is_meta for p in model.parameters())
+    assert type(model.lm_head) is __import__("torch").nn.Linear

@@ -81,7 +81,6 @@ def test_unknown_keys_are_errors_that_name_the_key_and_the_fix(data, must_name):
         ({"training.micro_batch_size": 0}, "training.micro_batch_size"),
         ({"training.grad_accum": 0}, "training.grad_accum"),
         ({"training.schedule.type": "cosin"}, "did you mean 'cosine'"),
-        ({"training.schedule.warmup_steps": 10}, "warmup_steps"),
         ({"training.schedule.min_lr_ratio": 2}, "min_lr_ratio"),
         ({"training.betas": [0.9]}, "training.betas"),
         ({"training.betas": [0.9, 1.0]}, "training.betas"),

@@ -1,0 +1,183 @@
+"""A quantized frozen base (LoRA's ``quantize``): each decoder layer's projections packed by bitsandbytes.
+
+With ``LoraConfig(quantize="nf4")`` a layer unit's wire is one flat uint8 buffer (``PackedLayout``): for each
+tensor of the unit, in the unit's order, its parts (``model.packed_parts``), each 16-byte aligned. A
+quantized projection W [out, in] keeps what ``bitsandbytes.functional.quantize_4bit(W, blocksize=64,
+compress_statistics=True, quant_type=...)`` returns, byte for byte: the 4-bit codes, the block scales
+quantized to uint8 and the fp32 absmax and offset of that second quantization; under "int8", the int8 rows and
+the fp32 row scales of ``int8_vectorwise_quant`` (LLM.int8's storage). Norms, biases and the router stay in
+the compute dtype inside the same buffer; the embedding and head units are not packed. The packed bytes are
+what lives in host RAM (~0.52 bytes a parameter for nf4) and what crosses to the device.
+
+``views`` is where the packed base becomes weights: each quantized tensor is dequantized with bitsandbytes'
+own functions (``dequantize_4bit``; for int8 the expression of bitsandbytes' ``MatMul8bitFp``, the path its
+Linear8bitLt trains with on the CPU), into the compute dtype, on the device that holds the bytes, once per
+read of the layer. The layer template then runs its GEMMs on those weights: the same products as
+``bnb.matmul_4bit`` (dequantize, then ``F.linear``). On CUDA the bitsandbytes kernels run on the slot.
+
+Quantization happens while loading (``pack``), one tensor at a time, in chunks of ``_CHUNK`` weights: the
+codes and block scales of a chunk depend only on its blocks, the double quantization of the block scales
+runs once over the whole tensor's scales, as ``quantize_4bit`` does. Peak beyond the store: one source tensor
+plus a few fp32 chunks. On a CUDA engine the chunks are quantized on the GPU (as transformers does when it
+moves a bitsandbytes model to the GPU); on the CPU by bitsandbytes' CPU backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from horizon_ray.engine.model import (
+    _PACK_ALIGN,
+    EXPERT_STACKS,
+    QUANT_BLOCK,
+    QUANT_NESTED_BLOCK,
+    UnitLayout,
+    _is_expert_key,
+    is_quantized,
+    packed_parts,
+)
+
+# Weights per chunk of a quantization pass: a multiple of QUANT_BLOCK x QUANT_NESTED_BLOCK (whole blocks).
+_CHUNK = 1 << 22
+
+
+def _bnb():
+    import bitsandbytes.functional as F  # noqa: N812 (bitsandbytes' own name)
+
+    return F
+
+
+class PackedLayout:
+    """Where each part of each tensor of one unit sits in its flat uint8 buffer."""
+
+    def __init__(self, layout: UnitLayout, quantize: str, dtype: torch.dtype):
+        self.layout = layout
+        self.quantize = quantize
+        self.dtype = dtype
+        c = torch.empty(0, dtype=dtype).element_size()
+        # key -> (kind, {part: (byte offset, bytes)})
+        self.parts: dict[str, tuple[str, dict[str, tuple[int, int]]]] = {}
+        offset = 0
+        for t in layout.tensors:
+            kind = quantize if is_quantized(t.key, quantize) else "none"
+            where = {}
+            for part, nbytes in packed_parts(kind, t.shape, c):
+                where[part] = (offset, nbytes)
+                offset += -(-nbytes // _PACK_ALIGN) * _PACK_ALIGN
+            self.parts[t.key] = (kind, where)
+        self.nbytes = offset
+        self._slots = {t.key: t for t in layout.tensors}
+
+    def _part(self, flat: torch.Tensor, key: str, part: str, dtype: torch.dtype) -> torch.Tensor:
+        lo, nbytes = self.parts[key][1][part]
+        return flat[lo:lo + nbytes].view(dtype)
+
+    # ---- packing (load) ----------------------------------------------------------------------------------
+
+    def pack(self, flat: torch.Tensor, key: str, w: torch.Tensor, device: torch.device) -> None:
+        """Quantize tensor ``key`` (its HF shape, any float dtype) into the unit's buffer. The weights are first
+        cast to the compute dtype: the model's dtype that transformers quantizes from."""
+        kind, _ = self.parts[key]
+        w = w.to(self.dtype).reshape(self._slots[key].shape)
+        if kind == "none":
+            self._part(flat, key, "w", self.dtype).copy_(w.reshape(-1))
+        elif kind == "int8":
+            self._pack_int8(flat, key, w, device)
+        else:
+            self._pack_4bit(flat, key, w, device)
+
+    def _pack_4bit(self, flat, key, w, device) -> None:
+        F = _bnb()
+        w_flat = w.reshape(-1)
+        codes = self._part(flat, key, "codes", torch.uint8)
+        absmax = torch.empty(-(-w_flat.numel() // QUANT_BLOCK), dtype=torch.float32, device=device)
+        for lo in range(0, w_flat.numel(), _CHUNK):
+            chunk = w_flat[lo:lo + _CHUNK].to(device)
+            # the op quantize_4bit runs (no double quantization yet: that needs every block's scale)
+            c, a = torch.ops.bitsandbytes.quantize_4bit.default(chunk, QUANT_BLOCK, self.quantize, torch.uint8)
+            codes[lo // 2:lo // 2 + c.numel()].copy_(c.reshape(-1))
+            absmax[lo // QUANT_BLOCK:lo // QUANT_BLOCK + a.numel()] = a
+        # quantize_4bit(compress_statistics=True)'s second step, verbatim
+        offset = absmax.mean()
+        qabsmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=QUANT_NESTED_BLOCK)
+        self._part(flat, key, "absmax", torch.uint8).copy_(qabsmax)
+        self._part(flat, key, "absmax2", torch.float32).copy_(state2.absmax)
+        self._part(flat, key, "offset", torch.float32).copy_(offset.reshape(1))
+
+    def _pack_int8(self, flat, key, w, device) -> None:
+        F = _bnb()
+        cb = self._part(flat, key, "cb", torch.int8).view(w.shape)
+        scb = self._part(flat, key, "scb", torch.float32)
+        rows = max(1, _CHUNK // w.shape[1])
+        for lo in range(0, w.shape[0], rows):
+            # what Int8Params does on its way to the device: row-wise absmax quantization of the fp16 weights
+            c, s, _ = F.int8_vectorwise_quant(w[lo:lo + rows].to(device).to(torch.float16))
+            cb[lo:lo + rows].copy_(c)
+            scb[lo:lo + rows].copy_(s)
+
+    # ---- unpacking (every read) ------------------------------------------------------------------------
+
+    def plain(self, flat: torch.Tensor, key: str) -> torch.Tensor:
+        """A tensor kept in the compute dtype (a norm, a bias, the router), as a view of the buffer."""
+        assert self.parts[key][0] == "none", key
+        return self._part(flat, key, "w", self.dtype).view(self._slots[key].shape)
+
+    def dequantize(self, flat: torch.Tensor, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor ``key`` in the compute dtype, on the device of ``flat`` (into ``out`` when given)."""
+        kind, _ = self.parts[key]
+        shape = self._slots[key].shape
+        if kind == "none":
+            w = self.plain(flat, key)
+            return w if out is None else out.copy_(w)
+        if kind == "int8":
+            cb = self._part(flat, key, "cb", torch.int8).view(shape)
+            scb = self._part(flat, key, "scb", torch.float32)
+            # bitsandbytes' MatMul8bitFp: CB in A's dtype times SCB / 127, in that order of rounding
+            w = cb.to(self.dtype).mul_(scb.unsqueeze(1).mul(1.0 / 127.0))
+            return w if out is None else out.copy_(w)
+        # (bitsandbytes' CPU backend has no out= variant: the result is copied where it is wanted)
+        w = _bnb().dequantize_4bit(self._part(flat, key, "codes", torch.uint8).view(-1, 1), self.quant_state(flat, key))
+        return w if out is None else out.copy_(w)
+
+    def quant_state(self, flat: torch.Tensor, key: str):
+        """bitsandbytes' QuantState of a 4-bit tensor, over views of the buffer (nothing copied)."""
+        F = _bnb()
+        dev = flat.device
+        state2 = F.QuantState(absmax=self._part(flat, key, "absmax2", torch.float32),
+                              code=_code(("dynamic", dev)), blocksize=QUANT_NESTED_BLOCK, dtype=torch.float32)
+        return F.QuantState(absmax=self._part(flat, key, "absmax", torch.uint8),
+                            shape=torch.Size(self._slots[key].shape), code=_code((self.quantize, dev)),
+                            blocksize=QUANT_BLOCK, quant_type=self.quantize, dtype=self.dtype,
+                            offset=self._part(flat, key, "offset", torch.float32)[0], state2=state2)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the layer template reads (``UnitLayout.views`` of an unpacked unit): every tensor by key, the
+        quantized ones dequantized, the experts as their stacks [E, rows, in]."""
+        out = {}
+        for t in self.layout.tensors:
+            if not _is_expert_key(t.key):
+                out[t.key] = self.dequantize(flat, t.key)
+        for stack, _, shape in self.layout.stacks:
+            buf = torch.empty(shape, dtype=self.dtype, device=flat.device)
+            members = ("gate", "up") if stack == EXPERT_STACKS[0] else ("down",)
+            for e in range(shape[0]):
+                row = 0
+                for m in members:
+                    t = self._slots[f"experts.{e}.{m}"]
+                    self.dequantize(flat, t.key, out=buf[e, row:row + t.shape[0]])
+                    row += t.shape[0]
+            out[stack] = buf
+        return out
+
+
+_CODES: dict = {}
+
+
+def _code(which: tuple[str, torch.device]) -> torch.Tensor:
+    """bitsandbytes' code tables (the 4-bit type's 16 values, the dynamic map of the block scales), one copy
+    per device."""
+    if which not in _CODES:
+        F = _bnb()
+        kind, dev = which
+        _CODES[which] = F.create_dynamic_map().to(dev) if kind == "dynamic" else F.get_4bit_type(kind, device=dev)
+    return _CODES[which]
