@@ -49,6 +49,7 @@ def create_app(client: CoordinatorClient, settings: ApiSettings) -> FastAPI:
     app.state.metrics = ApiMetrics(client)
     app.state.limits = TenantLimits(settings)
     app.state.hub = EventHub(client, poll_s=settings.sse_poll_s, threads=settings.stream_poll_threads)
+    files.sweep_stale_uploads(settings)  # parts a server killed mid-upload left: no process finishes them
     install_error_handlers(app)
 
     app.include_router(job_routes("/finetune"))
@@ -83,6 +84,7 @@ def app_from_env() -> FastAPI:
     from horizon_ray.cluster.gate import service_credential
 
     settings = ApiSettings.from_env()  # bad settings fail here, before anything connects
+    settings.check_served_keys()
     # the API's credential at the coordinator's gate, derived from the keys it verifies itself
     client = RayClient(os.environ.get("HORIZON_RAY_ADDRESS") or None, lazy=True,
                        credential=service_credential(settings.api_keys))

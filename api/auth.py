@@ -9,7 +9,11 @@ client's (``CoordinatorClient``), run off the event loop.
 from __future__ import annotations
 
 import builtins
+import collections
 import hmac
+import math
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +84,42 @@ class Tenant:
         return self.settings.outputs_dir(self.name)
 
 
+class AuthFailures:
+    """Wrong-key requests per client address: past WRONG_KEY_BURST of them within WRONG_KEY_WINDOW_S, the
+    address gets 429 with Retry-After instead of another guess."""
+
+    def __init__(self, clock=time.monotonic):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._seen: dict[str, collections.deque[float]] = {}
+
+    def fail(self, address: str) -> int:
+        """Record a wrong key from `address`; the seconds it must wait (0: it may try again now)."""
+        now = self._clock()
+        with self._lock:
+            if len(self._seen) > 10_000:  # many addresses: drop those with no failure in the window
+                self._seen = {a: q for a, q in self._seen.items() if q and now - q[-1] < WRONG_KEY_WINDOW_S}
+            seen = self._seen.setdefault(address, collections.deque())
+            while seen and now - seen[0] >= WRONG_KEY_WINDOW_S:
+                seen.popleft()
+            seen.append(now)
+            if len(seen) <= WRONG_KEY_BURST:
+                return 0
+            return max(1, math.ceil(WRONG_KEY_WINDOW_S - (now - seen[0])))
+
+
+WRONG_KEY_BURST = 50  # wrong keys an address may send within the window before it waits
+WRONG_KEY_WINDOW_S = 60.0
+
+
+def _failures(request: Request) -> AuthFailures:
+    state = request.app.state
+    found = getattr(state, "auth_failures", None)
+    if found is None:
+        found = state.auth_failures = AuthFailures()
+    return found
+
+
 def tenant_for_key(settings: ApiSettings, presented: str) -> str | None:
     """The tenant of an API key, comparing against every key in constant time."""
     found = None
@@ -90,6 +130,9 @@ def tenant_for_key(settings: ApiSettings, presented: str) -> str | None:
 
 
 def bearer_token(request: Request) -> str:
+    if len(request.headers.getlist("authorization")) > 1:  # a proxy and a client disagreeing: neither wins
+        raise ApiError(400, "bad_request", "more than one Authorization header; send exactly one, "
+                       "'Authorization: Bearer <key>'", headers=_UNAUTHORIZED_HEADERS)
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if not header:
@@ -115,6 +158,10 @@ async def current_tenant(request: Request,
     else:
         tenant = tenant_for_key(settings, bearer_token(request))
     if tenant is None:
+        wait = _failures(request).fail(request.client.host if request.client else "")
+        if wait:
+            raise ApiError(429, "rate_limited", f"too many requests with a wrong API key from this address; retry "
+                           f"in {wait} s with a valid key", headers={"Retry-After": str(wait)})
         raise ApiError(401, "unauthorized", "invalid API key", headers=_UNAUTHORIZED_HEADERS)
     request.state.tenant = tenant
     request.app.state.limits.request(tenant)  # 429 with Retry-After over the tenant's request rate

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -9,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import Tenant, current_tenant
-from api.errors import error_response
+from api.errors import DISK_FULL_RETRY_S, error_response
 from api.jobs import SPEC_BODY, checked_spec
 from api.schemas import (
     ERROR_RESPONSES,
@@ -65,11 +66,34 @@ async def readyz(request: Request):
         ready = False
     if not ready:
         return error_response(503, "unavailable", "the coordinator is not ready")
+    full = await run_in_threadpool(storage_full, request.app.state.settings)
+    if full:  # uploads and job outputs would fail with 507: a load balancer sends requests elsewhere
+        return error_response(503, "unavailable", full, headers={"Retry-After": str(DISK_FULL_RETRY_S)})
     return Health(status="ready")
+
+
+MIN_FREE_BYTES = 64 << 20  # below this on the uploads' or the jobs' filesystem the service is not ready
+
+
+def storage_full(settings) -> str | None:
+    """Why the service's storage cannot take writes (its uploads' or jobs' filesystem has less than
+    MIN_FREE_BYTES free), or None."""
+    for what, path in (("uploads", settings.uploads_dir), ("job outputs", settings.jobs_root)):
+        while not path.exists() and path != path.parent:  # not made yet: the filesystem it will be made on
+            path = path.parent
+        try:
+            free = shutil.disk_usage(path).free
+        except OSError:
+            continue
+        if free < MIN_FREE_BYTES:
+            return f"the service's storage for {what} is full ({free} bytes free); retry later"
+    return None
 
 
 @health.get("/metrics", response_class=Response, summary="Prometheus metrics",
             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
+    if not request.app.state.settings.metrics_open:  # it counts every tenant's jobs: a key's holders only
+        await current_tenant(request)
     body = await run_in_threadpool(generate_latest, request.app.state.metrics.registry)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -9,6 +9,7 @@ traceback never leaves the process.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 from typing import Any
@@ -18,6 +19,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from horizon_ray.cluster.errors import (
     CoordinatorUnavailable,
@@ -203,6 +205,26 @@ async def _bad_input(request: Request, exc: BadInput) -> JSONResponse:
     return error_response(422, "bad_input", exc.message, field=exc.field)
 
 
+async def _client_disconnect(request: Request, exc: ClientDisconnect) -> JSONResponse:
+    # an ordinary end of a request (a client that went away mid-upload, or one cut by the body idle timeout):
+    # nothing was kept, nobody reads this answer, and it is no error of the server
+    log.info("client disconnected during %s %s", request.method, request.url.path)
+    return error_response(400, "client_disconnected", "the client disconnected before the request was read")
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # no space left on the device, disk quota exceeded
+DISK_FULL_RETRY_S = 300  # Retry-After of a 507: an operator frees space, or old jobs' outputs are deleted
+
+
+async def _os_error(request: Request, exc: OSError) -> JSONResponse:
+    if exc.errno in DISK_FULL_ERRNOS:
+        # the service's disk is full: the client may retry once space is freed; /readyz says not ready meanwhile
+        log.warning("disk full during %s %s: %s", request.method, request.url.path, exc.strerror)
+        return error_response(507, "insufficient_storage", "the service's storage is full; retry later",
+                              headers={"Retry-After": str(DISK_FULL_RETRY_S)})
+    return await _unexpected(request, exc)
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return error_response(500, "internal_error", "internal server error; the server log has the details")
@@ -214,4 +236,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(BadInput, _bad_input)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _client_disconnect)
+    app.add_exception_handler(OSError, _os_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -12,15 +12,22 @@ files and bytes kept are limited (settings ``max_uploads_in_flight``, ``max_file
 
 Nothing here follows a symbolic link: the tenant's directory must be a plain directory where the settings say,
 files are created and opened with O_NOFOLLOW, and a link planted under a file's name is no file.
+
+An upload in flight is a ``.file-<id>.part`` file; its bytes count against the tenant's quota like a kept file's
+(also another API process's uploads, and one left by a server killed mid-upload). A part untouched for
+``STALE_UPLOAD_S`` belongs to no live upload: it is swept when the app starts and before each upload of its
+tenant.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
+import stat
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -50,6 +57,10 @@ from horizon_ray.data.formats import FORMATS, LineChecker
 from horizon_ray.errors import BadInput
 
 router = APIRouter(tags=["files"])
+log = logging.getLogger("horizon_ray.api")
+# A part file untouched this long belongs to no live upload: a live one is written at least once every
+# BODY_IDLE_TIMEOUT_S (api.limits), or the server drops it.
+STALE_UPLOAD_S = 600.0
 
 NDJSON = "application/x-ndjson"
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._ -]")
@@ -132,12 +143,14 @@ async def store_upload(limits: TenantLimits, tenant: Tenant, chunks: AsyncIterat
     tokenizer_dir = PathPolicy(settings, tenant.name).model("tokenizer", tokenizer) if tokenizer else None
     with limits.upload(tenant.name):  # 429 beyond the tenant's uploads in flight
         files_dir = await run_in_threadpool(upload_dir, settings, tenant.name)
+        await run_in_threadpool(_sweep_parts, files_dir, time.time() - STALE_UPLOAD_S)
         stored = await run_in_threadpool(_stored, files_dir)
         if len(stored) >= settings.max_files_per_tenant:
             raise ApiError(429, "quota_exceeded", f"you keep {len(stored)} uploaded files, the limit (setting "
                            "max_files_per_tenant); delete some with DELETE /files/{id}",
                            headers={"Retry-After": "60"})
-        held = sum(int(m.get("bytes") or 0) for m in stored)
+        # what it keeps, and what its other uploads in flight have written so far
+        held = sum(int(m.get("bytes") or 0) for m in stored) + await run_in_threadpool(_part_bytes, files_dir)
         room = settings.max_file_bytes_per_tenant - held
         file_id = f"file-{secrets.token_hex(12)}"
         name = _clean_filename(filename)
@@ -210,6 +223,50 @@ def _unlink(path: Path) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _part_files(files_dir: Path) -> list[tuple[Path, os.stat_result]]:
+    """The part files of the uploads in flight (or left behind), each with its lstat; links are no part."""
+    out = []
+    for p in files_dir.glob(".file-*.part"):
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out.append((p, st))
+    return out
+
+
+def _part_bytes(files_dir: Path) -> int:
+    return sum(st.st_size for _, st in _part_files(files_dir))
+
+
+def _sweep_parts(files_dir: Path, untouched_since: float) -> int:
+    """Delete the part files not written since `untouched_since` (a time.time()); returns how many."""
+    swept = 0
+    for p, st in _part_files(files_dir):
+        if st.st_mtime < untouched_since:
+            _unlink(p)
+            swept += 1
+    return swept
+
+
+def sweep_stale_uploads(settings: Any, now: float | None = None) -> int:
+    """At start: delete every tenant's part files untouched for STALE_UPLOAD_S (a server killed mid-upload
+    left them; nothing finishes them). Only plain tenant directories are read (never through a link)."""
+    root = settings.uploads_dir
+    if not root.is_dir():
+        return 0
+    cutoff = (time.time() if now is None else now) - STALE_UPLOAD_S
+    swept = 0
+    for entry in os.scandir(root):
+        files_dir = own_files_dir(settings, entry.name) if entry.is_dir(follow_symlinks=False) else None
+        if files_dir is not None:
+            swept += _sweep_parts(files_dir, cutoff)
+    if swept:
+        log.info("swept %d stale upload part file(s) under %s", swept, root)
+    return swept
 
 
 def _stored(files_dir: Path) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
@@ -22,7 +22,7 @@ from api.auth import Tenant, current_tenant
 from api.errors import ApiError
 from api.outputs import TarStream
 from api.params import EventId, SafePath, SafeText
-from api.paths import PathPolicy, confine, confine_spec, safe_relative
+from api.paths import PathPolicy, confine, confine_spec, safe_relative, single_file
 from api.schemas import (
     CANCEL_RESPONSES,
     ERROR_RESPONSES,
@@ -49,6 +49,9 @@ SPEC_BODY = Annotated[
 ]
 SSE_MEDIA = "text/event-stream"
 OCTETS = "application/octet-stream"
+# the output files a browser may show as they are (never HTML or SVG: a job's files are not the API's pages)
+OUTPUT_MEDIA = {".png": "image/png", ".json": "application/json", ".jsonl": "application/x-ndjson",
+                ".yaml": "text/plain; charset=utf-8", ".txt": "text/plain; charset=utf-8"}
 MAX_SEQ = 2**62  # event sequence numbers fit the job store's 64-bit integers
 
 
@@ -179,10 +182,13 @@ def job_routes(base: str) -> APIRouter:
             rel = safe_relative("path", path)
         except ApiError:
             raise ApiError(404, "not_found", "no such output file") from None
-        target = confine(root / rel, root) if root is not None else None
-        if target is None or not target.is_file():
+        target = confine(root / rel, root) if root is not None and is_output(rel) else None
+        if target is None or not single_file(target):  # a hard link may be another file's second name
             raise ApiError(404, "not_found", "no such output file")
-        return FileResponse(target, media_type=OCTETS, filename=target.name)
+        # its own type where it has one (loss_curve.png an image the browser shows; JSON, JSONL, text), else bytes
+        media = OUTPUT_MEDIA.get(target.suffix, OCTETS)
+        return FileResponse(target, media_type=media, filename=target.name,
+                            content_disposition_type="inline" if media != OCTETS else "attachment")
 
     return router
 
@@ -194,13 +200,21 @@ async def _output_root(tenant: Tenant, job_id: str) -> Path | None:
     return root if root is not None and root.is_dir() else None
 
 
+def is_output(rel: PurePosixPath) -> bool:
+    """Whether a path under a job's output directory is one of its outputs: not the engine's bookkeeping (.lock,
+    .lease, .lease.lock: dot-names) and not a write in progress (<name>.tmp-<pid>, horizon_ray.atomic)."""
+    return not any(part.startswith(".") or ".tmp-" in part for part in rel.parts)
+
+
 def _walk_outputs(root: Path) -> list[OutputFile]:
     files: list[OutputFile] = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
+        dirnames[:] = sorted(d for d in dirnames if is_output(PurePosixPath(d)))
         for name in sorted(filenames):
             p = Path(dirpath) / name
-            if confine(p, root) is None:  # a symlink out of the namespace is not an output
+            if not is_output(PurePosixPath(name)):
+                continue
+            if confine(p, root) is None or not single_file(p):  # a symlink out, or a hard link: no output
                 continue
             try:
                 st = p.stat()

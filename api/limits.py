@@ -1,18 +1,28 @@
-"""Request body size limit (413), as plain ASGI middleware so it also covers chunked bodies.
+"""Request body size limit (413) and idle timeout (408), as plain ASGI middleware so it also covers chunked
+bodies and every server that runs the app.
 
 A declared Content-Length over the limit is refused before the app runs. A body without one is counted
 as it streams; once it passes the limit, reading it raises ``BodyTooLarge`` and whatever the app tried
-to answer is replaced by the 413.
+to answer is replaced by the 413. A body whose next chunk does not come within ``BODY_IDLE_TIMEOUT_S`` (a
+client that stalls, or trickles a byte at a time between long pauses, holding a connection and an upload slot)
+is cut the same way, with a 408 and the connection closed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import error_body
+
+BODY_IDLE_TIMEOUT_S = 60.0  # longest wait for the next chunk of a request body
+
+
+class BodyIdle(Exception):
+    """No chunk of the request body came within the idle timeout."""
 
 
 class BodyTooLarge(Exception):
@@ -32,9 +42,10 @@ def too_large_body(limit: int) -> bytes:
 class BodyLimitMiddleware:
     """Refuse bodies larger than ``limit_for(scope)`` bytes with a JSON 413."""
 
-    def __init__(self, app: ASGIApp, limit_for: Callable[[Scope], int]):
+    def __init__(self, app: ASGIApp, limit_for: Callable[[Scope], int], idle_timeout_s: float = BODY_IDLE_TIMEOUT_S):
         self.app = app
         self.limit_for = limit_for
+        self.idle_timeout_s = idle_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -47,14 +58,21 @@ class BodyLimitMiddleware:
             return
 
         received = 0
-        exceeded = False
+        exceeded = idle = body_done = False
         started = False
 
         async def limited_receive() -> Message:
-            nonlocal received, exceeded
-            message = await receive()
+            nonlocal received, exceeded, idle, body_done
+            if body_done:  # after the body, a receive waits for the client to leave (streams): no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.idle_timeout_s)
+            except TimeoutError:
+                idle = True
+                raise BodyIdle() from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if received > limit:
                     exceeded = True
                     raise BodyTooLarge(limit)
@@ -62,8 +80,8 @@ class BodyLimitMiddleware:
 
         async def guarded_send(message: Message) -> None:
             nonlocal started
-            if exceeded:
-                return  # the app answered after the limit tripped; the 413 below wins
+            if exceeded or idle:
+                return  # the app answered after the limit or the timeout tripped; the 413 or 408 below wins
             if message["type"] == "http.response.start":
                 started = True
             await send(message)
@@ -71,10 +89,13 @@ class BodyLimitMiddleware:
         try:
             await self.app(scope, limited_receive, guarded_send)
         except Exception:
-            if not exceeded:
+            if not (exceeded or idle):
                 raise
         if exceeded and not started:
             await _send_413(send, limit)
+        elif idle and not started:
+            await _send_error(send, 408, "request_timeout", f"no part of the request body came for "
+                              f"{self.idle_timeout_s:.0f} s; send it without pauses")
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -88,10 +109,17 @@ def _content_length(scope: Scope) -> int | None:
 
 
 async def _send_413(send: Send, limit: int) -> None:
-    body = too_large_body(limit)
+    await _send(send, 413, too_large_body(limit))
+
+
+async def _send_error(send: Send, status: int, code: str, message: str) -> None:
+    await _send(send, status, json.dumps(error_body(code, message)).encode())
+
+
+async def _send(send: Send, status: int, body: bytes) -> None:
     await send({
         "type": "http.response.start",
-        "status": 413,
+        "status": status,
         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                     (b"connection", b"close")],
     })

@@ -21,7 +21,10 @@ How OpenAI's parameters map onto a job spec:
   ``AUTO_EPOCHS``); ``batch_size`` -> examples per optimizer step, unpacked (``training.micro_batch_size``,
   ``training.packing`` false; auto: the spec's packed rows); ``learning_rate_multiplier`` -> ``training.lr`` x
   the multiplier (auto: 1);
-- ``suffix`` -> the job's name; ``seed`` -> ``training.seed``; ``method.type`` must be ``supervised``;
+- ``method`` ``{"type": "dpo", "dpo": {"hyperparameters": {...}}}``: ``objective: dpo`` on OpenAI's preference
+  format (``input``, ``preferred_output``, ``non_preferred_output``); ``beta`` -> ``dpo.beta`` (auto: 0.1), the
+  others as above, ``batch_size`` counting pairs (two rows each);
+- ``suffix`` -> the job's name; ``seed`` -> ``training.seed``; ``method.type`` is ``supervised`` or ``dpo``;
   ``integrations`` of type ``wandb`` -> ``integrations.wandb``;
 - ``spec`` (an extension, ``extra_body={"spec": {...}}`` in the SDK): any other job spec fields (seq_len, LoRA,
   the engine), under the mapped ones.
@@ -57,7 +60,7 @@ from api.settings import ENV_MODEL_CATALOGUE
 from horizon_ray.cluster.messages import Checkpoint, EventType, JobEvent, JobRecord, JobStatus
 from horizon_ray.engine.model import QUANTIZE
 from horizon_ray.errors import BadInput
-from horizon_ray.jobspec import JobSpec, Text, TrainingSpec, spec_error
+from horizon_ray.jobspec import DpoSpec, JobSpec, Text, TrainingSpec, spec_error
 from horizon_ray.strings import MAX_COMPONENT_BYTES, fix, problem
 
 PREFIX = "/v1"
@@ -117,10 +120,18 @@ class Supervised(_Strict):
     hyperparameters: Hyperparameters | None = None
 
 
+class DpoHyperparameters(Hyperparameters):
+    beta: Literal["auto"] | float | None = Field(None, gt=0)
+
+
+class Dpo(_Strict):
+    hyperparameters: DpoHyperparameters | None = None
+
+
 class Method(_Strict):
     type: Literal["supervised", "dpo", "reinforcement"]
     supervised: Supervised | None = None
-    dpo: dict[str, Any] | None = None
+    dpo: Dpo | None = None
     reinforcement: dict[str, Any] | None = None
 
 
@@ -286,14 +297,17 @@ def job_spec(body: CreateJob, catalogue: dict) -> dict[str, Any]:
         raise ApiError(400, "unsupported_parameter", "metadata is not stored by this service; leave it out",
                        field="metadata")
     hyper = body.hyperparameters
+    dpo = body.method is not None and body.method.type == "dpo"
     if body.method is not None:
-        if body.method.type != "supervised":
+        if body.method.type not in ("supervised", "dpo"):
             raise ApiError(400, "unsupported_method", f"method {body.method.type!r} is not served here; this "
-                           "service trains supervised fine-tunes (method type 'supervised')", field="method.type")
-        inner = body.method.supervised.hyperparameters if body.method.supervised else None
-        if inner is not None and hyper is not None and inner != hyper:
-            raise ApiError(400, "conflicting_parameters", "hyperparameters and method.supervised.hyperparameters "
-                           "differ; give them once", field="hyperparameters")
+                           "service trains supervised and dpo fine-tunes", field="method.type")
+        section = body.method.dpo if dpo else body.method.supervised
+        inner = section.hyperparameters if section else None
+        if inner is not None and hyper is not None and inner.model_dump(include=set(Hyperparameters.model_fields)) \
+                != hyper.model_dump():
+            raise ApiError(400, "conflicting_parameters", f"hyperparameters and method.{body.method.type}."
+                           "hyperparameters differ; give them once", field="hyperparameters")
         hyper = inner or hyper
     hyper = hyper or Hyperparameters()
 
@@ -317,8 +331,13 @@ def job_spec(body: CreateJob, catalogue: dict) -> dict[str, Any]:
     training.setdefault("epochs", epochs)
     if hyper.n_epochs not in (None, "auto"):
         training["epochs"] = hyper.n_epochs
+    if dpo:  # OpenAI's preference format; a batch of pairs is twice as many rows (chosen and rejected)
+        spec["objective"] = "dpo"
+        beta = getattr(hyper, "beta", None)
+        if beta not in (None, "auto"):
+            spec["dpo"] = {**(spec.get("dpo") or {}), "beta": beta}
     if hyper.batch_size not in (None, "auto"):
-        training.update(micro_batch_size=hyper.batch_size, grad_accum=1, packing=False)
+        training.update(micro_batch_size=hyper.batch_size * (2 if dpo else 1), grad_accum=1, packing=False)
     if hyper.learning_rate_multiplier not in (None, "auto"):
         base = training.get("lr", TrainingSpec().lr)
         training["lr"] = float(base) * hyper.learning_rate_multiplier
@@ -460,6 +479,16 @@ def _file_id(path: Any) -> str | None:
     return stem if FILE_ID_RE.fullmatch(stem) else path
 
 
+def _method(spec: dict[str, Any], hyper: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's method object of a job: supervised, or dpo with beta (a batch counts pairs)."""
+    if spec.get("objective") != "dpo":
+        return {"type": "supervised", "supervised": {"hyperparameters": hyper}}
+    batch = hyper["batch_size"]
+    dpo = {**hyper, "batch_size": batch // 2 if isinstance(batch, int) else batch,
+           "beta": (spec.get("dpo") or {}).get("beta", DpoSpec().beta)}
+    return {"type": "dpo", "dpo": {"hyperparameters": dpo}}
+
+
 def job_object(record: JobRecord, tenant: Tenant) -> dict[str, Any]:
     """A job record as OpenAI's `fine_tuning.job` (with horizon-ray's progress and download links)."""
     spec = record.spec or {}
@@ -492,7 +521,7 @@ def job_object(record: JobRecord, tenant: Tenant) -> dict[str, Any]:
         "integrations": ([{"type": "wandb", "wandb": spec["integrations"]["wandb"]}]
                          if (spec.get("integrations") or {}).get("wandb") else []),
         "metadata": None, "user_provided_suffix": record.name,
-        "method": {"type": "supervised", "supervised": {"hyperparameters": hyper}},
+        "method": _method(spec, hyper),
         # horizon-ray's own: where it stands and where its files are
         "progress": {"step": p.step, "total_steps": p.total_steps, "tokens_per_s": p.tokens_per_s, "eta_s": eta},
         "outputs_url": base, "final_model_url": f"{base}/final.tar" if succeeded else None,

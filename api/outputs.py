@@ -3,7 +3,7 @@
 The archive is written as it is sent, a file at a time in 1 MiB reads, so a model of any size downloads in
 one request without this process holding more than a chunk; its length is known before the first byte (the
 Content-Length of the response). Only regular files and directories inside the directory go in: a symbolic
-link is never followed out of it.
+link is never followed out of it, and a file with a second name (a hard link) is left out.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def _members(root: Path, arcroot: str) -> list[_Member]:
                 out.append(_Member(_header(f"{arcroot}/{rel}", tarfile.DIRTYPE, 0, st.st_mtime), None, 0))
         for name in sorted(filenames):
             st = os.lstat(base / name)
-            if not stat.S_ISREG(st.st_mode):  # a link (or anything but a file) is not an output
+            # a link, a hard link (another file's second name) or anything but a file is not an output
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
                 continue
             rel = (base / name).relative_to(root).as_posix()
             out.append(_Member(_header(f"{arcroot}/{rel}", tarfile.REGTYPE, st.st_size, st.st_mtime),

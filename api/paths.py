@@ -67,16 +67,32 @@ def regular_file(path: Path) -> bool:
         return False
 
 
-def own_files_dir(settings: ApiSettings, tenant: str) -> Path | None:
-    """The tenant's upload directory when it exists as a plain directory where the settings put it (not a
-    link, and not under a link); None otherwise: nothing is read through a link."""
-    path = settings.files_dir(tenant)
+def single_file(path: Path) -> bool:
+    """`path` is a regular file, not a symbolic link, with no other name (a hard link): what is served as a
+    job's output. A second name may be one planted beside a file outside the directory (the tenant's engine and
+    the service share a user), and serving it would hand out that file."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+
+
+def plain_dir_at(path: Path, parent: Path) -> Path | None:
+    """`path` when it is a plain directory (no link) whose real location is `parent`'s real location plus its
+    name: a tenant's namespace as the settings put it, never one planted as a link to another's."""
     try:
         if not stat.S_ISDIR(os.lstat(path).st_mode):
             return None
     except OSError:
         return None
-    return path if Path(os.path.realpath(path)) == Path(os.path.realpath(settings.uploads_dir)) / tenant else None
+    return path if Path(os.path.realpath(path)) == Path(os.path.realpath(parent)) / path.name else None
+
+
+def own_files_dir(settings: ApiSettings, tenant: str) -> Path | None:
+    """The tenant's upload directory when it exists as a plain directory where the settings put it (not a
+    link, and not under a link); None otherwise: nothing is read through a link."""
+    return plain_dir_at(settings.files_dir(tenant), settings.uploads_dir)
 
 
 def upload_dir(settings: ApiSettings, tenant: str) -> Path:
@@ -221,11 +237,15 @@ class PathPolicy:
                                        "shorter path")
         if confine(path, self.outputs_dir) is None:
             raise refuse("output_dir", "resolves outside your output namespace (symlink)")
+        if self.outputs_dir.exists() and plain_dir_at(self.outputs_dir, self.settings.jobs_root) is None:
+            raise refuse("output_dir", "your output namespace is not a plain directory (a symbolic link?); the "
+                                       "operator must replace it before jobs can write there")
         return str(path)
 
     def owns_output(self, output_dir: str | None) -> Path | None:
-        """The resolved output directory of a job when it lies in this tenant's namespace."""
-        if not output_dir:
+        """The resolved output directory of a job when it lies in this tenant's namespace, itself a plain
+        directory of jobs_root (a link planted as `<jobs_root>/<tenant>` leads nowhere)."""
+        if not output_dir or plain_dir_at(self.outputs_dir, self.settings.jobs_root) is None:
             return None
         return confine(Path(output_dir), self.outputs_dir)
 

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from horizon_ray.cluster.agent import SECRET_ENV_PREFIX
-from horizon_ray.cluster.engine_env import ENV_ENGINE_ENV
+from horizon_ray.cluster.engine_env import ENV_ENGINE_ENV, SECRET_ENV_PREFIX
 from horizon_ray.cluster.tenants import check_tenant_name
 from horizon_ray.errors import BadInput
 from horizon_ray.home import HOME_VARIABLE, service_root
@@ -57,6 +56,8 @@ _NUMBERS = {  # setting -> (its variable, its type)
     "max_upload_line_bytes": (ENV_MAX_LINE, int),
 }
 ENV_DOCS = "HORIZON_API_DOCS"  # 1: serve /docs (Swagger UI from the files of the swagger-ui-bundle package)
+ENV_METRICS_OPEN = "HORIZON_API_METRICS_OPEN"  # 1: /metrics without a key
+MIN_KEY_CHARS = 16  # the shortest API key serve takes: a short one is guessed
 # Every variable above that names a secret (the keys, their file) starts with SECRET_ENV_PREFIX, which no process
 # but the API's may see: the node agents drop such variables from their engines' environment, serve from the Ray
 # processes it starts.
@@ -113,6 +114,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(ENV_MAX_FILES, "1000", "datasets a tenant may keep uploaded; 429 beyond (delete some)"),
     Setting(ENV_MAX_FILE_BYTES, "107374182400 (100 GiB)", "bytes of datasets a tenant may keep uploaded, all files "
                                                           "together; 429 beyond (delete some)"),
+    Setting(ENV_METRICS_OPEN, "0", "1: /metrics answers without a key (for a scraper inside the cluster); otherwise "
+                                   "it needs one, as it counts every tenant's jobs"),
     Setting(ENV_DOCS, "0", "1: serve /docs (Swagger UI from the vendored files of the swagger-ui-bundle package, pip "
                            "install horizon-ray[docs]); otherwise /openapi.json only"),
 )
@@ -182,6 +185,8 @@ class ApiSettings:
     max_upload_line_bytes: int = 8 << 20
     # hosts a job's tracker URL may name (integrations.mlflow.tracking_uri); none: no tracker URL is accepted
     tracker_hosts: list[str] = field(default_factory=list)
+    # /metrics without a key (it counts every tenant's jobs; a scraper otherwise sends a key)
+    metrics_open: bool = False
     # serve /docs: Swagger UI from the vendored files of the swagger-ui-bundle package (pip install
     # horizon-ray[docs]), under a Content-Security-Policy; off: /openapi.json only
     docs: bool = False
@@ -215,6 +220,14 @@ class ApiSettings:
                      "max_file_bytes_per_tenant", "max_upload_line_bytes"):
             if getattr(self, name) < 1:
                 raise BadInput(f"{name} is {getattr(self, name)}; give a positive number ({_NUMBERS[name][0]})")
+
+    def check_served_keys(self) -> None:
+        """What a served API (serve, app_from_env) also needs of its keys: none shorter than MIN_KEY_CHARS."""
+        for key, tenant in self.api_keys.items():
+            if len(key.strip()) < MIN_KEY_CHARS:
+                raise BadInput(f"the API key of tenant {tenant!r} has {len(key.strip())} characters; give it at least "
+                               f"{MIN_KEY_CHARS} random ones, e.g. python -c 'import secrets; "
+                               "print(secrets.token_urlsafe(24))'")
 
     def files_dir(self, tenant: str) -> Path:
         """Where a tenant's uploaded datasets live."""
@@ -266,6 +279,8 @@ class ApiSettings:
                                    f"set it to one, or leave it unset for the default") from None
         if env.get(ENV_TRACKER_HOSTS):
             kwargs["tracker_hosts"] = [h.strip().lower() for h in env[ENV_TRACKER_HOSTS].split(",") if h.strip()]
+        if env.get(ENV_METRICS_OPEN):
+            kwargs["metrics_open"] = env[ENV_METRICS_OPEN].strip().lower() in ("1", "true", "yes", "on")
         if env.get(ENV_DOCS):
             kwargs["docs"] = env[ENV_DOCS].strip().lower() in ("1", "true", "yes", "on")
         kwargs.update(overrides)

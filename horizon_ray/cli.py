@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
-from collections.abc import Callable
 
-from horizon_ray.exit_codes import BAD_INPUT
+from horizon_ray.errors import refusing_bad_input
 
 # name -> (module, one-line help). Order is the order `--help` shows.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -51,13 +49,3 @@ def main(argv: list[str] | None = None) -> int:
     return refusing_bad_input(lambda: int(module.run(args) or 0))
 
 
-def refusing_bad_input(run: Callable[[], int]) -> int:
-    """`run`'s exit code; a BadInput it raises is exit 2 with its one-line message (the one place that maps
-    it). Any other exception is a crash: it propagates, and Python prints its traceback and exits 1."""
-    from horizon_ray.errors import BadInput
-
-    try:
-        return run()
-    except BadInput as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return BAD_INPUT

@@ -11,6 +11,11 @@ keeps working.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
+from horizon_ray.exit_codes import BAD_INPUT
+
 
 class BadInput(ValueError):
     """Input that cannot work; the message names the fix. ``field``: the dotted spec key to blame, if any."""
@@ -19,3 +24,14 @@ class BadInput(ValueError):
         super().__init__(message)
         self.message = message
         self.field = field
+
+
+def refusing_bad_input(run: Callable[[], int]) -> int:
+    """`run`'s exit code; a BadInput it raises is exit 2 with its one-line message (the one place that maps
+    it, for the CLI and the node agent's child alike). Any other exception is a crash: it propagates, and
+    Python prints its traceback and exits 1."""
+    try:
+        return run()
+    except BadInput as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return BAD_INPUT

@@ -46,6 +46,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from horizon_ray.engine.model import DTYPE_BYTES, KERNELS, LORA_TARGETS, PRECISIONS, QUANTIZE, UPDATES
+from horizon_ray.engine.objective import LOSSES as DPO_LOSSES
+from horizon_ray.engine.objective import OBJECTIVES, DpoConfig
 from horizon_ray.errors import BadInput
 from horizon_ray.home import HOME_VARIABLE, horizon_home
 from horizon_ray.strings import MAX_PATH_BYTES, OUTPUT_ROOM_BYTES, fix, problem, shown
@@ -54,7 +56,13 @@ from horizon_ray.workload import Adapters, Resolved, Workload, resolve
 _W, _A = Workload, Adapters  # the defaults of what the planner reads
 
 METHODS = ("full", "lora")
-DATA_FORMATS = ("auto", "alpaca", "messages", "sharegpt", "text")
+# Bounds on what a spec may ask for, so that every job ends: a step count or an epoch count past these is a
+# typo or an attack (`max_steps: 1e30` runs forever, `epochs: 1e308` overflows the step count), not a job. A
+# tenant's own caps (the tenants file: max_steps_per_job, max_tokens_per_job) may be lower.
+MAX_STEPS = 100_000_000  # optimizer steps of one job: years of any real run
+MAX_EPOCHS = 100_000  # passes over the training split
+MAX_INT = 2**63 - 1  # any integer of a spec: what the job table and every reader hold exactly
+DATA_FORMATS = ("auto", "alpaca", "messages", "sharegpt", "text", "preference")
 SCHEDULES = ("constant", "linear", "cosine")
 COMPUTE_DTYPES = ("auto", *DTYPE_BYTES)
 
@@ -74,12 +82,29 @@ def _number(value: Any) -> Any:
 
 def _integer(value: Any) -> Any:
     value = _number(value)
-    return int(value) if isinstance(value, float) and value.is_integer() else value
+    value = int(value) if isinstance(value, float) and value.is_integer() else value
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        raise PydanticCustomError("number_too_large", "{value} is too large; give a number below 2**63",
+                                  {"value": shown(value, 40)})
+    return value
 
 
 def _float(value: Any) -> Any:
     value = _number(value)
-    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:  # 10**400: JSON holds it, a float does not
+            raise PydanticCustomError("number_too_large", "{value} is too large for a floating-point number; "
+                                      "give a finite number", {"value": shown(value, 40)}) from None
+    return value
+
+
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise PydanticCustomError("number_not_finite", "{value} is not a finite number; give a finite one",
+                                  {"value": str(value)})
+    return value
 
 
 def expand_path(value: str) -> str:
@@ -124,10 +149,12 @@ def _safe_path(value: str) -> str:
 
 
 Int = Annotated[int, BeforeValidator(_integer), Strict()]
-Float = Annotated[float, BeforeValidator(_float), Strict()]
+Float = Annotated[float, BeforeValidator(_float), Strict(), AfterValidator(_finite)]
 Text = Annotated[StrictStr, AfterValidator(_safe_text)]
 PathStr = Annotated[StrictStr, AfterValidator(_safe_path), AfterValidator(_expand_user)]
 Method = Literal[METHODS]
+Objective = Literal[OBJECTIVES]
+DpoLoss = Literal[DPO_LOSSES]
 DataFormat = Literal[DATA_FORMATS]
 ChatRole = Literal["system", "user", "assistant"]
 TemplateText = Annotated[StrictStr, AfterValidator(_safe_template)]
@@ -173,7 +200,8 @@ class DataSpec(_Section):
         "training data, JSONL (a file or a folder of them); over the API an uploaded file id (file-...), or a file "
         "relative to (or inside) a data root. Required"))
     format: DataFormat = Field("auto", description=(
-        "alpaca | messages | sharegpt | text | auto (detected from the first record); JSONL or a .json array"))
+        "alpaca | messages | sharegpt | text | preference (objective dpo) | auto (detected from the first record); "
+        "JSONL or a .json array"))
     eval_fraction: Float = Field(0.05, description=(
         "share of path held out for eval when eval_path is not given; 0: no eval"))
     eval_path: PathStr | None = Field(None, description=(
@@ -202,9 +230,10 @@ class TrainingSpec(_Section):
     seq_len: Int = Field(_W.seq_len, ge=1, description="tokens per sequence (packed rows or padded examples)")
     micro_batch_size: Int = Field(_W.micro_batch_size, ge=1, description="sequences per micro-batch")
     grad_accum: Int = Field(_W.grad_accum, ge=1, description="micro-batches per optimizer step")
-    epochs: Float | None = Field(None, description=(
+    epochs: Float | None = Field(None, le=MAX_EPOCHS, description=(
         "passes over the training split; with max_steps, whichever ends first"))
-    max_steps: Int | None = Field(None, ge=1, description="optimizer steps; one of epochs / max_steps is required")
+    max_steps: Int | None = Field(None, ge=1, le=MAX_STEPS, description=(
+        "optimizer steps; one of epochs / max_steps is required"))
     lr: Float = Field(2e-5, description="peak learning rate")
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     weight_decay: Float = Field(0.0, description="decoupled (AdamW) weight decay")
@@ -296,6 +325,22 @@ class LoraSpec(_Section):
         self.adapters().check()
 
 
+class DpoSpec(_Section):
+    beta: Float = Field(0.1, description=(
+        "strength of the pull towards the reference (the model before training); IPO: its regulariser tau"))
+    loss: DpoLoss = Field("sigmoid", description=(
+        "sigmoid: DPO (TRL's sigmoid) | ipo: IPO, each row's log-ratio divided by its completion length (TRL's ipo)"))
+    label_smoothing: Float = Field(0.0, description=(
+        "conservative DPO: the probability that a pair's preference is flipped, in [0, 0.5) (sigmoid only)"))
+    sft_weight: Float = Field(0.0, description=(
+        "adds this weight x the chosen completions' mean token NLL to the loss (RPO); 0: none"))
+
+    def config(self) -> DpoConfig:
+        """The engine's settings of this section."""
+        return DpoConfig(beta=self.beta, loss=self.loss, label_smoothing=self.label_smoothing,
+                         sft_weight=self.sft_weight)
+
+
 class WandbSpec(_Section):
     project: Text = Field(description="the Weights & Biases project the run logs to")
     entity: Text | None = Field(None, description="team or user; null: the logged-in default")
@@ -338,6 +383,10 @@ class JobSpec(_Section):
     data: DataSpec = Field(default_factory=DataSpec)
     method: Method = Field("full", description=(
         "full: every weight trains | lora: adapters on the frozen base (see lora)"))
+    objective: Objective = Field("sft", description=(
+        "sft: next-token loss on the completions | dpo: preference pairs (prompt, chosen, rejected) against the "
+        "starting model's log-probabilities (see dpo)"))
+    dpo: DpoSpec | None = Field(None, description="objective dpo only; absent: the defaults")
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
@@ -354,6 +403,10 @@ class JobSpec(_Section):
     def _lora_defaults(self) -> JobSpec:
         if self.method == "lora" and self.lora is None:
             self.lora = LoraSpec()
+        if self.objective == "dpo":
+            self.dpo = self.dpo or DpoSpec()
+            if "packing" not in self.training.model_fields_set:
+                self.training.packing = False  # a completion's log-probability is the sum over its own row
         return self
 
     # ---- loading -------------------------------------------------------------------------------------
@@ -401,6 +454,9 @@ class JobSpec(_Section):
         for key, default in (("columns", None), ("roles", None), ("chat_template", None), ("train_on_inputs", False)):
             if d["data"][key] == default:
                 d["data"].pop(key)  # data read as before these existed hashes as before
+        if d["objective"] == "sft":
+            d.pop("objective")  # SFT hashes as it did before preference objectives existed
+            d.pop("dpo")
         if d["lora"] is None:
             d.pop("lora")  # full fine-tuning hashes as it did before LoRA existed
         else:
@@ -444,6 +500,11 @@ class JobSpec(_Section):
         elif self.lora is not None:
             raise BadInput("a lora section is given but method is full; set method: lora to train adapters, or "
                            "remove the lora section", field="lora")
+        if self.objective == "dpo":
+            self._check_dpo()
+        elif self.dpo is not None:
+            raise BadInput("a dpo section is given but objective is sft; set objective: dpo to train on preference "
+                           "pairs, or remove the dpo section", field="dpo")
         e = self.engine
         self.resolve(gpu=False)  # refuses a device that is none of auto, cpu, cuda, cuda:N
         if self.resources.gpus > 1 and self.training.update == "speculative":
@@ -478,10 +539,6 @@ class JobSpec(_Section):
                            field="training.epochs")
         if not (t.lr > 0 and math.isfinite(t.lr)):
             raise BadInput(f"training.lr is {t.lr}; set a positive learning rate (e.g. 2e-5)", field="training.lr")
-        if t.max_steps is not None and t.schedule.warmup_steps >= t.max_steps:
-            raise BadInput(f"training.schedule.warmup_steps ({t.schedule.warmup_steps}) must be smaller than "
-                           f"training.max_steps ({t.max_steps}); lower the warmup",
-                           field="training.schedule.warmup_steps")
         if not 0.0 <= t.schedule.min_lr_ratio <= 1.0:  # NaN fails this too
             raise BadInput(f"training.schedule.min_lr_ratio is {t.schedule.min_lr_ratio}; set it in [0, 1]",
                            field="training.schedule.min_lr_ratio")
@@ -497,6 +554,20 @@ class JobSpec(_Section):
         if t.max_grad_norm is not None and not (t.max_grad_norm > 0 and math.isfinite(t.max_grad_norm)):
             raise BadInput(f"training.max_grad_norm is {t.max_grad_norm}; set it > 0, or null for no clipping",
                            field="training.max_grad_norm")
+
+    def _check_dpo(self) -> None:
+        self.dpo.config().validate()
+        if self.training.micro_batch_size % 2:
+            raise BadInput(f"training.micro_batch_size is {self.training.micro_batch_size}; with objective dpo it "
+                           "counts rows, and a pair's chosen and rejected are two rows of one micro-batch: set an "
+                           "even number (2 x the pairs a micro-batch holds)", field="training.micro_batch_size")
+        if self.resources.gpus > 1:
+            raise BadInput("objective dpo runs on one GPU a job for now (its reference log-probs are indexed by the "
+                           "rows of one rank's steps); set resources.gpus to 1", field="resources.gpus")
+        if self.training.packing:
+            raise BadInput("training.packing packs examples into rows; objective dpo keeps each completion in a row "
+                           "of its own (its log-probability is that row's sum): set training.packing false",
+                           field="training.packing")
 
     def _check_lora(self) -> None:
         self.lora.check()

@@ -6,6 +6,9 @@ header the service stores or echoes) is refused when it holds
   UTF-8 (a file name, a response body, a log line) fails later, far from where it came in;
 - NUL or another control character (Unicode category Cc: C0, DEL, C1): NUL ends a path at the kernel, a
   newline forges lines in logs and in the job's event stream;
+- an invisible formatting character (category Cf: bidi controls such as U+202E, zero-width characters, the
+  byte-order mark U+FEFF) or a line or paragraph separator (U+2028, U+2029): they make a name or a path show
+  other than it is (`acme-\u202egnp.exe` reads as `acme-exe.png`), or split a line where a viewer shows one;
 - more UTF-8 bytes than its limit; for a path, a component longer than a file name can be (NAME_MAX) or a
   whole path longer than the kernel takes (PATH_MAX).
 
@@ -25,6 +28,9 @@ MAX_TEXT_BYTES = 1024  # a label (a job's name, a device, a module name): shown 
 # Room a job's output_dir leaves for what the runner writes inside it
 # (checkpoints/step-00000042.tmp-<pid>/engine/<shard>.safetensors and the like).
 OUTPUT_ROOM_BYTES = 512
+# Unicode categories of characters that show nothing yet change what is shown: format (bidi controls,
+# zero-width, BOM), line and paragraph separators
+INVISIBLE_CATEGORIES = ("Cf", "Zl", "Zp")
 
 
 def problem(value: str, *, max_bytes: int = MAX_TEXT_BYTES, path: bool = False) -> str | None:
@@ -33,9 +39,13 @@ def problem(value: str, *, max_bytes: int = MAX_TEXT_BYTES, path: bool = False) 
     for i, ch in enumerate(value):
         if "\ud800" <= ch <= "\udfff":
             return f"holds an unpaired UTF-16 surrogate (\\u{ord(ch):04x} at character {i}), which is not text"
-        if unicodedata.category(ch) == "Cc":
+        category = unicodedata.category(ch)
+        if category == "Cc":
             name = "a NUL character" if ch == "\x00" else f"a control character (\\x{ord(ch):02x})"
             return f"holds {name} at character {i}"
+        if category in INVISIBLE_CATEGORIES:
+            return (f"holds an invisible formatting character (U+{ord(ch):04X} "
+                    f"{unicodedata.name(ch, 'unnamed')}) at character {i}")
     size = len(value.encode("utf-8"))
     if size > max_bytes:
         return f"is {size} bytes long (UTF-8); the limit is {max_bytes}"
@@ -70,6 +80,9 @@ def fix(problem_text: str) -> str:
         return f"shorten that name to {MAX_COMPONENT_BYTES} bytes or fewer"
     if "bytes long" in problem_text:
         return "shorten it"
+    if "invisible" in problem_text:
+        return ("remove it: bidi controls, zero-width characters and byte-order marks make a name show other "
+                "than it is")
     if "surrogate" in problem_text:
         return "send valid Unicode text (a character outside the BMP is a pair of \\u escapes, never one half)"
     return "send plain text without control characters"

@@ -1,4 +1,5 @@
-// horizon-ray dashboard: nodes and their RAM ledger, the queue, jobs, and a live loss curve of one job.
+// horizon-ray dashboard: nodes and their RAM ledger, the queue, jobs, a form that uploads a dataset, plans and
+// submits a job, and one job's live loss curve, events and outputs (downloaded with the key).
 // Plain JS, no dependencies. The API key lives in localStorage and goes out as a bearer token; data is
 // always rendered with textContent, never as HTML.
 "use strict";
@@ -14,6 +15,7 @@ const state = {
   stream: null,         // AbortController of the selected job's event stream
   loss: [],             // [step, loss] of the selected job
   evalLoss: [],         // [step, eval_loss]
+  outputsOf: null,      // "<job id>:<status>:<step>" the outputs table was listed at
   timer: null,
 };
 
@@ -204,6 +206,8 @@ function select(id) {
   state.selected = id;
   state.loss = [];
   state.evalLoss = [];
+  state.outputsOf = null;
+  document.querySelector("#outputs tbody").replaceChildren();
   document.getElementById("job-section").hidden = false;
   document.getElementById("job-title").textContent = id;
   document.getElementById("events").replaceChildren();
@@ -233,9 +237,43 @@ function renderJobFacts(job) {
     ["created", when(job.created_at)], ["started", when(job.started_at)], ["finished", when(job.finished_at)],
     ["queue", job.queue ? `#${job.queue.position ?? "?"} ${job.queue.reason || ""}` : "–"],
     ["error", job.error ? `${job.error.code}: ${job.error.message}` : "–"],
-    ["outputs", job.result.output_dir || "–"],
   ];
   document.getElementById("job-facts").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
+  document.getElementById("download-final").hidden = job.status !== "succeeded";
+  if (state.outputsOf !== `${job.id}:${job.status}:${job.progress.step}`) {  // list again when the job moved
+    state.outputsOf = `${job.id}:${job.status}:${job.progress.step}`;
+    api(`/finetune/${encodeURIComponent(job.id)}/outputs`).then((o) => renderOutputs(job.id, o.data)).catch(() => {});
+  }
+}
+
+// ---- outputs: listed with their sizes, downloaded with the key (a plain link would carry no Bearer header) --
+
+function renderOutputs(id, files) {
+  if (id !== state.selected) return;
+  const base = `/finetune/${encodeURIComponent(id)}/outputs`;
+  document.querySelector("#outputs tbody").replaceChildren(...files.map((f) =>
+    el("tr", { dataset: { path: f.path } },
+      el("td", { class: "id" }, f.path),
+      el("td", {}, bytes(f.bytes)),
+      el("td", {}, el("button", { type: "button", class: "download",
+        onclick: () => download(`${base}/${f.path.split("/").map(encodeURIComponent).join("/")}`,
+                                f.path.split("/").pop()) }, "download")))));
+}
+
+async function download(path, filename) {
+  try {
+    const res = await fetch(path, { headers: headers({ Accept: "*/*" }) });
+    if (!res.ok) throw new Error(`${filename}: HTTP ${res.status}`);
+    const url = URL.createObjectURL(await res.blob());
+    const a = el("a", { href: url, download: filename, hidden: true });
+    document.body.append(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 60000);
+    document.getElementById("form-result").textContent = `downloaded ${filename}`;
+  } catch (err) {
+    banner(err.message);
+  }
 }
 
 async function follow(id) {
@@ -375,15 +413,107 @@ function setKey(key) {
   if (key) localStorage.setItem(KEY_STORAGE, key); else localStorage.removeItem(KEY_STORAGE);
   document.getElementById("whoami").textContent = key ? "key saved in this browser" : "";
   refresh();
+  loadChoices();
 }
 
 async function sendSpec(path) {
   const out = document.getElementById("submit-result");
   try {
     const spec = JSON.parse(document.getElementById("spec-input").value || "{}");
-    const body = await api(path, { method: "POST", body: JSON.stringify(spec), headers: { "Content-Type": "application/json" } });
-    out.textContent = JSON.stringify(body, null, 2);
-    if (path === "/finetune") { await refresh(); select(body.id); }
+    const body = await postJson(path, spec);
+    if (path === "/plan") { out.textContent = ""; renderPlan(body); return; }
+    out.textContent = `submitted ${body.id} (${body.status})`;
+    await refresh();
+    select(body.id);
+  } catch (err) {
+    out.textContent = err.message;
+  }
+}
+
+function postJson(path, body) {
+  return api(path, { method: "POST", body: JSON.stringify(body), headers: { "Content-Type": "application/json" } });
+}
+
+// The planner's verdict in a few lines: where it goes and why, what it needs, each node's verdict.
+function renderPlan(res) {
+  const view = document.getElementById("plan-view");
+  const p = res.plan || {};
+  const words = { place: `runs now on node ${res.node_id}`, queue: `waits for node ${res.node_id || "a node"}`,
+                  reject: "no node can ever hold it" };
+  const needs = [`host RAM ${bytes(p.host_bytes)}`];
+  if (p.gpu_bytes) needs.push(`GPU memory ${bytes(p.gpu_bytes)}`);
+  if (typeof p.step_time_s === "number") needs.push(`~${num(p.step_time_s, 3)} s a step (${p.bound || "planned"})`);
+  if (p.params) needs.push(`${Number(p.params).toLocaleString("en-US")} parameters, ${p.method || ""} ${p.mode || ""}`);
+  view.replaceChildren(
+    el("div", {}, el("span", { class: `verdict ${res.decision}`, id: "plan-verdict" }, words[res.decision] || res.decision),
+      res.reason ? ` — ${res.reason}` : ""),
+    el("div", { class: "muted" }, needs.join("; ")),
+    el("ul", { id: "plan-nodes" }, ...(res.nodes || []).map((n) =>
+      el("li", { dataset: { nodeId: n.node_id, fits: String(Boolean(n.fits)) } },
+        `node ${n.node_id}: ${n.fits_now ? "fits now" : n.fits ? "fits, busy now" : "does not fit"} — ${n.reason || ""}`))));
+  view.hidden = false;
+}
+
+function formSpec() {
+  const value = (id) => document.getElementById(id).value;
+  const spec = {
+    model: { path: value("f-model") }, data: { path: value("f-data") }, method: value("f-method"),
+    training: { max_steps: Number(value("f-max-steps")), lr: Number(value("f-lr")),
+                seq_len: Number(value("f-seq-len")), micro_batch_size: Number(value("f-micro-batch")) },
+  };
+  if (value("f-name").trim()) spec.name = value("f-name").trim();
+  return spec;
+}
+
+async function planForm() {
+  const out = document.getElementById("form-result");
+  out.textContent = "planning ...";
+  try { renderPlan(await postJson("/plan", formSpec())); out.textContent = ""; } catch (err) { out.textContent = err.message; }
+}
+
+async function submitForm(e) {
+  e.preventDefault();
+  const out = document.getElementById("form-result");
+  try {
+    const job = await postJson("/finetune", formSpec());
+    out.textContent = `submitted ${job.id} (${job.status})`;
+    await refresh();
+    select(job.id);
+  } catch (err) {
+    out.textContent = err.message;
+  }
+}
+
+function fill(select, options, empty) {
+  const keep = select.value;
+  select.replaceChildren(...(options.length ? options.map(([v, label]) => el("option", { value: v }, label))
+    : [el("option", { value: "" }, empty)]));
+  if (options.some(([v]) => v === keep)) select.value = keep;
+}
+
+async function loadChoices() {
+  if (!state.key) return;
+  try {
+    const [models, files] = await Promise.all([api("/v1/models"), api("/files")]);
+    fill(document.getElementById("f-model"), models.data.map((m) => [m.id, m.id]),
+         "no catalogue: the operator sets HORIZON_MODEL_CATALOGUE");
+    fill(document.getElementById("f-data"), files.data.map((f) => [f.id, `${f.filename} (${f.id}, ${f.num_examples ?? "?"} examples)`]),
+         "upload a dataset first");
+  } catch (_) { /* the banner says why (refresh) */ }
+}
+
+async function upload(e) {
+  e.preventDefault();
+  const out = document.getElementById("upload-result");
+  const file = document.getElementById("upload-file").files[0];
+  if (!file) { out.textContent = "choose a file first"; return; }
+  out.textContent = `uploading ${file.name} ...`;
+  try {
+    const meta = await api(`/files?filename=${encodeURIComponent(file.name)}`,
+      { method: "POST", body: file, headers: { "Content-Type": "application/x-ndjson" } });
+    out.textContent = `uploaded ${meta.id}: ${meta.num_examples} examples, ${meta.format}`;
+    await loadChoices();
+    document.getElementById("f-data").value = meta.id;
   } catch (err) {
     out.textContent = err.message;
   }
@@ -396,6 +526,13 @@ document.addEventListener("DOMContentLoaded", () => {
   document.getElementById("forget-key").addEventListener("click", () => { input.value = ""; setKey(""); });
   document.getElementById("plan-button").addEventListener("click", () => sendSpec("/plan"));
   document.getElementById("submit-button").addEventListener("click", () => sendSpec("/finetune"));
+  document.getElementById("upload-form").addEventListener("submit", upload);
+  document.getElementById("job-form").addEventListener("submit", submitForm);
+  document.getElementById("form-plan").addEventListener("click", planForm);
+  document.getElementById("download-final").addEventListener("click", () => {
+    if (state.selected) download(`/finetune/${encodeURIComponent(state.selected)}/outputs/final.tar`, `${state.selected}-final.tar`);
+  });
+  loadChoices();
   if (state.key) document.getElementById("whoami").textContent = "key saved in this browser";
   refresh();
   state.timer = setInterval(refresh, REFRESH_MS);

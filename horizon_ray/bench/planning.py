@@ -40,9 +40,30 @@ def planned_bytes(shape, *, mode: str, seq: int, micro: int, accum: int, checkpo
                 "plan_error": f"{type(exc).__name__}: {exc}"[:500]}
     return {"planned_host_bytes": p.host_bytes, "planned_gpu_bytes": p.gpu_bytes, "plan_fits": p.fits,
             "planned_step_s": round(p.step_time_s, 3), "planned_speculate_units": p.speculate_units,
+            "bound": bound_arithmetic(p.timing),
             "planned_update_buffers_bytes": p.breakdown["host"].get("update_buffers", 0),
             "plan_host_fits": p.host_bytes <= p.host_limit_bytes,
             "plan_reason": p.reason}
+
+
+def bound_arithmetic(t: dict) -> dict:
+    """What bounds the step, from the planner's roofline (planner.timing.step_time): the bytes each way over
+    PCIe, the bytes the host update moves, the GPU's FLOPs, the seconds each takes at the node's ceilings,
+    and which of them bounds the step."""
+    out = {"h2d_bytes": int(t["h2d_bytes"]), "d2h_bytes": int(t["d2h_bytes"]),
+           "host_update_bytes": int(t["optimizer_bytes"]), "gpu_flops": float(t["fwd_flops"] + t["bwd_flops"]),
+           "bound": t.get("bound")}
+    for key in ("pcie_s", "optimizer_s", "compute_s", "exposed_s", "step_s"):
+        if t.get(key) is not None:
+            out[key] = round(float(t[key]), 3)
+    return out
+
+
+def bound_line(b: dict) -> str:
+    """The bound's arithmetic in one line (printed beside each benchmark row)."""
+    return (f"PCIe {b['h2d_bytes'] / 1e9:.1f} GB in + {b['d2h_bytes'] / 1e9:.1f} GB out = {b.get('pcie_s', 0):.2f} s; "
+            f"host update {b['host_update_bytes'] / 1e9:.1f} GB = {b.get('optimizer_s', 0):.2f} s; "
+            f"GPU {b['gpu_flops'] / 1e12:.0f} TFLOP = {b.get('compute_s', 0):.2f} s; bound: {b['bound']}")
 
 
 def _plan(shape, mode, seq, micro, accum, checkpoint_every, dtype, device, gpu_budget_bytes, loss_chunk, offload,

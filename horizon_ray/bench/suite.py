@@ -33,7 +33,7 @@ from horizon_ray.bench.metrics import (
     parse_updates,
     unavailable,
 )
-from horizon_ray.bench.planning import largest_shape, lora_settings, planned_bytes
+from horizon_ray.bench.planning import bound_line, largest_shape, lora_settings, planned_bytes
 from horizon_ray.bench.report import compute_ratios, write_json, write_report
 from horizon_ray.bench.shapes import FIND_LARGEST_SHAPES, model_flops_per_token, resolve_shape
 from horizon_ray.planner.shapes import adapter_params
@@ -148,7 +148,8 @@ def _shapes(args) -> list[str]:
         accum = max(int(a) for a in str(args.accum).split(","))
         modes = args.mode.split(",")
         name = largest_shape(host_ram_bytes(), mode=modes[0], seq=args.seq, micro=args.micro, accum=accum,
-                             checkpoint_every=args.checkpoint_every, lora=lora_settings(args, modes[0]))
+                             checkpoint_every=args.checkpoint_every,
+                             lora=lora_settings(args, modes[0], resolve_shape(FIND_LARGEST_SHAPES[0])))
         print(f"bench: the largest shape this host holds in mode {modes[0]} (planner): {name}", flush=True)
         return [name]
     return [resolve_shape(args.shape, args.layers).name]
@@ -368,3 +369,5 @@ def _summary(runs: list[dict], md: Path) -> None:
         mode = r["mode"] + (f"/{r['update']}" if r.get("update") else "")
         print(f"SUMMARY {r['system']:<17} {r['shape']:<16} {mode:<18} {r['tokens_per_step']:>8,} tok/step "
               f"{tps}{ratios}" + (f" ({r['reason']})" if r.get("reason") else ""), flush=True)
+        if r.get("bound"):
+            print(f"  BOUND planned {r.get('planned_step_s')} s/step: {bound_line(r['bound'])}", flush=True)

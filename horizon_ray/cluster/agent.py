@@ -40,7 +40,9 @@ When an engine dies of SIGKILL, its `ExitInfo` carries the evidence the coordina
 kill or not: the OOM kills the kernel counted while it ran (machine-wide and in this node's memory cgroup),
 the least memory the node had available, and the engine's peak RSS.
 
-This module imports no Ray; `ray_actors` turns `NodeAgent` into a Ray actor pinned to its node.
+This module imports no Ray; `ray_actors` turns `NodeAgent` into a Ray actor pinned to its node. It is the
+process supervision; the protocol the coordinator uses is `agent_protocol`, the ledger `ledger`, the node's GPUs
+`gpus` and what its kernel and cgroup say (RAM, cores, available memory, OOM kills) `cgroups`.
 """
 
 from __future__ import annotations
@@ -49,149 +51,42 @@ import ctypes
 import functools
 import json
 import logging
-import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import psutil
 import yaml
 
 from horizon_ray.atomic import write_atomic
 from horizon_ray.cluster import placement
+from horizon_ray.cluster.agent_protocol import ENGINE_LEASE_S, ReservationRefused
+from horizon_ray.cluster.cgroups import available_memory_bytes, node_cpu_count, node_ram_bytes, oom_kill_count
 from horizon_ray.cluster.engine_env import SECRET_ENV_PREFIX, engine_base_env
+from horizon_ray.cluster.gpus import detect_gpus
+from horizon_ray.cluster.ledger import Ledger
 from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, Launch, NodeInfo, Reservation
 from horizon_ray.job import lease
 from horizon_ray.job.events import Event, decode
+from horizon_ray.job.metrics import METRICS_FILE
 
 log = logging.getLogger("horizon_ray.cluster")
-METRICS_FILE = "metrics.jsonl"
 PROBE_TIMEOUT_S = 600  # a first probe on a busy machine, with the engine's imports
 SPEC_FILE = "job.yaml"
-# An agent that has not heard from the coordinator for this long stops its engines. Longer than a coordinator
-# restart (its actor reloads the job table and polls again within seconds); the coordinator waits this long
-# (and the kill grace) after it last heard from a lost node before it starts that node's jobs elsewhere.
-ENGINE_LEASE_S = 60.0
 _MAX_LINES_PER_POLL = 2000
 _STDERR_TAIL_BYTES = 4000
-
-
-class AgentUnavailable(Exception):
-    """The agent could not be reached. `definitive`: it is known dead (not merely slow)."""
-
-    def __init__(self, message: str, *, definitive: bool = False):
-        super().__init__(message)
-        self.definitive = definitive
-
-
-class ReservationRefused(Exception):
-    """The agent's ledger has no room for the job (the coordinator's view was stale), or it is draining."""
 
 
 # Ray's own processes in a node besides its object store: raylet, dashboard agent, log monitor, runtime-env
 # agent and this agent (measured: ~0.6 GiB on an idle node; 1 GiB leaves room for their growth).
 RAY_PROCESSES_BYTES = 1 << 30
-
-
-class Agent(Protocol):
-    """What the coordinator needs from a node agent (a `NodeAgent`, a Ray proxy to one, or a fake)."""
-
-    def info(self) -> NodeInfo: ...
-
-    def start(self, launch: Launch) -> Reservation:
-        """Reserve and launch; returns the reservation (with its GPU index and cores)."""
-        ...
-
-    def cancel(self, job_id: str) -> None: ...
-
-    def poll(self, offsets: dict[str, int]) -> dict[str, AgentJobReport]: ...
-
-    def forget(self, job_id: str) -> None: ...
-
-
-@dataclass
-class Ledger:
-    """Memory, GPUs and cores of one node set aside for running jobs."""
-
-    ram_bytes: int  # host RAM offered to jobs
-    gpu_count: int = 0  # GPUs of the node; a GPU job holds resources.gpus of them alone
-    gpu_memory_bytes: int = 0  # memory of one GPU
-    entries: dict[str, Reservation] = field(default_factory=dict)  # job_id -> reservation
-    cpu_count: int = 0  # cores split among the engines (0: no split, each engine keeps its default)
-
-    @property
-    def reserved_bytes(self) -> int:
-        return sum(r.host_bytes for r in self.entries.values())
-
-    @property
-    def reserved_gpu_bytes(self) -> int:
-        return sum(r.gpu_bytes for r in self.entries.values())
-
-    @property
-    def free_gpu_indices(self) -> list[int]:
-        busy = {i for r in self.entries.values() for i in r.gpu_indices}
-        return [i for i in range(self.gpu_count) if i not in busy]
-
-    def cpu_share(self, gpu: bool) -> int:
-        """Cores an engine starting now gets (0 when the node's cores are unknown).
-
-        A GPU engine gets cores / GPUs: a fixed share per GPU, so the node's engines never oversubscribe
-        its cores however many GPUs are busy, and a job's threads do not depend on the order jobs start.
-        A CPU engine gets an equal share with the engines running now (itself included).
-        """
-        if not self.cpu_count:
-            return 0
-        if gpu:
-            return max(1, self.cpu_count // max(1, self.gpu_count))
-        return max(1, self.cpu_count // (len(self.entries) + 1))
-
-    def reserve(self, job_id: str, host_bytes: int, gpu_bytes: int, needs_gpu: bool | None = None,
-                tenant: str | None = None, gpus: int = 1) -> Reservation:
-        """Set aside host RAM, `gpus` free GPUs (when `needs_gpu`; None: when gpu_bytes > 0 on a GPU node) and
-        a share of the cores per GPU for `tenant`'s job; raise ReservationRefused when the node cannot take it
-        now."""
-        if job_id in self.entries:
-            return self.entries[job_id]
-        gpu = bool(gpu_bytes) and self.gpu_count > 0 if needs_gpu is None else bool(needs_gpu)
-        if self.reserved_bytes + host_bytes > self.ram_bytes:
-            raise ReservationRefused(
-                f"job {job_id} needs {host_bytes} host bytes; {self.ram_bytes - self.reserved_bytes} free")
-        indices: list[int] = []
-        if gpu:
-            free = self.free_gpu_indices
-            if len(free) < gpus:
-                want = "a GPU" if gpus == 1 else f"{gpus} GPUs"
-                raise ReservationRefused(f"job {job_id} needs {want}; " + (
-                    placement.gpus_free(self.gpu_count, len(free), gpus) if self.gpu_count else "the node has none"))
-            indices = free[:gpus]
-        threads = self.cpu_share(gpu) * (len(indices) or 1)
-        self.entries[job_id] = Reservation(job_id, int(host_bytes), int(gpu_bytes), time.time(),
-                                           gpu_indices=indices, cpu_threads=threads, tenant=tenant)
-        return self.entries[job_id]
-
-    def release(self, job_id: str) -> None:
-        self.entries.pop(job_id, None)
-
-    def node_info(self, node_id: str, **extra: Any) -> NodeInfo:
-        return NodeInfo(
-            node_id=node_id,
-            ram_bytes=self.ram_bytes,
-            gpu_count=self.gpu_count,
-            gpu_memory_bytes=self.gpu_memory_bytes,
-            reserved_bytes=self.reserved_bytes,
-            reserved_gpu_bytes=self.reserved_gpu_bytes,
-            ledger=list(self.entries.values()),
-            cpu_count=self.cpu_count,
-            **extra,
-        )
 
 
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HORIZON_RAY_OPTIMIZER_THREADS")
@@ -250,6 +145,7 @@ def read_new_events(path: Path, offset: int) -> tuple[list[Event], int]:
     return events, offset
 
 
+_LIBC: ctypes.CDLL | None
 try:  # loaded once here: a dlopen between fork and exec in a threaded process can deadlock
     _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
 except OSError:  # not glibc Linux: no parent-death signal
@@ -268,48 +164,6 @@ def _set_pdeathsig(parent: int) -> None:
         os._exit(1)
 
 
-def detect_gpus(environ: dict[str, str] | None = None) -> tuple[list[str], int]:
-    """(CUDA_VISIBLE_DEVICES value of each GPU the agent may hand out, memory of one GPU in bytes).
-
-    From `nvidia-smi` (the cluster layer never initialises CUDA itself), restricted to the
-    agent's CUDA_VISIBLE_DEVICES when that is set ("" or -1: none). Without nvidia-smi, the devices listed in
-    CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES, with unknown memory. No GPU: ([], 0).
-    """
-    environ = dict(os.environ if environ is None else environ)
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    exe = shutil.which("nvidia-smi")
-    rows: list[tuple[str, str, int]] = []  # (index, uuid, bytes)
-    if exe is not None:
-        try:
-            out = subprocess.run([exe, "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=20, check=True).stdout
-            for line in out.splitlines():
-                parts = [x.strip() for x in line.split(",")]
-                if len(parts) == 3 and parts[0].isdigit():
-                    rows.append((parts[0], parts[1], int(float(parts[2])) * 2**20))
-        except (OSError, ValueError, subprocess.SubprocessError):
-            rows = []
-    if visible is not None:
-        wanted = [x.strip() for x in visible.split(",") if x.strip()]
-        if not rows:
-            return ([] if wanted[:1] == ["-1"] else wanted), 0
-        chosen: list[tuple[str, int]] = []
-        for entry in wanted:
-            match = next((r for r in rows if entry == r[0] or (entry.startswith("GPU-") and r[1].startswith(entry))),
-                         None)
-            if match is None:
-                break  # CUDA ignores every entry from the first invalid one on
-            chosen.append((entry, match[2]))
-        return [e for e, _ in chosen], min((m for _, m in chosen), default=0)
-    if not rows:
-        listed = environ.get("NVIDIA_VISIBLE_DEVICES", "")
-        ids = [x.strip() for x in listed.split(",") if x.strip()]
-        if ids and all(x.isdigit() or x.startswith("GPU-") for x in ids):
-            return [str(i) for i in range(len(ids))], 0
-        return [], 0
-    return [r[0] for r in rows], min(r[2] for r in rows)
-
-
 @dataclass
 class _Job:
     job_id: str
@@ -325,131 +179,6 @@ class _Job:
     forgotten: bool = False  # killed by forget(): dropped (and its reservation released) once it is reaped
     oom_kills_at_start: int = 0  # oom_kill_count() when it started
     min_available_bytes: int | None = None  # the least memory the node had available while it ran
-
-
-def oom_kill_count(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup",
-                   vmstat: str = "/proc/vmstat") -> int:
-    """OOM kills counted so far by the kernel on this machine (/proc/vmstat) and in this process's memory
-    cgroup (v2 memory.events, v1 memory.oom_control): a counter that grows when an OOM kill happens here. 0
-    where neither is readable."""
-    total = 0
-    for line in _read(Path(vmstat)).splitlines():
-        if line.startswith("oom_kill "):
-            total += int(line.split()[1])
-    for d in _memory_cgroup_dirs(proc_cgroup, cgroup_root):
-        for name in ("memory.events", "memory.oom_control"):
-            for line in _read(d / name).splitlines():
-                if line.startswith("oom_kill "):
-                    return total + int(line.split()[1])
-    return total
-
-
-def available_memory_bytes(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> int:
-    """Memory this node can still hand out: the machine's available memory, or what its memory cgroup's limit
-    leaves when that is less (a pod)."""
-    available = psutil.virtual_memory().available
-    for d in _memory_cgroup_dirs(proc_cgroup, cgroup_root):
-        for limit_name, usage_name in (("memory.max", "memory.current"),
-                                       ("memory.limit_in_bytes", "memory.usage_in_bytes")):
-            limit, usage = _read(d / limit_name), _read(d / usage_name)
-            if limit.isdigit() and usage.isdigit() and int(limit) < 1 << 60:
-                return min(available, max(0, int(limit) - int(usage)))
-    return available
-
-
-def _memory_cgroup_dirs(proc_cgroup: str, cgroup_root: str) -> list[Path]:
-    """This process's memory cgroup directory (v2, or v1's memory controller), then the mount's root (inside a
-    container's cgroup namespace the path is "/" and the mount is the container's own cgroup)."""
-    out = []
-    for line in _read(Path(proc_cgroup)).splitlines():
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and controllers == "":
-            mount = Path(cgroup_root)
-        elif "memory" in controllers.split(","):
-            mount = Path(cgroup_root) / "memory"
-        else:
-            continue
-        out += [mount / path.lstrip("/"), mount]
-    return [d for d in out if d.is_dir()]
-
-
-def node_cpu_count(env: dict[str, str], *, proc_cgroup: str = "/proc/self/cgroup",
-                   cgroup_root: str = "/sys/fs/cgroup") -> int:
-    """The cores this node's engines may use: $HORIZON_NODE_CPUS (a pod's CPU limit, from the downward API),
-    the cgroup's CPU quota (v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`, rounded up), and the
-    cores this process may run on, whichever is smallest. A pod's CPU limit is a quota, not an affinity: the
-    affinity alone counts the host's cores (192 OpenMP threads per engine in a 24-CPU pod)."""
-    cores = len(os.sched_getaffinity(0))
-    text = (env.get("HORIZON_NODE_CPUS") or "").strip()
-    if text:
-        try:
-            declared = float(text)
-        except ValueError:
-            declared = 0.0
-        if not declared > 0:
-            raise ValueError(f"HORIZON_NODE_CPUS={text!r} is not a number of cores; set it to the pod's CPU "
-                             "limit (resourceFieldRef limits.cpu) or leave it unset")
-        cores = min(cores, math.ceil(declared))
-    quota = cgroup_cpu_quota(proc_cgroup, cgroup_root)
-    if quota is not None:
-        cores = min(cores, max(1, math.ceil(quota)))
-    return cores
-
-
-def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> float | None:
-    """The smallest CPU quota (in cores) of this process's cgroup and its ancestors; None without one."""
-    try:
-        lines = Path(proc_cgroup).read_text().splitlines()
-    except OSError:
-        return None
-    quotas = []
-    for line in lines:
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and controllers == "":  # cgroup v2
-            for d in _cgroup_dirs(Path(cgroup_root), path):
-                parts = _read(d / "cpu.max").split()
-                if len(parts) == 2 and parts[0] != "max" and parts[0].isdigit() and parts[1].isdigit():
-                    quotas.append(int(parts[0]) / max(1, int(parts[1])))
-        elif "cpu" in controllers.split(","):  # cgroup v1
-            for d in _cgroup_dirs(Path(cgroup_root) / controllers, path) + _cgroup_dirs(Path(cgroup_root) / "cpu",
-                                                                                     path):
-                q, period = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
-                if q.lstrip("-").isdigit() and int(q) > 0 and period.isdigit():
-                    quotas.append(int(q) / max(1, int(period)))
-    return min(quotas) if quotas else None
-
-
-def _cgroup_dirs(mount: Path, path: str) -> list[Path]:
-    """The cgroup directory of `path` under `mount` and its ancestors up to the mount (inside a container's
-    cgroup namespace the path is "/" and the mount is the container's own cgroup)."""
-    parts = [p for p in path.split("/") if p]
-    return [mount.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return ""
-
-
-def node_ram_bytes(env: dict[str, str]) -> int:
-    """The RAM this node offers to jobs: $HORIZON_NODE_RAM_BYTES (a pod's memory limit, set by the k8s
-    manifests), else the cgroup's memory limit when there is one, else the machine's RAM. In a container
-    psutil sees the host's RAM, and planning against it would overcommit the pod."""
-    if env.get("HORIZON_NODE_RAM_BYTES"):
-        return int(env["HORIZON_NODE_RAM_BYTES"])
-    total = psutil.virtual_memory().total
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = open(path).read().strip()
-        except OSError:
-            continue
-        if text.isdigit() and 0 < int(text) < total:
-            return int(text)
-    return total
 
 
 class NodeAgent:
@@ -543,7 +272,7 @@ class NodeAgent:
             self._jobs.pop(job_id, None)
             res = self._ledger.reserve(job_id, launch.host_bytes, launch.gpu_bytes,
                                        _needs_gpu(launch, self._ledger.gpu_count), tenant=launch.tenant,
-                                       gpus=launch.gpus)
+                                       gpus=launch.gpus, cpu_threads=launch.cpu_threads)
             try:
                 self._jobs[job_id] = self._launch(launch, res)
             except BaseException:

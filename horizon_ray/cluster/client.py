@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from horizon_ray.cluster.errors import CoordinatorUnavailable, HorizonError
@@ -106,7 +107,13 @@ class CoordinatorClient(Protocol):
         ...
 
 
-_METHODS = ("submit", "get", "list", "cancel", "events", "checkpoints", "plan", "nodes", "queue", "ready")
+@dataclass(frozen=True)
+class Reply:
+    """The coordinator actor's answer to one call of the protocol: its value, or the domain error it raised
+    (carried as data: a raised one would reach the client as Ray's task error)."""
+
+    value: Any = None  # what the core's method returned, when error is None
+    error: dict[str, Any] | None = None  # HorizonError.to_wire() of the refusal
 
 
 class _Delegating:
@@ -327,7 +334,7 @@ class RayClient(_Delegating):
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         try:
-            reply = ray.get(self._handle().call.remote(method, *args, _credential=self._credential, **kwargs),
+            reply = ray.get(getattr(self._handle(), method).remote(*args, _credential=self._credential, **kwargs),
                             timeout=_timeout_s or self._timeout_s)
         except (RayActorError, GetTimeoutError) as exc:
             self._actor = None
@@ -340,9 +347,9 @@ class RayClient(_Delegating):
             self._reconnect(f"lost the connection: {_first_line(exc)}")
             raise CoordinatorUnavailable(f"lost the Ray cluster at {self._address or 'auto'} during {method} "
                                          f"({_first_line(exc)}); reconnecting") from exc
-        if "error" in reply:
-            raise HorizonError.from_wire(reply["error"])
-        return reply["ok"]
+        if reply.error is not None:
+            raise HorizonError.from_wire(reply.error)
+        return reply.value
 
     def ready(self) -> bool:
         try:

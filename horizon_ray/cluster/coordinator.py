@@ -3,12 +3,13 @@
 Plain Python, no Ray: it takes its node agents (node id -> `Agent`), its clock, its planner and the path of
 its sqlite job table as arguments, so unit tests drive it with fake agents and a fake clock
 (`horizon_ray.cluster.fake`). `ray_actors.CoordinatorActor` wraps it in the named, detached Ray actor and
-calls `tick()` twice a second.
+calls `tick()` twice a second, and at once after a submit or a cancel.
 
 One `tick()`:
-1. ask every agent for its node (RAM, GPUs, ledger) and its jobs' reports (new metrics lines, exits);
-   an agent that cannot be reached, or that restarted, loses its jobs: they go to RECOVERING;
-2. apply the reports: progress, metrics, checkpoints, memory, and the end of finished jobs;
+1. ask every agent at once, outside the coordinator's lock, for its node (RAM, GPUs, ledger) and its jobs'
+   reports (new metrics lines, exits): a slow or unreachable node delays no API call and no other node;
+2. under the lock, apply the answers: progress, metrics, checkpoints, memory, and the end of finished jobs;
+   an agent that could not be reached, or that restarted, loses its jobs: they go to RECOVERING;
 3. serve the queue: recovering jobs first, then queued jobs in fair order across tenants, each on the
    best-fitting node that holds it now (free RAM, and resources.gpus free GPUs for a GPU job: see `placement`)
    and within its tenant's quota. The agent picks the GPUs; the job record keeps their indices
@@ -27,16 +28,19 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import functools
 import logging
+import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from horizon_ray.cluster.agent import ENGINE_LEASE_S, Agent, AgentUnavailable, ReservationRefused
+from horizon_ray.cluster.agent_protocol import ENGINE_LEASE_S, Agent, AgentUnavailable, ReservationRefused
 from horizon_ray.cluster.errors import (
     IdempotencyConflict,
     InvalidRequest,
@@ -60,6 +64,7 @@ from horizon_ray.cluster.messages import (
     Launch,
     NodeInfo,
     Reservation,
+    TenantQuota,
     can_transition,
 )
 from horizon_ray.cluster.placement import (
@@ -77,6 +82,7 @@ from horizon_ray.cluster.store import JobStore
 from horizon_ray.cluster.tenants import TenantsConfig, check_tenant_name, fair_order, format_bytes
 from horizon_ray.errors import BadInput
 from horizon_ray.job import lease
+from horizon_ray.job.metrics import METRICS_FILE
 from horizon_ray.strings import fix, problem
 
 log = logging.getLogger("horizon_ray.cluster")
@@ -85,6 +91,10 @@ WAITING = (JobStatus.RECOVERING, JobStatus.QUEUED)
 ACTIVE = (JobStatus.RUNNING, JobStatus.CHECKPOINTING, JobStatus.CANCELLING)
 _NOT_TRAINING_KEYS = ("output_dir",)  # spec keys that may differ between two submits of one job
 _LIVE = tuple(s for s in JobStatus if not s.is_terminal())
+
+
+# What a run leaves in its output_dir (the lease, metrics.jsonl, checkpoints/, final/): a new job refuses it.
+_RUN_OUTPUTS = (lease.LEASE_FILE, METRICS_FILE, "checkpoints", "final")
 
 
 def default_validate_spec(spec: dict[str, Any]) -> dict[str, Any]:
@@ -102,6 +112,29 @@ class _NodeState:
     failed_since: float | None = None  # first failed contact of the current outage
     incarnation: str | None = None  # the agent's incarnation seen last
     last_contact: float | None = None  # the last call it answered (its engines stop engine_lease_s after it)
+
+
+@dataclass
+class _Answer:
+    """What one agent said in one pass, or why it said nothing."""
+
+    reports: dict[str, AgentJobReport] = field(default_factory=dict)  # job id -> its report
+    info: NodeInfo | None = None  # its node, read after the reports
+    failure: Exception | None = None  # set when the agent could not be reached; reports and info are then empty
+
+
+def _ask(agent: Agent, offsets: dict[str, int]) -> _Answer:
+    """One agent's reports and node, outside the coordinator's lock (this is the call that may take seconds)."""
+    try:
+        reports = agent.poll(offsets)
+        info = agent.info()  # after the poll, so that the ledger no longer holds jobs that exited
+        held = {r.job_id for r in info.ledger}
+        if any(r.exit is None and job_id not in held for job_id, r in reports.items()):
+            # one exited between the two calls: its exit is recorded before its place is given away
+            reports = agent.poll(offsets)
+        return _Answer(reports, info)
+    except Exception as exc:  # noqa: BLE001 - any failure to talk to an agent is an outage, judged by the caller
+        return _Answer(failure=exc)
 
 
 @dataclass
@@ -143,7 +176,8 @@ def _claim(job: JobRecord, cands: list[Candidate], claims: dict[str, _Claim]) ->
 
 
 class Coordinator:
-    """The job service's brain. Thread-safe: every public method holds one lock."""
+    """The job service's brain. Thread-safe: every public method holds one lock, which no call to an agent
+    is made under except `start` (a placement is recorded before the next one is decided)."""
 
     def __init__(
         self,
@@ -168,6 +202,8 @@ class Coordinator:
         self._node_dead_after_s = node_dead_after_s
         self._memory_event_interval_s = memory_event_interval_s
         self._lock = threading.RLock()
+        self._tick_lock = threading.Lock()  # one pass at a time: each asks with the offsets the last one stored
+        self._askers = ThreadPoolExecutor(max_workers=32, thread_name_prefix="agent-poll")
         self._nodes: dict[str, _NodeState] = {}
         self._plan_cache: dict = {}
         self._not_before: dict[str, float] = {}  # job -> earliest time to place it again (after a stop)
@@ -209,6 +245,7 @@ class Coordinator:
                     limit="max_queued_jobs")
             job_id = f"job-{uuid.uuid4().hex[:12]}"
             full = self._normalise(spec, tenant, job_id)
+            _check_budget(full, tenant, quota)
             mine = Path(full["output_dir"])
             for other in self.store.jobs(statuses=_LIVE):
                 theirs = Path(other.output_dir)
@@ -221,6 +258,11 @@ class Coordinator:
                 raise InvalidSpec(f"output_dir {full['output_dir']} holds a finished run (its DONE marker); a job "
                                   "there would only report that run; give this job a new output_dir",
                                   field="output_dir")
+            held = [name for name in _RUN_OUTPUTS if os.path.lexists(mine / name)]
+            if held:  # a job is its own: another run's lease, metrics or checkpoints would be replayed as its own
+                raise InvalidSpec(f"output_dir {full['output_dir']} holds another run's outputs ({', '.join(held)}); a "
+                                  "job there would report that run's metrics and checkpoints as its own; give this "
+                                  "job a new output_dir, or none (the service makes one per job)", field="output_dir")
             now = self._created_time()
             job = JobRecord(id=job_id, tenant=tenant, name=name if name is not None else full.get("name"),
                             status=JobStatus.VALIDATING, priority=priority, created_at=now, updated_at=now,
@@ -260,17 +302,17 @@ class Coordinator:
             if job.status.is_terminal():
                 raise InvalidTransition(f"job {job_id} already {job.status.value}; only a job that has not "
                                         "ended can be cancelled", status=job.status.value)
-            if job.status in (JobStatus.RUNNING, JobStatus.CHECKPOINTING):
-                self._move(job, JobStatus.CANCELLING, reason="cancel requested")
-                # When cancel returns, no engine of the job writes anything: the lease goes first (the engine
-                # stops at its next check, wherever it runs), then the agent is asked to stop the process.
-                self._revoke(job)
-                agent = self._agents().get(job.node_id or "")
-                if agent is not None:
-                    self._send_cancel(agent, job)
-            else:
+            if job.status not in (JobStatus.RUNNING, JobStatus.CHECKPOINTING):
                 self._move(job, JobStatus.CANCELLED, reason="cancel requested")
-            return job
+                return job
+            self._move(job, JobStatus.CANCELLING, reason="cancel requested")
+            # When cancel returns, no engine of the job writes anything: the lease goes first (the engine
+            # stops at its next check, wherever it runs), then the agent is asked to stop the process.
+            self._revoke(job)
+        agent = self._agents().get(job.node_id or "")
+        if agent is not None:
+            self._send_cancel(agent, job)  # outside the lock: a slow node delays only this caller
+        return job
 
     def events(self, tenant: str, job_id: str, after_seq: int = 0, limit: int | None = None
                ) -> builtins.list[JobEvent]:
@@ -320,51 +362,68 @@ class Coordinator:
         return True
 
     def close(self) -> None:
+        self._askers.shutdown(wait=True)
         with self._lock:
             self.store.close()
 
     # ---- the control loop ----------------------------------------------------------------------------
 
     def tick(self) -> None:
-        """One pass: refresh nodes and job reports, then serve the queue."""
-        with self._lock:
+        """One pass: ask every agent at once with no lock held; apply their answers under the lock; make the
+        calls they ask for (forget an exited job, repeat a cancel) with no lock held; serve the queue under it.
+        Only an agent's `start` is called under the lock."""
+        with self._tick_lock:
             agents = self._agents()
             now = self._clock()
-            for node_id, agent in agents.items():
-                self._refresh_node(node_id, agent, now)
-            for node_id, st in builtins.list(self._nodes.items()):
-                if node_id not in agents:
-                    self._node_failed(st, now, definitive=st.info is not None,
-                                      why=f"the agent of node {node_id} is gone")
-            for job in self.store.jobs(statuses=ACTIVE):
-                if job.node_id not in self._nodes:
-                    # its agent last heard from the coordinator that ran before this one, at the latest
-                    st = self._nodes[job.node_id] = _NodeState(job.node_id, failed_since=self._started,
-                                                               last_contact=self._started)
-                    self._node_failed(st, now, definitive=False, why=f"node {job.node_id} has no agent")
-            self._schedule(agents)
+            with self._lock:
+                asks = {node_id: self._offsets(node_id) for node_id in agents}
+            answers = dict(zip(asks, self._askers.map(lambda n: _ask(agents[n], asks[n]), asks), strict=True))
+            followups: builtins.list[Callable[[], None]] = []
+            with self._lock:
+                for node_id, agent in agents.items():
+                    self._refresh_node(node_id, agent, answers[node_id], asks[node_id], now, followups)
+                self._settle(now, agents)
+            for call in followups:  # before the queue is served: a forgotten job's place is free on its node
+                call()
+            with self._lock:
+                self._schedule(agents)
+
+    def _offsets(self, node_id: str) -> dict[str, int]:
+        """What to ask the node's agent for: the metrics offset of each job the table places there."""
+        return {j.id: self.store.metrics_offset(j.id) for j in self.store.jobs(statuses=ACTIVE)
+                if j.node_id == node_id}
+
+    def _settle(self, now: float, agents: Mapping[str, Agent]) -> None:
+        """After the answers: nodes whose agent is gone, and jobs on nodes that have no agent."""
+        for node_id, st in builtins.list(self._nodes.items()):
+            if node_id not in agents:
+                self._node_failed(st, now, definitive=st.info is not None,
+                                  why=f"the agent of node {node_id} is gone")
+        for job in self.store.jobs(statuses=ACTIVE):
+            if job.node_id not in self._nodes:
+                # its agent last heard from the coordinator that ran before this one, at the latest
+                st = self._nodes[job.node_id] = _NodeState(job.node_id, failed_since=self._started,
+                                                           last_contact=self._started)
+                self._node_failed(st, now, definitive=False, why=f"node {job.node_id} has no agent")
 
     # ---- nodes and reports ---------------------------------------------------------------------------
 
-    def _refresh_node(self, node_id: str, agent: Agent, now: float) -> None:
+    def _refresh_node(self, node_id: str, agent: Agent, answer: _Answer, asked: dict[str, int], now: float,
+                      followups: builtins.list[Callable[[], None]]) -> None:
+        """Apply one agent's answer to the jobs it was asked about; calls to make to it go to `followups`."""
         st = self._nodes.setdefault(node_id, _NodeState(node_id))
-        mine = [j for j in self.store.jobs(statuses=ACTIVE) if j.node_id == node_id]
-        offsets = {j.id: self.store.metrics_offset(j.id) for j in mine}
-        try:
-            reports = agent.poll(offsets)
-            info = agent.info()  # after the poll, so that the ledger no longer holds jobs that exited
-            held = {r.job_id for r in info.ledger}
-            if any(r.exit is None and job_id not in held for job_id, r in reports.items()):
-                # one exited between the two calls: its exit is recorded before its place is given away
-                reports = agent.poll(offsets)
-        except AgentUnavailable as exc:
+        exc = answer.failure
+        if isinstance(exc, AgentUnavailable):
             self._node_failed(st, now, definitive=exc.definitive, why=str(exc))
             return
-        except Exception as exc:  # noqa: BLE001 - any failure to talk to an agent is an outage
+        if exc is not None or answer.info is None:
             # the reason reaches the tenants of its jobs: the exception's text (addresses, ids) only the log
             log.warning("node %s did not answer: %s: %s", node_id, type(exc).__name__, exc)
             self._node_failed(st, now, definitive=False, why=f"its agent did not answer ({type(exc).__name__})")
             return
+        reports, info = dict(answer.reports), answer.info
+        # only the jobs it was asked about: none is placed there between the question and this (one pass at a time)
+        mine = [j for j in self.store.jobs(statuses=ACTIVE) if j.node_id == node_id and j.id in asked]
         restarted = st.incarnation is not None and info.incarnation != st.incarnation
         st.info, st.alive, st.failed_since, st.incarnation = info, True, None, info.incarnation
         st.last_contact = now
@@ -378,11 +437,13 @@ class Coordinator:
             self._apply_report(job, report)
             if report.exit is not None:
                 self._finish(job, report.exit)
-                agent.forget(job.id)
+                followups.append(functools.partial(self._send_forget, agent, job.id))
             elif job.status is JobStatus.CANCELLING:
-                self._send_cancel(agent, job)  # again each pass until the engine exits: a lost call is retried
+                # again each pass until the engine exits: a lost call is retried
+                followups.append(functools.partial(self._send_cancel, agent, job))
         for job_id, report in reports.items():
-            self._stray(node_id, agent, job_id, report)
+            if not self._stray(node_id, job_id, report):
+                followups.append(functools.partial(self._send_forget, agent, job_id))
 
     @staticmethod
     def _send_cancel(agent: Agent, job: JobRecord) -> None:
@@ -393,8 +454,18 @@ class Coordinator:
         except Exception:  # noqa: BLE001 - retried next pass, see above
             pass
 
-    def _stray(self, node_id: str, agent: Agent, job_id: str, report: AgentJobReport) -> None:
-        """A job the agent runs but the table does not place there: adopt it or stop it."""
+    @staticmethod
+    def _send_forget(agent: Agent, job_id: str) -> None:
+        """Tell the agent to drop an ended (or stray) job; a failed call is repeated by the next pass, which
+        finds the job reported again."""
+        try:
+            agent.forget(job_id)
+        except Exception as exc:  # noqa: BLE001 - repeated next pass, see above
+            log.warning("could not tell node %s to forget %s: %s", getattr(agent, "node_id", "?"), job_id, exc)
+
+    def _stray(self, node_id: str, job_id: str, report: AgentJobReport) -> bool:
+        """A job the agent runs but the table does not place there: adopt it (True) or leave it to be stopped
+        (False: the caller tells the agent to forget it)."""
         job = self.store.get_job(job_id)
         if job is not None and job.status in WAITING and report.exit is None:
             # The coordinator died between starting it and recording that: adopt it.
@@ -408,8 +479,8 @@ class Coordinator:
             job.queue_reason = job.queue_position = None
             self._move(job, JobStatus.RUNNING, reason=f"reattached on node {node_id}")
             self._apply_report(job, report)
-            return
-        agent.forget(job_id)
+            return True
+        return False
 
     def _node_failed(self, st: _NodeState, now: float, *, definitive: bool, why: str) -> None:
         if st.failed_since is None:
@@ -555,7 +626,8 @@ class Coordinator:
         try:
             res = agent.start(Launch(job_id=job.id, tenant=job.tenant, spec=job.spec, output_dir=job.output_dir,
                                      host_bytes=best.host_bytes, gpu_bytes=best.gpu_bytes,
-                                     attempt=job.attempts + 1, needs_gpu=best.needs_gpu, gpus=best.gpus))
+                                     attempt=job.attempts + 1, needs_gpu=best.needs_gpu, gpus=best.gpus,
+                                     cpu_threads=job.cpu_threads))
         except (ReservationRefused, AgentUnavailable) as exc:
             return f"node {best.node_id} refused it: {exc}"
         except Exception as exc:  # noqa: BLE001 - the agent failed to launch it (e.g. output_dir not writable)
@@ -578,6 +650,7 @@ class Coordinator:
         now = self._clock()
         job.node_id, job.plan, job.gpu_index = best.node_id, best.plan, res.gpu_index
         job.gpu_indices = list(res.gpu_indices)
+        job.cpu_threads = job.cpu_threads or res.cpu_threads  # pinned by the first attempt
         job.attempts += 1
         job.started_at = job.started_at or now
         job.queue_reason = job.queue_position = None
@@ -701,6 +774,32 @@ class Coordinator:
 
     def _alive_infos(self) -> builtins.list[NodeInfo]:
         return [_copy_info(st.info) for st in self._nodes.values() if st.alive and st.info is not None]
+
+
+def _check_budget(spec: dict[str, Any], tenant: str, quota: TenantQuota) -> None:
+    """QuotaExceeded when the job would take more optimizer steps or tokens than its tenant may spend on one."""
+    if quota.max_steps_per_job is None and quota.max_tokens_per_job is None:
+        return
+    t = spec.get("training") or {}
+    steps = t.get("max_steps")
+    caps = [f"{quota.max_steps_per_job} steps" if quota.max_steps_per_job is not None else None,
+            f"{quota.max_tokens_per_job} tokens" if quota.max_tokens_per_job is not None else None]
+    budget = " and ".join(c for c in caps if c)
+    if steps is None:
+        raise QuotaExceeded(f"tenant {tenant} may spend at most {budget} on one job, and a job with only "
+                            "training.epochs has no step count until its data is read; set training.max_steps",
+                            limit="max_steps_per_job", field="training.max_steps")
+    if quota.max_steps_per_job is not None and steps > quota.max_steps_per_job:
+        raise QuotaExceeded(f"training.max_steps is {steps}; tenant {tenant} may run at most "
+                            f"{quota.max_steps_per_job} steps a job: lower it", limit="max_steps_per_job",
+                            field="training.max_steps")
+    per_step = (int(t.get("seq_len") or 1) * int(t.get("micro_batch_size") or 1) * int(t.get("grad_accum") or 1)
+                * int((spec.get("resources") or {}).get("gpus") or 1))
+    if quota.max_tokens_per_job is not None and steps * per_step > quota.max_tokens_per_job:
+        raise QuotaExceeded(f"the job would train on {steps * per_step} tokens ({steps} steps of {per_step}); "
+                            f"tenant {tenant} may spend at most {quota.max_tokens_per_job} on one job: lower "
+                            "training.max_steps (or the tokens of a step)", limit="max_tokens_per_job",
+                            field="training.max_steps")
 
 
 def _training_view(spec: dict[str, Any]) -> dict[str, Any]:

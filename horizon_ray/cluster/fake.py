@@ -28,9 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from horizon_ray.cluster import placement
-from horizon_ray.cluster.agent import AgentUnavailable, Ledger, engine_env
+from horizon_ray.cluster.agent import engine_env
+from horizon_ray.cluster.agent_protocol import AgentUnavailable
 from horizon_ray.cluster.client import LocalClient
+from horizon_ray.cluster.ledger import Ledger
 from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, Launch, NodeInfo, Reservation
+from horizon_ray.cluster.nodes import parse_node_value
 from horizon_ray.cluster.placement import default_planner
 from horizon_ray.cluster.tenants import TenantsConfig, parse_bytes
 from horizon_ray.job.events import Checkpoint, CheckpointBegin, Done, Error, Event, Metrics, Start
@@ -104,7 +107,7 @@ class FakeAgent:
             return self.ledger.entries[job_id]
         needs_gpu = placement.needs_gpu(spec, self.ledger.gpu_count) if launch.needs_gpu is None else launch.needs_gpu
         res = self.ledger.reserve(job_id, host_bytes, launch.gpu_bytes, needs_gpu, tenant=launch.tenant,
-                                  gpus=launch.gpus)
+                                  gpus=launch.gpus, cpu_threads=launch.cpu_threads)
         training = spec.get("training") or {}
         total = self.total_steps or training.get("max_steps") or 3
         every = self.checkpoint_every
@@ -245,7 +248,6 @@ def make_local_client(
 
     The agents are at `client.coordinator.fake_agents` (node id -> FakeAgent)."""
     from horizon_ray.cluster.coordinator import Coordinator, default_validate_spec
-    from horizon_ray.cluster.local import parse_node_value
 
     root = Path(root)
     storage = FakeStorage()

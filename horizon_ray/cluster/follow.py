@@ -202,7 +202,9 @@ def format_event(event: JobEvent) -> str | None:
         return f"[{event.job_id}] {d.get('from') or '-'} -> {d.get('to')}{reason}"
     if event.type is EventType.METRICS:
         if "eval_loss" in d:
-            return f"[{event.job_id}] step {d.get('step')}: eval loss {format_loss(d['eval_loss'])}"
+            rewards = format_rewards(d.get("eval_preference"))
+            return (f"[{event.job_id}] step {d.get('step')}: eval loss {format_loss(d['eval_loss'])}"
+                    + (f", {rewards}" if rewards else ""))
         if "loss" in d:
             return f"[{event.job_id}] {format_progress(d)}"
         return None
@@ -221,11 +223,23 @@ def format_progress(d: dict[str, Any]) -> str:
 
     total = f"/{d['total_steps']}" if d.get("total_steps") else ""
     parts = [f"step {d.get('step')}{total}: loss {format_loss(d.get('loss'))}"]
+    rewards = format_rewards(d.get("preference"))
+    if rewards:
+        parts.append(rewards)
     if isinstance(d.get("tokens_per_s"), int | float):
         parts.append(f"{d['tokens_per_s']:,.0f} tokens/s")
     if d.get("eta_s") is not None:
         parts.append(f"ETA {format_eta(d['eta_s'])}")
     return ", ".join(parts)
+
+
+def format_rewards(preference: Any) -> str | None:
+    """ "reward accuracy 87.5 %, margin 0.412" from a preference job's metrics (TRL's names), else None."""
+    if not isinstance(preference, dict) or not isinstance(preference.get("rewards/accuracies"), int | float):
+        return None
+    margin = preference.get("rewards/margins")
+    return (f"reward accuracy {100 * preference['rewards/accuracies']:.1f} %"
+            + (f", margin {margin:.3f}" if isinstance(margin, int | float) else ""))
 
 
 def format_memory(d: dict[str, Any]) -> str:

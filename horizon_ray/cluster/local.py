@@ -10,19 +10,12 @@ or, step by step: ``start_simulated_cluster(nodes)``, ``ray.init(address=cluster
 namespace=NAMESPACE)``, ``start_service(root, ram_by_node=nodes)``, then ``stop_service()``,
 ``cluster.shutdown()``.
 
-A simulated node is declared as `NAME=RAM[:Ngpu[@GPU_MEMORY]][:Ncpu]`:
-- `a=16GiB`: 16 GiB of RAM, no GPU;
-- `b=512GiB:4gpu`: and 4 logical GPUs of the planner's default memory (one H200, 143771 MiB);
-- `c=1TiB:8gpu@80GiB:64cpu`: 8 logical GPUs of 80 GiB, and 64 cores for the agent to split among its
-  engines (default: the cores of this machine).
-Logical GPUs are declared to Ray (`num_gpus`) and to the node's agent, which hands them out one per job
-(CUDA_VISIBLE_DEVICES=0, 1, ...) exactly as it would real ones; nothing on this machine needs a GPU.
+A simulated node is declared as in `cluster/nodes.py` (`a=16GiB,b=512GiB:4gpu`).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import stat
 import sys
 import time
@@ -32,91 +25,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from horizon_ray.cluster.client import COORDINATOR_NAME, NAMESPACE
 from horizon_ray.cluster.gate import GateConfig
-from horizon_ray.cluster.tenants import parse_bytes
+from horizon_ray.cluster.nodes import SimulatedNode, parse_node_value
+from horizon_ray.cluster.ray_actors import (
+    AGENT_PREFIX,
+    NODE_RESOURCE_PREFIX,
+    ensure_agents,
+    start_coordinator,
+)
 from horizon_ray.errors import BadInput
-from horizon_ray.planner.node import H200_NODE
 
 ADDRESS_FILE = "ray_address"  # under the service root: the GCS address of the cluster serve runs on
 RAY_TOKEN_FILE = "ray_token"  # under the service root: the Ray token of the cluster serve starts (0600)
 RAY_AUTH_MODE, RAY_AUTH_TOKEN_PATH = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"  # Ray's token authentication
-_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
-_GPUS = re.compile(r"^([0-9]+)gpus?(?:@(.+))?$", re.IGNORECASE)
-_CPUS = re.compile(r"^([0-9]+)cpus?$", re.IGNORECASE)
-_SYNTAX = "NAME=RAM[:Ngpu[@GPU_MEMORY]][:Ncpu], e.g. a=16GiB,b=512GiB:4gpu,c=1TiB:8gpu@80GiB:64cpu"
-DEFAULT_GPU_MEMORY_BYTES = H200_NODE.gpu_mem_bytes  # the planner's default node: one H200 as nvidia-smi reports it
-
-
-@dataclass(frozen=True)
-class SimulatedNode:
-    """What a simulated node declares to the planner and to its agent."""
-
-    ram_bytes: int  # host RAM offered to jobs
-    gpu_count: int = 0  # logical GPUs, handed out one per job like real ones
-    gpu_memory_bytes: int = 0  # memory of one logical GPU (0 without GPUs)
-    cpu_count: int | None = None  # cores the agent splits among its engines; None: this machine's
-
-
-def parse_node_value(name: str, value: int | str | SimulatedNode) -> SimulatedNode:
-    """One node's declaration: bytes of RAM, or "RAM[:Ngpu[@GPU_MEMORY]][:Ncpu]". ValueError names the fix."""
-    if isinstance(value, SimulatedNode):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        ram, parts = value, []
-    else:
-        ram_text, *parts = str(value).split(":")
-        ram = parse_bytes(ram_text.strip(), what=f"the RAM of node {name}", unit_required=True)
-    if ram <= 0:
-        raise BadInput(f"node {name} has no RAM; give it a size like 16GiB")
-    gpus, gpu_mem, cpus = 0, 0, None
-    seen: set[str] = set()
-    for part in (x.strip() for x in parts):
-        g, c = _GPUS.match(part), _CPUS.match(part)
-        if not (g or c):
-            raise BadInput(f"node {name}: {part!r} is neither Ngpu[@GPU_MEMORY] nor Ncpu; write {_SYNTAX}")
-        kind = "GPUs" if g else "cores"
-        if kind in seen:
-            raise BadInput(f"node {name} declares its {kind} twice in {value!r}; write {_SYNTAX}")
-        seen.add(kind)
-        if g:
-            gpus = int(g.group(1))
-            gpu_mem = parse_bytes(g.group(2), what=f"the GPU memory of node {name}", unit_required=True) if g.group(2) \
-                else DEFAULT_GPU_MEMORY_BYTES
-            if gpus < 1 or gpu_mem <= 0:
-                raise BadInput(f"node {name}: {part!r} declares no GPU; write e.g. 2gpu or 2gpu@80GiB, or "
-                               "leave the GPUs out for a node without")
-        else:
-            cpus = int(c.group(1))
-            if cpus < 1:
-                raise BadInput(f"node {name}: {part!r} declares no core; write e.g. 16cpu")
-    return SimulatedNode(ram_bytes=ram, gpu_count=gpus, gpu_memory_bytes=gpu_mem if gpus else 0, cpu_count=cpus)
-
-
-def parse_simulated_cluster(text: str) -> dict[str, SimulatedNode]:
-    """ "a=16GiB,b=512GiB:2gpu" -> {"a": SimulatedNode(16 GiB), "b": SimulatedNode(512 GiB, 2 GPUs of the
-    default memory)}. Raises ValueError naming the fix."""
-    nodes: dict[str, SimulatedNode] = {}
-    for item in (text or "").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        name, sep, value = item.partition("=")
-        name = name.strip()
-        if not sep or not _NODE_NAME.match(name):
-            raise BadInput(f"--simulate-nodes entry {item!r} is not {_SYNTAX.split(', e.g.')[0]}; write e.g. "
-                           "a=16GiB,b=64GiB:2gpu (names: letters, digits, '_', '-')")
-        if name in nodes:
-            raise BadInput(f"--simulate-nodes names node {name!r} twice; give each node its own name")
-        nodes[name] = parse_node_value(name, value.strip())
-    if not nodes:
-        raise BadInput("--simulate-nodes is empty; write e.g. a=16GiB,b=64GiB")
-    return nodes
-
-
-def parse_simulated_nodes(text: str) -> dict[str, int]:
-    """ "a=16GiB,b=64GiB" -> {"a": 17179869184, "b": 68719476736}: the RAM of each node (the whole
-    declaration, GPUs included: `parse_simulated_cluster`). Raises ValueError naming the fix."""
-    return {name: node.ram_bytes for name, node in parse_simulated_cluster(text).items()}
 
 
 def use_ray_token(root: Path, *, create: bool) -> Path | None:
@@ -209,7 +131,6 @@ def _head_args(dashboard_port: int | None, port: int | None, *, num_cpus: int) -
 def add_simulated_node(cluster: Any, name: str, *, node_cpus: int = 1, wait: bool = True, gpus: int = 0) -> Any:
     """Add one simulated node to a local cluster; its agent is started by `ensure_agents`. `gpus`: logical
     GPUs declared to Ray (the agent takes none of them: it hands them out to its engines itself)."""
-    from horizon_ray.cluster.ray_actors import NODE_RESOURCE_PREFIX
 
     return cluster.add_node(num_cpus=node_cpus, num_gpus=gpus, resources={NODE_RESOURCE_PREFIX + name: 1},
                             wait=wait)
@@ -240,7 +161,6 @@ def start_service(root: str | Path, *, ram_by_node: dict[str, int | SimulatedNod
     Needs `ray.init` done. The job table is `<root>/coordinator.sqlite`; jobs without an output_dir write
     to `<jobs_root>/<tenant>/<job_id>/` (default jobs_root: `<root>/jobs`).
     """
-    from horizon_ray.cluster.ray_actors import ensure_agents, start_coordinator
 
     root = Path(root).expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -262,8 +182,6 @@ def stop_service(timeout_s: float = 30.0) -> None:
     """Kill the coordinator and every agent of the connected cluster (their engines die with them)."""
     import ray
 
-    from horizon_ray.cluster.client import COORDINATOR_NAME, NAMESPACE
-    from horizon_ray.cluster.ray_actors import AGENT_PREFIX
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a.get("namespace") == NAMESPACE
@@ -292,7 +210,6 @@ def simulated_service(root: str | Path, nodes: dict[str, int | SimulatedNode], *
     (cluster, service)."""
     import ray
 
-    from horizon_ray.cluster.client import NAMESPACE
 
     cluster = start_simulated_cluster(nodes)
     try:

@@ -144,6 +144,7 @@ class JobRecord:
     gpu_indices: list[int] = field(default_factory=list)  # all of them (resources.gpus); gpu_index is the first
     last_seq: int = 0  # seq of its newest event (filled in by the job store when it reads the record)
     retries: int = 0  # starts in a row that ended without a step (killed, output directory busy): bounded
+    cpu_threads: int = 0  # the engine threads of its first attempt, pinned for every later one (0: not started)
 
     @property
     def gpus_held(self) -> list[int]:
@@ -259,6 +260,12 @@ class TenantQuota:
     max_concurrent_jobs: int = 4  # jobs running, cancelling or recovering at once
     max_reserved_bytes: int = 2**62  # host RAM its running jobs may hold together
     max_queued_jobs: int = 1000  # jobs it may have waiting; submit raises QuotaExceeded beyond
+    # optimizer steps one job may take (None: the spec's own bound, jobspec.MAX_STEPS); with a cap, a job must
+    # set training.max_steps (epochs alone has no step count before the data is read)
+    max_steps_per_job: int | None = None
+    # tokens one job may train on: max_steps x seq_len x micro_batch_size x grad_accum x resources.gpus (None: no
+    # cap); with a cap, a job must set training.max_steps
+    max_tokens_per_job: int | None = None
 
 
 @dataclass
@@ -288,6 +295,9 @@ class Launch:
     attempt: int = 1  # 1 + recoveries: names the attempt's log file
     needs_gpu: bool | None = None  # the coordinator's decision; None: placement.needs_gpu's rule on the spec
     gpus: int = 1  # GPUs it holds when it needs any (the spec's resources.gpus: one rank on each)
+    # the engine threads of the job's first attempt, given again to every later one (the thread count decides
+    # the CPU kernels' reduction order: a resumed run is bit-exact only with the same); 0: the node's share
+    cpu_threads: int = 0
 
 
 @dataclass

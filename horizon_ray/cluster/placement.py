@@ -72,7 +72,7 @@ def plan_to_dict(plan: Any) -> dict[str, Any]:
         d = dict(plan)
     elif hasattr(plan, "to_dict"):
         d = plan.to_dict()
-    elif dataclasses.is_dataclass(plan):
+    elif dataclasses.is_dataclass(plan) and not isinstance(plan, type):
         d = dataclasses.asdict(plan)
     else:
         raise TypeError(f"planner returned {type(plan).__name__}; expected a dict or a dataclass")

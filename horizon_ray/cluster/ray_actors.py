@@ -4,7 +4,9 @@
   `NodeAffinitySchedulingStrategy(soft=False)`, taking no CPU (its jobs run in its child processes).
 - One `CoordinatorActor`, named `horizon-coordinator`, detached, restarted by Ray when it dies
   (`max_restarts=-1`); it reloads its sqlite job table and finds the agents by name, so a restart loses
-  no job. It is pinned to the head node, whose disk holds the job table.
+  no job. It is pinned to the head node, whose disk holds the job table. Its methods are the client protocol's,
+  run concurrently (the core holds its own lock); its tick loop polls the agents, so that no call waits on a
+  node.
 
 Simulated nodes (`horizon-ray serve --simulate-nodes a=16GiB,b=512GiB:2gpu,...`): every Ray node carries a
 custom resource `horizon_node_<name>` and its agent declares the given RAM, logical GPUs and cores to the
@@ -28,18 +30,14 @@ import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from horizon_ray.cluster.agent import (
-    ENGINE_LEASE_S,
-    RAY_PROCESSES_BYTES,
-    THREAD_VARS,
-    AgentUnavailable,
-    NodeAgent,
-)
-from horizon_ray.cluster.client import _METHODS, COORDINATOR_NAME, NAMESPACE
+from horizon_ray.cluster.agent import RAY_PROCESSES_BYTES, THREAD_VARS, NodeAgent
+from horizon_ray.cluster.agent_protocol import ENGINE_LEASE_S, AgentUnavailable
+from horizon_ray.cluster.client import COORDINATOR_NAME, NAMESPACE, Reply
 from horizon_ray.cluster.coordinator import Coordinator
 from horizon_ray.cluster.errors import HorizonError
 from horizon_ray.cluster.gate import OPEN_TENANT, Gate, GateConfig, Principal
-from horizon_ray.cluster.messages import AgentJobReport, Launch, NodeInfo, Reservation
+from horizon_ray.cluster.messages import AgentJobReport, JobStatus, Launch, NodeInfo, Reservation
+from horizon_ray.cluster.nodes import parse_node_value
 from horizon_ray.cluster.tenants import TenantsConfig
 
 AGENT_PREFIX = "horizon-agent:"  # + logical node name
@@ -107,8 +105,13 @@ class AgentDirectory:
         return dict(current)
 
 
+CALLS_AT_ONCE = 32  # the coordinator actor's max_concurrency: API calls answered while others wait
+
+
 class CoordinatorActor:
-    """The Ray actor around the `Coordinator` core: one generic `call` and a tick loop on a thread."""
+    """The Ray actor around the `Coordinator` core: the client protocol's methods (see
+    `client.CoordinatorClient`), each answering a `Reply`, and a tick loop on a thread. A submit or a cancel
+    wakes the loop rather than running a pass itself, so that it answers at once whatever the nodes do."""
 
     def __init__(self, store_path: str, jobs_root: str, tenants_file: str | None = None,
                  tick_interval_s: float = 0.5, node_dead_after_s: float = 10.0, planner: str | None = None,
@@ -123,32 +126,73 @@ class CoordinatorActor:
                                 **kwargs)
         self._interval = tick_interval_s
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by submit and cancel: the next pass starts now
         self._thread = threading.Thread(target=self._loop, name="coordinator-tick", daemon=True)
         self._thread.start()
 
-    def call(self, method: str, *args: Any, _credential: str | None = None, **kwargs: Any) -> dict[str, Any]:
-        """Run one client method as the principal of `_credential` (see `gate`); domain errors come back as
-        plain data (see RayClient)."""
-        if method not in (*_METHODS, "whoami"):
-            return {"error": {"code": "invalid_request", "message": f"unknown method {method!r}"}}
+    # Each method is the client protocol's (client.CoordinatorClient) plus `_credential`, what the caller presents
+    # at the gate (RayClient adds it to every call).
+
+    def submit(self, tenant: str, spec: dict[str, Any], *, idempotency_key: str | None = None,
+               priority: int = 0, name: str | None = None, _credential: str | None = None) -> Reply:
+        reply = self._serve("submit", _credential, tenant, spec, idempotency_key=idempotency_key,
+                            priority=priority, name=name)
+        self._wake.set()  # placed by the pass this starts, not by this call: one slow node stalls no caller
+        return reply
+
+    def get(self, tenant: str, job_id: str, *, _credential: str | None = None) -> Reply:
+        return self._serve("get", _credential, tenant, job_id)
+
+    def list(self, tenant: str, *, limit: int = 20, after: str | None = None,
+             status: JobStatus | str | None = None, _credential: str | None = None) -> Reply:
+        return self._serve("list", _credential, tenant, limit=limit, after=after, status=status)
+
+    def cancel(self, tenant: str, job_id: str, *, _credential: str | None = None) -> Reply:
+        reply = self._serve("cancel", _credential, tenant, job_id)
+        self._wake.set()  # the pass this starts sees the engine stop
+        return reply
+
+    def events(self, tenant: str, job_id: str, after_seq: int = 0, limit: int | None = None, *,
+               _credential: str | None = None) -> Reply:
+        return self._serve("events", _credential, tenant, job_id, after_seq, limit)
+
+    def checkpoints(self, tenant: str, job_id: str, *, _credential: str | None = None) -> Reply:
+        return self._serve("checkpoints", _credential, tenant, job_id)
+
+    def plan(self, tenant: str, spec: dict[str, Any], *, _credential: str | None = None) -> Reply:
+        return self._serve("plan", _credential, tenant, spec)
+
+    def nodes(self, *, _credential: str | None = None) -> Reply:
+        return self._serve("nodes", _credential)
+
+    def queue(self, tenant: str | None = None, *, _credential: str | None = None) -> Reply:
+        return self._serve("queue", _credential, tenant)
+
+    def ready(self, *, _credential: str | None = None) -> Reply:
+        return self._serve("ready", _credential)
+
+    def whoami(self, *, _credential: str | None = None) -> Reply:
+        """The tenant `_credential` acts as (None: the API's, which names the tenant of each call)."""
+        return self._serve("whoami", _credential)
+
+    def _serve(self, method: str, credential: str | None, *args: Any, **kwargs: Any) -> Reply:
+        """The core's `method` as the principal of `credential` (see `gate`); a domain error it raises comes
+        back as data (see RayClient). The one place every call passes."""
         try:
             who = Principal(OPEN_TENANT)
             if self.gate is not None:
-                who, args, kwargs = self.gate.admit(method, args, kwargs, _credential)
+                who, args, kwargs = self.gate.admit(method, args, kwargs, credential)
             if method == "whoami":
-                return {"ok": who.tenant}
+                return Reply(value=who.tenant)
             result = getattr(self.core, method)(*args, **kwargs)
             if self.gate is not None:
                 result = self.gate.shown(who, method, result)
-            if method in ("submit", "cancel"):
-                # Place (or stop) it now rather than at the next tick, and answer with the outcome.
-                self.core.tick()
-                result = self.core.get(result.tenant, result.id)
-            return {"ok": result}
+            return Reply(value=result)
         except HorizonError as exc:
-            return {"error": exc.to_wire()}
+            return Reply(error=exc.to_wire())
 
     def tick(self) -> None:
+        """One pass now (start-up and benchmarks wait for it: afterwards the coordinator knows every agent)."""
         self.core.tick()
 
     def pid(self) -> int:
@@ -156,7 +200,9 @@ class CoordinatorActor:
         return os.getpid()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
+        while not self._stop.is_set():
+            self._wake.wait(self._interval)
+            self._wake.clear()
             try:
                 self.core.tick()
             except Exception:  # noqa: BLE001 - the loop must survive one bad pass; it is logged
@@ -206,8 +252,6 @@ def ensure_agents(ram_by_node: dict[str, Any] | None = None, *, command: list[st
     `skip_head`: no agent on the head node (jobs run on worker nodes only). `engine_lease_s`: how long an
     agent's engines outlive the coordinator's last call (NodeAgent's lease_s).
     """
-    from horizon_ray.cluster.local import parse_node_value
-
     declared = {name: parse_node_value(name, value) for name, value in (ram_by_node or {}).items()}
     handles = {}
     for node in agent_nodes(ray.nodes(), set(declared), only_simulated=only_simulated, skip_head=skip_head):
@@ -244,6 +288,7 @@ def start_coordinator(store_path: str | Path, jobs_root: str | Path, *, tenants_
         get_if_exists=True,
         num_cpus=0,
         max_restarts=-1,
+        max_concurrency=CALLS_AT_ONCE,
         # A call cut by a crash is not replayed (a replayed submit would create a second job); the client
         # sees CoordinatorUnavailable and retries what is safe to retry.
         max_task_retries=0,
@@ -253,7 +298,7 @@ def start_coordinator(store_path: str | Path, jobs_root: str | Path, *, tenants_
     deadline = time.time() + 120
     while True:
         try:
-            ray.get(handle.call.remote("ready"), timeout=30)
+            ray.get(handle.ready.remote(), timeout=30)
             return handle
         except RayActorError:
             if time.time() > deadline:

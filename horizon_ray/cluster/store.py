@@ -2,17 +2,29 @@
 
 One writer (the coordinator) and one file. Each coordinator change is one transaction, so a coordinator
 killed at any point restarts from a consistent table: every non-terminal job is still there.
+
+A job's record is stored as JSON with the version of its layout (`RECORD_SCHEMA`; a record without one was
+written by d681f7c or before: version 1). Reading is tolerant both ways, so that a coordinator upgraded or rolled
+back loads the table it finds: a field the record lacks takes its default, a field this code does not know is
+dropped (and logged once).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import sqlite3
 import threading
 from pathlib import Path
 from typing import Any
 
 from horizon_ray.cluster.messages import Checkpoint, EventType, JobEvent, JobRecord, JobStatus
+
+log = logging.getLogger("horizon_ray.cluster")
+RECORD_SCHEMA = 2  # layout of a stored job record: 1 (no "schema" key) up to d681f7c; 2 adds the key
+_FIELDS = frozenset(f.name for f in dataclasses.fields(JobRecord))
+_dropped_logged: set[str] = set()  # unknown fields already logged, once per process
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -96,7 +108,7 @@ class JobStore:
                 "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET status=excluded.status, "
                 "record=excluded.record",
                 (job.id, job.tenant, job.status.value, job.created_at, job.idempotency_key,
-                 json.dumps(job.to_dict())),
+                 json.dumps(encode_record(job))),
             )
             if metrics_offset is not None:
                 self._db.execute("UPDATE jobs SET metrics_offset=? WHERE id=?", (metrics_offset, job.id))
@@ -120,7 +132,7 @@ class JobStore:
 
     def jobs(self, *, statuses: tuple[JobStatus, ...] | None = None) -> list[JobRecord]:
         """Jobs in submit order, optionally only those in `statuses`."""
-        sql, args = "SELECT record, last_seq FROM jobs", ()
+        sql, args = "SELECT record, last_seq FROM jobs", tuple[str, ...]()
         if statuses is not None:
             sql += f" WHERE status IN ({','.join('?' * len(statuses))})"
             args = tuple(s.value for s in statuses)
@@ -132,7 +144,7 @@ class JobStore:
         self, tenant: str, *, limit: int, after: str | None, status: JobStatus | None
     ) -> tuple[list[JobRecord], bool]:
         """A tenant's jobs, newest first, `limit` of them after the job `after`; and whether more follow."""
-        sql, args = "SELECT record, last_seq FROM jobs WHERE tenant=?", [tenant]
+        sql, args = "SELECT record, last_seq FROM jobs WHERE tenant=?", list[Any]([tenant])
         if status is not None:
             sql += " AND status=?"
             args.append(status.value)
@@ -211,9 +223,26 @@ class JobStore:
             self._db.close()
 
 
+def encode_record(job: JobRecord) -> dict[str, Any]:
+    """The stored form of a job record: its fields and the schema version."""
+    return {"schema": RECORD_SCHEMA, **job.to_dict()}
+
+
+def decode_record(stored: dict[str, Any]) -> JobRecord:
+    """A stored record of any schema version: missing fields take their defaults, unknown ones are dropped."""
+    d = {k: v for k, v in stored.items() if k != "schema"}
+    unknown = sorted(set(d) - _FIELDS)
+    new = sorted(set(unknown) - _dropped_logged)
+    if new:
+        _dropped_logged.update(new)
+        log.warning("job records of schema %s carry fields this coordinator (schema %s) does not know, "
+                    "dropped: %s", stored.get("schema", 1), RECORD_SCHEMA, ", ".join(new))
+    return JobRecord.from_dict({k: v for k, v in d.items() if k in _FIELDS})
+
+
 def _record(row: tuple[str, int]) -> JobRecord:
     """A job's record, with the seq of its newest event (kept in its own column by add_event)."""
-    job = JobRecord.from_dict(json.loads(row[0]))
+    job = decode_record(json.loads(row[0]))
     job.last_seq = int(row[1])
     return job
 

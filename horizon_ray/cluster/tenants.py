@@ -6,6 +6,8 @@ Tenants file::
       max_concurrent_jobs: 2
       max_reserved_bytes: 64GiB   # int bytes or a size string (KiB, MiB, GiB, TiB; KB, MB, GB, TB)
       max_queued_jobs: 100
+      max_steps_per_job: 20000    # optional: optimizer steps of one job (a job must then set max_steps)
+      max_tokens_per_job: 2000000000  # optional: max_steps x seq_len x micro_batch_size x grad_accum x gpus
     tenants:
       acme: {max_concurrent_jobs: 4, max_reserved_bytes: 256GiB}
 """

@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     parser.add_argument("--local", action="store_true",
                         help="run the job in this process instead of through the local Ray service")
+    parser.add_argument("--port", type=int, default=None,
+                        help="port of the demo service's API and dashboard on 127.0.0.1 (default: a free one)")
     parser.add_argument("--keep-serving", action="store_true",
                         help="keep the service and its dashboard running after the job, until Ctrl-C (without it "
                              "they stop when the demo ends, and the demo says so)")
@@ -107,7 +109,7 @@ def _through_service(console, assets, spec, root: Path, args) -> _Summary:
         settings = ApiSettings(api_keys={key: "demo"}, jobs_root=service.jobs_root, uploads_dir=root / "uploads",
                                data_roots=[assets.root], model_roots=[assets.root])
         app = create_app(RayClient(cluster.address), settings)
-        with running_server(app) as url:
+        with running_server(app, port=args.port) as url:
             until = "until Ctrl-C" if args.keep_serving else "while the demo runs (--keep-serving: until Ctrl-C)"
             console.print(f"service up {until}: dashboard {url}/  (API key {key}), Ray at {cluster.address}")
             body = spec.to_dict()
@@ -234,6 +236,7 @@ def _report(console, spec, result, items, before, after, samples: int, wall_s: f
     console.print(f"  final model (HF format)  {result.final_dir}")
     console.print(f"  metrics                  {out / 'metrics.jsonl'}")
     console.print(f"  loss curve               {out / 'loss_curve.png'}")
+    console.print(f"  TensorBoard              {out / 'tensorboard'}  (tensorboard --logdir {out / 'tensorboard'})")
     console.print(f"  job spec                 {out / 'job.yaml'}")
     console.print(f"  checkpoints              {out / 'checkpoints'}")
 

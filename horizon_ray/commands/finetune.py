@@ -6,17 +6,13 @@ resumable with --resume), 75 another runner holds the output directory (nothing 
 stopped), 3 the job's lease moved on (an engine the node agent started; it stopped and wrote nothing more).
 Inside a Ray job the command hands the spec to the service's coordinator instead (see
 ``horizon_ray.cluster.follow``); the node agent runs its jobs with ``python -m horizon_ray.job``, which
-always trains here, with these exit codes (``run_here``). SIGUSR1 (the node agent's drain) stops it after
-the current step with a checkpoint of that step, exit 143.
+always trains here, with these exit codes (``horizon_ray.job.here.run_here``). SIGUSR1 (the node agent's
+drain) stops it after the current step with a checkpoint of that step, exit 143.
 """
 
 from __future__ import annotations
 
 import argparse
-import signal
-import sys
-import traceback
-from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,61 +48,6 @@ def run(args: argparse.Namespace) -> int:
         data = local_spec(Path(args.config), args.overrides)
         check_spec_data(JobSpec.parse(data))  # a malformed line is refused now, not on the node once placed
         return submit_and_follow(data)
+    from horizon_ray.job.here import run_here  # torch and the engine: only for a job that trains here
+
     return run_here(spec, resume=args.resume, progress=not args.no_progress)
-
-
-def run_here(spec, *, resume: bool, progress: bool) -> int:
-    """Train `spec` (a checked JobSpec) in this process; the exit code of the module doc. BadInput
-    propagates (the caller's ``cli.refusing_bad_input`` makes it exit 2)."""
-    from horizon_ray import exit_codes
-    from horizon_ray.errors import BadInput
-    from horizon_ray.job import runner
-    from horizon_ray.job.lease import Fenced
-    from horizon_ray.job.runner import STOP_AFTER_STEP, JobTerminated, OutputDirBusy
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        raise JobTerminated("stopped by SIGTERM")  # the runner adds the step and what a rerun continues from
-
-    def on_sigusr1(signum: int, frame: object) -> None:
-        STOP_AFTER_STEP.set()  # the node drains: checkpoint at the end of this step, then exit 143
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    previous_usr1 = signal.signal(signal.SIGUSR1, on_sigusr1)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})  # the node agent starts engines with it blocked
-    try:
-        result = runner.run_job(spec, resume=resume, progress=progress)
-    except BadInput:
-        raise
-    except OutputDirBusy as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.OUTPUT_DIR_BUSY
-    except Fenced as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.FENCED
-    except JobTerminated as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.TERMINATED
-    except KeyboardInterrupt as exc:
-        print(f"error: {str(exc) or 'interrupted; ' + runner.resume_hint(Path(spec.output_dir).expanduser())}",
-              file=sys.stderr)
-        return exit_codes.INTERRUPTED
-    except Exception as exc:
-        traceback.print_exc()
-        print(f"error: the job crashed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return exit_codes.CRASHED
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGUSR1, previous_usr1)
-    if result.start_step == result.total_steps:
-        print(f"done: the job had already finished; final model in {result.final_dir}")
-        return 0
-    print(f"done: {result.total_steps} steps in {result.wall_s:.1f}s; final model in {result.final_dir}")
-    if result.final_eval_loss is not None:
-        print(f"eval loss: {_fmt(result.first_eval_loss)} -> {result.final_eval_loss:.4f}")
-    out = result.output_dir
-    print(f"metrics: {out / 'metrics.jsonl'}; loss curve: {out / 'loss_curve.png'}")
-    return 0
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"

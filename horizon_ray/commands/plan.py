@@ -115,7 +115,8 @@ def _this_machine():
     import os
     import sys
 
-    from horizon_ray.cluster.agent import detect_gpus, node_ram_bytes
+    from horizon_ray.cluster.cgroups import node_ram_bytes
+    from horizon_ray.cluster.gpus import detect_gpus
     from horizon_ray.planner import NodeSpec
     from horizon_ray.probe import cached_probe
 

@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
-from horizon_ray.cluster.agent import ENGINE_LEASE_S, SECRET_ENV_PREFIX
+from horizon_ray.cluster.agent_protocol import ENGINE_LEASE_S
+from horizon_ray.cluster.engine_env import SECRET_ENV_PREFIX
 from horizon_ray.errors import BadInput
 from horizon_ray.job.demo import DEMO_MODEL_NAME
 
@@ -115,7 +117,8 @@ def take_secrets() -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     from api.settings import ENV_KEYS, ENV_KEYS_FILE, ApiSettings
     from horizon_ray.cluster.gate import GateConfig, service_credential
-    from horizon_ray.cluster.local import default_root, parse_simulated_cluster, use_ray_token
+    from horizon_ray.cluster.local import default_root, use_ray_token
+    from horizon_ray.cluster.nodes import parse_simulated_cluster
     from horizon_ray.cluster.tenants import TenantsConfig, format_bytes
 
     if sys.argv[1:2] == ["serve"]:  # this process is `horizon-ray serve`, not a test calling run()
@@ -138,19 +141,20 @@ def run(args: argparse.Namespace) -> int:
     root = (args.root or default_root()).expanduser().resolve()
     # the API's settings, checked before anything starts; their jobs root is also the coordinator's
     settings = ApiSettings.from_env({**os.environ, **secrets}, root=root, insecure_no_auth=args.insecure_no_auth)
-    if args.demo_model if args.demo_model is not None else not args.address:
-        settings = with_demo_model(settings)
     if not (settings.api_keys or args.insecure_no_auth):
         raise BadInput(f"the service has no API key, so it would refuse every call: set {ENV_KEYS}=KEY=TENANT (e.g. "
                        f"{ENV_KEYS}=$(python -c 'import secrets; print(secrets.token_urlsafe(24))')=me) or "
                        f"{ENV_KEYS_FILE} (also with --no-api: the coordinator checks the keys of the CLI and Ray "
                        "jobs), or pass --insecure-no-auth on a machine of your own (every setting: horizon-ray serve "
                        "--help)")
+    settings.check_served_keys()
     if args.insecure_no_auth and settings.api_keys:
         raise BadInput(f"--insecure-no-auth with API keys set ({ENV_KEYS} or {ENV_KEYS_FILE}): drop one of them")
     if args.insecure_no_auth and not args.no_api and args.host not in LOOPBACK_HOSTS:
         raise BadInput(f"--insecure-no-auth serves the API without keys, so only on loopback: drop --host "
                        f"{args.host} (the default is 127.0.0.1), or set {ENV_KEYS} and drop --insecure-no-auth")
+    if args.demo_model if args.demo_model is not None else not args.address:  # after the refusals: it builds
+        settings = with_demo_model(settings)
     gate = GateConfig.from_keys(settings.api_keys, uploads_dir=settings.uploads_dir, jobs_root=settings.jobs_root,
                                 data_roots=settings.data_roots, model_roots=settings.model_roots,
                                 model_catalogue=settings.model_catalogue, tracker_hosts=settings.tracker_hosts)
@@ -180,6 +184,9 @@ def run(args: argparse.Namespace) -> int:
         cluster = start_local_cluster(dashboard_port=dashboard, port=args.ray_port)
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
     started_cluster = cluster is not None
+    # SIGTERM (systemd, docker stop, kill) stops serve as Ctrl-C does, after Ray's own handler was installed by
+    # ray.init (which dumps the stack); uvicorn re-raises it once the API has shut down
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         service = start_service(root, ram_by_node=simulated, tenants_file=tenants,
                                 node_dead_after_s=args.node_dead_after, skip_head=args.no_head_agent,
@@ -213,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM does not cut the cleanup short (SIGKILL does)
+        print("serve: stopping", flush=True)
         if started_cluster or args.stop_on_exit:
             try:
                 stop_service()
@@ -224,15 +233,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def with_demo_model(settings):
     """`settings` that also offer the embedded demo model (built if missing): catalogue entry DEMO_MODEL_NAME
-    unless the operator's catalogue has that name, its assets directory a model root and a data root."""
+    unless the operator's catalogue has that name or names that model, its assets directory a model root and a
+    data root."""
     from dataclasses import replace
 
     from horizon_ray.job.demo import prepare_demo_assets
 
     assets, _ = prepare_demo_assets()
-    catalogue = {DEMO_MODEL_NAME: assets.model_dir, **settings.model_catalogue}
+    named = {Path(p).resolve() for p in settings.model_catalogue.values()}
+    # the operator's own name for the demo model, when it has one, is the one jobs report
+    ours = {} if Path(assets.model_dir).resolve() in named else {DEMO_MODEL_NAME: assets.model_dir}
+    catalogue = {**ours, **settings.model_catalogue}
     return replace(settings, model_catalogue=catalogue, model_roots=[*settings.model_roots, assets.root],
                    data_roots=[*settings.data_roots, assets.root])
 
@@ -256,9 +273,8 @@ def _rescan_nodes(skip_head: bool, engine_lease_s: float) -> None:
 
 
 def _serve_api(client, settings, host: str, port: int) -> None:
-    import uvicorn
-
     from api.app import create_app
+    from api.server import serve as serve_app
     from api.settings import ENV_DATA_ROOTS, ENV_KEYS, ENV_MODEL_CATALOGUE, ENV_MODEL_ROOTS
 
     app = create_app(client, settings)
@@ -276,4 +292,4 @@ def _serve_api(client, settings, host: str, port: int) -> None:
               + (", ".join(str(r) for r in roots) or "none"))
     print(f"API on http://{host}:{port}  (dashboard http://{host}:{port}/, OpenAI-compatible at "
           f"http://{host}:{port}/v1)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    serve_app(app, host, port)  # with the API's limits on slow clients (api.server.server_config)

@@ -24,9 +24,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+# how long `status --address HOST:PORT` waits for the address to answer before it says so (Ray itself retries the
+# GCS for minutes, printing its warnings)
+CONNECT_TIMEOUT_S = 5.0
+
+
 def run(args: argparse.Namespace) -> int:
     from horizon_ray.cluster.errors import HorizonError
 
+    if args.address and (silent := _unanswered(args.address)):
+        print(f"error: no Ray cluster answers at {args.address} ({silent}, within {CONNECT_TIMEOUT_S:.0f} s); "
+              "check --address: serve prints its cluster's ('clients: horizon-ray submit JOB.yaml --address ...'), "
+              "or leave it out to use the service of --root", file=sys.stderr)
+        return 2
     try:
         client, tenant = connect(args)
         if args.job_id:
@@ -35,6 +45,21 @@ def run(args: argparse.Namespace) -> int:
     except HorizonError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
+
+
+def _unanswered(address: str) -> str | None:
+    """Why nothing listens at a HOST:PORT (or ray://HOST:PORT) address, or None when something does (or the
+    address is Ray's "auto", which Ray resolves)."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
 
 
 def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
@@ -80,7 +105,7 @@ def _overview(client, tenant: str, args) -> int:
 
 
 def _one(client, tenant: str, args) -> int:
-    from horizon_ray.cluster.follow import format_event, format_loss, format_memory
+    from horizon_ray.cluster.follow import format_event, format_loss, format_memory, format_rewards
     from horizon_ray.cluster.tenants import format_bytes
     from horizon_ray.job.progress import format_eta
 
@@ -107,6 +132,10 @@ def _one(client, tenant: str, args) -> int:
             print(f"  {format_memory(memory[-1].data)}")
         if "loss" in job.metrics:
             print(f"  loss: {format_loss(job.metrics['loss'])}")
+        for what, key in (("train", "preference"), ("eval", "eval_preference")):
+            rewards = format_rewards(job.metrics.get(key))
+            if rewards:
+                print(f"  {what} {rewards}")
         if job.plan:
             print(f"  plan: {format_bytes(job.plan.get('host_bytes'))} host RAM, "
                   f"{format_bytes(job.plan.get('gpu_bytes') or 0)} GPU memory")

@@ -8,6 +8,7 @@ character) learns them in a few hundred CPU steps:
     reverse kqz        -> zqk      (3-4 letters)
     sort 3141          -> 1134     (3-4 digits)
 
+``make_demo_preferences`` writes preference pairs of the copy and reverse items (objective dpo).
 ``make_demo_dataset`` writes JSONL in messages or alpaca form (a ``task`` key rides along and is ignored
 by the loader). ``greedy_answers`` decodes with any ``forward_logits(input_ids) -> [B, T, V]`` (e.g.
 ``Engine.forward_logits``), ``evaluate_demo`` scores exact matches per task.
@@ -121,6 +122,21 @@ def make_demo_dataset(
             else:
                 record = {"instruction": item.prompt, "output": item.answer}
             record["task"] = item.task
+            f.write(json.dumps(record) + "\n")
+    return out
+
+
+def make_demo_preferences(path: str | Path, n: int, seed: int, exclude: Collection[str] = ()) -> Path:
+    """Write ``n`` checkable preference pairs (copy and reverse items) as JSONL in TRL's conversational form: the
+    chosen completion is the item's answer, the rejected one the same answer in capitals, which no demo
+    answer ever is; a model that learned the preference ranks the lowercase answer above the capitals on
+    prompts it never saw (``exclude``: prompts to leave out, e.g. a training file's)."""
+    out = Path(path)
+    with out.open("w", encoding="utf-8") as f:
+        for item in make_demo_items(n, seed, tasks=("copy", "reverse"), exclude=exclude):
+            record = {"prompt": [{"role": "user", "content": item.prompt}],
+                      "chosen": [{"role": "assistant", "content": item.answer}],
+                      "rejected": [{"role": "assistant", "content": item.answer.upper()}], "task": item.task}
             f.write(json.dumps(record) + "\n")
     return out
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from horizon_ray.data.preference import FORMAT as PREFERENCE
+from horizon_ray.data.preference import is_preference, parse_pair
 from horizon_ray.errors import BadInput
 from horizon_ray.jobspec import DATA_FORMATS
 
@@ -113,6 +115,8 @@ def _expand_paths(path: str | Path | Sequence[str | Path]) -> list[Path]:
 
 
 def _detect(record: dict[str, Any], where: str, layout: Layout = PLAIN) -> str:
+    if is_preference(record):  # before messages: OpenAI's pairs hold their prompt's messages too
+        return PREFERENCE
     if layout.key("messages", "messages") in record:
         return "messages"
     if layout.key("sharegpt", "messages") in record:
@@ -301,7 +305,8 @@ def _parse_text(record: dict[str, Any], where: str, layout: Layout = PLAIN) -> E
     return Example(None, _string(record, layout.key("text", "text"), where), where)
 
 
-_PARSERS = {"alpaca": _parse_alpaca, "messages": _parse_messages, "sharegpt": _parse_sharegpt, "text": _parse_text}
+_PARSERS = {"alpaca": _parse_alpaca, "messages": _parse_messages, "sharegpt": _parse_sharegpt, "text": _parse_text,
+            PREFERENCE: parse_pair}
 
 
 class LineChecker:
@@ -385,6 +390,9 @@ def iter_file(path: str | Path, fmt: str = "auto", layout: Layout = PLAIN) -> It
         raise BadInput(f"unknown dataset format {fmt!r}; use one of {', '.join(FORMATS)}")
     p = Path(path)
     file_fmt = detect_format(p, layout) if fmt == "auto" else fmt
+    if file_fmt == PREFERENCE:
+        raise BadInput(f"{p} holds preference pairs (prompt, chosen, rejected), which objective sft does not read: "
+                       "set objective: dpo, or give SFT data", field="data.path")
     parse = _PARSERS[file_fmt]
     for lineno, record in _read_lines(p):
         where = f"{p}:{lineno}"

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from horizon_ray.data.formats import detect_format, iter_file, layout_of, load_examples
+from horizon_ray.data.preference import FORMAT as PREFERENCE
+from horizon_ray.data.preference import load_pairs
 from horizon_ray.errors import BadInput
 
 
@@ -38,6 +40,9 @@ class DatasetStats:
     mean_tokens: float | None = None  # tokens per example
     length_histogram: list[LengthBin] = field(default_factory=list)  # power-of-two bins of example lengths
     tokenizer: str | None = None  # the tokenizer counted with (its directory's name)
+    # preference pairs (examples counts pairs, tokens both rows of each): seq_len -> pairs whose longer row does not
+    # fit it, which a job of that seq_len truncates (the prompt's end and the completions' start kept)
+    truncated_pairs: dict[int, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,6 +60,8 @@ def dataset_stats(path: str | Path, fmt: str = "auto", tokenizer: Any = None) ->
 
         name = Path(tokenizer).name if isinstance(tokenizer, str | Path) else type(tokenizer).__name__
         tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str | Path) else tokenizer
+    if file_fmt == PREFERENCE:
+        return _preference_stats(p, tok, name)
     count, tokens, trained, longest = 0, 0, 0, 0
     hist = _Histogram()
     for ex in iter_file(p, file_fmt):
@@ -75,6 +82,37 @@ def dataset_stats(path: str | Path, fmt: str = "auto", tokenizer: Any = None) ->
     stats.tokens, stats.trained_tokens, stats.max_tokens = tokens, trained, longest
     stats.mean_tokens = round(tokens / count, 1)
     stats.length_histogram = hist.bins()
+    return stats
+
+
+# the sequence lengths an upload's statistics count truncated pairs at
+TRUNCATION_SEQ_LENS = (512, 1024, 2048, 4096, 8192)
+
+
+def _preference_stats(path: Path, tok: Any, name: str | None) -> DatasetStats:
+    """A preference file's pairs and, with a tokenizer, the tokens of both rows of each and the pairs each common
+    seq_len would truncate."""
+    pairs = load_pairs(path, PREFERENCE)
+    stats = DatasetStats(format=PREFERENCE, examples=len(pairs))
+    if tok is None:
+        return stats
+    from horizon_ray.data.pairs import row_lengths
+
+    hist, tokens, trained, longest = _Histogram(), 0, 0, 0
+    truncated = dict.fromkeys(TRUNCATION_SEQ_LENS, 0)
+    for pair in pairs:
+        prompt, completions = row_lengths(pair, tok)
+        for c in completions:
+            hist.add(prompt + c)
+            tokens, trained = tokens + prompt + c, trained + c
+        longer = prompt + max(completions)
+        longest = max(longest, longer)
+        for n in TRUNCATION_SEQ_LENS:
+            truncated[n] += longer > n
+    stats.tokenizer, stats.tokens, stats.trained_tokens, stats.max_tokens = name, tokens, trained, longest
+    stats.mean_tokens = round(tokens / (2 * len(pairs)), 1)
+    stats.length_histogram = hist.bins()
+    stats.truncated_pairs = truncated
     return stats
 
 
@@ -113,7 +151,10 @@ def check_spec_data(spec: Any) -> dict[str, int]:
         if not value or not Path(value).expanduser().exists():
             continue
         try:
-            checked[key] = len(load_examples(Path(value).expanduser(), spec.data.format, layout_of(spec.data)))
+            if getattr(spec, "objective", "sft") == "dpo":
+                checked[key] = len(load_pairs(Path(value).expanduser(), spec.data.format))
+            else:
+                checked[key] = len(load_examples(Path(value).expanduser(), spec.data.format, layout_of(spec.data)))
         except UnicodeDecodeError:
             raise BadInput(f"{key} {value}: not UTF-8 text; give a UTF-8 JSONL file", field=key) from None
         except BadInput as exc:

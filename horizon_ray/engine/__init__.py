@@ -17,11 +17,13 @@ if TYPE_CHECKING:
     from horizon_ray.engine.engine import Engine
     from horizon_ray.engine.lora import LoraConfig
     from horizon_ray.engine.model import ModelConfig
+    from horizon_ray.engine.objective import DpoConfig
 
 # Imported on first use, so that horizon_ray.engine.model (plain Python: what the engine accepts) loads
 # without torch for the planner.
-_EXPORTS = {"Engine": "engine", "EngineConfig": "config", "LoraConfig": "lora", "ModelConfig": "model"}
-__all__ = ["Engine", "EngineConfig", "LoraConfig", "ModelConfig"]
+_EXPORTS = {"Engine": "engine", "EngineConfig": "config", "LoraConfig": "lora", "ModelConfig": "model",
+            "DpoConfig": "objective"}
+__all__ = ["DpoConfig", "Engine", "EngineConfig", "LoraConfig", "ModelConfig"]
 
 
 def __getattr__(name: str) -> Any:

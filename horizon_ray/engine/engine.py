@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from horizon_ray.engine import io
+from horizon_ray.engine import io, preference
 from horizon_ray.engine import lora as lora_io
 from horizon_ray.engine.config import EngineConfig, resolve_device
 from horizon_ray.engine.fence import Fence
@@ -40,6 +40,7 @@ from horizon_ray.engine.grads import DeviceGrads, HostGrads
 from horizon_ray.engine.kernels import Kernels, resolve_kernels
 from horizon_ray.engine.layers import LoraCall, MicroBatch, Template
 from horizon_ray.engine.model import NORM_KEYS, ModelConfig, unit_layouts
+from horizon_ray.engine.objective import DpoConfig, DpoMetrics
 from horizon_ray.engine.optimizer import HostAdamW
 from horizon_ray.engine.pinned import HostBuffers
 from horizon_ray.engine.ranks import Ranks, SharedFence
@@ -99,6 +100,7 @@ class Engine:
         self._steps = 0  # optimizer steps launched: the index k of the next step, and of its dropout seeds
         self._last_clipped = False  # the last step's gradient was clipped (speculation skips the next one)
         self._row_groups = 0  # row groups of the micro-batches being run (numbers dropout masks across ranks)
+        self.last_dpo: DpoMetrics | None = None  # the last preference step's metrics (train_step with dpo)
         cuda = self.device.type == "cuda"
         self._spec_order = self._speculation_order(cfg.update, cfg.speculate_units, self._n_trained(model, cfg))
         if store is None:
@@ -240,9 +242,13 @@ class Engine:
             raise BadInput(f"learning rate must be >= 0, got {lr}")
         self.lr = float(lr)
 
-    def train_step(self, micro_batches) -> float:
-        """One optimizer step over the micro-batches; the mean loss over their non-ignored tokens."""
-        mbs, n_targets = self._prepare(micro_batches)
+    def train_step(self, micro_batches, dpo: DpoConfig | None = None, ref_logps: torch.Tensor | None = None) -> float:
+        """One optimizer step over the micro-batches; the mean loss over their non-ignored tokens. With ``dpo``, a
+        preference step (preference.py): rows 2i and 2i+1 of the step are a pair's chosen and rejected, labelled
+        on their completions only, ``ref_logps`` the reference's summed completion log-prob of each row
+        (``sequence_logps`` with the starting weights); the loss is the mean over the step's pairs and
+        ``last_dpo`` holds the step's metrics."""
+        mbs, n_targets = self._prepare(micro_batches, pairs=dpo is not None)
         # several ranks: the loss is the mean over every rank's targets (each rank's backward scales by it)
         n_targets = self.ranks.all_reduce_int(n_targets, self.device)
         if n_targets == 0:
@@ -257,7 +263,10 @@ class Engine:
                 self._optimizer.speculate(k, self.lr, self._spec_order, self._max_norm())
             hs = self._forward(mbs, k, train=True)
             self._stash.prefetch(self.K * ((self.L - 1) // self.K))  # the top block's checkpoint
-            loss, dhs, tied_acc = self._loss(hs, mbs, n_targets, k, backward=True)
+            if dpo is None:
+                loss, dhs, tied_acc = self._loss(hs, mbs, n_targets, k, backward=True)
+            else:
+                loss, dhs, tied_acc = self._dpo_loss(hs, mbs, dpo, ref_logps, k)
             del hs
             if self.model.router_aux_coef:  # MoE: the routers' load-balancing loss, over every rank's micro-batches
                 loss = loss + self.template.router_loss(mbs, self.ranks.all_reduce_int(len(micro_batches), self.device))
@@ -287,6 +296,32 @@ class Engine:
         hs = self._forward(mbs, k, train=False)
         loss_sum, _, _ = self._loss(hs, mbs, max(n_targets, 1), k, backward=False)
         return float(loss_sum), n_targets
+
+    @torch.no_grad()
+    def sequence_logps(self, micro_batches) -> torch.Tensor:
+        """Each row's log-probability summed over its non-ignored labels (float32, on the host, rows in the order
+        of the micro-batches) on the newest weights: a preference job's reference pass, one streamed forward."""
+        mbs, _ = self._prepare(micro_batches)
+        k = self._newest()
+        hs = self._forward(mbs, k, train=False)
+        w = self._weights.head_weights(k)
+        logps_R = torch.cat([self.template.row_logps(h, w, mb.targets_BT, self.cfg.loss_chunk_tokens)
+                             for h, mb in zip(hs, mbs)])
+        self._weights.release_head()
+        return logps_R.cpu()
+
+    def eval_dpo(self, micro_batches, dpo: DpoConfig, ref_logps: torch.Tensor) -> DpoMetrics:
+        """A preference evaluation: the metrics' sums over the pairs of the micro-batches (rows as train_step's)."""
+        dpo.validate()
+        logps_R = self.sequence_logps(micro_batches)
+        preference.check_pairs(logps_R.shape[0], ref_logps)
+        counts_R = torch.cat([(lab[:, 1:] != -100).sum(1) for _, lab, *_ in micro_batches])
+        n_pairs = logps_R.shape[0] // 2
+        loss, per = preference.objective(dpo, logps_R, ref_logps.float(), counts_R, n_pairs,
+                                         int(counts_R[0::2].sum()))
+        sums = per.sum(0).tolist()
+        sums[0] = float(loss) * n_pairs
+        return DpoMetrics(n_pairs, tuple(sums))
 
     @torch.no_grad()
     def forward_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -458,7 +493,7 @@ class Engine:
         seed = lora_io.mix_seed(self.cfg.seed, self._steps, j, i + self.ranks.rank * self._row_groups)
         return LoraCall(self.lora.scaling, self.lora.dropout, seed)
 
-    def _prepare(self, micro_batches) -> tuple[list[MicroBatch], int]:
+    def _prepare(self, micro_batches, pairs: bool = False) -> tuple[list[MicroBatch], int]:
         if not micro_batches:
             raise BadInput("train_step needs at least one micro-batch")
         V = self.model.vocab_size
@@ -490,6 +525,9 @@ class Engine:
             # the loss is token-weighted over the whole step, so splitting rows changes nothing but the
             # size of the layer template's workspace
             rows = max(1, self.cfg.layer_chunk_tokens // T)
+            if pairs:  # a pair's two rows stay in one row group (the loss needs both; one pass of the layers)
+                preference.check_pairs(B, None)
+                rows = max(2, rows - rows % 2)
             for lo in range(0, B, rows):
                 part = slice(lo, lo + rows)
                 mb = self._micro_batch(ids[part], targets[part], positions[part], None if pos is None else pos[part],
@@ -526,10 +564,11 @@ class Engine:
             W.release(u)
         return hs
 
-    def _loss(self, hs, mbs, n_targets: int, k: int, backward: bool):
+    def _loss(self, hs, mbs, n_targets: int, k: int, backward: bool, scales: list | None = None):
         """The step's mean CE (a device scalar; the plain sum without backward) and, with backward, dL/dh of
         the last layer's output, the head's gradient sent to the host (unless it is frozen under LoRA), and
-        the tied embedding's accumulator holding the LM head's share of its gradient."""
+        the tied embedding's accumulator holding the LM head's share of its gradient. ``scales``: a weight per
+        token of each micro-batch instead of 1 / n_targets (a preference step's)."""
         G = self._grad_sink
         head_u = self.units.head
         w = self._weights.head_weights(k)
@@ -546,9 +585,10 @@ class Engine:
             sinks = {"norm": G.adapter_grads(head_adapter, k)["norm"]}
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         dhs = []
-        for h, mb in zip(hs, mbs):
-            part, dh = self.template.head_loss(h.reshape(-1, h.shape[-1]), w, mb.targets_BT.reshape(-1), scale,
-                                               self.cfg.loss_chunk_tokens, sinks, need_dh=backward)
+        for i, (h, mb) in enumerate(zip(hs, mbs)):
+            part, dh = self.template.head_loss(h.reshape(-1, h.shape[-1]), w, mb.targets_BT.reshape(-1),
+                                               scale if scales is None else scales[i], self.cfg.loss_chunk_tokens,
+                                               sinks, need_dh=backward)
             loss += part
             if backward:
                 dhs.append(dh.view_as(h))
@@ -557,6 +597,42 @@ class Engine:
             G.flush(head_u, acc, k)
         elif backward and head_adapter is not None:
             G.flush_adapter(head_adapter, k)
+        return loss, dhs, tied_acc
+
+    def _dpo_loss(self, hs, mbs, dpo: DpoConfig, ref_logps: torch.Tensor | None, k: int):
+        """The preference loss of step k (a device scalar), dL/dh of the last layer's output, the head's gradient
+        sent to the host and the tied embedding's accumulator, as _loss returns them: a first pass through the
+        head sums each row's completion log-probs, the objective gives dL/d(row's log-prob), and _loss's
+        backward pass sends it to each completion token as the weight of its cross-entropy (dCE/dlogp = -1)."""
+        dpo.validate()
+        rows = sum(mb.targets_BT.shape[0] for mb in mbs)
+        if ref_logps is None:
+            raise BadInput("a preference step needs ref_logps: the reference's sequence_logps of the step's rows")
+        preference.check_pairs(rows, ref_logps)
+        w = self._weights.head_weights(k)
+        with torch.no_grad():
+            logps_R = torch.cat([self.template.row_logps(h, w, mb.targets_BT, self.cfg.loss_chunk_tokens)
+                                 for h, mb in zip(hs, mbs)])
+        self._weights.release_head()
+        counts_R = torch.cat([(mb.targets_BT != -100).sum(1) for mb in mbs])
+        n_pairs = self.ranks.all_reduce_int(rows // 2, self.device)
+        n_chosen = self.ranks.all_reduce_int(int(counts_R[0::2].sum()), self.device)
+        leaf_R = logps_R.detach().requires_grad_()
+        with torch.enable_grad():
+            loss, per = preference.objective(dpo, leaf_R, ref_logps.to(self.device, torch.float32), counts_R, n_pairs,
+                                             n_chosen)
+            (dlogps_R,) = torch.autograd.grad(loss, [leaf_R])
+        # the weight of each token's CE: -dL/dlogp_t, the gradient of its row (zero where the label is ignored)
+        scales, lo = [], 0
+        for mb in mbs:
+            B = mb.targets_BT.shape[0]
+            scales.append((-dlogps_R[lo:lo + B, None] * (mb.targets_BT != -100)).reshape(-1))
+            lo += B
+        _, dhs, tied_acc = self._loss(hs, mbs, 1, k, backward=True, scales=scales)
+        loss = loss.detach()
+        sums = self.ranks.all_reduce(per.sum(0))
+        self.last_dpo = DpoMetrics(n_pairs, tuple([float(self.ranks.all_reduce(loss.clone())) * n_pairs]
+                                                  + sums[1:].tolist()))
         return loss, dhs, tied_acc
 
     def _backward(self, dhs, mbs, k: int):

@@ -398,11 +398,19 @@ class Kernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
-    def cross_entropy_(self, logits_NV: torch.Tensor, targets_N: torch.Tensor, scale: float,
+    def cross_entropy_(self, logits_NV: torch.Tensor, targets_N: torch.Tensor, scale: float | torch.Tensor,
                        grad: bool, softcap: float | None = None) -> torch.Tensor:
         """Sum over the chunk of scale x CE(logits, targets) (float32 scalar, -100 ignored), computed on
         float32 logits as HF does; with ``softcap`` on c tanh(logits / c). With grad, the logits are overwritten
-        by the gradient of that sum (by the logits before the cap)."""
+        by the gradient of that sum (by the logits before the cap). ``scale``: one factor, or one per token
+        ([N] float32, a preference step's weights)."""
+        if isinstance(scale, torch.Tensor):
+            # each row of the gradient is linear in its token's factor: the unscaled kernel, then the rows scaled
+            nll_N = self.token_logps(logits_NV, targets_N, softcap).neg_()
+            if grad:
+                self.cross_entropy_(logits_NV, targets_N, 1.0, grad=True, softcap=softcap)
+                logits_NV.mul_(scale[:, None].to(logits_NV.dtype))
+            return (nll_N * scale).sum()
         if self.fused:
             return _liger_cross_entropy_(logits_NV, targets_N, scale, grad, softcap)
         if not grad:
@@ -417,6 +425,14 @@ class Kernels:
         return loss.detach()
 
 
+    def token_logps(self, logits_NV: torch.Tensor, targets_N: torch.Tensor,
+                    softcap: float | None = None) -> torch.Tensor:
+        """log p(target) of each token ([N] float32; 0 where the target is -100), on float32 logits as HF does."""
+        if self.fused:
+            return _liger_cross_entropy_(logits_NV, targets_N, 1.0, False, softcap, per_token=True).neg_()
+        return -F.cross_entropy(cap_logits(logits_NV.float(), softcap), targets_N, ignore_index=-100, reduction="none")
+
+
 def cap_logits(z: torch.Tensor, softcap: float | None) -> torch.Tensor:
     """c tanh(z / c), HF's soft-capping; z itself without a cap."""
     if softcap is None:
@@ -424,7 +440,8 @@ def cap_logits(z: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return torch.tanh(z / softcap) * softcap
 
 
-def _liger_cross_entropy_(logits_NV, targets_N, scale: float, grad: bool, softcap: float | None) -> torch.Tensor:
+def _liger_cross_entropy_(logits_NV, targets_N, scale: float, grad: bool, softcap: float | None,
+                          per_token: bool = False) -> torch.Tensor:
     import triton
     from liger_kernel.ops.cross_entropy import liger_cross_entropy_kernel
 
@@ -442,4 +459,4 @@ def _liger_cross_entropy_(logits_NV, targets_N, scale: float, grad: bool, softca
         BLOCK_SIZE=min(32768, triton.next_power_of_2(V)), HAS_WEIGHT=False, HAS_SOFTCAPPING=softcap is not None,
         HAS_GRADIENTS=grad, num_warps=32,
     )
-    return loss_N.sum()
+    return loss_N if per_token else loss_N.sum()

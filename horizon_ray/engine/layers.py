@@ -442,12 +442,25 @@ class Template:
         """The LM head's logits in float32 (soft-capped where the config caps them)."""
         return cap_logits(F.linear(self.final_norm(h, w["norm"]), w["lm_head"]).float(), self.cfg.final_softcap)
 
-    def head_loss(self, h_ND: torch.Tensor, w: dict, targets_N: torch.Tensor, scale: float, chunk: int,
+    def row_logps(self, h_BTD: torch.Tensor, w: dict, targets_BT: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Each row's log-probability of its targets summed over the non-ignored ones ([B] float32), through the
+        final norm and the LM head in chunks of tokens (no full logits)."""
+        B, T, D = h_BTD.shape
+        hn = self.final_norm(h_BTD.reshape(-1, D), w["norm"])
+        targets_N = targets_BT.reshape(-1)
+        logp_N = torch.empty(B * T, dtype=torch.float32, device=h_BTD.device)
+        for lo in range(0, hn.shape[0], chunk):
+            logp_N[lo:lo + chunk] = self.ops.token_logps(F.linear(hn[lo:lo + chunk], w["lm_head"]),
+                                                         targets_N[lo:lo + chunk], self.cfg.final_softcap)
+        return logp_N.view(B, T).sum(1)
+
+    def head_loss(self, h_ND: torch.Tensor, w: dict, targets_N: torch.Tensor, scale: float | torch.Tensor, chunk: int,
                   sinks: dict | None = None, need_dh: bool = False):
         """scale x the summed cross-entropy of these tokens (float32 scalar) through the final norm and the LM
         head, in chunks of tokens so that full logits never exist. Training (``need_dh`` or ``sinks``): also
         dL/dh (or None), with the LM head's gradient added into ``sinks["lm_head"]`` and the final norm's into
-        ``sinks["norm"]``, for whichever of the two the sinks hold."""
+        ``sinks["norm"]``, for whichever of the two the sinks hold. ``scale``: one factor, or one per token ([N]
+        float32)."""
         sinks = sinks or {}
         train = need_dh or bool(sinks)
         norm_w, lm_w = w["norm"], w["lm_head"]
@@ -456,8 +469,8 @@ class Template:
             hn = self.final_norm(h_ND, norm_w)
             total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
             for lo in range(0, hn.shape[0], chunk):
-                total += self.ops.cross_entropy_(F.linear(hn[lo:lo + chunk], lm_w), targets_N[lo:lo + chunk], scale,
-                                                 grad=False, softcap=cap)
+                total += self.ops.cross_entropy_(F.linear(hn[lo:lo + chunk], lm_w), targets_N[lo:lo + chunk],
+                                                 _chunk_of(scale, lo, lo + chunk), grad=False, softcap=cap)
             return total, None
         h_leaf = h_ND.detach().requires_grad_(need_dh)
         norm_leaf = norm_w.detach().requires_grad_("norm" in sinks)
@@ -469,7 +482,7 @@ class Template:
         for lo in range(0, hn_d.shape[0], chunk):
             hi = min(lo + chunk, hn_d.shape[0])
             logits = F.linear(hn_d[lo:hi], lm_w)
-            total += self.ops.cross_entropy_(logits, targets_N[lo:hi], scale, grad=True, softcap=cap)
+            total += self.ops.cross_entropy_(logits, targets_N[lo:hi], _chunk_of(scale, lo, hi), grad=True, softcap=cap)
             # the logits now hold dL/dlogits: back through the LM head's matmul
             torch.mm(logits, lm_w, out=d_hn[lo:hi])
             if "lm_head" in sinks:
@@ -479,3 +492,8 @@ class Template:
         if norm_leaf.requires_grad:
             sinks["norm"].add_(grads[id(norm_leaf)])
         return total, grads.get(id(h_leaf))
+
+
+def _chunk_of(scale: float | torch.Tensor, lo: int, hi: int) -> float | torch.Tensor:
+    """The scale of tokens lo..hi: a per-token scale's slice, or the one factor."""
+    return scale[lo:hi] if isinstance(scale, torch.Tensor) else scale

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from horizon_ray.cli import refusing_bad_input
+from horizon_ray.errors import refusing_bad_input
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run() -> int:
-        from horizon_ray.commands.finetune import run_here
+        from horizon_ray.job.here import run_here  # torch and the engine: after the arguments are read
         from horizon_ray.jobspec import JobSpec
 
         return run_here(JobSpec.from_yaml(args.config), resume=args.resume, progress=True)

@@ -69,6 +69,8 @@ class Metrics(Event):
     eta_s: float | None = None  # estimated seconds to the end of training
     rollbacks: int | None = None  # update speculative: steps rolled back and redone so far in this run
     tokens_seen: int | None = None  # non-padding tokens trained on from the job's first step through this one
+    # objective dpo: TRL's metrics of the step ("rewards/accuracies", "rewards/margins", ..., means over its pairs)
+    preference: dict[str, float] | None = None
 
 
 @dataclass(kw_only=True)
@@ -76,6 +78,8 @@ class Eval(Event):
     TYPE: ClassVar[str] = "eval"
     eval_loss: float | None  # mean loss over the eval split's non-ignored tokens
     eval_tokens: int = 0  # tokens it counted
+    # objective dpo: TRL's metrics over the eval pairs (eval_loss is their DPO loss; eval_tokens counts the pairs)
+    eval_preference: dict[str, float] | None = None
 
 
 @dataclass(kw_only=True)

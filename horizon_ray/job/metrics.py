@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -9,7 +10,9 @@ from pathlib import Path
 from typing import TextIO
 
 from horizon_ray.atomic import Commit, atomic_path
-from horizon_ray.job.events import Eval, Event, Metrics, encode, read_events
+from horizon_ray.job.events import Eval, Event, Metrics, decode, encode, read_events
+
+METRICS_FILE = "metrics.jsonl"  # a job's events in its output directory: what the runner writes and the agent tails
 
 
 class MetricsWriter:
@@ -18,6 +21,8 @@ class MetricsWriter:
 
     A resumed job appends to the same file after a ``Start`` that carries ``resumed_from``; lines after it
     supersede earlier lines of the same step (the steps the interrupted run did after its last checkpoint).
+    A resume by hand first drops those lines (``drop_after``), so that the file a person reads has each step
+    once; under a node agent the file stays append-only, as the agent tails it by byte offset.
     """
 
     def __init__(self, path: str | os.PathLike,
@@ -45,6 +50,29 @@ class MetricsWriter:
                 for sink in self.sinks:
                     sink.log(event)
         return event
+
+    def drop_after(self, step: int) -> int:
+        """Rewrite the file without the events of steps after `step` (an interrupted run's work past its last
+        checkpoint, which a resume from `step` redoes) and without torn lines; returns how many went."""
+        if self._file is None:
+            return 0
+        lines = self.path.read_bytes().splitlines(keepends=True)
+        kept = []
+        for raw in lines:
+            try:
+                event = decode(json.loads(raw))
+            except ValueError:
+                continue
+            if event is None or event.step <= step:  # another writer's line stays
+                kept.append(raw if raw.endswith(b"\n") else raw + b"\n")
+        if len(kept) == len(lines):
+            return 0
+        with self._guard("dropping the lines a resume redoes from metrics.jsonl"):
+            self._file.close()
+            with atomic_path(self.path) as tmp:
+                tmp.write_bytes(b"".join(kept))
+            self._file = open(self.path, "a", encoding="utf-8")
+        return len(lines) - len(kept)
 
     def close(self) -> None:
         if self._file is not None:

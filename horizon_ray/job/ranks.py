@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from horizon_ray.job.inputs import load_data
 from horizon_ray.job.schedule import lr_at
 from horizon_ray.jobspec import JobSpec
 
@@ -125,7 +126,6 @@ def _follower(rank: int, world: int, port: int, spec_dict: dict, cfg: Any, model
 
     from horizon_ray.engine import Engine, ModelConfig
     from horizon_ray.engine.ranks import Ranks
-    from horizon_ray.job.runner import load_data
 
     _join(rank, world, port, cfg)
     try:
@@ -137,7 +137,7 @@ def _follower(rank: int, world: int, port: int, spec_dict: dict, cfg: Any, model
         data = load_data(spec)
         t = spec.training
         for step in range(start_step, data.total):  # the leader's loop, without its writing
-            eng.set_lr(lr_at(step, data.total, t.lr, t.schedule))
+            eng.set_lr(lr_at(step, data.total, t.lr, data.schedule))
             eng.train_step(my_batches(data.sampler.batches_for_step(step), rank, world))
         eng.synchronize()  # this rank's shard of the last update is in the store before it leaves
         dist.barrier()  # the leader saves final/ after every rank's last update

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import math
 import os
 import shutil
 import threading
@@ -29,10 +28,11 @@ import torch
 from horizon_ray.atomic import atomic_path, write_atomic
 from horizon_ray.errors import BadInput
 from horizon_ray.job import checkpoints as ckpt_io
-from horizon_ray.job import lease, ranks
+from horizon_ray.job import dpo, lease, ranks
 from horizon_ray.job.events import Checkpoint, CheckpointBegin, Done, Error, Eval, Metrics, Start
+from horizon_ray.job.inputs import load_data
 from horizon_ray.job.lease import Fence, Fenced
-from horizon_ray.job.metrics import MetricsWriter, plot_loss_curve
+from horizon_ray.job.metrics import METRICS_FILE, MetricsWriter, plot_loss_curve
 from horizon_ray.job.progress import Progress
 from horizon_ray.job.schedule import lr_at
 from horizon_ray.job.trackers import Trackers
@@ -99,47 +99,6 @@ def speculate_units(spec: JobSpec, cfg: Any) -> int | None:
     return plan_for_spec(spec, node, suggest=False).speculate_units
 
 
-@dataclass
-class Data:
-    """A job's data as its ranks read it (load_data)."""
-
-    train_ds: Any  # the training split
-    eval_ds: Any  # the eval split, or None
-    sampler: Any  # StepSampler: the micro-batches of every step, a pure function of the step
-    total: int  # optimizer steps of the whole job
-    evals: list | None  # eval micro-batches, or None (no eval data)
-
-
-def load_data(spec: JobSpec) -> Data:
-    """The job's datasets and step sampler (a step has resources.gpus x grad_accum micro-batches: every
-    rank's), its step count and its eval micro-batches."""
-    from horizon_ray.data import StepSampler, build_datasets, eval_batches, load_tokenizer
-    from horizon_ray.data.formats import layout_of
-    from horizon_ray.data.tokenize import with_chat_template
-
-    t = spec.training
-    tokenizer = with_chat_template(load_tokenizer(Path(spec.model.tokenizer_path or spec.model.path).expanduser()),
-                                   spec.data.chat_template)
-    train_ds, eval_ds = build_datasets(
-        spec.data.path, spec.data.format, tokenizer, t.seq_len,
-        # eval_path replaces the held-out fraction (the data API takes one or the other)
-        eval_fraction=0.0 if spec.data.eval_path else spec.data.eval_fraction,
-        eval_path=spec.data.eval_path, seed=t.seed, layout=layout_of(spec.data),
-        train_on_inputs=spec.data.train_on_inputs,
-    )
-    sampler = StepSampler(train_ds, t.seq_len, micro_batch_size=t.micro_batch_size,
-                           grad_accum=t.grad_accum * spec.resources.gpus, packing=t.packing, seed=t.seed)
-    total = total_steps_for(spec, sampler.steps_per_epoch)
-    if t.schedule.warmup_steps >= total:
-        raise BadInput(f"training.schedule.warmup_steps ({t.schedule.warmup_steps}) must be smaller "
-                       f"than the job's {total} steps; lower the warmup", field="training.schedule.warmup_steps")
-    evals = None
-    if eval_ds is not None and eval_ds.examples:
-        evals = eval_batches(eval_ds, t.seq_len, micro_batch_size=t.micro_batch_size,
-                             packing=t.packing)[: spec.eval.max_batches]
-    return Data(train_ds, eval_ds, sampler, total, evals)
-
-
 
 # delayed update: steps run exact before the engine switches to it (at least; the schedule's warmup too)
 DELAYED_AFTER_STEPS = 40
@@ -150,29 +109,29 @@ def delayed_from(spec: JobSpec) -> int:
     return max(DELAYED_AFTER_STEPS, spec.training.schedule.warmup_steps)
 
 
-def total_steps_for(spec: JobSpec, steps_per_epoch: int) -> int:
-    t = spec.training
-    candidates = []
-    if t.epochs is not None:
-        candidates.append(max(1, math.ceil(t.epochs * steps_per_epoch)))
-    if t.max_steps is not None:
-        candidates.append(t.max_steps)
-    return min(candidates)
-
-
 def run_job(spec: JobSpec, resume: bool = False, progress: bool = True) -> JobResult:
     """Run the job described by ``spec`` to completion. BadInput: the spec, its model, data or output
     directory cannot work (the message names the fix; nothing trained); anything else escaping is a crash."""
     spec.check()
     spec.check_paths()
     out = Path(spec.output_dir).expanduser()
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run_in(out, spec, resume, progress)
+    except BadInput:
+        if made and not any((out / name).exists() for name in ("checkpoints", "final")):
+            shutil.rmtree(out, ignore_errors=True)  # refused before anything trained: no half-made directory
+        raise
+
+
+def _run_in(out: Path, spec: JobSpec, resume: bool, progress: bool) -> JobResult:
     # Started by a node agent: the job's lease says whether this engine may still write (see job.lease).
     fence = Fence.from_env(out)
     if fence is not None:
         fence.check("starting")
     guard = _guard(fence)
-    with _exclusive(out, fence), MetricsWriter(out / "metrics.jsonl", guard) as metrics:
+    with _exclusive(out, fence), MetricsWriter(out / METRICS_FILE, guard) as metrics:
         with guard("starting the trackers"):  # they write in the output directory (tensorboard/, run ids)
             trackers = Trackers(spec, out, run_id=os.environ.get(lease.ENV_JOB) or _run_id(out))
         metrics.sinks.append(trackers)  # fed under the same guard as each metrics line
@@ -279,7 +238,15 @@ class _Job:
                 _restore_rng(latest.state())
                 self.step = latest.step
                 assert eng.step == self.step, (eng.step, self.step)
+            self.preference = None
+            if self.spec.objective == "dpo":  # the reference: the starting weights' log-probs, once per job
+                self.preference = dpo.Preference(self.spec, self.out, self.train_ds, self.eval_ds, self.sampler,
+                                                 self.evals)
+                self.preference.prepare(eng, self.step, self._commit("writing the reference"),
+                                        lambda line: print(line, flush=True))
             start = self.step
+            if latest is not None and self.fence is None:
+                self.metrics.drop_after(start)  # by hand: each step once in the file; an agent tails it by offset
             self.metrics.write(Start(
                 step=start, total_steps=self.total, resumed_from=start if latest else None,
                 name=self.spec.name, device=cfg.device, compute_dtype=cfg.compute_dtype,
@@ -301,7 +268,7 @@ class _Job:
             if group is not None:
                 ranks.stop(group)
         try:
-            plot_loss_curve(self.out / "metrics.jsonl", self.out / "loss_curve.png", self.spec.name or "",
+            plot_loss_curve(self.out / METRICS_FILE, self.out / "loss_curve.png", self.spec.name or "",
                             self._commit("drawing the loss curve"))
         except Exception as exc:  # a missing plot must not fail a finished job
             print(f"warning: could not draw the loss curve: {exc}", flush=True)
@@ -358,8 +325,8 @@ class _Job:
 
     def _load_data(self) -> None:
         data = load_data(self.spec)
-        self.train_ds, self.eval_ds, self.sampler, self.total, self.evals = (
-            data.train_ds, data.eval_ds, data.sampler, data.total, data.evals)
+        self.train_ds, self.eval_ds, self.sampler, self.total, self.evals, self.schedule = (
+            data.train_ds, data.eval_ds, data.sampler, data.total, data.evals, data.schedule)
 
     def _train(self, eng: Any) -> tuple[float | None, float | None, float | None]:
         """The step loop. Returns (first eval loss of this run, final eval loss, last training loss)."""
@@ -375,12 +342,15 @@ class _Job:
             for step in range(self.step, total):
                 self._check(f"step {step + 1}")  # a stale engine does not even compute
                 tick = time.monotonic()
-                lr = lr_at(step, total, t.lr, t.schedule)
+                lr = lr_at(step, total, t.lr, self.schedule)
                 eng.set_lr(lr)
                 if step == self.delay_from and eng.update_mode != "delayed":
                     eng.set_update("delayed")  # past the early steps, whose gradients change too fast to lag
                 batches = ranks.my_batches(self.sampler.batches_for_step(step), 0, self.world)
-                last_loss = float(eng.train_step(batches))
+                if self.preference is None:
+                    last_loss = float(eng.train_step(batches))
+                else:
+                    last_loss = self.preference.train_step(eng, step, batches)
                 self.step = done = step + 1
 
                 tokens = self.sampler.tokens_for_step(step)
@@ -393,7 +363,8 @@ class _Job:
                                            tokens_per_s=round(tps, 1), host_rss_bytes=_rss(), total_steps=total,
                                            eta_s=round(eta, 1),
                                            rollbacks=eng.stats().rollbacks if t.update == "speculative" else None,
-                                           tokens_seen=seen))
+                                           tokens_seen=seen,
+                                           preference=eng.last_dpo.mean() if self.preference else None))
                 bar.update(done, last_loss, tps, eta)
 
                 checkpointed = _due(spec.checkpoint.every_steps, done, total)
@@ -426,6 +397,12 @@ class _Job:
             ckpt_io.prune(self.ckpt_root, spec.checkpoint.keep)
 
     def _evaluate(self, eng: Any) -> float:
+        if self.preference is not None:
+            m = self.preference.evaluate(eng)
+            means = m.mean()
+            self.metrics.write(Eval(step=self.step, eval_loss=means["loss"], eval_tokens=m.pairs,
+                                    eval_preference=means))
+            return means["loss"]
         loss_sum, n_tokens = 0.0, 0
         for mb in self.evals:
             s, n = eng.eval_loss([mb])

@@ -27,8 +27,10 @@ def scalars(event: Event) -> dict[str, float]:
         values = {"train/loss": event.loss, "train/lr": event.lr, "train/grad_norm": event.grad_norm,
                   "train/tokens_per_s": event.tokens_per_s,
                   "train/host_rss_gib": event.host_rss_bytes / GiB if event.host_rss_bytes else None}
+        values.update({f"train/{k}": v for k, v in (event.preference or {}).items() if k != "loss"})
     elif isinstance(event, Eval):
         values = {"eval/loss": event.eval_loss}
+        values.update({f"eval/{k}": v for k, v in (event.eval_preference or {}).items() if k != "loss"})
     else:
         return {}
     return {k: float(v) for k, v in values.items() if v is not None}

@@ -145,6 +145,11 @@ class ModelConfig:
         return sum(n for _, n in self.units())
 
     @property
+    def matmul_params(self) -> int:
+        """Weight elements of all decoder layers' projections (routers and every expert included)."""
+        return sum(layer.matmul_params(self.hidden_size) for layer in self.layers)
+
+    @property
     def active_matmul_params(self) -> int:
         """Weight elements a token's matmuls multiply by in all decoder layers (of a MoE layer: the router and
         the token's top-k experts)."""

@@ -78,6 +78,10 @@ class Plan:
     # speculative: how many units (head first, then layers from the top) the engine may update during the
     # backward, as many as the node's RAM holds their own gradient buffers for (EngineConfig.speculate_units)
     speculate_units: int | None = None
+    objective: str = "sft"  # sft | dpo (pairs: rows 2i and 2i+1 of every micro-batch)
+    # objective dpo: seconds the reference pass spends on one step's rows (a streamed forward with the starting
+    # weights, once per job: the whole pass is this x the steps of one epoch), not in step_time_s
+    reference_step_s: float | None = None
 
     @property
     def node_tokens_per_s(self) -> float:
@@ -145,8 +149,28 @@ def plan_for_spec(spec, node: NodeSpec | None = None, *, gpu_budget_bytes: int |
                        field="model.path")
     lora = spec.lora.adapters() if spec.method == "lora" else None
     mode = spec.engine.precision if spec.method == "full" else "lora"
-    return _plan_job(load_model_shape(spec.model.path), spec.method, mode, spec.workload(), lora, node,
-                     gpu_budget_bytes, suggest, PINNED_POW2_ROUNDING, concurrent_engines)
+    shape = load_model_shape(spec.model.path)
+    p = _plan_job(shape, spec.method, mode, spec.workload(), lora, node, gpu_budget_bytes, suggest,
+                  PINNED_POW2_ROUNDING, concurrent_engines)
+    return _with_preference(p, shape) if getattr(spec, "objective", "sft") == "dpo" else p
+
+
+def _with_preference(p: Plan, shape: ModelShape) -> Plan:
+    """A DPO job's plan: its step adds a second pass of the LM head's forward (the first sums each row's
+    log-probs, the second sends their gradient down), and a reference pass, one forward over the data, comes
+    before the first step. Its host bytes are those of SFT (the reference's log-probs: 4 bytes a row)."""
+    t = p.timing
+    head_flops = 2 * p.tokens_per_step * shape.hidden_size * shape.vocab_size
+    extra = t["forward_s"] * head_flops / t["fwd_flops"]  # at the rate the plan runs the forward at
+    p.objective = "dpo"
+    p.reference_step_s = round(max(t.get("forward_s", 0.0), t.get("pcie_forward_s", 0.0)), 4)
+    p.step_time_s += extra
+    p.tokens_per_s = p.tokens_per_step / p.step_time_s
+    t["preference_head_s"] = extra
+    p.reason += (f" Objective dpo: {p.micro_batch_size // 2} pairs a micro-batch (chosen and rejected rows side "
+                 f"by side), {extra:.3g} s a step for the second pass of the LM head, and a reference pass of "
+                 f"~{p.reference_step_s:.3g} s a step's rows before the first step.")
+    return p
 
 
 def _plan_job(shape: ModelShape, method: str, mode: str | None, job: Workload, lora: Adapters | None,
@@ -466,13 +490,19 @@ def max_model(family: str | list = "qwen2.5", node: NodeSpec | None = None, mode
 # ---- text ---------------------------------------------------------------------------------------------------
 
 
+def recomputation(every: int) -> str:
+    """engine.activation_checkpoint_every in words: the backward recomputes each block from the input kept every
+    `every` layers (not a job checkpoint)."""
+    return f"activation recomputation every {every} layer{'s' if every != 1 else ''}"
+
+
 def format_plan(p: Plan) -> str:
     """The plan as a readable table."""
     rows = [f"model        {p.model}: {human_params(p.params)} params"
             + (f", {human_params(p.trainable_params)} trainable" if p.trainable_params != p.params else ""),
             f"job          {p.method}, mode {p.mode}, {p.compute_dtype} on {p.device}; seq {p.seq_len} x micro "
             f"{p.micro_batch_size} x accum {p.grad_accum} = {p.tokens_per_step} tokens/step; "
-            f"checkpoint every {p.checkpoint_every}",
+            f"{recomputation(p.checkpoint_every)}",
             f"node         {format_bytes(p.node.get('ram_bytes', 0))} RAM, "
             f"{p.node.get('gpus', 0)} GPU x {format_bytes(p.node.get('gpu_mem_bytes', 0))}", ""]
     for side, total, limit in (("host", p.host_bytes, p.host_limit_bytes), ("gpu", p.gpu_bytes, p.gpu_limit_bytes)):

@@ -140,7 +140,9 @@ def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapt
     embed_opt_work, embed_grad_down = embed_opt_work / job.gpus, embed_grad_down / job.gpus
     checkpoints = ceil_div(L, K) * tokens * H * c if job.offload_checkpoints else 0
     h2d_fwd = sum(wire.values()) + adapter_wire - wire["embed"]
-    h2d_bwd = max(0, L - 2 * K) * wire.get("layer.0", 0) + checkpoints
+    # the layers the backward streams again, at the mean layer's bytes (layers may differ: dense and MoE)
+    layer_wire = sum(n for name, n in wire.items() if name.startswith("layer."))
+    h2d_bwd = max(0, L - 2 * K) * layer_wire // max(L, 1) + checkpoints
 
     bw_alone, bw_copies = share["adam_bytes_per_s"], share["adam_bytes_per_s_with_copies"]
     h2d_bw, d2h_bw, duplex_bw = share["h2d_bytes_per_s"], share["d2h_bytes_per_s"], share["duplex_bytes_per_s"]

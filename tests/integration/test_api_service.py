@@ -571,7 +571,7 @@ def test_nodes_probes_and_metrics(http, bed):
     assert http.get("/healthz").json() == {"status": "ok"}
     assert http.get("/readyz").json() == {"status": "ready"}
     http.get("/scanner/probe/1")
-    text = http.get("/metrics").text
+    text = http.get("/metrics", headers=bed.auth("acme")).text
     assert 'horizon_api_requests_total{method="GET",route="/nodes",status="200"}' in text
     assert 'horizon_api_requests_total{method="GET",route="/finetune/{job_id}",status="200"}' in text
     assert 'horizon_api_requests_total{method="GET",route="unmatched",status="404"}' in text

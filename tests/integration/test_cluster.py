@@ -16,6 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.passes import after_a_pass
+
 pytestmark = pytest.mark.integration
 
 GiB, MiB = 2**30, 2**20
@@ -120,6 +122,7 @@ def test_best_fit_placement_rejection_and_cancel_frees_reservations(service, ass
     medium = c.submit("place", spec(assets, steps=1000, mb=64, seq=512, data="full"))
     large = c.submit("place", spec(assets, steps=1000, mb=64, seq=2048, data="full"))
     small2 = c.submit("place", spec(assets, steps=4))
+    small, medium, large, small2 = after_a_pass(c, small, medium, large, small2)
     # Each job goes where the least RAM is left over: small -> a (1 GiB); medium -> b (2 GiB; c would
     # keep 2.8 GiB idle); large -> c, the only node it fits; the second small one no longer fits a and
     # goes to b (2 GiB - 1.2 GiB leaves 0.8 GiB) rather than c (1.4 GiB left).
@@ -154,6 +157,8 @@ def test_burst_from_two_tenants_is_served_fairly_within_quotas(service, assets):
     a = [c.submit("fair-a", spec(assets, steps=1, mb=1, seq=16, model="wide")) for _ in range(2)]
     extra = c.submit("fair-a", spec(assets, steps=1, mb=1, seq=16, model="wide"))
     b = [c.submit("fair-b", spec(assets, steps=1, mb=1, seq=16, model="wide")) for _ in range(2)]
+    *a, extra = after_a_pass(c, *a, extra)
+    b = after_a_pass(c, *b)
     assert a[0].node_id == "c" and all(j.status.value == "queued" for j in [a[1], extra, *b])
     assert a[1].queue_reason.startswith("waiting for 2.") and "most free now: c with 1." in a[1].queue_reason
     # fair-b has not been served yet: its first job goes before the rest of fair-a's burst.
@@ -225,7 +230,7 @@ def test_node_removed_mid_job_resumes_elsewhere_with_the_same_final_weights(serv
                                  env={**os.environ, "OMP_NUM_THREADS": "1", "HORIZON_RAY_SUBMIT": "0"},
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        job = c.submit("move", job_spec)
+        job = after_a_pass(c, c.submit("move", job_spec))
         assert job.node_id == "x"
         wait_for(lambda: (c.get("move", job.id).last_checkpoint_step or 0) >= 3, 180,
                  what="the first checkpoint")
@@ -277,7 +282,7 @@ def test_coordinator_killed_and_restarted_loses_no_job(service, assets):
     c = service["client"]
     before_ids = {t: {j.id for j in c.list(t, limit=100)[0]} for t in ("place", "fair-a", "fair-b", "default")}
     running = c.submit("restart", spec(assets, steps=16, data="full", every=4))
-    blocked = [c.submit("quota-one", spec(assets, steps=steps)) for steps in (8, 1)]
+    blocked = after_a_pass(c, *[c.submit("quota-one", spec(assets, steps=steps)) for steps in (8, 1)])
     assert blocked[1].status.value == "queued"
     assert blocked[1].queue_reason == "tenant quota-one is at its quota of 1 concurrent jobs"
     wait_for(lambda: c.get("restart", running.id).progress.step >= 2, 120, what="progress")

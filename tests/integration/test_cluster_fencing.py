@@ -18,6 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.passes import after_a_pass
+
 pytestmark = pytest.mark.integration
 
 GiB, MiB = 2**30, 2**20
@@ -94,7 +96,7 @@ def moves(client, tenant, job_id):
 
 def test_a_lost_nodes_engine_stops_the_job_resumes_once_and_a_cancel_stops_everything(service, assets):
     c, cluster = service["client"], service["cluster"]
-    job = c.submit("fence", spec(assets, steps=100_000))
+    job = after_a_pass(c, c.submit("fence", spec(assets, steps=100_000)))
     assert job.node_id == "x"
     wait_for(lambda: (c.get("fence", job.id).last_checkpoint_step or 0) >= 3, 180, "the first checkpoint")
     [old] = engines_of(job.output_dir)

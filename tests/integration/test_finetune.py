@@ -20,15 +20,11 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-engine_mod = pytest.importorskip("horizon_ray.engine")
-if not hasattr(engine_mod, "Engine"):
-    pytest.skip("horizon_ray.engine does not provide Engine yet", allow_module_level=True)
-
-from horizon_ray.job import checkpoints as ck  # noqa: E402
-from horizon_ray.job.events import read_events  # noqa: E402
-from horizon_ray.job.metrics import curves  # noqa: E402
-from horizon_ray.jobspec import JobSpec  # noqa: E402
-from tests.tiny import job_assets  # noqa: E402
+from horizon_ray.job import checkpoints as ck
+from horizon_ray.job.events import read_events
+from horizon_ray.job.metrics import curves
+from horizon_ray.jobspec import JobSpec
+from tests.tiny import job_assets
 
 pytestmark = pytest.mark.slow
 

@@ -9,12 +9,8 @@ from pathlib import Path
 
 import pytest
 
-engine_mod = pytest.importorskip("horizon_ray.engine")
-if not hasattr(engine_mod, "Engine"):
-    pytest.skip("horizon_ray.engine does not provide Engine yet", allow_module_level=True)
-
-from horizon_ray.job.demo import demo_spec, prepare_demo_assets  # noqa: E402
-from horizon_ray.job.events import Eval, read_events  # noqa: E402
+from horizon_ray.job.demo import demo_spec, prepare_demo_assets
+from horizon_ray.job.events import Eval, read_events
 
 pytestmark = pytest.mark.slow
 
@@ -74,18 +70,24 @@ def test_demo_goes_through_the_local_service(tmp_path):
     over REST, its events followed, and it writes its outputs in the demo tenant's namespace."""
     env = {**os.environ, "HORIZON_RAY_HOME": str(tmp_path / "home"), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     root = tmp_path / "service"
+    from tests.serving import free_port
+
+    port = free_port()
     proc = subprocess.run(
-        [sys.executable, "-m", "horizon_ray", "demo", "--output-dir", str(root), "--samples", "2",
+        [sys.executable, "-m", "horizon_ray", "demo", "--output-dir", str(root), "--samples", "2", "--port", str(port),
          "training.max_steps=20", "training.schedule.warmup_steps=5", "eval.every_steps=10",
          "checkpoint.every_steps=10", "engine.device=cpu"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "service up while the demo runs (--keep-serving: until Ctrl-C): dashboard http://127.0.0.1:" in proc.stdout
+    assert f"service up while the demo runs (--keep-serving: until Ctrl-C): dashboard http://127.0.0.1:{port}/" \
+        in proc.stdout
     assert "the demo's service has stopped" in proc.stdout  # it says so, after showing the dashboard's URL
     assert "submitted job job-" in proc.stdout and "over REST" in proc.stdout
     finals = list((root / "jobs" / "demo").glob("job-*/final/model.safetensors"))
     assert len(finals) == 1
+    tensorboard = finals[0].parent.parent / "tensorboard"
+    assert f"TensorBoard              {tensorboard}" in proc.stdout and tensorboard.is_dir()
     evals = [r.eval_loss for r in read_events(finals[0].parent.parent / "metrics.jsonl") if isinstance(r, Eval)]
     assert len(evals) == 3 and evals[-1] < evals[0]
     assert "checkpoint step=10" in proc.stdout  # events arrived through the SSE stream

@@ -76,6 +76,11 @@ def test_quickstart_notebook_runs_green(tmp_path, monkeypatch):
     monkeypatch.setenv("HORIZON_QUICKSTART_DIR", str(tmp_path / "work"))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("HORIZON_QUICKSTART_STEPS", raising=False)  # the steps a reader runs
+    from tests.serving import free_port
+
+    api_port, ray_port = free_port(), free_port()
+    monkeypatch.setenv("HORIZON_QUICKSTART_PORT", str(api_port))  # the port knobs of notebooks/README.md
+    monkeypatch.setenv("HORIZON_QUICKSTART_RAY_PORT", str(ray_port))
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=600, startup_timeout=120,
@@ -86,6 +91,8 @@ def test_quickstart_notebook_runs_green(tmp_path, monkeypatch):
         kill_marked(marker)
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
+    printed = "".join(stdout_of(c) for c in nb.cells if c.cell_type == "code")
+    assert f"API on http://127.0.0.1:{api_port} " in printed and f"Ray cluster at 127.0.0.1:{ray_port}" in printed
     summary = json.loads(stdout_of(cell_with_tag(nb, "summary")).strip().splitlines()[-1])
     assert summary["status"] == "succeeded"
     assert summary["steps"] == 60

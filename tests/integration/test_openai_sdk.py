@@ -159,6 +159,34 @@ def test_a_job_created_with_openai_parameters_runs_to_succeeded(url, bed):
     assert ckpts.data[0].metrics.train_loss is not None
 
 
+def preference_jsonl(n: int) -> bytes:
+    """OpenAI's preference format."""
+    rows = [{"input": {"messages": [{"role": "user", "content": f"add {i} and {i}"}]},
+             "preferred_output": [{"role": "assistant", "content": str(2 * i)}],
+             "non_preferred_output": [{"role": "assistant", "content": str(2 * i + 1)}]} for i in range(n)]
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def test_a_dpo_job_maps_onto_objective_dpo(url, bed):
+    client = sdk(url, bed)
+    train = client.files.create(file=("pairs.jsonl", preference_jsonl(12)), purpose="fine-tune")
+    assert train.model_extra["format"] == "preference" and train.model_extra["num_examples"] == 12
+    job = client.fine_tuning.jobs.create(
+        model="tiny-1g", training_file=train.id, suffix="aligned",
+        method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.25, "batch_size": 3, "n_epochs": 1}}},
+        extra_body={"spec": {"training": {"max_steps": 3, "seq_len": 64}}})
+    assert job.method.type == "dpo" and job.method.dpo.hyperparameters.beta == 0.25
+    assert job.method.dpo.hyperparameters.batch_size == 3 and job.hyperparameters.n_epochs == 1
+    native = bed.client.get("acme", job.id)
+    assert native.spec["objective"] == "dpo" and native.spec["dpo"]["beta"] == 0.25
+    assert native.spec["training"]["micro_batch_size"] == 6 and native.spec["training"]["packing"] is False
+    assert wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).status == "succeeded")
+    with pytest.raises(openai.BadRequestError) as info:  # the engine's rules, named in OpenAI's error shape
+        client.fine_tuning.jobs.create(model="tiny-1g", training_file=train.id,
+                                       method={"type": "dpo", "dpo": {"hyperparameters": {"beta": -1}}})
+    assert info.value.body["param"] == "method.dpo.hyperparameters.beta"
+
+
 def test_jobs_list_pages_with_the_after_cursor(url, bed):
     client = sdk(url, bed, "globex")
     train = client.files.create(file=("t.jsonl", jsonl(8)), purpose="fine-tune")
@@ -183,7 +211,7 @@ def test_refusals_come_in_openai_error_shape(url, bed):
     err = info.value.body
     assert err["code"] == "model_not_found" and err["param"] == "model" and "did you mean 'tiny-1g'" in err["message"]
     with pytest.raises(openai.BadRequestError) as info:
-        client.fine_tuning.jobs.create(model="tiny-1g", training_file=train.id, method={"type": "dpo"})
+        client.fine_tuning.jobs.create(model="tiny-1g", training_file=train.id, method={"type": "reinforcement"})
     assert info.value.body["param"] == "method.type"
     with pytest.raises(openai.BadRequestError) as info:
         client.fine_tuning.jobs.create(model="tiny-1g", training_file="file-" + "0" * 24)

@@ -135,8 +135,10 @@ def test_every_command_of_the_readme_runs_as_written(tmp_path):
     assert "'demo-tiny'" in models
     assert status in ("validating_files", "queued", "running", "succeeded"), status
     assert any(line.startswith("ray job submit") for line in ran)
-    for out_dir in ("runs/demo", "runs/demo-service", "runs/demo-rayjob"):
-        assert (ws / out_dir / "final" / "model.safetensors").is_file(), f"{out_dir} has no final model"
+    # the service's jobs lie in the tenant's output namespace, <service root>/jobs/<tenant>/
+    service_jobs = home / "service" / "jobs" / "me"
+    for out_dir in (ws / "runs" / "demo", service_jobs / "demo-service", service_jobs / "demo-rayjob"):
+        assert (out_dir / "final" / "model.safetensors").is_file(), f"{out_dir} has no final model"
     assert (ws / "runs" / "demo" / "tensorboard").is_dir()
 
 

@@ -20,7 +20,7 @@ from tests.serving import ROOT, free_port, serving, user_env
 
 pytestmark = pytest.mark.integration
 
-KEY, TENANT = "test-key-7f3a9c", "me"
+KEY, TENANT = "test-key-7f3a9c2e0b", "me"
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +116,20 @@ def test_serve_refuses_to_start_an_api_without_keys(tmp_path):
     from api.settings import SETTINGS
 
     assert all(s.env in help_text for s in SETTINGS)
+
+
+def test_sigterm_stops_serve_as_ctrl_c_does(tmp_path):
+    """`kill PID` (systemd, docker stop): serve stops its service and cluster and exits 0, without a traceback
+    or Ray's stack dump."""
+    import os
+    import signal
+
+    env = user_env(tmp_path, HORIZON_API_KEYS=f"{KEY}={TENANT}")
+    args = ["horizon-ray", "serve", "--simulate-nodes", "a=4GiB", "--port", str(free_port()), "--dashboard-port", "0",
+            "--no-demo-model"]
+    log = tmp_path / "serve.log"
+    with serving(args, env, log) as proc:
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, log.read_text()
+    text = log.read_text()
+    assert "serve: stopping" in text and "Traceback" not in text and "Stack (most recent call first)" not in text, text

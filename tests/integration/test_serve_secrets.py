@@ -1,7 +1,8 @@
-"""The tenants' API keys stay in the API process: `horizon-ray serve` started with HORIZON_API_KEYS and
-HORIZON_API_KEYS_FILE in its environment runs a real job, and neither the Ray processes it starts (GCS,
-raylets, workers, the node agents) nor the job's engine has any HORIZON_API_* variable, a key or the key
-file's path, read from their /proc/<pid>/environ."""
+"""The tenants' API keys stay in the API process's memory: `horizon-ray serve` started with HORIZON_API_KEYS and
+HORIZON_API_KEYS_FILE in its environment runs a real job, and neither serve's own exec environment (it
+re-executes itself without them), the Ray processes it starts (GCS, raylets, workers, the node agents) nor the
+job's engine has any HORIZON_API_* variable, a key, the key file's path or Ray's token, read from their
+/proc/<pid>/environ; the engine has no RAY_* variable at all."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from api.server import free_port
+from tests.serving import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +79,10 @@ def test_engines_and_ray_workers_get_no_api_secret(tmp_path):
             time.sleep(0.5)
         found = environ_of(eng)
         assert b"OMP_NUM_THREADS=" in found  # it is the engine's environment
-        everything = [eng, *psutil.Process(serve.pid).children(recursive=True)]
+        assert b"RAY_AUTH" not in found and b"RAY_ADDRESS" not in found  # an allow-list: nothing of Ray's
+        token = (tmp_path / "service" / "ray_token").read_bytes()
+        # serve itself (re-executed without them: /proc shows the environment at exec), everything it started
+        everything = [psutil.Process(serve.pid), eng, *psutil.Process(serve.pid).children(recursive=True)]
         assert any("NodeAgent" in " ".join(p.cmdline()) for p in everything if p.is_running())
         for p in everything:
             try:
@@ -86,7 +90,8 @@ def test_engines_and_ray_workers_get_no_api_secret(tmp_path):
                 name = " ".join(p.cmdline())[:80]
             except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
                 continue
-            for secret in (b"HORIZON_API_", b"sk-from-the-env-c41d", b"sk-from-the-file-9f3a", str(keys).encode()):
+            for secret in (b"HORIZON_API_", b"sk-from-the-env-c41d", b"sk-from-the-file-9f3a", str(keys).encode(),
+                           token):
                 assert secret not in environ, f"{secret!r} in the environment of {name}"
         assert httpx.post(f"{url}/finetune/{job['id']}/cancel", headers=auth, timeout=60).status_code == 200
     finally:

@@ -42,11 +42,13 @@ def assert_error(r, status, code):
     return body["error"]
 
 
-def test_open_routes_need_no_key(http):
+def test_open_routes_need_no_key(http, bed):
     assert http.get("/healthz").json() == {"status": "ok"}
     assert http.get("/readyz").json() == {"status": "ready"}
-    assert http.get("/metrics").status_code == 200
     assert http.get("/").status_code == 200
+    # /metrics counts every tenant's jobs: a key's holders only, unless the operator opens it
+    assert http.get("/metrics").status_code == 401
+    assert http.get("/metrics", headers=bed.auth("acme")).status_code == 200
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic a2V5"},

@@ -153,6 +153,10 @@ def test_every_string_field_of_the_spec_is_checked_at_the_edge(http, bed, where,
     ("data.path", "demo\x00.jsonl"),
     ("model.path", "1GiB\n"),
     ("name", "line one\nforged line"),
+    ("name", "report-\u202egnp.exe"),  # a bidi override: shown as "report-exe.png"
+    ("name", "\ufeffacme"),  # a byte-order mark
+    ("data.path", "demo\u200b.jsonl"),  # a zero-width space
+    ("name", "one\u2028two"),  # a line separator
 ])
 def test_the_probes_findings_are_422_naming_the_field(http, bed, field, value):
     r = post_json(http, "/finetune", spec_with(bed, field, False, value), bed.auth("globex"))
@@ -424,6 +428,8 @@ def test_openai_path_and_query_parameters_are_checked(http, bed, value, where):
     ("training_file", "file-\n"),
     ("suffix", "line one\nforged line"),
     ("suffix", "bot \udfff"),
+    ("suffix", "bot\u200b"),
+    ("suffix", "\u202ebot"),
     ("integrations", [{"type": "wandb", "wandb": {"project": "p\x1b[31m"}}]),
     ("spec", {"name": "x\x00"}),
 ])

@@ -372,7 +372,6 @@ def test_what_bounds_a_lora_row_counts_the_adapters():
 
 
 def test_host_rss_is_compared_with_the_largest_plan_the_process_ran():
-    pytest.importorskip("torch")
     from horizon_ray.bench.engine_run import accumulations, rss_plan
     from horizon_ray.bench.report import _bound
 

@@ -269,8 +269,6 @@ def test_peft_peer_trains_fp32_adapters_on_a_frozen_base(dtype):
     from horizon_ray.bench import hf
     from horizon_ray.planner import Adapters
     from horizon_ray.planner.shapes import adapter_params
-
-    pytest.importorskip("peft")
     shape = resolve_shape("tiny", layers=2)
     torch.manual_seed(0)
     model = hf.build_model(shape, getattr(torch, dtype))

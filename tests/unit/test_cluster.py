@@ -19,7 +19,7 @@ from horizon_ray.cluster import (
     JobStatus,
     QuotaExceeded,
 )
-from horizon_ray.cluster.agent import ENGINE_LEASE_S
+from horizon_ray.cluster.agent_protocol import ENGINE_LEASE_S
 from horizon_ray.cluster.coordinator import Coordinator, default_validate_spec
 from horizon_ray.cluster.errors import HorizonError
 from horizon_ray.cluster.fake import FakeAgent, FakeStorage, size_planner
@@ -814,8 +814,23 @@ def test_given_output_dir_is_kept_and_two_live_jobs_cannot_share_one(client, tmp
         client.submit("acme", spec(output_dir=str(out)))
 
 
+@pytest.mark.parametrize("left", [".lease", "metrics.jsonl", "checkpoints", "final"])
+def test_an_output_dir_holding_another_runs_outputs_is_refused(client, tmp_path, left):
+    """A job is its own: an ended job's (or a local run's) lease, metrics or checkpoints would be replayed into
+    the new job's events (its progress, its checkpoints) before it failed on a checkpoint of another spec."""
+    out = tmp_path / "reused"
+    out.mkdir()
+    (out / left).mkdir() if left in ("checkpoints", "final") else (out / left).write_text("{}\n")
+    with pytest.raises(InvalidSpec, match=f"holds another run's outputs \\({left}\\).*new output_dir"):
+        client.submit("acme", spec(output_dir=str(out)))
+    assert client.list("acme")[0] == []  # nothing was created
+    (out / left).rmdir() if left in ("checkpoints", "final") else (out / left).unlink()
+    (out / "notes.txt").write_text("")  # a directory of other files only is no run's
+    assert client.submit("acme", spec(output_dir=str(out))).output_dir == str(out)
+
+
 def test_simulated_nodes_parse_strictly():
-    from horizon_ray.cluster.local import parse_simulated_nodes
+    from horizon_ray.cluster.nodes import parse_simulated_nodes
 
     assert parse_simulated_nodes("a=16GiB, b=64GiB,c=256GiB") == {"a": 16 * GiB, "b": 64 * GiB, "c": 256 * GiB}
     for bad in ("a16GiB", "a=16GiB,a=1GiB", "a=lots", "", "a b=1GiB"):
@@ -841,3 +856,23 @@ def test_a_diverged_loss_prints_as_nan():
     for key in ("loss", "eval_loss"):
         event = JobEvent(seq=1, job_id="j", time=0.0, type=EventType.METRICS, data={"step": 3, key: None})
         assert format_event(event).endswith(" nan")
+
+
+def test_a_jobs_threads_are_pinned_across_attempts(fake_cluster):
+    """Resume is bit-exact only with the same thread count (it decides the CPU kernels' reduction order): the
+    agent gives a recovered job its first attempt's threads, not its share of a node that is busier now."""
+    c = fake_cluster({"a": "16GiB:8cpu", "b": "64GiB:8cpu"}, auto=False)
+    job = c.submit("acme", spec("10GiB", steps=6, every=2))
+    assert job.node_id == "a"  # the smallest node that holds it
+    threads = agents(c)["a"].ledger.entries[job.id].cpu_threads
+    assert threads == 8 and c.get("acme", job.id).cpu_threads == 8  # alone on its node: every core
+    busy = [c.submit("beta", spec("10GiB", steps=100)) for _ in range(3)]
+    assert {j.node_id for j in busy} == {"b"}
+    agents(c)["a"].advance(job.id, 2)
+    c.tick()
+    agents(c)["a"].kill()
+    c.tick()
+    job = c.get("acme", job.id)
+    assert job.status is JobStatus.RUNNING and job.node_id == "b" and job.attempts == 2
+    assert agents(c)["b"].ledger.cpu_share(False) == 1  # what a new job there would get now (8 cores, 5 jobs)
+    assert agents(c)["b"].ledger.entries[job.id].cpu_threads == threads == job.cpu_threads

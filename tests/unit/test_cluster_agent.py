@@ -13,7 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from horizon_ray.cluster.agent import NodeAgent, ReservationRefused, read_new_events
+from horizon_ray.cluster.agent import NodeAgent, read_new_events
+from horizon_ray.cluster.agent_protocol import ReservationRefused
+from horizon_ray.cluster.local import wait_for
 from horizon_ray.cluster.messages import Launch
 from horizon_ray.job import events
 
@@ -80,6 +82,19 @@ def wait_exit(agent, job_id, timeout=30.0):
     raise AssertionError(f"{job_id} did not exit")
 
 
+def wait_running(agent, job_id, rss_bytes=0, timeout=30.0):
+    """Until the stand-in has written its Start line (its ballast is allocated by then) and the agent has sampled
+    at least `rss_bytes` of it: a signal sent after this finds a running engine, never one still starting."""
+    seen = []
+
+    def up():
+        report = agent.poll({job_id: 0})[job_id]
+        seen[:] = report.events
+        return any(isinstance(e, events.Start) for e in seen) and report.peak_rss_bytes > rss_bytes
+
+    wait_for(up, timeout, interval_s=0.05, what=f"{job_id} to run")
+
+
 def start(agent, tmp_path, job_id, host=GiB, **cfg):
     out = tmp_path / job_id
     agent.start(Launch(job_id=job_id, tenant="acme", spec={"stand_in": {"steps": 3, **cfg}}, output_dir=str(out),
@@ -111,13 +126,13 @@ def test_crash_reports_exit_code_and_stderr(agent, tmp_path):
 
 def test_cancel_stops_the_process_group_and_sigkill_is_seen(agent, tmp_path):
     start(agent, tmp_path, "j3", hang=True)
-    time.sleep(0.5)
+    wait_running(agent, "j3")
     agent.cancel("j3")
     report, _ = wait_exit(agent, "j3")
     assert report.exit.returncode == -signal.SIGTERM and report.exit.cancelled
 
     start(agent, tmp_path, "j4", hang=True, alloc_mb=32)
-    time.sleep(0.5)
+    wait_running(agent, "j4", rss_bytes=32 * 2**20)
     pid = agent._jobs["j4"].proc.pid
     os.kill(pid, signal.SIGKILL)  # what the kernel's OOM killer does
     report, _ = wait_exit(agent, "j4")
@@ -335,7 +350,7 @@ def test_engines_get_none_of_the_api_variables(tmp_path, monkeypatch):
 
 def test_a_killed_engine_reports_the_evidence_of_memory_pressure(agent, tmp_path):
     start(agent, tmp_path, "j12", hang=True, alloc_mb=16)
-    time.sleep(0.5)
+    wait_running(agent, "j12", rss_bytes=16 * 2**20)
     os.kill(agent._jobs["j12"].proc.pid, signal.SIGKILL)  # kill -9 from outside, on a node with free memory
     report, _ = wait_exit(agent, "j12")
     ex = report.exit
@@ -348,7 +363,7 @@ def test_a_killed_engine_reports_the_evidence_of_memory_pressure(agent, tmp_path
 
 
 def test_oom_kills_are_read_from_the_kernel_and_the_memory_cgroup(tmp_path):
-    from horizon_ray.cluster.agent import oom_kill_count
+    from horizon_ray.cluster.cgroups import oom_kill_count
 
     (tmp_path / "vmstat").write_text("pgfault 12\noom_kill 3\n")
     cg = tmp_path / "cg"

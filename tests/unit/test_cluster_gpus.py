@@ -15,9 +15,12 @@ from pathlib import Path
 import pytest
 
 from horizon_ray.cluster import JobRejected, JobStatus
-from horizon_ray.cluster.agent import Ledger, NodeAgent, ReservationRefused, detect_gpus, engine_env
-from horizon_ray.cluster.local import SimulatedNode, parse_simulated_cluster, parse_simulated_nodes
+from horizon_ray.cluster.agent import NodeAgent, engine_env
+from horizon_ray.cluster.agent_protocol import ReservationRefused
+from horizon_ray.cluster.gpus import detect_gpus
+from horizon_ray.cluster.ledger import Ledger
 from horizon_ray.cluster.messages import Launch
+from horizon_ray.cluster.nodes import SimulatedNode, parse_simulated_cluster, parse_simulated_nodes
 from horizon_ray.cluster.placement import needs_gpu
 
 GiB, MiB = 2**30, 2**20
@@ -352,7 +355,7 @@ def test_real_gpus_are_read_from_nvidia_smi_and_cuda_visible_devices(tmp_path, m
 
 
 def test_node_ram_prefers_the_declared_pod_limit():
-    from horizon_ray.cluster.agent import node_ram_bytes
+    from horizon_ray.cluster.cgroups import node_ram_bytes
 
     assert node_ram_bytes({"HORIZON_NODE_RAM_BYTES": str(120 * 2**30)}) == 120 * 2**30
     import psutil

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from horizon_ray.cluster.agent import RAY_PROCESSES_BYTES, NodeAgent, engine_env, node_cpu_count
+from horizon_ray.cluster.agent import RAY_PROCESSES_BYTES, NodeAgent, engine_env
+from horizon_ray.cluster.cgroups import node_cpu_count
 from horizon_ray.cluster.messages import Reservation
 
 GiB = 2**30

@@ -181,3 +181,17 @@ def test_a_sharegpt_upload_is_detected_and_checked_line_by_line(tmp_path):
                       headers={**bed.auth("acme"), "Content-Type": "application/x-ndjson"})
         assert r.status_code == 422 and "sg.jsonl:2: conversations[0] has from 'bot'" in r.json()["error"]["message"]
     bed.close()
+
+
+def test_the_readme_data_example_loads_strictly():
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "sharegpt" in b and "columns" in b)
+    spec = JobSpec.from_dict({"model": {"path": "m"}, **yaml.safe_load(block), "training": {"max_steps": 1},
+                              "output_dir": "o"})
+    assert spec.data.format == "sharegpt" and layout_of(spec.data).roles == {"bot": "assistant"}
+    assert spec.data.chat_template in CHAT_TEMPLATES

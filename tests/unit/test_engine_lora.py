@@ -364,7 +364,6 @@ def test_adapters_keep_no_fp32_copy_of_their_input():
 def test_cpu_rss_of_a_lora_step_is_within_10_percent_of_the_plan():
     """As test_planner_rss does for full fine-tuning: a ~220M-parameter base, all seven targets at r=16 and every
     norm trained, in a fresh process (tests/rss_probe.py)."""
-    pytest.importorskip("psutil")
     from horizon_ray.planner import PROCESS_BASELINE_BYTES, Adapters, NodeSpec, plan
     from tests.rss_probe import measure
 

@@ -16,7 +16,6 @@ CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_
 def test_host_rss_is_flat_over_50_steps(lora):
     """No step keeps anything: once the first steps have sized every buffer, RSS stays put (the issue's target,
     host RSS flat over 50 steps, on the CPU path: bf16 compute, two micro-batches a step)."""
-    pytest.importorskip("psutil")
     r = measure(CONFIG, {"device": "cpu", "compute_dtype": "bfloat16", "checkpoint_every": 2}, seq=64, micro=2,
                 accum=2, lora=lora, steps=50)
     after = r["after_each_step"]

@@ -1,8 +1,7 @@
 """Several ranks of one job over one host store (engine/ranks.py): gloo ranks on the CPU against one process
 with all their micro-batches."""
 
-import os
-import socket
+import tempfile
 
 import pytest
 import torch
@@ -15,15 +14,9 @@ from tests.tiny import llama_config, random_batches
 WORLD, MICRO = 2, 2  # two ranks, each with two micro-batches a step: one process with four
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank, port, config, cfg, store, batches, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _rank(rank, rendezvous, config, cfg, store, batches, results):
+    # a file rendezvous: no port to find free and release, which another process may take in between
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
     try:
         eng = Engine(ModelConfig.load(config), cfg, store=store, ranks=Ranks(rank, WORLD))
         out = []
@@ -42,14 +35,16 @@ def _run_ranks(config, cfg, batches):
     model, store = Engine.shared_store(config, cfg, world=WORLD)
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, config, cfg, store, batches, results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    out = sorted(results.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+        rendezvous = f"{tmp}/rendezvous"
+        procs = [ctx.Process(target=_rank, args=(r, rendezvous, config, cfg, store, batches, results))
+                 for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        out = sorted(results.get(timeout=300) for _ in procs)
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
     return out, store
 
 

@@ -198,3 +198,44 @@ def test_a_ray_jobs_entrypoint_finds_the_cluster_of_its_job_server():
     from horizon_ray.cluster.follow import job_server_cluster
 
     assert job_server_cluster() is None  # pytest runs in no Ray job
+
+
+@pytest.fixture
+def api(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from api.testing import make_testbed
+
+    bed = make_testbed(tmp_path)
+    with TestClient(create_app(bed.client, bed.settings), raise_server_exceptions=False) as http:
+        yield bed, http
+    bed.close()
+
+
+def test_the_apis_gate_edges(api, monkeypatch):
+    """Duplicate Authorization headers are refused, wrong keys are rate limited per address, /metrics needs a
+    key unless the operator opens it, and a served API takes no short key."""
+    from api.auth import WRONG_KEY_BURST
+    from api.settings import ApiSettings
+
+    bed, http = api
+    good = bed.auth("acme")["Authorization"]
+    two = http.get("/finetune", headers=[("Authorization", good), ("Authorization", "Bearer nope")])
+    assert two.status_code == 400 and "more than one Authorization header" in two.json()["error"]["message"]
+    assert http.get("/finetune", headers={"Authorization": good}).status_code == 200
+    codes = [http.get("/finetune", headers={"Authorization": f"Bearer wrong-{i}"}).status_code
+             for i in range(WRONG_KEY_BURST + 2)]
+    assert codes[:WRONG_KEY_BURST] == [401] * WRONG_KEY_BURST and codes[-1] == 429
+    limited = http.get("/finetune", headers={"Authorization": "Bearer wrong"})
+    assert int(limited.headers["Retry-After"]) >= 1
+    assert http.get("/finetune", headers={"Authorization": good}).status_code == 200  # a valid key still works
+    assert http.get("/metrics").status_code == 401
+    bed.settings.metrics_open = True
+    assert http.get("/metrics").status_code == 200
+    with pytest.raises(ValueError, match="has 1 characters; give it at least 16"):
+        ApiSettings(api_keys={"k": "me"}).check_served_keys()
+    monkeypatch.setenv("HORIZON_API_KEYS", "k=me")
+    with pytest.raises(ValueError, match="has 1 characters"):
+        serve_run = __import__("horizon_ray.commands.serve", fromlist=["run"]).run
+        serve_run(serve_args("--address", "127.0.0.1:1", "--no-api", "--root", str(bed.settings.jobs_root)))

@@ -81,7 +81,6 @@ def test_unknown_keys_are_errors_that_name_the_key_and_the_fix(data, must_name):
         ({"training.micro_batch_size": 0}, "training.micro_batch_size"),
         ({"training.grad_accum": 0}, "training.grad_accum"),
         ({"training.schedule.type": "cosin"}, "did you mean 'cosine'"),
-        ({"training.schedule.warmup_steps": 10}, "warmup_steps"),
         ({"training.schedule.min_lr_ratio": 2}, "min_lr_ratio"),
         ({"training.betas": [0.9]}, "training.betas"),
         ({"training.betas": [0.9, 1.0]}, "training.betas"),
@@ -92,7 +91,6 @@ def test_unknown_keys_are_errors_that_name_the_key_and_the_fix(data, must_name):
         ({"method": "lora", "lora.r": 0}, "lora.r"),
         ({"method": "lora", "lora.alpha": 0}, "lora.alpha"),
         ({"method": "lora", "lora.dropout": 1.0}, "lora.dropout"),
-        ({"method": "lora", "lora.targets": []}, "lora.targets is empty"),
         ({"method": "lora", "lora.targets": ["q_proj", "c_attn"]}, "use one of q_proj, k_proj"),
         ({"method": "lora", "lora.targets": ["q_proj", "q_proj"]}, "twice"),
         ({"method": "lora", "lora.targets": "q_proj"}, "lora.targets must be a list"),
@@ -126,7 +124,7 @@ def test_missing_required_sections_name_the_fix():
 
 def test_lora_section():
     spec = JobSpec.from_dict(_with(method="lora"))
-    assert spec.lora is not None and spec.lora.r == 8 and spec.lora.targets == ["q_proj", "v_proj"]
+    assert spec.lora is not None and spec.lora.r == 8 and spec.lora.targets == []  # empty: the family's
     assert JobSpec.from_dict(spec.to_dict()) == spec
     custom = JobSpec.from_dict(_with(**{"method": "lora", "lora.r": 16, "lora.alpha": 32, "lora.dropout": 0.05,
                                         "lora.targets": ["q_proj", "k_proj", "v_proj", "o_proj"],

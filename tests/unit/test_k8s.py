@@ -1003,3 +1003,69 @@ def test_renderer_matches_kubectl_kustomize(name):
                          timeout=60).stdout
     key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
     assert sorted(yaml.safe_load_all(out), key=key) == sorted(render(K8S / name), key=key)
+
+
+def test_the_coordinators_gate_checks_what_the_api_checks(variant):
+    """The head's control sidecar hands the coordinator its gate (horizon_ray/cluster/gate.py): the digests of
+    the same keys file as the API's (the API's credential is derived from it) and the same roots, so that a
+    path the API refuses is refused to a Ray job too. The keys are not mounted where Ray Jobs run."""
+    _, docs = variant
+    _, control, template = control_args(docs)
+    api_template = one(docs, "Deployment", "horizon-ray-api")["spec"]["template"]
+    api = container(api_template, "api")
+    gate_vars = ("HORIZON_API_KEYS_FILE", "HORIZON_UPLOADS_DIR", "HORIZON_JOBS_ROOT", "HORIZON_MODEL_ROOTS",
+                 "HORIZON_DATA_ROOTS", "HORIZON_MODEL_CATALOGUE")
+    assert {v: env_of(control).get(v) for v in gate_vars} == {v: env_of(api)[v] for v in gate_vars}
+
+    def secret_at(t, c, path):
+        found = [m for p, m in mounts(c).items() if path.startswith(p.rstrip("/") + "/")]
+        assert found, f"{c['name']} does not mount {path}"
+        return next(v for v in t["spec"]["volumes"] if v["name"] == found[0]["name"]).get("secret")
+
+    keys = env_of(api)["HORIZON_API_KEYS_FILE"]
+    assert secret_at(template, control, keys) == secret_at(api_template, api, keys) is not None
+    head = container(template, "ray-head")
+    assert not any(keys.startswith(p.rstrip("/") + "/") for p in mounts(head)), "Ray Jobs would read every key"
+    for root in ("HORIZON_MODEL_ROOTS", "HORIZON_DATA_ROOTS", "HORIZON_UPLOADS_DIR", "HORIZON_JOBS_ROOT"):
+        assert env_of(api)[root] in mounts(control), f"the gate cannot check {root} it does not see"
+    # the RayJob declares its tenant by a key, filled in when applied, never a tenant name
+    env = yaml.safe_load(one(docs, "RayJob")["spec"]["runtimeEnvYAML"])["env_vars"]
+    assert env["HORIZON_API_KEY"] == "${TEAM_A_KEY}" and "HORIZON_RAY_TENANT" not in env
+
+
+def test_no_pod_holds_a_service_account_token(variant):
+    _, docs = variant
+    for where, template in pod_templates(docs):
+        assert template["spec"].get("automountServiceAccountToken") is False, where
+
+
+def test_the_internet_facing_api_has_a_read_only_root(variant):
+    _, docs = variant
+    template = one(docs, "Deployment", "horizon-ray-api")["spec"]["template"]
+    api = container(template, "api")
+    assert api["securityContext"].get("readOnlyRootFilesystem") is True
+    tmp = mounts(api)["/tmp"]
+    assert "emptyDir" in next(v for v in template["spec"]["volumes"] if v["name"] == tmp["name"])
+
+
+def test_egress_reaches_this_deployment_and_dns_only(variant):
+    """No pod of ours reaches a metadata address, a tenant's URL or the internet; the KubeRay operator reaches
+    Ray's ports from its own namespace only."""
+    _, docs = variant
+    ours = {"app.kubernetes.io/name": "horizon-ray"}
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    egress = [p for p in policies if "Egress" in p["spec"]["policyTypes"]]
+    assert [p["spec"]["podSelector"] for p in egress] == [{"matchLabels": ours}]
+    for rule in egress[0]["spec"]["egress"]:
+        for peer in rule["to"]:
+            assert "ipBlock" not in peer, peer
+            if peer.get("namespaceSelector") is not None:  # the cluster's DNS, on port 53 only
+                assert peer["podSelector"] == {"matchLabels": {"k8s-app": "kube-dns"}}
+                assert {p["port"] for p in rule["ports"]} == {53}
+            else:
+                assert peer == {"podSelector": {"matchLabels": ours}}
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            for peer in rule.get("from", []):
+                if "namespaceSelector" in peer:
+                    assert peer["namespaceSelector"].get("matchLabels"), f"{policy['metadata']['name']}: any namespace"

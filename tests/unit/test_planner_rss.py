@@ -18,7 +18,6 @@ SEQ, MICRO, ACCUM = 64, 2, 2
 
 @pytest.mark.slow
 def test_cpu_rss_growth_is_within_10_percent_of_the_plan():
-    pytest.importorskip("psutil")
     r = measure(CONFIG, {"device": "cpu", "compute_dtype": "float32", "checkpoint_every": 1}, SEQ, MICRO, ACCUM)
     p = plan(CONFIG, device="cpu", compute_dtype="float32", seq_len=SEQ, micro_batch_size=MICRO, grad_accum=ACCUM,
              checkpoint_every=1, loss_chunk_tokens=r["loss_chunk_tokens"], node=NodeSpec(gpus=0, gpu_mem_bytes=0))

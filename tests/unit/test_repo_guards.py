@@ -69,3 +69,53 @@ def test_nothing_points_outside_the_repository():
         out = subprocess.run([sys.executable, "-m", "horizon_ray", command, "--help"], cwd=ROOT, capture_output=True,
                              text=True, check=True).stdout
         assert not pointer.search(out), (command, pointer.search(out))
+
+
+def _lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """`lint-imports` (import-linter, the contracts in pyproject.toml) over the packages under `root`."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([str(Path(sys.executable).with_name("lint-imports")), "--no-cache"], cwd=root,
+                          env={**env, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=300)
+
+
+def test_every_import_keeps_to_its_layer():
+    """The import contracts of pyproject.toml hold: the engine takes nothing of Ray, the web or the service;
+    the job and the planner nothing of Ray or the web; the cluster nothing of the API, the API nothing of the
+    agent; nothing imports up the stack commands > api > cluster > job > data > engine."""
+    result = _lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "Contracts: 5 kept, 0 broken." in result.stdout
+
+
+def test_an_upward_import_breaks_the_contracts(tmp_path):
+    """The check can fail: a copy of the tree where the cluster imports the API, and the engine Ray."""
+    import shutil
+
+    for name in ("horizon_ray", "api"):
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__", "static"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    with open(tmp_path / "horizon_ray" / "cluster" / "store.py", "a") as f:
+        f.write("\nimport api.errors  # noqa\n")
+    with open(tmp_path / "horizon_ray" / "engine" / "store.py", "a") as f:
+        f.write("\nimport ray  # noqa\n")
+    result = _lint_imports(tmp_path)
+    assert result.returncode != 0
+    assert "horizon_ray.cluster.store -> api.errors" in result.stdout
+    assert "horizon_ray.engine.store -> ray" in result.stdout
+    assert "Contracts: 1 kept, 4 broken." in result.stdout  # each stack contract sees one of the two
+
+
+def test_the_readme_layout_matches_the_tree():
+    """Every package of horizon_ray is in the README's layout, and every path the layout names exists."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    listed = [m.group(1).rstrip("/") for m in re.finditer(r"^(\S+/)\s", block, re.M)]
+    assert listed, block
+    missing = [p for p in listed if not (ROOT / p).is_dir()]
+    assert not missing, f"the README's layout names what the tree lacks: {missing}"
+    packages = sorted(f"horizon_ray/{p.name}" for p in (ROOT / "horizon_ray").iterdir()
+                      if (p / "__init__.py").is_file())
+    unlisted = [p for p in packages if p not in listed]
+    assert not unlisted, f"packages missing from the README's layout: {unlisted}"

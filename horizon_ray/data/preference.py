@@ -1,0 +1,138 @@
+"""Preference data: a prompt with a chosen and a rejected completion, one pair a line of JSONL.
+
+Two layouts, both the format ``preference`` (``auto`` detects them):
+- TRL's and LLaMA-Factory's: ``{"prompt": ..., "chosen": ..., "rejected": ...}``, all three strings (plain
+  text: the completions follow the prompt directly, eos appended), or all three message lists (chat: the prompt's
+  turns, then the completion's assistant turns, rendered with the tokenizer's chat template as SFT data is).
+- OpenAI's: ``{"input": {"messages": [...]}, "preferred_output": [...], "non_preferred_output": [...]}``, the
+  outputs lists of assistant messages (chat).
+
+Plain Python, no torch or numpy (the API checks uploads with it); tokenization and the pair sampler are in
+``pairs.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from horizon_ray.errors import BadInput
+
+FORMAT = "preference"  # the data.format value of preference files
+COMPLETION_ROLES = ("assistant",)
+
+
+@dataclass
+class PreferencePair:
+    """One pair, before tokenization: either three strings or a prompt's turns and two completions' turns."""
+
+    prompt: str | list[dict[str, str]]  # the text before the completions, or the conversation so far
+    chosen: str | list[dict[str, str]]  # the preferred completion (assistant turns in chat form)
+    rejected: str | list[dict[str, str]]  # the other completion
+    source: str  # "file:line"
+
+    @property
+    def chat(self) -> bool:
+        return isinstance(self.prompt, list)
+
+
+def is_preference(record: dict[str, Any]) -> bool:
+    """Whether a JSONL record is a preference pair (either layout)."""
+    return ("chosen" in record and "rejected" in record) or "preferred_output" in record
+
+
+def parse_pair(record: dict[str, Any], where: str, layout: Any = None) -> PreferencePair:
+    """The pair of one record; BadInput naming ``where`` and the fix otherwise (``layout``: the SFT formats'
+    column names, which preference data does not rename)."""
+    if "preferred_output" in record:
+        inp = record.get("input")
+        if not isinstance(inp, dict) or "messages" not in inp:
+            raise BadInput(f"{where}: 'input' must be an object with 'messages' (OpenAI's preference format: "
+                           "{\"input\": {\"messages\": [...]}, \"preferred_output\": [...], "
+                           "\"non_preferred_output\": [...]})")
+        if "non_preferred_output" not in record:
+            raise BadInput(f"{where}: 'preferred_output' without 'non_preferred_output'; give both completions")
+        prompt = message_list(inp["messages"], where, "input.messages")
+        chosen = _completion(record["preferred_output"], where, "preferred_output")
+        rejected = _completion(record["non_preferred_output"], where, "non_preferred_output")
+        return PreferencePair(prompt, chosen, rejected, where)
+    if "prompt" not in record:
+        raise BadInput(f"{where}: no 'prompt'; give the prompt apart from 'chosen' and 'rejected' (conversations "
+                       "that hold their prompt inside each completion are not read)")
+    prompt = record["prompt"]
+    if isinstance(prompt, str):
+        for key in ("prompt", "chosen", "rejected"):
+            _text(record.get(key), where, key)
+        return PreferencePair(prompt, record["chosen"], record["rejected"], where)
+    if isinstance(prompt, list):
+        return PreferencePair(message_list(prompt, where, "prompt"), _completion(record["chosen"], where, "chosen"),
+                              _completion(record["rejected"], where, "rejected"), where)
+    raise BadInput(f"{where}: 'prompt' must be a string or a list of messages, got {type(prompt).__name__}")
+
+
+def _text(value: Any, where: str, key: str) -> str:
+    from horizon_ray.data.formats import _encodable
+
+    if not isinstance(value, str):
+        raise BadInput(f"{where}: '{key}' must be a string like 'prompt' (or all three message lists), got "
+                       f"{type(value).__name__}")
+    _encodable(value, where, f"'{key}'")
+    if key != "prompt" and not value.strip():
+        raise BadInput(f"{where}: '{key}' is empty; give the completion text or remove the line")
+    return value
+
+
+def message_list(turns: Any, where: str, key: str) -> list[dict[str, str]]:
+    """A non-empty list of {role, content} turns (their other keys dropped); BadInput naming the turn."""
+    from horizon_ray.data.formats import ROLES, _encodable
+
+    if not isinstance(turns, list) or not turns:
+        raise BadInput(f"{where}: '{key}' must be a non-empty list of {{role, content}} objects")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise BadInput(f"{where}: {key}[{i}] must be an object with 'role' and 'content'")
+        if turn.get("role") not in ROLES:
+            raise BadInput(f"{where}: {key}[{i}] has role {turn.get('role')!r}; use one of {', '.join(ROLES)}")
+        if not isinstance(turn.get("content"), str):
+            raise BadInput(f"{where}: {key}[{i}] content must be a string, got {type(turn.get('content')).__name__}")
+        _encodable(turn["content"], where, f"{key}[{i}] content")
+        messages.append({"role": turn["role"], "content": turn["content"]})
+    return messages
+
+
+def _completion(value: Any, where: str, key: str) -> list[dict[str, str]]:
+    """A chat completion: one or more assistant messages."""
+    if not isinstance(value, list):
+        raise BadInput(f"{where}: '{key}' must be a list of assistant messages like the prompt's, got "
+                       f"{type(value).__name__}")
+    turns = message_list(value, where, key)
+    bad = [m["role"] for m in turns if m["role"] not in COMPLETION_ROLES]
+    if bad:
+        raise BadInput(f"{where}: '{key}' holds a {bad[0]} message; a completion is the assistant's turns only")
+    if not any(m["content"].strip() for m in turns):
+        raise BadInput(f"{where}: '{key}' is empty; give the assistant's answer or remove the line")
+    return turns
+
+
+def load_pairs(path: str | Path | list, fmt: str = "auto") -> list[PreferencePair]:
+    """Every pair of a JSONL file, a folder of them or a list; BadInput naming file:line for a malformed one, and
+    for a file that holds SFT examples instead."""
+    from horizon_ray.data.formats import _detect, _expand_paths, _read_lines
+
+    if fmt not in ("auto", FORMAT):
+        raise BadInput(f"objective dpo reads preference pairs; data.format is {fmt!r}: set it to {FORMAT} or auto",
+                       field="data.format")
+    pairs: list[PreferencePair] = []
+    for f in _expand_paths(path):
+        for lineno, record in _read_lines(f):
+            where = f"{f}:{lineno}"
+            if not is_preference(record):
+                raise BadInput(f"{where}: not a preference pair ({_detect(record, where)} data); objective dpo needs "
+                               "{\"prompt\", \"chosen\", \"rejected\"} or OpenAI's {\"input\", \"preferred_output\", "
+                               "\"non_preferred_output\"} on every line")
+            pairs.append(parse_pair(record, where))
+    if not pairs:
+        raise BadInput(f"dataset {path} holds no preference pair; add JSONL lines with prompt, chosen and rejected")
+    return pairs
