@@ -242,7 +242,9 @@ def with_demo_model(settings):
     from horizon_ray.job.demo import prepare_demo_assets
 
     assets, _ = prepare_demo_assets()
-    catalogue = {DEMO_MODEL_NAME: assets.model_dir, **settings.model_catalogue}
+    # the operator's names first: a job's model is named by the first entry of its directory
+    catalogue = {**settings.model_catalogue, DEMO_MODEL_NAME: settings.model_catalogue.get(DEMO_MODEL_NAME,
+                                                                                          assets.model_dir)}
     return replace(settings, model_catalogue=catalogue, model_roots=[*settings.model_roots, assets.root],
                    data_roots=[*settings.data_roots, assets.root])
 
