@@ -11,6 +11,7 @@ or, against the coordinator of a running Ray cluster, ``uvicorn --factory api.ap
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, Response
@@ -18,7 +19,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.types import Scope
 
 import horizon_ray
-from api import cluster_routes, files, openai
+from api import chat, cluster_routes, files, openai
 from api.errors import SafeJSONResponse, install_error_handlers
 from api.jobs import job_routes
 from api.limits import BodyLimitMiddleware
@@ -28,13 +29,15 @@ from api.settings import ApiSettings
 from api.streams import EventHub
 from horizon_ray.cluster.client import CoordinatorClient
 from horizon_ray.errors import BadInput
+from horizon_ray.generation import ModelPool
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 UPLOAD_ROUTES = ("/files", openai.PREFIX + "/files")  # POST bodies that are datasets: the upload limit
 
 
-def create_app(client: CoordinatorClient, settings: ApiSettings) -> FastAPI:
-    """The HTTP front end over `client`; `settings` holds keys, roots and limits."""
+def create_app(client: CoordinatorClient, settings: ApiSettings, generation: Any = None) -> FastAPI:
+    """The HTTP front end over `client`; `settings` holds keys, roots and limits; `generation`: what runs
+    /v1/chat/completions (an in-process horizon_ray.generation.ModelPool when None)."""
     app = FastAPI(
         title="horizon-ray",
         version=horizon_ray.__version__,
@@ -49,12 +52,14 @@ def create_app(client: CoordinatorClient, settings: ApiSettings) -> FastAPI:
     app.state.metrics = ApiMetrics(client)
     app.state.limits = TenantLimits(settings)
     app.state.hub = EventHub(client, poll_s=settings.sse_poll_s, threads=settings.stream_poll_threads)
+    app.state.generation = generation if generation is not None else ModelPool()
     files.sweep_stale_uploads(settings)  # parts a server killed mid-upload left: no process finishes them
     install_error_handlers(app)
 
     app.include_router(job_routes("/finetune"))
     if settings.openai_api:
         app.include_router(openai.router)
+        app.include_router(chat.router)
         openai.openai_errors(app)
     app.include_router(files.router)
     app.include_router(cluster_routes.router)
@@ -82,13 +87,15 @@ def app_from_env() -> FastAPI:
 
     from horizon_ray.cluster.client import RayClient
     from horizon_ray.cluster.gate import service_credential
+    from horizon_ray.cluster.generation import RayGeneration
 
     settings = ApiSettings.from_env()  # bad settings fail here, before anything connects
     settings.check_served_keys()
     # the API's credential at the coordinator's gate, derived from the keys it verifies itself
     client = RayClient(os.environ.get("HORIZON_RAY_ADDRESS") or None, lazy=True,
                        credential=service_credential(settings.api_keys))
-    return create_app(client, settings)
+    # /v1/chat/completions: each model in a Ray actor on a node whose RAM holds it, reserved in its ledger
+    return create_app(client, settings, generation=RayGeneration(client))
 
 
 # The dashboard loads nothing from elsewhere and runs no inline script.

@@ -20,6 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("horizon_ray.commands.submit", "submit a job spec to the running service's coordinator"),
     "status": ("horizon_ray.commands.status", "show the service's nodes, jobs and queue, or one job"),
     "drain": ("horizon_ray.commands.drain", "checkpoint and stop this node's jobs (a worker pod's preStop hook)"),
+    "chat": ("horizon_ray.commands.chat", "chat with a finished model (a job's final/, or any model directory)"),
+    "generate": ("horizon_ray.commands.generate", "answer a JSONL file of prompts with a model, JSONL out"),
     "plan": ("horizon_ray.commands.plan", "plan host RAM, GPU memory and step time of a job on a node"),
     "probe": ("horizon_ray.commands.probe", "measure this node's ceilings: the rates planned step times come from"),
     "bench": ("horizon_ray.commands.bench", "benchmark the engine against in-GPU training on a random-init model"),

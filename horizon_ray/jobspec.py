@@ -254,11 +254,27 @@ class TrainingSpec(_Section):
         "when installed, torch elsewhere)"))
 
 
+# How evaluation by generation scores an answer against the held-out reference (both stripped of surrounding
+# whitespace): the same text, or the reference found inside the answer.
+GENERATE_METRICS = ("exact_match", "contains")
+
+
+class EvalGenerateSpec(_Section):
+    max_tokens: Int = Field(32, ge=1, le=4096, description="new tokens per held-out prompt at most (greedy)")
+    metric: Literal[GENERATE_METRICS] = Field("exact_match", description=(
+        "exact_match (the answer is the reference) or contains (the reference occurs in the answer)"))
+    max_prompts: Int = Field(64, ge=1, description="held-out examples scored per evaluation, the first ones")
+    batch_size: Int = Field(16, ge=1, description="prompts generated together")
+
+
 class EvalSpec(_Section):
     every_steps: Int = Field(0, ge=0, description=(
         "evaluate every N optimizer steps; 0: only before the first and after the last"))
     max_batches: Int | None = Field(None, ge=1, description=(
         "cap on eval micro-batches per evaluation; null: the whole eval split"))
+    generate: EvalGenerateSpec | None = Field(None, description=(
+        "also answer held-out prompts by greedy generation at each eval and log the share answered right "
+        "(the prompt: an example's tokens before its first trained token; the reference: its trained tokens)"))
 
 
 class CheckpointSpec(_Section):

@@ -244,6 +244,65 @@ function renderJobFacts(job) {
     state.outputsOf = `${job.id}:${job.status}:${job.progress.step}`;
     api(`/finetune/${encodeURIComponent(job.id)}/outputs`).then((o) => renderOutputs(job.id, o.data)).catch(() => {});
   }
+  showTryBox(job);
+}
+
+// ---- "try it": chat with a succeeded job's model through /v1/chat/completions, streamed ------------
+
+async function showTryBox(job) {
+  const box = document.getElementById("try-box");
+  box.hidden = job.status !== "succeeded";
+  if (box.hidden || box.dataset.jobId === job.id) return;
+  box.dataset.jobId = job.id;
+  document.getElementById("try-output").textContent = "";
+  try {
+    const ft = await api(`/v1/fine_tuning/jobs/${encodeURIComponent(job.id)}`);
+    box.dataset.model = ft.fine_tuned_model || "";
+    document.getElementById("try-model").textContent = box.dataset.model;
+  } catch (err) {
+    box.hidden = true;  // the OpenAI-compatible API is off: nothing serves the model
+  }
+}
+
+async function tryModel() {
+  const box = document.getElementById("try-box");
+  const out = document.getElementById("try-output");
+  const content = document.getElementById("try-input").value.trim();
+  if (!content || !box.dataset.model) return;
+  out.textContent = "";
+  out.dataset.state = "running";
+  try {
+    const res = await fetch("/v1/chat/completions", {
+      method: "POST",
+      headers: headers({ "Content-Type": "application/json", Accept: "text/event-stream" }),
+      body: JSON.stringify({ model: box.dataset.model, messages: [{ role: "user", content }], max_tokens: 128,
+        temperature: 0, stream: true }),
+    });
+    if (!res.ok) {
+      const body = await res.json().catch(() => null);
+      throw new Error(body && body.error ? body.error.message : `HTTP ${res.status}`);
+    }
+    const reader = res.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buffer.indexOf("\n\n")) >= 0) {
+        const line = buffer.slice(0, cut).replace(/^data: /, "");
+        buffer = buffer.slice(cut + 2);
+        if (line === "[DONE]") continue;
+        const chunk = JSON.parse(line);
+        for (const c of chunk.choices || []) if (c.delta && c.delta.content) out.textContent += c.delta.content;
+      }
+    }
+    out.dataset.state = "done";
+  } catch (err) {
+    out.textContent = err.message;
+    out.dataset.state = "error";
+  }
 }
 
 // ---- outputs: listed with their sizes, downloaded with the key (a plain link would carry no Bearer header) --
@@ -526,6 +585,7 @@ document.addEventListener("DOMContentLoaded", () => {
   document.getElementById("forget-key").addEventListener("click", () => { input.value = ""; setKey(""); });
   document.getElementById("plan-button").addEventListener("click", () => sendSpec("/plan"));
   document.getElementById("submit-button").addEventListener("click", () => sendSpec("/finetune"));
+  document.getElementById("try-button").addEventListener("click", tryModel);
   document.getElementById("upload-form").addEventListener("submit", upload);
   document.getElementById("job-form").addEventListener("submit", submitForm);
   document.getElementById("form-plan").addEventListener("click", planForm);

@@ -280,6 +280,22 @@ class NodeAgent:
                 raise
             return res
 
+    def reserve_generation(self, key: str, host_bytes: int, gpu: bool, tenant: str | None = None) -> Reservation:
+        """Set aside host RAM (and a GPU, on a GPU node) for a generation actor on this node (cluster/generation.py),
+        in the same ledger as the jobs, so that the planner places jobs around it; ReservationRefused when the
+        node has no room or is draining."""
+        with self._lock:
+            if self._draining:
+                raise ReservationRefused(f"node {self.node_id} is draining; the model is loaded elsewhere")
+            return self._ledger.reserve(key, host_bytes, 0, needs_gpu=gpu and self._ledger.gpu_count > 0,
+                                        tenant=tenant)
+
+    def release_generation(self, key: str) -> None:
+        """The generation actor of ``key`` is gone: its reservation is free."""
+        with self._lock:
+            if key not in self._jobs:
+                self._ledger.release(key)
+
     def cancel(self, job_id: str) -> None:
         with self._lock:
             self._heard = time.monotonic()

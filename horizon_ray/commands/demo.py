@@ -196,17 +196,17 @@ def _clear_previous_run(out: Path) -> None:
 
 
 def _score(model_dir: Path, items: list):
-    """Greedy answers of the model in ``model_dir`` to the held-out prompts, scored by exact match."""
-    from horizon_ray.data import evaluate_demo, greedy_answers, load_tokenizer
-    from horizon_ray.engine import Engine, EngineConfig
+    """The model's greedy answers to the held-out prompts (generation on the engine, as the job's eval.generate
+    scores them at each eval), scored by exact match per task."""
+    from horizon_ray.data import evaluate_demo
+    from horizon_ray.engine.generate import Generator
+    from horizon_ray.engine.sampling import Request, SamplingParams
+    from horizon_ray.job.demo import DEMO_GENERATE
 
-    tok = load_tokenizer(model_dir)
-    eng = Engine.from_pretrained(model_dir, EngineConfig(device="cpu"))
-    try:
-        preds = greedy_answers(eng.forward_logits, tok, [it.prompt for it in items], max_new_tokens=8)
-    finally:
-        eng.close()
-    return evaluate_demo(items, preds)
+    gen = Generator.from_pretrained(model_dir, device="cpu")
+    params = SamplingParams(max_tokens=DEMO_GENERATE["max_tokens"])
+    done = gen.generate([Request(gen.chat_prompt([{"role": "user", "content": it.prompt}]), params) for it in items])
+    return evaluate_demo(items, [c.text for c in done])
 
 
 def _report(console, spec, result, items, before, after, samples: int, wall_s: float) -> None:

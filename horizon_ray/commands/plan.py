@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
                       f"{planner.format_bytes(t['host_bytes']):>11}  gpu {planner.format_bytes(t['gpu_bytes']):>10}"
                       f"  {'fits' if t['fits'] else 'does not fit'}")
             lora = job.get("lora")
-            what = f"mode {found.mode}" + (f" (rank {lora.r}, targets {','.join(lora.targets)}"
+            what = f"mode {found.mode}" + (f" (rank {lora.r}, targets {','.join(lora.targets) or 'the family default'}"
                                            + (f", base {lora.quantize}" if lora.quantize != "none" else "") + ")"
                                            if lora else "")
             if found.shape is None:

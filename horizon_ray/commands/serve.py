@@ -246,10 +246,9 @@ def with_demo_model(settings):
     from horizon_ray.job.demo import prepare_demo_assets
 
     assets, _ = prepare_demo_assets()
-    named = {Path(p).resolve() for p in settings.model_catalogue.values()}
-    # the operator's own name for the demo model, when it has one, is the one jobs report
-    ours = {} if Path(assets.model_dir).resolve() in named else {DEMO_MODEL_NAME: assets.model_dir}
-    catalogue = {**ours, **settings.model_catalogue}
+    # the operator's names first: a job's model is named by the first entry of its directory
+    catalogue = {**settings.model_catalogue, DEMO_MODEL_NAME: settings.model_catalogue.get(DEMO_MODEL_NAME,
+                                                                                          assets.model_dir)}
     return replace(settings, model_catalogue=catalogue, model_roots=[*settings.model_roots, assets.root],
                    data_roots=[*settings.data_roots, assets.root])
 

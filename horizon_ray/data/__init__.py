@@ -12,10 +12,12 @@
     eval_micro_batches = eval_batches(eval, seq_len, micro_batch_size=8)   # fixed order, nothing dropped
     train.num_truncated, train.num_dropped      # examples cut to seq_len / left with no trained token
 
+Preference pairs (objective dpo): ``load_pairs(path)`` -> ``tokenize_pairs(pairs, tok, seq_len)`` (rows 2i chosen,
+2i+1 rejected, labelled on the completions) -> ``PairSampler(ds, micro_batch_size, grad_accum, seed)``.
+
 Demo: ``build_demo_tokenizer(out_dir)`` writes a byte-level tokenizer (262 ids) with a chat template;
 ``make_demo_dataset(path, n, seed)`` writes checkable instruction data (messages JSONL);
-``preds = greedy_answers(engine.forward_logits, tok, [it.prompt for it in items])`` then
-``evaluate_demo(items, preds).accuracy`` scores exact matches (items: ``make_demo_items(n, seed,
+``evaluate_demo(items, preds).accuracy`` scores a model's answers by exact match (items: ``make_demo_items(n, seed,
 exclude=train_prompts)`` for a held-out set, or ``read_demo_items(path)``).
 
 Every name below loads its module on first use (PEP 562), so that `horizon_ray.data.formats`, the JSONL rules
@@ -31,13 +33,14 @@ from typing import Any
 _EXPORTS = {
     **dict.fromkeys(("MicroBatch", "StepSampler", "eval_batches", "make_micro_batch", "pack_rows"), "batching"),
     **dict.fromkeys(("build_datasets", "split_examples"), "build"),
-    **dict.fromkeys(("DEMO_TASKS", "DemoItem", "DemoScore", "evaluate_demo", "greedy_answer", "greedy_answers",
-                     "make_demo_dataset", "make_demo_items", "make_demo_preferences", "read_demo_items",
-                     "score_answer"), "demo"),
+    **dict.fromkeys(("DEMO_TASKS", "DemoItem", "DemoScore", "evaluate_demo", "make_demo_dataset", "make_demo_items",
+                     "make_demo_preferences", "read_demo_items", "score_answer"), "demo"),
     **dict.fromkeys(("FORMATS", "Example", "detect_format", "load_examples"), "formats"),
     **dict.fromkeys(("IGNORE_INDEX", "TokenizedDataset", "TokenizedExample", "load_tokenizer", "tokenize_example",
                      "tokenize_examples"), "tokenize"),
     "build_demo_tokenizer": "tokenizer",
+    **dict.fromkeys(("PreferencePair", "load_pairs"), "preference"),
+    **dict.fromkeys(("PairSampler", "pair_batches", "tokenize_pairs"), "pairs"),
 }
 __all__ = sorted(_EXPORTS)
 

@@ -1,4 +1,4 @@
-"""A small instruction dataset whose answers can be checked exactly, and greedy decoding to score a model.
+"""A small instruction dataset whose answers can be checked exactly, and its per-task score.
 
 Four tasks, short enough that a ~1-5M parameter model with the byte-level demo tokenizer (one token per
 character) learns them in a few hundred CPU steps:
@@ -10,8 +10,8 @@ character) learns them in a few hundred CPU steps:
 
 ``make_demo_preferences`` writes preference pairs of the copy and reverse items (objective dpo).
 ``make_demo_dataset`` writes JSONL in messages or alpaca form (a ``task`` key rides along and is ignored
-by the loader). ``greedy_answers`` decodes with any ``forward_logits(input_ids) -> [B, T, V]`` (e.g.
-``Engine.forward_logits``), ``evaluate_demo`` scores exact matches per task.
+by the loader). ``evaluate_demo`` scores a model's answers (the engine's generation: engine/generate.py, or
+a job's ``eval.generate``) by exact match, per task.
 """
 
 from __future__ import annotations
@@ -19,12 +19,10 @@ from __future__ import annotations
 import json
 import random
 import string
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from horizon_ray.errors import BadInput
 
@@ -173,58 +171,3 @@ def evaluate_demo(items: Sequence[DemoItem], predictions: Sequence[str]) -> Demo
         mine = [h for it, h in zip(items, hits) if it.task == task]
         per_task[task] = sum(mine) / len(mine)
     return DemoScore(sum(hits) / len(hits), len(hits), per_task, list(predictions))
-
-
-def _prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
-    encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True
-    )
-    return list(encoded) if isinstance(encoded, list) else list(encoded["input_ids"])
-
-
-@torch.no_grad()
-def greedy_answers(
-    forward_logits: Callable[[torch.Tensor], torch.Tensor],
-    tokenizer: Any,
-    prompts: Sequence[str],
-    max_new_tokens: int = 8,
-    batch_size: int = 64,
-) -> list[str]:
-    """Greedy answers to ``prompts``, each rendered as one user turn with the generation prompt.
-
-    ``forward_logits(input_ids [B, T]) -> logits [B, T, V]``. Prompts are batched only with prompts of the
-    same token length, so no padding (and no attention mask) is ever needed. Decoding stops at eos.
-    """
-    eos = tokenizer.eos_token_id
-    encoded = [_prompt_ids(tokenizer, p) for p in prompts]
-    answers: list[list[int]] = [[] for _ in prompts]
-    by_length: dict[int, list[int]] = {}
-    for i, ids in enumerate(encoded):
-        by_length.setdefault(len(ids), []).append(i)
-    for group in by_length.values():
-        for j in range(0, len(group), batch_size):
-            chunk = group[j : j + batch_size]
-            ids_BT = torch.tensor([encoded[i] for i in chunk], dtype=torch.long)
-            done = torch.zeros(len(chunk), dtype=torch.bool)
-            for _ in range(max_new_tokens):
-                next_B = forward_logits(ids_BT)[:, -1, :].argmax(dim=-1).to(torch.long).cpu()
-                for b, i in enumerate(chunk):
-                    if not done[b]:
-                        if eos is not None and int(next_B[b]) == eos:
-                            done[b] = True
-                        else:
-                            answers[i].append(int(next_B[b]))
-                if bool(done.all()):
-                    break
-                ids_BT = torch.cat([ids_BT, next_B[:, None]], dim=1)
-    return [tokenizer.decode(a, skip_special_tokens=True) for a in answers]
-
-
-def greedy_answer(
-    forward_logits: Callable[[torch.Tensor], torch.Tensor],
-    tokenizer: Any,
-    prompt: str,
-    max_new_tokens: int = 8,
-) -> str:
-    """The greedy answer to one prompt; see ``greedy_answers``."""
-    return greedy_answers(forward_logits, tokenizer, [prompt], max_new_tokens)[0]

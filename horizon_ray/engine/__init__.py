@@ -5,6 +5,9 @@
     loss = eng.train_step([(input_ids, labels), ...])
     # LoRA on the frozen, streamed base: only the adapters train; save_pretrained writes a PEFT adapter
     eng = Engine.from_pretrained(model_dir, EngineConfig(lora=LoraConfig(r=8, alpha=16, targets=("q_proj", "v_proj"))))
+    # DPO: rows 2i / 2i+1 of the step are a pair's chosen / rejected, labelled on their completions
+    ref = eng.sequence_logps(micro_batches)            # the reference, with the starting weights
+    loss = eng.train_step(micro_batches, dpo=DpoConfig(beta=0.1), ref_logps=ref); eng.last_dpo.mean()
 """
 
 from __future__ import annotations

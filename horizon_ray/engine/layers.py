@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -67,12 +68,21 @@ class MicroBatch:
     # window on some layers); None: every layer reads the tables above
     sliding: tuple | None = None
     router: RouterStats | None = None  # MoE with the load-balancing loss: this row group's routing
+    # generation: the keys and values of earlier positions (generate.KVCache); the layer appends this call's
+    # and attends to all of them, through the masks above, of shape [B, 1, T, cached + T]
+    cache: KVCacheLike | None = None
 
     def attention_inputs(self, kind: str) -> tuple:
         """(cos, sin, mask) of a layer of this kind ("full_attention" | "sliding_attention")."""
         if kind == "sliding_attention" and self.sliding is not None:
             return self.sliding
         return self.cos_BTd, self.sin_BTd, self.mask_B1TT
+
+
+class KVCacheLike(Protocol):
+    def extend(self, j: int, k_BHTd: torch.Tensor, v_BHTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep layer j's keys and values of this call; those of every position so far, [B, kvH, S, d]."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -348,6 +358,8 @@ class Template:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(B, T, a.num_kv_heads, hd).transpose(1, 2)
         q, k = ops.rope(q, k, cos, sin)
+        if mb.cache is not None:  # generation: the queries of this call see the cached positions too
+            k, v = mb.cache.extend(j, k, v)
         # grouped-query attention without materialising repeated k/v heads
         if a.softcap:
             attn = softcap_attention(q, k, v, mask, cfg.attn_scale, a.softcap)

@@ -36,14 +36,21 @@ from horizon_ray.engine.model import (
     is_quantized,
     packed_parts,
 )
+from horizon_ray.errors import BadInput
 
 # Weights per chunk of a quantization pass: a multiple of QUANT_BLOCK x QUANT_NESTED_BLOCK (whole blocks).
 _CHUNK = 1 << 22
 
 
 def _bnb():
-    import bitsandbytes.functional as F  # noqa: N812 (bitsandbytes' own name)
-
+    """bitsandbytes' functional API, imported when a base is quantized (an engine without quantize, and the
+    processes that only plan, never load it)."""
+    try:
+        import bitsandbytes.functional as F  # noqa: N812 (bitsandbytes' own name)
+    except ImportError as exc:
+        raise BadInput(f"lora.quantize needs bitsandbytes, which does not import here ({exc}); install it "
+                       "(pip install 'horizon-ray[qlora]') or set lora.quantize to none",
+                       field="lora.quantize") from exc
     return F
 
 

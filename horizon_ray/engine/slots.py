@@ -33,8 +33,8 @@ class HostWeights:
         self.units = units
         self.updates = updates  # waited on before a trained unit (or adapter) is read
         self.lag = lag  # 1 under the delayed update: step k reads the weights after the update of step k - 2
-        self.lora = store.frozen
-        self.fused = not store.frozen  # LoRA adapts the projections one by one
+        self.lora = bool(store.adapters)  # a frozen base without adapters (generation) reads as a plain model
+        self.fused = not self.lora  # LoRA adapts the projections one by one
         heads = [a for a, u in enumerate(store.adapters) if u.layout.name == "lora.head"]
         self.head_adapter: int | None = heads[0] if heads else None
         self.host_embed = False

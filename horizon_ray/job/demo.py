@@ -56,6 +56,8 @@ EVAL_TASKS = ("copy", "reverse", "sort")
 # cluster serve starts); its data files are then named relative to the demo's data root (train.jsonl, eval.jsonl).
 DEMO_MODEL_NAME = "demo-tiny"
 
+# Evaluation by generation of the demo job: greedy answers to the held-out prompts, exact match.
+DEMO_GENERATE: dict[str, Any] = {"max_tokens": 8, "metric": "exact_match", "max_prompts": 64, "batch_size": 64}
 # The demo job: every training knob in one place (examples/demo.yaml mirrors it).
 DEMO_JOB: dict[str, Any] = {
     "name": "demo",
@@ -73,7 +75,7 @@ DEMO_JOB: dict[str, Any] = {
         "seed": 0,
         "packing": True,
     },
-    "eval": {"every_steps": 50},
+    "eval": {"every_steps": 50, "generate": DEMO_GENERATE},
     "checkpoint": {"every_steps": 100, "keep": 1},
     "engine": {"device": "auto"},
 }

@@ -78,6 +78,11 @@ class Eval(Event):
     TYPE: ClassVar[str] = "eval"
     eval_loss: float | None  # mean loss over the eval split's non-ignored tokens
     eval_tokens: int = 0  # tokens it counted
+    # evaluation by generation (eval.generate): its metric, the share of held-out prompts answered right by
+    # it, and how many were scored; None / 0 when the spec asks for none
+    generate_metric: str | None = None
+    generate_score: float | None = None
+    generate_prompts: int = 0
     # objective dpo: TRL's metrics over the eval pairs (eval_loss is their DPO loss; eval_tokens counts the pairs)
     eval_preference: dict[str, float] | None = None
 

@@ -409,8 +409,26 @@ class _Job:
             loss_sum += float(s)
             n_tokens += int(n)
         loss = loss_sum / max(1, n_tokens)
-        self.metrics.write(Eval(step=self.step, eval_loss=loss, eval_tokens=n_tokens))
+        gen = self.spec.eval.generate
+        scored: dict = {}
+        if gen is not None and self.eval_ds is not None:
+            scored = self._generate_eval(eng, gen)
+        self.metrics.write(Eval(step=self.step, eval_loss=loss, eval_tokens=n_tokens, **scored))
         return loss
+
+    def _generate_eval(self, eng: Any, gen: Any) -> dict:
+        """eval.generate: the held-out prompts answered by the engine as it is now, scored (job/generate_eval.py)."""
+        from horizon_ray.data import load_tokenizer
+        from horizon_ray.job import generate_eval
+
+        if getattr(self, "_held_out", None) is None:
+            self._held_out = generate_eval.held_out(self.eval_ds, gen.max_prompts)
+            self._eval_tokenizer = load_tokenizer(self.tokenizer_dir)
+        if not self._held_out:
+            return {}
+        share, _ = generate_eval.evaluate(eng, self._eval_tokenizer, self._held_out, gen.max_tokens, gen.metric,
+                                          gen.batch_size)
+        return {"generate_metric": gen.metric, "generate_score": share, "generate_prompts": len(self._held_out)}
 
     def _save_final(self, eng: Any) -> Path:
         """final/ appears whole or not at all (``horizon_ray.atomic``)."""

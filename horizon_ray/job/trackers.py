@@ -30,6 +30,8 @@ def scalars(event: Event) -> dict[str, float]:
         values.update({f"train/{k}": v for k, v in (event.preference or {}).items() if k != "loss"})
     elif isinstance(event, Eval):
         values = {"eval/loss": event.eval_loss}
+        if event.generate_metric:  # eval.generate: the share answered right, as eval/exact_match or eval/contains
+            values[f"eval/{event.generate_metric}"] = event.generate_score
         values.update({f"eval/{k}": v for k, v in (event.eval_preference or {}).items() if k != "loss"})
     else:
         return {}

@@ -185,6 +185,7 @@ def test_a_dpo_job_maps_onto_objective_dpo(url, bed):
         client.fine_tuning.jobs.create(model="tiny-1g", training_file=train.id,
                                        method={"type": "dpo", "dpo": {"hyperparameters": {"beta": -1}}})
     assert info.value.body["param"] == "method.dpo.hyperparameters.beta"
+    client.close()  # its connections, not left for the garbage collector to warn about in a later test
 
 
 def test_jobs_list_pages_with_the_after_cursor(url, bed):

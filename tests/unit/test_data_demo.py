@@ -3,7 +3,6 @@
 import hashlib
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from horizon_ray.data import (
@@ -11,8 +10,6 @@ from horizon_ray.data import (
     build_datasets,
     build_demo_tokenizer,
     evaluate_demo,
-    greedy_answer,
-    greedy_answers,
     load_examples,
     make_demo_dataset,
     make_demo_items,
@@ -128,46 +125,3 @@ def test_scoring_is_exact_match_per_task():
     assert score_answer("42", "42") and not score_answer("4 2", "42")
     with pytest.raises(ValueError, match="8 items but 7 predictions"):
         evaluate_demo(items, preds[:7])
-
-
-def test_greedy_answers_decode_until_eos(tok):
-    items = make_demo_items(12, seed=4)
-    answers = {
-        tuple(
-            tok.apply_chat_template(
-                [{"role": "user", "content": it.prompt}],
-                tokenize=True,
-                add_generation_prompt=True,
-                return_dict=True,
-            )["input_ids"]
-        ): tok.encode(it.answer, add_special_tokens=False) + [tok.eos_token_id]
-        for it in items
-    }
-    calls = []
-
-    def oracle(ids_BT):
-        """Logits that put all mass on the next token of the right answer (then eos, then junk)."""
-        calls.append(tuple(ids_BT.shape))
-        logits = torch.zeros(ids_BT.shape[0], ids_BT.shape[1], len(tok))
-        for b, row in enumerate(ids_BT.tolist()):
-            for n in range(len(row), 0, -1):
-                if tuple(row[:n]) in answers:
-                    want = answers[tuple(row[:n])] + [ord("x") + 6] * 20
-                    logits[b, -1, want[len(row) - n]] = 1.0
-        return logits
-
-    preds = greedy_answers(oracle, tok, [it.prompt for it in items], max_new_tokens=8)
-    assert evaluate_demo(items, preds).accuracy == 1.0
-    assert max(b for b, _ in calls) > 1  # prompts of the same token length share a forward
-    assert greedy_answer(oracle, tok, items[0].prompt) == items[0].answer
-
-
-def _always(tok, token_id):
-    """A model whose every next-token prediction is ``token_id``."""
-    return lambda ids_BT: torch.nn.functional.one_hot(torch.full(ids_BT.shape, token_id), len(tok)).float()
-
-
-def test_greedy_stops_at_eos_or_max_new_tokens(tok):
-    a = tok.convert_tokens_to_ids("a")
-    assert greedy_answer(_always(tok, a), tok, "copy abc", max_new_tokens=5) == "aaaaa"
-    assert greedy_answer(_always(tok, tok.eos_token_id), tok, "copy abc") == ""

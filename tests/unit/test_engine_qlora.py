@@ -305,3 +305,15 @@ def test_openai_create_maps_hyperparameters_quantize_to_a_qlora_spec():
                            spec={"method": "full"}), {"m": "/models/m"})
     with pytest.raises(ValueError):
         CreateJob(model="m", training_file="file-x", hyperparameters={"quantize": "nf3"})
+
+
+def test_without_bitsandbytes_quantize_names_the_package(monkeypatch):
+    import sys
+
+    from horizon_ray.errors import BadInput
+    from tests.tiny import llama_config
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    monkeypatch.setitem(sys.modules, "bitsandbytes.functional", None)
+    with pytest.raises(BadInput, match="needs bitsandbytes"):
+        Engine.from_config(llama_config(1), EngineConfig(device="cpu", lora=LoraConfig(quantize="nf4")))

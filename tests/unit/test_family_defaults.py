@@ -3,7 +3,6 @@ the job spec and the engine), the Liger peers called with the arguments each fam
 peers adapting the experts they are asked to, and the one-pass AdamW built before the first step."""
 
 import argparse
-import dataclasses
 import inspect
 import sys
 import types
@@ -13,7 +12,7 @@ import torch
 
 from horizon_ray.bench.cli import add_arguments
 from horizon_ray.bench.planning import lora_settings
-from horizon_ray.bench.shapes import resolve_shape
+from horizon_ray.bench.shapes import hf_config, resolve_shape
 from horizon_ray.planner import Adapters, max_model, plan
 from tests.unit.test_planner_families import H200_NODE
 
@@ -111,10 +110,10 @@ def test_peft_peer_adapts_the_experts_it_is_asked_to():
     none of them and adapted the attention alone."""
     from horizon_ray.bench import hf
 
-    shape = resolve_shape("qwen3-30b-a3b", layers=1)
-    small = dataclasses.replace(shape, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4,
-                                experts_per_token=2, moe_intermediate_size=32, vocab_size=128,
-                                extra=(("norm_topk_prob", True),))
+    cfg = hf_config(resolve_shape("qwen3-30b-a3b", layers=1))
+    cfg.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64, vocab_size=128)
+    small = type(resolve_shape("qwen3-30b-a3b")).load(cfg)
     torch.manual_seed(0)
     model = hf.build_model(small, torch.float32)
     targets = ("q_proj", "experts.gate_up_proj", "experts.down_proj")

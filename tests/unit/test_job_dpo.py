@@ -180,3 +180,17 @@ def test_rest_finetune_takes_a_dpo_spec_and_uploads_say_preference(tmp_path):
             assert bad.status_code == 422 and "dpo.beta" in bad.text
     finally:
         bed.close()
+
+
+def test_the_cli_runs_a_dpo_spec_file(assets, tmp_path):
+    from horizon_ray.cli import main
+
+    spec = yaml.safe_load(_spec(assets, tmp_path / "cli").to_yaml())
+    spec["training"]["max_steps"] = 2
+    path = tmp_path / "dpo.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["finetune", "--config", str(path)]) == 0
+    assert (tmp_path / "cli" / "DONE").is_file() and (tmp_path / "cli" / "reference" / reference.FINAL).is_file()
+    evals = [e for e in read_events(tmp_path / "cli" / "metrics.jsonl") if e.TYPE == "eval"]
+    assert len(evals) == 2 and evals[0].eval_loss == pytest.approx(math.log(2), rel=1e-6)
+    assert evals[-1].eval_tokens == 32  # the eval pairs

@@ -74,3 +74,17 @@ def test_the_readme_openai_snippet_names_the_model_serve_offers():
     assert f'model="{DEMO_MODEL_NAME}"' in snippet
     for var in ("HORIZON_MODEL_ROOTS", "HORIZON_MODEL_CATALOGUE", "HORIZON_DATA_ROOTS", "--no-demo-model"):
         assert f"`{var}`" in text
+
+
+def test_a_job_on_the_demo_model_keeps_the_operators_name_for_it(home, tmp_path):
+    from api.openai import model_name
+    from horizon_ray.cluster.messages import JobRecord, JobStatus
+
+    assets, _ = prepare_demo_assets()
+    settings = ApiSettings(api_keys={"k": "me"}, uploads_dir=tmp_path / "up", jobs_root=tmp_path / "jobs",
+                           model_roots=[assets.root], model_catalogue={"tiny-demo": assets.model_dir})
+    offered = with_demo_model(settings)
+    assert list(offered.model_catalogue) == ["tiny-demo", DEMO_MODEL_NAME]
+    record = JobRecord(id="job-0", tenant="me", name=None, status=JobStatus.QUEUED, priority=0, created_at=0.0,
+                       spec={"model": {"path": str(assets.model_dir.resolve())}})
+    assert model_name(record, offered.model_catalogue) == "tiny-demo"

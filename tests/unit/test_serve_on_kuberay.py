@@ -50,7 +50,7 @@ def test_the_coordinator_gets_the_configmap_path_not_its_timestamped_target(tmp_
         seen.update(kwargs)
         raise KeyboardInterrupt  # serve stops here, as on Ctrl-C
 
-    monkeypatch.setenv("HORIZON_API_KEYS", "k-3f9a0c7e51d2=team-a")  # the coordinator's gate checks the keys
+    monkeypatch.setenv("HORIZON_API_KEYS", "k-3f9a0c7e51d2b8a4=team-a")  # the coordinator's gate checks the keys
     monkeypatch.setattr(client, "connect_ray", lambda *a, **k: None)
     monkeypatch.setattr(local, "start_service", start_service)
     args = parse("--address", "127.0.0.1:6379", "--no-api", "--no-head-agent", "--root", str(tmp_path / "state"),

@@ -1,0 +1,87 @@
+"""``horizon-ray generate``: answer a file of prompts with a model, in batches, JSONL out.
+
+    horizon-ray generate ./runs/support-bot --prompts prompts.jsonl [--out answers.jsonl] [--batch-size 16]
+
+Each input line is a JSON object with ``messages`` (a chat, rendered by the tokenizer's chat template) or
+``prompt`` (plain text), and optionally its own ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
+``seed``, ``stop``; the command line gives the defaults. Each output line is the input object with ``output``
+(the generated text), ``finish_reason`` ("stop" or "length"), ``prompt_tokens`` and ``completion_tokens``,
+in the input's order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from horizon_ray.errors import BadInput
+
+_PER_LINE = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from horizon_ray.commands.chat import add_sampling_arguments
+    from horizon_ray.commands.submit import add_connection_arguments
+
+    parser.add_argument("model", metavar="JOB|DIR", help="as for `horizon-ray chat`")
+    parser.add_argument("--prompts", required=True, metavar="FILE.jsonl", help="one {messages | prompt} per line")
+    parser.add_argument("--out", default="-", metavar="FILE.jsonl", help="where the answers go (default stdout)")
+    parser.add_argument("--batch-size", type=int, default=16, help="prompts generated together (default 16)")
+    add_sampling_arguments(parser)
+    add_connection_arguments(parser)
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise BadInput(f"--prompts {path} is not a file; give a JSONL file of {{\"messages\": [...]}} or "
+                       "{\"prompt\": \"...\"} lines")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BadInput(f"{path}:{n}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or ("messages" in row) == ("prompt" in row):
+            raise BadInput(f"{path}:{n}: each line needs exactly one of 'messages' (a chat) or 'prompt' (text)")
+        rows.append(row)
+    if not rows:
+        raise BadInput(f"{path} holds no prompt")
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from horizon_ray.commands.chat import load, sampling
+    from horizon_ray.engine.sampling import Request
+
+    if args.batch_size < 1:
+        raise BadInput(f"--batch-size must be >= 1, got {args.batch_size}")
+    rows = _rows(Path(args.prompts))
+    gen = load(args, args.model)
+    default = sampling(args)
+    requests = []
+    for n, row in enumerate(rows, 1):
+        own = {k: (tuple(row[k]) if k == "stop" else row[k]) for k in _PER_LINE if k in row}
+        params = replace(default, **own)
+        try:
+            params.validate()
+            ids = gen.chat_prompt(row["messages"]) if "messages" in row else gen.text_prompt(row["prompt"])
+        except BadInput as exc:
+            raise BadInput(f"{args.prompts}:{n}: {exc.message}") from None
+        requests.append(Request(ids, params))
+    out = sys.stdout if args.out == "-" else open(args.out, "w")
+    try:
+        for lo in range(0, len(requests), args.batch_size):
+            for row, c in zip(rows[lo:lo + args.batch_size], gen.generate(requests[lo:lo + args.batch_size])):
+                out.write(json.dumps({**row, "output": c.text, "finish_reason": c.finish_reason,
+                                      "prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids)})
+                          + "\n")
+            out.flush()
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return 0

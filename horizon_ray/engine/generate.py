@@ -1,0 +1,469 @@
+"""Generation on the streamed engine: a batch of sequences passes the layers as in training, with a KV cache.
+
+A model larger than the GPU streams layer by layer (the training engine's double-buffered weight slots,
+slots.py), once for the prompts and once for every new token of the whole batch, so that the weight traffic
+of a decode step is shared by every sequence of the batch (FlexGen's throughput-oriented shape). A model that
+fits the budget stays resident: every layer has its own slot, filled once. The KV cache sits on the device
+for as many layers as the budget leaves room for and in page-locked host memory beyond (a host layer's
+cached keys and values cross to the device for its attention, and the new position's go back).
+
+The layer math is the training template's (layers.py): ``Template.layer`` with a ``KVCache`` in the
+micro-batch appends the call's keys and values and attends to every cached position through explicit masks
+(causal, the sliding window of the layers that have one, padding). Prompts of a batch are left-padded; a
+row's positions count its own tokens, so a batch gives each prompt what it would get alone.
+
+Sources: an HF model directory (a base model, a full fine-tune's final/), or a PEFT LoRA adapter directory
+(its base is loaded frozen and the adapters are applied on it as PEFT applies them, ``base(x) + B(A(x)) x
+scaling``). Sampling: greedy (temperature 0) or temperature, top-k, top-p with a per-request seed (each row
+draws from its own generator, so a request's tokens do not depend on what it was batched with); stop at
+the model's eos tokens, at stop sequences (the text is cut before them), or after max_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from horizon_ray.engine import io
+from horizon_ray.engine import lora as lora_io
+from horizon_ray.engine.config import resolve_device
+from horizon_ray.engine.fence import Fence
+from horizon_ray.engine.kernels import Kernels, resolve_kernels
+from horizon_ray.engine.layers import LoraCall, MicroBatch, Template, rope_tables
+from horizon_ray.engine.model import ModelConfig, unit_layouts
+from horizon_ray.engine.pinned import HostBuffers
+from horizon_ray.engine.sampling import Completion, Delta, Request, SamplingParams
+from horizon_ray.engine.slots import DeviceWeights, HostWeights
+from horizon_ray.engine.store import HostStore
+from horizon_ray.engine.units import Units
+from horizon_ray.errors import BadInput
+
+# Of the GPU budget, the share resident weights may take (the rest: KV cache and the layers' workspace).
+RESIDENT_SHARE = 0.75
+
+
+class KVCache:
+    """Keys and values of every layer for a batch of B rows and S positions at most.
+
+    Device layers: [B, kvH, S, d] on the device. Host layers: [S, B, kvH, d] in (pinned) host memory, so
+    that the first n positions are one contiguous block to copy; each host layer's cached positions cross to
+    one device staging buffer for its attention (on the compute stream: the next layer's copy into it is
+    queued after this layer's attention read it), and the new positions' keys and values come back."""
+
+    def __init__(self, cfg: ModelConfig, B: int, S: int, dtype: torch.dtype, device: torch.device,
+                 on_device: int, buffers: HostBuffers):
+        shape = (B, cfg.num_kv_heads, S, cfg.head_dim)
+        host_shape = (S, B, cfg.num_kv_heads, cfg.head_dim)
+        self.on_device = on_device
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        for j in range(cfg.num_layers):
+            for store in (self.k, self.v):
+                if j < on_device:
+                    store.append(torch.empty(shape, dtype=dtype, device=device))
+                else:
+                    store.append(buffers.pool.empty(host_shape, dtype))
+        self.stage = None
+        if on_device < cfg.num_layers:
+            self.stage = (torch.empty(host_shape, dtype=dtype, device=device),
+                          torch.empty(host_shape, dtype=dtype, device=device))
+        self.length = 0  # positions cached in every layer (this call's are appended by extend)
+
+    @staticmethod
+    def layer_bytes(cfg: ModelConfig, B: int, S: int, dtype: torch.dtype) -> int:
+        return 2 * B * cfg.num_kv_heads * S * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    def extend(self, j: int, k_BHTd: torch.Tensor, v_BHTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, T = self.length, k_BHTd.shape[2]
+        if j < self.on_device:
+            K, V = self.k[j], self.v[j]
+            K[:, :, n:n + T] = k_BHTd
+            V[:, :, n:n + T] = v_BHTd
+            return K[:, :, :n + T], V[:, :, :n + T]
+        out = []
+        for host, new, stage in ((self.k[j], k_BHTd, self.stage[0]), (self.v[j], v_BHTd, self.stage[1])):
+            new_TBHd = new.permute(2, 0, 1, 3)
+            # non_blocking both ways on the compute stream: the stage is read by this layer's attention only
+            # after the H2D landed, and the host buffer is read again only by a later step's H2D, queued after
+            # this D2H on the same stream (the caller synchronises before the host reads anything)
+            stage[:n].copy_(host[:n], non_blocking=True)
+            stage[n:n + T] = new_TBHd
+            host[n:n + T].copy_(new_TBHd, non_blocking=True)
+            out.append(stage[:n + T].permute(1, 2, 0, 3))
+        return out[0], out[1]
+
+    def advance(self, T: int) -> None:
+        """Every layer has cached T more positions."""
+        self.length += T
+
+
+class _Resident(Units):
+    """Every layer in a slot of its own (K = L): filled once, read by every step."""
+
+    @property
+    def layer_slots(self) -> int:
+        return max(self.L, 1)
+
+
+class Generator:
+    """A model loaded for generation: weights on the host (frozen, in the compute dtype), streamed or resident
+    on the device, the tokenizer when the directory has one."""
+
+    def __init__(self, model: ModelConfig, store: HostStore, device: torch.device, lora: lora_io.LoraConfig | None,
+                 tokenizer: Any = None, eos_ids: Sequence[int] = (), gpu_budget_bytes: int | None = None,
+                 kernels: str = "auto", weights: tuple | None = None):
+        """``weights``: (HostWeights, Units, template, step) of a training engine to generate with its current
+        weights (``of_engine``); None: this generator's own, over ``store``."""
+        self.model = model
+        self.store = store
+        self.device = device
+        self.dtype = store.compute_dtype
+        self.lora = lora
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self._buffers = HostBuffers(store.pool)
+        self.weight_bytes = sum(u.master.nbytes for u in store.units) + sum(a.master.nbytes for a in store.adapters)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            self.gpu_budget = int(gpu_budget_bytes if gpu_budget_bytes is not None else free * 0.9)
+        else:
+            self.gpu_budget = 0
+        if weights is not None:
+            self.weights, self.units, self.template, self._step = weights
+            self.resident = False
+            return
+        self._step = lambda: 0  # nothing updates these weights: version 0 is the only one
+        self.template = Template(model, Kernels(resolve_kernels(kernels, device)))
+        L = model.num_layers
+        n = max(len(store.units), len(store.adapters))
+        fence = Fence(n, "updates")  # never marked: nothing updates these weights, version 0 is the only one
+        if device.type == "cuda":
+            self.resident = self.weight_bytes <= RESIDENT_SHARE * self.gpu_budget
+            units = _Resident(L, max(L, 1)) if self.resident else Units(L, 1)
+            h2d = torch.cuda.Stream(device)
+            self.weights: HostWeights = DeviceWeights(store, units, fence, 0, device, self._buffers, h2d)
+        else:
+            self.resident = True  # the host buffers are the weights
+            units = Units(L, 1)
+            self.weights = HostWeights(store, units, fence, 0)
+        self.units = units
+
+    # ---- construction --------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "auto", dtype: str | None = None,
+                        gpu_budget_bytes: int | None = None, kernels: str = "auto",
+                        tokenizer: Any = "auto") -> Generator:
+        """An HF model directory (a base, or a full fine-tune's final/) or a PEFT adapter directory. ``dtype``
+        None: bfloat16 on CUDA, float32 on the CPU. ``tokenizer``: "auto" loads the one saved beside the model
+        (the adapter's, else its base's), None: none (token ids in, token ids out)."""
+        path = Path(path)
+        dev = resolve_device(device)
+        dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        if dt not in (torch.float32, torch.bfloat16):
+            raise BadInput(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+        lora, base = None, path
+        if lora_io.is_adapter_dir(path):
+            lora, named = lora_io.read_adapter_config(path)
+            if not named or not (Path(named) / "config.json").is_file():
+                raise BadInput(f"the adapter in {path} names base model {named!r}, which is not an HF model "
+                               "directory here; copy the base model there or fix base_model_name_or_path")
+            base = Path(named)
+        if not path.is_dir():
+            raise BadInput(f"{path} is not a directory: point at an HF model directory or a PEFT adapter directory")
+        model = ModelConfig.load(base)
+        adapters = lora_io.adapter_layouts(model, lora) if lora is not None else []
+        store = HostStore(unit_layouts(model), dt, dt, pin=dev.type == "cuda", adapter_layouts=adapters)
+        io.load_into(store, base, model.tie_word_embeddings)
+        if lora is not None:
+            lora_io.copy_base_norms(store)  # norms the adapter did not train are the base's
+            lora_io.load_adapter(store.adapters, path)
+        tok = None
+        if tokenizer == "auto":
+            tok = _tokenizer_of(path) or (_tokenizer_of(base) if base != path else None)
+        elif tokenizer is not None:
+            tok = tokenizer
+        return cls(model, store, dev, lora, tok, _eos_ids(base, tok), gpu_budget_bytes, kernels)
+
+    @classmethod
+    def from_tensors(cls, hf_config: dict, tensors: dict, device: str = "auto", dtype: str | None = None,
+                     gpu_budget_bytes: int | None = None, kernels: str = "auto") -> Generator:
+        """A model from its config.json (a dict) and its tensors by HF name (an HF model's state_dict): the
+        benchmark's random-init models, with no checkpoint on disk."""
+        dev = resolve_device(device)
+        dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        model = ModelConfig.load(hf_config)
+        store = HostStore(unit_layouts(model), dt, dt, pin=dev.type == "cuda", adapter_layouts=[])
+        for unit in store.units:
+            for t in unit.layout.tensors:
+                if t.name not in tensors:
+                    raise BadInput(f"no tensor {t.name} among the given tensors: they are not of this config's model")
+                t.view_of(unit.master).copy_(tensors[t.name])
+        return cls(model, store, dev, None, None, (), gpu_budget_bytes, kernels)
+
+    @classmethod
+    def of_engine(cls, eng: Any, tokenizer: Any = None, eos_ids: Sequence[int] = ()) -> Generator:
+        """Generation with a training engine's newest weights, through its own weight slots (evaluation by
+        generation during a job: nothing is copied or loaded)."""
+        return cls(eng.model, eng.store, eng.device, eng.lora, tokenizer, eos_ids,
+                   weights=(eng._weights, eng.units, eng.template, eng._newest))
+
+    # ---- prompts --------------------------------------------------------------------------------------------
+
+    def chat_prompt(self, messages: list[dict]) -> tuple[int, ...]:
+        """The token ids of a conversation rendered by the tokenizer's chat template, with the generation
+        prompt of the assistant's turn."""
+        tok = self._need_tokenizer("a chat")
+        if getattr(tok, "chat_template", None) is None:
+            raise BadInput("this model's tokenizer has no chat template: send a plain prompt to /v1/completions")
+        encoded = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        return tuple(encoded if isinstance(encoded, list) else encoded["input_ids"])
+
+    def text_prompt(self, text: str) -> tuple[int, ...]:
+        tok = self._need_tokenizer("a text prompt")
+        encoded = tok(text)
+        return tuple(encoded["input_ids"] if not isinstance(encoded, list) else encoded)
+
+    def _need_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise BadInput(f"{what} needs the model's tokenizer, and its directory has none: save the tokenizer "
+                           "beside the model (tokenizer.json), or send token ids")
+        return self.tokenizer
+
+    # ---- generation -----------------------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+        """Every request run to its end, batched."""
+        tokens: list[list[int]] = [[] for _ in requests]
+        finish: list[str] = ["length"] * len(requests)
+        for deltas in self.stream(requests):
+            for d in deltas:
+                if d.token_id is not None:
+                    tokens[d.row].append(d.token_id)
+                if d.finish_reason is not None:
+                    finish[d.row] = d.finish_reason
+        return [Completion(t, self._final_text(t, r.params.stop), f, len(r.prompt_ids))
+                for t, f, r in zip(tokens, finish, requests)]
+
+    @torch.no_grad()
+    def stream(self, requests: Sequence[Request]) -> Iterator[list[Delta]]:
+        """The batch's steps: after the prompts' pass and after every decode step, what each row added."""
+        self.check(requests)
+        B = len(requests)
+        prompts = [list(r.prompt_ids) for r in requests]
+        T0 = max(len(p) for p in prompts)
+        S = T0 + max(r.params.max_tokens for r in requests)
+        cache = KVCache(self.model, B, S, self.dtype, self.device, self._device_kv_layers(B, S, T0), self._buffers)
+        # left padding: row b's tokens end at the right edge; its positions count its own tokens
+        ids_BT = torch.zeros(B, T0, dtype=torch.long)
+        valid_BS = torch.zeros(B, S, dtype=torch.bool)
+        for b, p in enumerate(prompts):
+            ids_BT[b, T0 - len(p):] = torch.tensor(p, dtype=torch.long)
+            valid_BS[b, T0 - len(p):T0] = True
+        pos_BS = (torch.cumsum(valid_BS.long(), 1) - 1).clamp(min=0)
+        lengths = torch.tensor([len(p) for p in prompts])
+        pos_BS[:, T0:] = lengths[:, None] + torch.arange(S - T0)[None, :]
+        valid_BS[:, T0:] = True  # every generated position is a real token
+        rows = [_Row(r.params, self.tokenizer) for r in requests]
+        greedy = all(r.params.temperature == 0 for r in requests)
+        logits = self._forward(ids_BT, pos_BS, valid_BS, cache)
+        while True:
+            picked = self._pick(logits, rows, greedy)
+            deltas = [row.add(b, int(t), self.eos_ids) for b, (row, t) in enumerate(zip(rows, picked))]
+            yield deltas
+            if all(row.done for row in rows):
+                return
+            ids_BT = torch.tensor(picked, dtype=torch.long)[:, None]
+            logits = self._forward(ids_BT, pos_BS, valid_BS, cache)
+
+    def check(self, requests: Sequence[Request]) -> None:
+        """Refuse what cannot run: bad parameters, ids outside the vocabulary, more positions than the model has."""
+        if not requests:
+            raise BadInput("no request to generate for")
+        V = self.model.vocab_size
+        limit = self.model.hf.get("max_position_embeddings")
+        for i, r in enumerate(requests):
+            r.params.validate()
+            if not r.prompt_ids:
+                raise BadInput(f"request {i}: the prompt is empty", field="prompt")
+            if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= V:
+                raise BadInput(f"request {i}: token ids must lie in [0, {V}) (the model's vocab_size)", field="prompt")
+            if limit and len(r.prompt_ids) + r.params.max_tokens > int(limit):
+                raise BadInput(f"request {i}: {len(r.prompt_ids)} prompt tokens + max_tokens {r.params.max_tokens} "
+                               f"exceed the model's context of {limit} positions; shorten the prompt or lower "
+                               "max_tokens", field="max_tokens")
+
+    def _device_kv_layers(self, B: int, S: int, T0: int) -> int:
+        """Layers whose KV cache fits on the device beside the weights and the prompts' workspace."""
+        L = self.model.num_layers
+        if self.device.type != "cuda":
+            return L
+        cfg, esize = self.model, torch.empty(0, dtype=self.dtype).element_size()
+        slots = self.weights.device_bytes()["weight_slots"] + self.weights.device_bytes().get("adapter_slots", 0)
+        width = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(cfg.experts_per_token, 1))
+        # the prompts' pass: a few hidden-sized activations, the MLP's, q/k/v; the head's last-token logits
+        workspace = B * T0 * (4 * cfg.hidden_size + 3 * width + cfg.q_dim + 2 * cfg.kv_dim) * esize \
+            + 2 * B * cfg.vocab_size * 4
+        per_layer = KVCache.layer_bytes(cfg, B, S, self.dtype)
+        room = self.gpu_budget - slots - workspace - per_layer  # one layer's staging buffers
+        return max(0, min(L, room // per_layer))
+
+    def _micro_batch(self, ids_BT, pos_BS, valid_BS, cache: KVCache) -> MicroBatch:
+        """This call's T tokens at cache positions n .. n + T - 1, attending to cache positions 0 .. n + T - 1."""
+        cfg, dev, dt = self.model, self.device, self.dtype
+        B, T = ids_BT.shape
+        n = cache.length
+        q_pos_BT = pos_BS[:, n:n + T]
+        k_pos_BS, k_valid_BS = pos_BS[:, :n + T], valid_BS[:, :n + T]
+        # each query attends to itself whatever else is masked: a padding row must not be empty (NaN)
+        self_TS = torch.arange(n + T)[None, :] == (n + torch.arange(T))[:, None]
+
+        def tables(kind: str) -> tuple:
+            cos, sin = rope_tables(self.template.inv_freq[kind], q_pos_BT, dt)
+            allowed = k_valid_BS[:, None, :] & (k_pos_BS[:, None, :] <= q_pos_BT[:, :, None])
+            if kind == "sliding_attention" and cfg.sliding_window is not None:
+                allowed &= q_pos_BT[:, :, None] - k_pos_BS[:, None, :] < cfg.sliding_window
+            mask = (allowed | self_TS[None])[:, None]
+            return cos.to(dev, non_blocking=True), sin.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
+
+        kinds = set(cfg.layer_types)
+        main = "full_attention" if "full_attention" in kinds else "sliding_attention"
+        cos, sin, mask = tables(main)
+        return MicroBatch(
+            input_ids_host=ids_BT, input_ids_BT=ids_BT.to(dev, non_blocking=True),
+            targets_BT=ids_BT.new_full(ids_BT.shape, -100), cos_BTd=cos, sin_BTd=sin, mask_B1TT=mask, n_targets=0,
+            sliding=tables("sliding_attention") if len(kinds) > 1 else None, cache=cache)
+
+    def _forward(self, ids_BT, pos_BS, valid_BS, cache: KVCache) -> torch.Tensor:
+        """One pass of T tokens per row through every layer; the float32 logits of each row's last token [B, V]
+        (on the device)."""
+        W, units, k = self.weights, self.units, self._step()
+        mb = self._micro_batch(ids_BT, pos_BS, valid_BS, cache)
+        if W.host_embed:
+            W.prefetch(units.of_layer(0), k)  # the first layer's copy overlaps the gather of the rows
+            h = W.embed_rows(0, mb.input_ids_host, k)
+        else:
+            embed = W.weights(units.embed, k)["embed"]
+            W.prefetch(units.of_layer(0), k)
+            h = F.embedding(mb.input_ids_BT, embed)
+            W.release(units.embed)
+        lora = LoraCall(self.lora.scaling, 0.0) if self.lora is not None else None
+        for j in range(self.model.num_layers):
+            u = units.of_layer(j)
+            w = W.weights(u, k)
+            W.prefetch(u + 1, k)  # the next layer (or the head) streams in while this one computes
+            h = self.template.layer(h, w, mb, lora, j=j)
+            W.release(u)
+        cache.advance(ids_BT.shape[1])
+        logits = self.template.logits(h[:, -1], W.head_weights(k))
+        W.release_head()
+        return logits
+
+    @staticmethod
+    def _pick(logits_BV: torch.Tensor, rows: list[_Row], greedy: bool) -> list[int]:
+        if greedy:  # one small copy to the host: the argmax of each row
+            return logits_BV.argmax(-1).tolist()
+        host = logits_BV.float().cpu()
+        return [row.pick(host[b]) for b, row in enumerate(rows)]
+
+    def _final_text(self, token_ids: list[int], stop: tuple[str, ...]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return _cut(self.tokenizer.decode(token_ids, skip_special_tokens=True), stop)[0]
+
+
+class _Row:
+    """One request's progress: its tokens, its sampler, what of its text was already sent."""
+
+    def __init__(self, params: SamplingParams, tokenizer: Any):
+        self.params = params
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.sent = 0  # characters of the text already sent
+        self.done = False
+        self.gen = torch.Generator().manual_seed(params.seed if params.seed is not None
+                                                 else int(torch.randint(0, 2**62, ()).item()))
+
+    def pick(self, logits_V: torch.Tensor) -> int:
+        p = self.params
+        if p.temperature == 0:
+            return int(logits_V.argmax())
+        z = logits_V / p.temperature
+        if p.top_k and p.top_k < z.numel():  # HF's order: temperature, top-k, top-p
+            kth = torch.topk(z, p.top_k).values[-1]
+            z = z.masked_fill(z < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_z, order = torch.sort(z, descending=True)
+            probs = torch.softmax(sorted_z, -1)
+            # drop a token once the more likely ones already hold top_p (the most likely always stays)
+            drop = (torch.cumsum(probs, -1) - probs) >= p.top_p
+            z = z.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        return int(torch.multinomial(torch.softmax(z, -1), 1, generator=self.gen))
+
+    def add(self, b: int, token: int, eos: frozenset[int]) -> Delta:
+        if self.done:
+            return Delta(b, "", None, None)
+        self.tokens.append(token)
+        finish = None
+        if token in eos:
+            finish = "stop"
+        elif len(self.tokens) >= self.params.max_tokens:
+            finish = "length"
+        text = ""
+        if self.tokenizer is not None:
+            full, stopped = _cut(self.tokenizer.decode(self.tokens, skip_special_tokens=True), self.params.stop)
+            if stopped:
+                finish = "stop"
+            # hold back what a stop sequence may still claim, and a character still being decoded
+            upto = len(full) if finish is not None else len(full) - _held_back(full, self.params.stop)
+            text, self.sent = full[self.sent:upto], max(self.sent, upto)
+        if finish is not None:
+            self.done = True
+        return Delta(b, text, token, finish)
+
+
+def _cut(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+    """The text before the earliest stop sequence, and whether one occurred."""
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return (text[:min(hits)], True) if hits else (text, False)
+
+
+def _held_back(text: str, stop: tuple[str, ...]) -> int:
+    """Characters at the end of ``text`` that may be the start of a stop sequence or of a multi-byte character."""
+    held = 1 if text.endswith("\ufffd") else 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                held = max(held, n)
+                break
+    return held
+
+
+def _tokenizer_of(path: Path) -> Any:
+    if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"cannot load the tokenizer saved in {path} ({exc}); save it with the model "
+                       "(tokenizer.save_pretrained), or pass tokenizer=None for token ids") from None
+
+
+def _eos_ids(model_dir: Path, tokenizer: Any) -> list[int]:
+    """The tokens that end a sequence: generation_config.json's, else config.json's, else the tokenizer's (what
+    HF generate stops at)."""
+    for name in ("generation_config.json", "config.json"):
+        f = model_dir / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else [int(e) for e in eos]
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return [] if eos is None else [int(eos)]

@@ -1,0 +1,233 @@
+"""The service side of generation: loaded models, batching of concurrent requests, idle models unloaded.
+
+``ModelPool`` keeps one ``Generator`` (engine/generate.py) per model directory while it is used. A request is
+checked and tokenised when it is submitted (a refusal is a ``BadInput`` before anything streams), then waits
+in its model's queue; the model's worker thread takes every request waiting when it starts a batch (up to
+``max_batch`` rows), runs them through the layers together, and hands each its ``Delta`` steps through its
+``Handle``. Requests that arrive while a batch runs form the next one. A model no request used for
+``idle_s`` seconds is unloaded (its host and GPU memory freed).
+
+The same pool runs in-process (the API's default, tests, the CLI) or inside a Ray actor on a node whose RAM
+holds the model (cluster/generation.py); the messages that cross are the dataclasses below.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from horizon_ray.errors import BadInput
+
+# Batches start this long after their first request, so that requests sent together are batched together.
+GATHER_S = 0.01
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of a model."""
+
+    max_tokens: int = 1024  # new tokens per request at most (OpenAI's max_tokens)
+    max_context: int = 4096  # prompt + new tokens per request at most
+    max_batch: int = 16  # rows of one batch (a request of n choices takes n)
+    max_choices: int = 4  # n at most
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request to a model: exactly one of messages (a chat, rendered by the tokenizer's chat template),
+    prompt (text) or prompt_ids."""
+
+    model_dir: str  # the model directory (HF model or PEFT adapter) the request runs on
+    params: Any  # engine.generate.SamplingParams
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content) of each turn
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    n: int = 1  # choices: n rows, the i-th seeded with seed + i
+
+
+@dataclass(frozen=True)
+class Event:
+    """One step of a request's choices, or its end."""
+
+    deltas: tuple = ()  # engine.generate.Delta of each choice that moved (row = the choice's index)
+    prompt_tokens: int = 0  # set on the first event
+    error: str | None = None  # the batch failed: why (the request ends)
+    done: bool = False  # the last event of the request
+
+
+@dataclass
+class Handle:
+    """The caller's side of a submitted request: its events, in order, until one is ``done``."""
+
+    prompt_tokens: int
+    events: queue.Queue = field(default_factory=queue.Queue)
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            ev = self.events.get()
+            yield ev
+            if ev.done:
+                return
+
+
+@dataclass
+class _Queued:
+    request: GenerationRequest
+    rows: list  # engine.generate.Request of each choice
+    handle: Handle
+
+
+class _Model:
+    def __init__(self, generator: Any):
+        self.generator = generator
+        self.pending: list[_Queued] = []
+        self.cv = threading.Condition()
+        self.last_used = time.monotonic()
+        self.busy = False
+        self.thread: threading.Thread | None = None
+
+
+class ModelPool:
+    def __init__(self, limits: Limits | None = None, idle_s: float = 600.0,
+                 load: Callable[[str], Any] | None = None):
+        """``load``: model directory -> Generator (default: Generator.from_pretrained on the best device)."""
+        self.limits = limits or Limits()
+        self.idle_s = idle_s
+        self._load = load or _default_load
+        self._models: dict[str, _Model] = {}
+        self._lock = threading.Lock()
+        self._loading: dict[str, threading.Lock] = {}
+
+    # ---- the caller's side -----------------------------------------------------------------------------------
+
+    def submit(self, req: GenerationRequest) -> Handle:
+        """Check and tokenise the request, queue it on its model (loaded if need be); its handle."""
+        from horizon_ray.engine.sampling import Request
+
+        lim = self.limits
+        if not 1 <= req.n <= lim.max_choices:
+            raise BadInput(f"n must lie in [1, {lim.max_choices}], got {req.n}", field="n")
+        if req.params.max_tokens > lim.max_tokens:
+            raise BadInput(f"max_tokens {req.params.max_tokens} is over this service's limit of {lim.max_tokens} "
+                           "new tokens per request; ask for fewer", field="max_tokens")
+        req.params.validate()
+        model = self._model(req.model_dir)
+        gen = model.generator
+        if req.messages is not None:
+            ids = gen.chat_prompt([{"role": r, "content": c} for r, c in req.messages])
+        elif req.prompt is not None:
+            ids = gen.text_prompt(req.prompt)
+        else:
+            ids = tuple(req.prompt_ids or ())
+        if not ids:
+            raise BadInput("the prompt is empty", field="prompt")
+        if len(ids) + req.params.max_tokens > lim.max_context:
+            raise BadInput(f"{len(ids)} prompt tokens + max_tokens {req.params.max_tokens} are over this service's "
+                           f"limit of {lim.max_context} tokens per request; shorten the prompt or lower max_tokens",
+                           field="max_tokens")
+        seed = req.params.seed
+        rows = [Request(tuple(ids), req.params if seed is None or req.n == 1 else replace(req.params, seed=seed + i))
+                for i in range(req.n)]
+        gen.check(rows)
+        handle = Handle(prompt_tokens=len(ids))
+        with model.cv:
+            model.pending.append(_Queued(req, rows, handle))
+            model.last_used = time.monotonic()
+            model.cv.notify_all()
+        return handle
+
+    def loaded(self) -> list[str]:
+        with self._lock:
+            return sorted(self._models)
+
+    def close(self) -> None:
+        with self._lock:
+            models, self._models = list(self._models.values()), {}
+        for m in models:
+            with m.cv:
+                m.cv.notify_all()
+
+    # ---- models ------------------------------------------------------------------------------------------------
+
+    def _model(self, model_dir: str) -> _Model:
+        key = str(Path(model_dir).resolve())
+        with self._lock:
+            m = self._models.get(key)
+            if m is not None:
+                m.last_used = time.monotonic()
+                return m
+            gate = self._loading.setdefault(key, threading.Lock())
+        with gate:  # one load of a model at a time; the others wait for it
+            with self._lock:
+                m = self._models.get(key)
+            if m is not None:
+                return m
+            m = _Model(self._load(key))
+            m.thread = threading.Thread(target=self._serve, args=(key, m), name=f"generate:{Path(key).name}",
+                                        daemon=True)
+            with self._lock:
+                self._models[key] = m
+            m.thread.start()
+            return m
+
+    def _serve(self, key: str, m: _Model) -> None:
+        """The model's worker: batch what waits, run it, hand out the steps; unload when idle."""
+        while True:
+            with m.cv:
+                while not m.pending:
+                    if self._models.get(key) is not m:
+                        return  # closed
+                    left = self.idle_s - (time.monotonic() - m.last_used)
+                    if left <= 0:
+                        with self._lock:
+                            if self._models.get(key) is m and not m.pending:
+                                del self._models[key]  # unloaded: the generator goes with the last reference
+                                return
+                        continue
+                    m.cv.wait(timeout=min(left, 1.0))
+            time.sleep(GATHER_S)
+            with m.cv:
+                batch, rows = [], 0
+                while m.pending and (not batch or rows + len(m.pending[0].rows) <= self.limits.max_batch):
+                    q = m.pending.pop(0)
+                    batch.append(q)
+                    rows += len(q.rows)
+                m.busy = True
+            self._run(m, batch)
+            with m.cv:
+                m.busy = False
+                m.last_used = time.monotonic()
+
+    def _run(self, m: _Model, batch: list[_Queued]) -> None:
+        owners = [(q, i) for q in batch for i in range(len(q.rows))]  # batch row -> (request, choice)
+        for q in batch:
+            q.handle.events.put(Event(prompt_tokens=q.handle.prompt_tokens))
+        try:
+            for step in m.generator.stream([r for q in batch for r in q.rows]):
+                by_request: dict[int, list] = {}
+                for d in step:
+                    if d.token_id is None and not d.text:
+                        continue
+                    q, i = owners[d.row]
+                    by_request.setdefault(id(q), []).append(replace(d, row=i))
+                for q in batch:
+                    if id(q) in by_request:
+                        q.handle.events.put(Event(deltas=tuple(by_request[id(q)])))
+        except Exception as exc:  # the batch's requests end with the error; the worker goes on
+            msg = exc.message if isinstance(exc, BadInput) else f"generation failed: {type(exc).__name__}"
+            for q in batch:
+                q.handle.events.put(Event(error=msg, done=True))
+            return
+        for q in batch:
+            q.handle.events.put(Event(done=True))
+
+
+def _default_load(model_dir: str) -> Any:
+    from horizon_ray.engine.generate import Generator
+
+    return Generator.from_pretrained(model_dir, device="auto")

@@ -1,0 +1,188 @@
+"""Generation on the engine (engine/generate.py) against HF generate and PEFT's generate, on the CPU.
+
+Every family the engine trains, tiny and random (tests/tiny.py), in float32: the engine's greedy tokens equal
+HF generate's token for token, for prompts of different lengths run as one left-padded batch on the engine
+and one by one through HF, long enough to pass the sliding windows (Mistral's 6, Gemma's 5) and Gemma's caps.
+"""
+
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM
+
+from horizon_ray.engine.generate import Generator, Request, SamplingParams
+from horizon_ray.errors import BadInput
+from tests.tiny import FAMILY_BUILDERS, V, peft_reference, save, tiny_llama, tiny_qwen2
+
+
+def tiny_mistral(tmp_path, name="model"):
+    torch.manual_seed(0)
+    cfg = MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=V, sliding_window=6, tie_word_embeddings=False,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return save(MistralForCausalLM(cfg), tmp_path, name)
+
+
+BUILDERS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "mistral": tiny_mistral, **FAMILY_BUILDERS}
+PROMPTS = [[5, 17, 33, 8, 91, 40, 12], [3, 9], [60, 61, 62, 63, 64, 70, 71, 72, 80, 81]]
+
+
+def _hf_greedy(model, prompt, max_new, eos=None):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                         eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _reference(cls, path):
+    kw = {"experts_implementation": "eager"} if "Moe" in cls.__name__ or "Mixtral" in cls.__name__ else {}
+    return cls.from_pretrained(path, **kw).float().eval()
+
+
+@pytest.mark.parametrize("family", list(BUILDERS))
+def test_greedy_equals_hf_generate_on_every_family(tmp_path, family):
+    path, cls = BUILDERS[family](tmp_path)
+    ref = _reference(cls, path)
+    gen = Generator.from_pretrained(path, device="cpu", tokenizer=None)
+    gen.eos_ids = frozenset()  # run to max_tokens on both sides: tokens past a random eos are compared too
+    params = SamplingParams(max_tokens=12)
+    got = gen.generate([Request(tuple(p), params) for p in PROMPTS])
+    for p, c in zip(PROMPTS, got):
+        assert c.token_ids == _hf_greedy(ref, p, 12), (family, p)
+        assert c.finish_reason == "length" and c.prompt_tokens == len(p)
+
+
+def test_eos_ends_a_row_as_hf_does(tmp_path):
+    """The model's eos (generation_config.json) ends a row, included in its tokens; the others go on."""
+    path, cls = tiny_llama(tmp_path)
+    ref = _reference(cls, path)
+    free = _hf_greedy(ref, PROMPTS[0], 8)
+    eos = free[3]  # a token the model emits at its 4th step: make it the eos
+    gen = Generator.from_pretrained(path, device="cpu", tokenizer=None)
+    gen.eos_ids = frozenset({eos})
+    got = gen.generate([Request(tuple(p), SamplingParams(max_tokens=8)) for p in PROMPTS])
+    assert got[0].token_ids == _hf_greedy(ref, PROMPTS[0], 8, eos=eos) == free[:free.index(eos) + 1]
+    assert got[0].finish_reason == "stop"
+    for p, c in zip(PROMPTS[1:], got[1:]):
+        assert c.token_ids == _hf_greedy(ref, p, 8, eos=eos)
+
+
+def test_sampling_is_reproducible_with_a_seed_and_independent_of_the_batch(tmp_path):
+    path, _ = tiny_llama(tmp_path)
+    gen = Generator.from_pretrained(path, device="cpu", tokenizer=None)
+    gen.eos_ids = frozenset()
+    hot = SamplingParams(max_tokens=10, temperature=1.5, seed=7)
+    alone = gen.generate([Request(tuple(PROMPTS[0]), hot)])[0].token_ids
+    batched = gen.generate([Request(tuple(PROMPTS[1]), SamplingParams(max_tokens=4, temperature=1.0, seed=1)),
+                            Request(tuple(PROMPTS[0]), hot)])[1].token_ids
+    assert alone == batched
+    other = gen.generate([Request(tuple(PROMPTS[0]), SamplingParams(max_tokens=10, temperature=1.5, seed=8))])
+    assert other[0].token_ids != alone
+    greedy = gen.generate([Request(tuple(PROMPTS[0]), SamplingParams(max_tokens=10))])[0].token_ids
+    assert alone != greedy  # at 1.5 the random model's choices are not the argmax
+
+
+def test_top_k_1_and_a_tiny_top_p_are_greedy(tmp_path):
+    path, _ = tiny_llama(tmp_path)
+    gen = Generator.from_pretrained(path, device="cpu", tokenizer=None)
+    gen.eos_ids = frozenset()
+    greedy = gen.generate([Request(tuple(PROMPTS[0]), SamplingParams(max_tokens=10))])[0].token_ids
+    for p in (SamplingParams(max_tokens=10, temperature=2.0, top_k=1, seed=3),
+              SamplingParams(max_tokens=10, temperature=2.0, top_p=1e-6, seed=3)):
+        assert gen.generate([Request(tuple(PROMPTS[0]), p)])[0].token_ids == greedy
+
+
+def test_top_k_keeps_sampling_among_the_k_most_likely(tmp_path):
+    path, cls = tiny_llama(tmp_path)
+    gen = Generator.from_pretrained(path, device="cpu", tokenizer=None)
+    gen.eos_ids = frozenset()
+    ref = _reference(cls, path)
+    first = [gen.generate([Request(tuple(PROMPTS[0]), SamplingParams(max_tokens=1, temperature=2.0, top_k=3,
+                                                                     seed=s))])[0].token_ids[0] for s in range(40)]
+    top3 = ref(torch.tensor([PROMPTS[0]])).logits[0, -1].topk(3).indices.tolist()
+    assert set(first) <= set(top3) and len(set(first)) > 1
+
+
+def test_lora_adapter_matches_peft_generate(tmp_path):
+    from horizon_ray.engine import LoraConfig
+
+    path, cls = tiny_llama(tmp_path)
+    lora = LoraConfig(r=4, alpha=8, targets=("q_proj", "v_proj", "down_proj"))
+    peft_model, _ = peft_reference(cls.from_pretrained(path).float(), lora, tmp_path)
+    peft_model.save_pretrained(tmp_path / "adapter")  # base_model_name_or_path: the tiny model's directory
+    peft_model.eval()
+    gen = Generator.from_pretrained(tmp_path / "adapter", device="cpu", tokenizer=None)
+    gen.eos_ids = frozenset()
+    got = gen.generate([Request(tuple(p), SamplingParams(max_tokens=10)) for p in PROMPTS])
+    base = Generator.from_pretrained(path, device="cpu", tokenizer=None)
+    base.eos_ids = frozenset()
+    plain = base.generate([Request(tuple(p), SamplingParams(max_tokens=10)) for p in PROMPTS])
+    for p, c in zip(PROMPTS, got):
+        assert c.token_ids == _hf_greedy(peft_model, p, 10)
+    assert [c.token_ids for c in got] != [b.token_ids for b in plain]  # the adapter changes the output
+
+
+class _CharTokenizer:
+    """One character per token id (ids 3.., 0-2 special): enough for stop sequences and text deltas."""
+
+    eos_token_id = 2
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + (i - 3) % 26) for i in ids if i > 2)
+
+
+def test_stop_sequences_and_max_tokens(tmp_path):
+    path, _ = tiny_llama(tmp_path)
+    gen = Generator.from_pretrained(path, device="cpu", tokenizer=None)
+    gen.eos_ids = frozenset()
+    free = gen.generate([Request(tuple(PROMPTS[0]), SamplingParams(max_tokens=12))])[0]
+    assert len(free.token_ids) == 12 and free.finish_reason == "length"
+    gen.tokenizer = _CharTokenizer()
+    text = gen.generate([Request(tuple(PROMPTS[0]), SamplingParams(max_tokens=12))])[0].text
+    assert len(text) == 12
+    stop = text[5:7]
+    first = text.find(stop)
+    c = gen.generate([Request(tuple(PROMPTS[0]), SamplingParams(max_tokens=12, stop=(stop, "\n\n")))])[0]
+    assert c.text == text[:first] and c.finish_reason == "stop"
+    assert c.token_ids == free.token_ids[:first + 2]  # ended on the token that completed the stop sequence
+    # streamed: the pieces add up to the final text, and none of the stop sequence was ever sent
+    pieces = [d.text for step in gen.stream([Request(tuple(PROMPTS[0]), SamplingParams(max_tokens=12, stop=(stop,)))])
+              for d in step]
+    assert "".join(pieces) == text[:first]
+
+
+def test_bad_requests_are_refused_with_the_fix(tmp_path):
+    path, _ = tiny_llama(tmp_path)
+    gen = Generator.from_pretrained(path, device="cpu", tokenizer=None)
+    for params, word in ((SamplingParams(max_tokens=0), "max_tokens"), (SamplingParams(temperature=3.0), "temperature"),
+                         (SamplingParams(top_p=0.0), "top_p"), (SamplingParams(stop=("",)), "stop")):
+        with pytest.raises(BadInput, match=word):
+            gen.generate([Request((5, 6), params)])
+    with pytest.raises(BadInput, match="vocab_size"):
+        gen.generate([Request((5, V + 3))])
+    with pytest.raises(BadInput, match="empty"):
+        gen.generate([Request(())])
+    with pytest.raises(BadInput, match="context"):
+        gen.generate([Request((5, 6), SamplingParams(max_tokens=10**6))])
+    with pytest.raises(BadInput, match="tokenizer"):
+        gen.chat_prompt([{"role": "user", "content": "hi"}])
+
+
+def test_a_kv_cache_kept_in_host_memory_gives_the_same_tokens(tmp_path):
+    """Layers whose cache does not fit the device keep it on the host ([S, B, kvH, d]) and stage it per layer."""
+    path, _ = tiny_llama(tmp_path)
+    gen = Generator.from_pretrained(path, device="cpu", tokenizer=None)
+    gen.eos_ids = frozenset()
+    want = [c.token_ids for c in gen.generate([Request(tuple(p), SamplingParams(max_tokens=8)) for p in PROMPTS])]
+    for on_device in (0, 2):
+        gen._device_kv_layers = lambda B, S, T0, n=on_device: n
+        got = [c.token_ids for c in gen.generate([Request(tuple(p), SamplingParams(max_tokens=8)) for p in PROMPTS])]
+        assert got == want, on_device
+
+
+def test_a_model_from_its_tensors_generates_as_hf(tmp_path):
+    """from_tensors (the benchmark's random-init models: no checkpoint on disk) is the same model."""
+    path, cls = tiny_qwen2(tmp_path)
+    ref = _reference(cls, path)
+    gen = Generator.from_tensors(ref.config.to_dict(), dict(ref.state_dict()), device="cpu")
+    got = gen.generate([Request(tuple(p), SamplingParams(max_tokens=8)) for p in PROMPTS])
+    assert [c.token_ids for c in got] == [_hf_greedy(ref, p, 8) for p in PROMPTS]
