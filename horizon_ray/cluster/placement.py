@@ -25,32 +25,39 @@ import dataclasses
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 from horizon_ray.cluster.errors import InvalidSpec
 from horizon_ray.cluster.messages import NodeInfo
 from horizon_ray.cluster.tenants import format_bytes
 from horizon_ray.errors import BadInput
+from horizon_ray.jobspec import EngineSpec, ResourcesSpec, parse
 from horizon_ray.workload import resolve
 
 Planner = Callable[[dict[str, Any], NodeInfo], dict[str, Any]]
+S = TypeVar("S", bound=BaseModel)
 
 
 def needs_gpu(spec: dict[str, Any], gpu_count: int) -> bool:
     """Whether `spec`'s engine takes a GPU of a node that has `gpu_count` GPUs: its engine.device resolved
     for the node by the rule the job runner follows (``workload.resolve``)."""
-    engine = spec.get("engine") if isinstance(spec, dict) else None
-    device = str((engine or {}).get("device") or "auto") if isinstance(engine, dict) else "auto"
+    device = _section(spec, "engine", EngineSpec).device
     if device == "auto" and gpus_wanted(spec) > 1:
         return True  # several GPUs asked for: CPU ranks would not be what the user wanted
     return resolve(gpu=gpu_count > 0, device=device).cuda
 
 
 def gpus_wanted(spec: dict[str, Any]) -> int:
-    """The GPUs a GPU job holds: its resources.gpus (1 when absent)."""
-    resources = spec.get("resources") if isinstance(spec, dict) else None
-    n = resources.get("gpus", 1) if isinstance(resources, dict) else 1
-    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+    """The GPUs a GPU job holds: its resources.gpus."""
+    return _section(spec, "resources", ResourcesSpec).gpus
+
+
+def _section(spec: dict[str, Any], name: str, section: type[S]) -> S:
+    """One section of `spec` as the typed spec reads it: its defaults where the section or a key is absent,
+    BadInput naming the key for a value the spec refuses (never a default of placement's own)."""
+    return parse(section, spec.get(name) or {}, prefix=f"{name}.")
 
 
 def default_planner(spec: dict[str, Any], node: NodeInfo) -> dict[str, Any]:

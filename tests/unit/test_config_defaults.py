@@ -54,3 +54,21 @@ def test_one_lora_rule_one_refusal(bad):
         refusals.append((str(exc.value), exc.value.field))
     assert len(set(refusals)) == 1, refusals
     assert refusals[0][1] == f"lora.{next(iter(bad))}"
+
+
+def test_placement_reads_the_typed_spec():
+    """Placement reads engine.device and resources.gpus as the spec does: its defaults where absent, and a
+    value the spec refuses is refused by name, not placed under a default of placement's own."""
+    from horizon_ray.cluster.placement import gpus_wanted, needs_gpu
+    from horizon_ray.jobspec import EngineSpec, ResourcesSpec
+
+    assert gpus_wanted(SPEC) == ResourcesSpec().gpus
+    assert needs_gpu(SPEC, 1) == (EngineSpec().device in ("auto", "cuda"))
+    assert gpus_wanted({**SPEC, "resources": {"gpus": 3}}) == 3
+    for bad, field in (({"resources": {"gpus": 0}}, "resources.gpus"),
+                       ({"resources": {"gpus": True}}, "resources.gpus"),
+                       ({"engine": {"device": None}}, "engine.device"),
+                       ({"engine": {"devise": "cpu"}}, "engine.devise")):
+        with pytest.raises(BadInput) as exc:
+            needs_gpu({**SPEC, **bad}, 2)
+        assert exc.value.field == field, (bad, str(exc.value))
