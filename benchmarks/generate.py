@@ -115,20 +115,25 @@ def _rates(B: int, new: int, total_s: float, first_s: float) -> dict:
             "decode_tokens_per_s": B * (new - 1) / decode_s if decode_s > 0 else None}
 
 
+def _report(what: str, record: dict) -> None:
+    """Each measurement as it lands: a call cut short by its time limit still shows what it measured."""
+    print(f"{what}: {json.dumps(record)}", flush=True)
+
+
 def throughput(shape_name: str, B: int, T: int, new: int, stream_budget: int) -> dict:
     shape = resolve_shape(shape_name)
     cfg = hf_config(shape)
     cfg["max_position_embeddings"] = max(int(cfg.get("max_position_embeddings") or 0), T + new)
-    model = _hf_model(cfg, "cpu")
-    tensors = {k: v.detach() for k, v in model.state_dict().items()}
+    model = _hf_model(cfg, "cuda")  # a 7B random init on the CPU takes minutes; on the GPU, seconds
+    tensors = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, int(cfg["vocab_size"]), (B, T), generator=g)
     out: dict = {"shape": shape_name, "batch": B, "prompt_len": T, "new_tokens": new,
                  "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
 
-    model.cuda()
     hf_tokens, hf_s = _hf_generate(model, prompts, new)
     out["hf"] = {"seconds": hf_s, "output_tokens_per_s": B * new / hf_s}
+    _report("hf", out["hf"])
     model.cpu()
     gc.collect()
     torch.cuda.empty_cache()
@@ -138,6 +143,7 @@ def throughput(shape_name: str, B: int, T: int, new: int, stream_budget: int) ->
     toks, total, first = _ours(gen, prompts, new)
     out["resident"] = {**_rates(B, new, total, first), "vs_hf": (B * new / total) / out["hf"]["output_tokens_per_s"],
                        "rows_equal_to_hf": _match(toks, hf_tokens)}
+    _report("resident", out["resident"])
     del gen
     gc.collect()
     torch.cuda.empty_cache()
@@ -160,6 +166,7 @@ def throughput(shape_name: str, B: int, T: int, new: int, stream_budget: int) ->
                        "bytes_per_decode_step": per_step, "h2d_bytes_per_s": bw, "pcie_bound_tokens_per_s": bound,
                        "vs_pcie_bound": (rates["decode_tokens_per_s"] or 0) / bound,
                        "rows_equal_to_hf": _match(toks, hf_tokens)}
+    _report("streamed", out["streamed"])
     del gen, model, tensors
     gc.collect()
     torch.cuda.empty_cache()
@@ -168,14 +175,13 @@ def throughput(shape_name: str, B: int, T: int, new: int, stream_budget: int) ->
 
 def first_token_latency(shape_name: str, T: int, reps: int = 5) -> dict:
     cfg = hf_config(resolve_shape(shape_name))
-    model = _hf_model(cfg, "cpu")
-    tensors = {k: v.detach() for k, v in model.state_dict().items()}
+    model = _hf_model(cfg, "cuda")
+    tensors = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     gen = Generator.from_tensors(cfg, tensors, device="cuda", dtype="bfloat16")
     prompt = torch.randint(3, int(cfg["vocab_size"]), (1, T), generator=torch.Generator().manual_seed(2))
     req = [Request(tuple(prompt[0].tolist()), SamplingParams(max_tokens=1))]
     gen.generate(req)
     ours = [_timed(lambda: gen.generate(req))[1] for _ in range(reps)]
-    model.cuda()
     ids = prompt.cuda()
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, pad_token_id=0)
     model.generate(ids, **kw)
@@ -198,8 +204,10 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     budget = int(float(args.stream_budget.removesuffix("GiB")) * GiB)
-    result = {"throughput": throughput(args.shape, args.batch, args.prompt_len, args.new_tokens, budget),
-              "first_token": first_token_latency(args.latency_shape, args.prompt_len)}
+    first = first_token_latency(args.latency_shape, args.prompt_len)  # small and quick: first
+    _report("first_token", first)
+    result = {"first_token": first,
+              "throughput": throughput(args.shape, args.batch, args.prompt_len, args.new_tokens, budget)}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
