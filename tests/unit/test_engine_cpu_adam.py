@@ -124,6 +124,7 @@ def _load_kernel_in_a_child(extensions_dir, timeout_s: float) -> float:
     return time.monotonic() - start
 
 
+@pytest.mark.slow  # a compile of its own (about 1.5 min on 2 shared cores)
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
     # what a build killed mid-compile leaves: cpp_extension's lock file in the build directories, both the
     # name this package used before and the one it uses now
