@@ -51,8 +51,15 @@ def test_cuda_dpo_matches_the_cpu(dpo, lora):
     for a, b in zip(cpu[2], cuda[2]):
         for name in a:
             assert b[name] == pytest.approx(a[name], rel=1e-3, abs=1e-4), name
+    # Adam normalises each element's gradient: where a gradient is near zero, CUDA's and the CPU's roundoff
+    # move that element by different fractions of lr (1e-3) a step. On the H200 2 of 590,336 weights of the
+    # IPO run differed by up to 6.2e-5 (3 steps); everything else within 2e-5. So: 2e-5, or 1e-4 for at most
+    # 1e-4 of the elements.
     for a, b in zip(cpu[3], cuda[3]):
-        torch.testing.assert_close(b, a, rtol=1e-3, atol=2e-5)
+        diff = (b - a).abs()
+        off = diff > 2e-5 + 1e-3 * a.abs()
+        assert int(off.sum()) <= max(1, 1e-4 * a.numel()), int(off.sum())
+        assert float(diff.max()) <= 1e-4
 
 
 def test_bf16_dpo_on_cuda_is_close_to_fp32():
