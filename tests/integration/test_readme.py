@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -111,6 +112,8 @@ def test_every_command_of_the_readme_runs_as_written(tmp_path):
                     continue
                 if line.startswith("export "):  # evaluated once, as the user's shell does: a random key stays one
                     name = line.removeprefix("export ").split("=", 1)[0]
+                    # one variable a line: a second one on the line would be lost here, and not in the user's shell
+                    assert len(shlex.split(line.split("  #", 1)[0])) == 2, f"one variable an export line: {line}"
                     env[name] = run("\n".join(["set -e", *preamble, line, f'printf %s "${name}"']), line)
                     printed.append("")
                     ran.append(line)

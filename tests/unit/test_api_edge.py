@@ -470,7 +470,7 @@ def test_openai_uploads_are_checked_as_they_stream_within_the_tenants_limits(tmp
             assert ok.status_code == 200, ok.text
             assert ok.json()["stats"] == {"format": "text", "examples": 1, "tokens": None, "trained_tokens": None,
                                           "max_tokens": None, "mean_tokens": None, "length_histogram": [],
-                                          "tokenizer": None}
+                                          "tokenizer": None, "truncated_pairs": None}
             over = http.post("/v1/files", files={"file": ("t.jsonl", b'{"text": "hi"}\n')},
                              data={"purpose": "fine-tune"}, headers=auth)
             assert over.status_code == 429 and over.json()["error"]["type"] == "rate_limit_error", over.text

@@ -174,10 +174,11 @@ def test_submit_expands_the_spec_files_paths_on_this_machine(tmp_path, monkeypat
     spec = local_spec(path, ["training.max_steps=3"])
     assert spec["model"]["path"] == str(tmp_path / "home" / "m")
     assert spec["data"]["path"] == str(path.parent / "d.jsonl")  # written in the file: relative to the file
-    assert spec["output_dir"] == str(path.parent / "runs" / "x") and spec["training"] == {"max_steps": 3}
+    # output_dir stays relative: the service puts it under the tenant's output namespace, jobs/<tenant>/
+    assert spec["output_dir"] == "runs/x" and spec["training"] == {"max_steps": 3}
     # typed on the command line: relative to where it was typed
     spec = local_spec(path, ["output_dir=runs/y", "data.eval_path=e.jsonl"], cwd=tmp_path)
-    assert spec["output_dir"] == str(tmp_path / "runs" / "y") and spec["data"] == {
+    assert spec["output_dir"] == "runs/y" and spec["data"] == {
         "path": str(path.parent / "d.jsonl"), "eval_path": str(tmp_path / "e.jsonl")}
 
 
