@@ -222,7 +222,9 @@ def main(argv=None) -> int:
                        "--tokens-per-step", str(tokens), "--seq", str(args.seq), "--micro", str(args.micro),
                        "--steps", str(args.steps), "--checkpoint-every", str(args.checkpoint_every),
                        "--lora-r", str(args.lora_r), "--device", args.device]
-                proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                # the repo first, then what the caller had on its path (carried wheels: TRL on the GPU box)
+                path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+                proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path})
                 lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
                 rec = json.loads(lines[-1]) if lines else {"system": system, "status": "error",
                                                            "reason": proc.stderr[-2000:]}
