@@ -91,7 +91,7 @@ def test_openapi_fuzz_never_answers_500(served):
     assert not failures, "\n\n".join(failures)
 
     # The fuzz reached past the edge: requests of every route were answered, and some specs became jobs.
-    metrics = httpx.get(f"{url}/metrics").text
+    metrics = httpx.get(f"{url}/metrics", headers=headers).text  # /metrics takes a key (HORIZON_API_METRICS_OPEN)
     answered = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                    if line.startswith("horizon_api_requests_total{"))
     assert answered >= len(ops) * EXAMPLES
