@@ -61,8 +61,11 @@ class HostAdamW:
         self.chunk = _CHUNK
         self.one_pass = True  # use the compiled one-pass kernels where the layout allows (cpu_adam.py)
         # built (or loaded from torch's extensions cache) now, with the engine: a first build takes ~20 s, which
-        # would otherwise land in the first step's update, inside a benchmark's timed steps when it warms up less
-        cpu_adam.kernel()
+        # would otherwise land in the first step's update, inside a benchmark's timed steps when it warms up less.
+        # Only where it will run: the one-pass kernels take bf16 gradients; an fp32-compute engine (the CPU's
+        # default) never calls them, and need not pay a compiler's time and memory (~1.2 GiB) in its container.
+        if getattr(store, "compute_dtype", None) == torch.bfloat16:
+            cpu_adam.kernel()
         self._cv = threading.Condition()
         self._tasks: deque = deque()
         self._busy = False

@@ -328,6 +328,10 @@ def check_no_ray_port_answers_without_the_token(d: Deployment) -> list[dict[str,
 
 
 def run_rayjob(d: Deployment, job: dict[str, Any], submission_id: str, address_suffix: int) -> podsim.Pod:
+    # applied as the example's header says: `TEAM_A_KEY=<key> envsubst '$TEAM_A_KEY' < rayjob-finetune.yaml`
+    job = copy.deepcopy(job)
+    assert "${TEAM_A_KEY}" in job["spec"]["runtimeEnvYAML"], "the RayJob declares its tenant by a key"
+    job["spec"]["runtimeEnvYAML"] = job["spec"]["runtimeEnvYAML"].replace("${TEAM_A_KEY}", d.api_key)
     cluster = d.sim.doc("RayCluster")
     pod = d.sim.add_pod(f"{submission_id}-submitter", podsim.kuberay_submitter_pod(job, cluster, submission_id),
                         address_suffix)

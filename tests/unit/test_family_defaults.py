@@ -133,6 +133,11 @@ def test_one_pass_adamw_is_built_with_the_engine(monkeypatch):
 
     built = []
     monkeypatch.setattr(cpu_adam, "kernel", lambda: built.append(1))
-    eng = Engine.from_config(llama_config(2), EngineConfig(device="cpu"))
+    eng = Engine.from_config(llama_config(2), EngineConfig(device="cpu", compute_dtype="bfloat16"))
     assert built, "the kernel is first asked for in the first step's update"
+    eng.close()
+    # fp32 compute (bf16 gradients never come): no compiler started in the engine's process or container
+    built.clear()
+    eng = Engine.from_config(llama_config(2), EngineConfig(device="cpu", compute_dtype="float32"))
+    assert not built
     eng.close()
