@@ -6,6 +6,12 @@ as it streams; once it passes the limit, reading it raises ``BodyTooLarge`` and 
 to answer is replaced by the 413. A body whose next chunk does not come within ``BODY_IDLE_TIMEOUT_S`` (a
 client that stalls, or trickles a byte at a time between long pauses, holding a connection and an upload slot)
 is cut the same way, with a 408 and the connection closed.
+
+Before a 413 goes out, the rest of the body the client is sending is read and dropped, up to
+``DRAIN_MAX_BYTES`` or ``DRAIN_MAX_S``: a server that closes a connection with bytes unread makes the kernel
+reset it, and a client that sends its whole request before reading (curl, httpx, requests) then gets
+``Connection reset by peer`` instead of the answer. A client that sent ``Expect: 100-continue`` has sent no
+body yet and gets the 413 at once; one sending more than the bound is cut (its answer may be lost then).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.errors import error_body
 
 BODY_IDLE_TIMEOUT_S = 60.0  # longest wait for the next chunk of a request body
+DRAIN_MAX_BYTES = 16 << 20  # most of a refused body read (and dropped) so the client can read the 413
+DRAIN_MAX_S = 10.0  # longest time spent reading a refused body
 
 
 class BodyIdle(Exception):
@@ -54,6 +62,8 @@ class BodyLimitMiddleware:
         limit = self.limit_for(scope)
         declared = _content_length(scope)
         if declared is not None and declared > limit:
+            if not _expects_continue(scope):
+                await _drain(receive)
             await _send_413(send, limit)
             return
 
@@ -92,10 +102,33 @@ class BodyLimitMiddleware:
             if not (exceeded or idle):
                 raise
         if exceeded and not started:
+            if not body_done:
+                await _drain(receive)
             await _send_413(send, limit)
         elif idle and not started:
             await _send_error(send, 408, "request_timeout", f"no part of the request body came for "
                               f"{self.idle_timeout_s:.0f} s; send it without pauses")
+
+
+async def _drain(receive: Receive) -> None:
+    """Read and drop the rest of a request body, up to DRAIN_MAX_BYTES and DRAIN_MAX_S (the module doc)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DRAIN_MAX_S
+    drained = 0
+    while drained <= DRAIN_MAX_BYTES:
+        try:
+            message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+        except TimeoutError:
+            return
+        if message["type"] != "http.request":
+            return
+        drained += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
+def _expects_continue(scope: Scope) -> bool:
+    return any(name == b"expect" and value.lower() == b"100-continue" for name, value in scope.get("headers", ()))
 
 
 def _content_length(scope: Scope) -> int | None:
