@@ -243,8 +243,9 @@ class ApiSettings(BaseSettings):
         return (self.uploads_dir, self.jobs_root)
 
     def replaced(self, **changes: Any) -> ApiSettings:
-        """A copy with `changes`, checked as a new one is."""
-        return type(self)(**{**{name: getattr(self, name) for name in type(self).model_fields}, **changes})
+        """A copy with `changes`, checked as a new one is (its keys file's keys are in api_keys already)."""
+        values = {name: getattr(self, name) for name in type(self).model_fields}
+        return type(self)(**{**values, "api_keys_file": None, **changes})
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *, root: str | Path | None = None,
