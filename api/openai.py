@@ -63,6 +63,7 @@ from horizon_ray.cluster.errors import JobNotFound
 from horizon_ray.cluster.messages import Checkpoint, EventType, JobEvent, JobRecord, JobStatus
 from horizon_ray.engine.model import QUANTIZE
 from horizon_ray.errors import BadInput
+from horizon_ray.job.metrics import METRICS_FILE
 from horizon_ray.jobspec import DpoSpec, JobSpec, Text, TrainingSpec, spec_error
 from horizon_ray.strings import MAX_COMPONENT_BYTES, fix, problem
 
@@ -225,7 +226,7 @@ async def retrieve_file(file_id: SafeText, tenant: Annotated[Tenant, Depends(cur
     if (job_id := result_job_id(file_id)) is not None:
         path, record = await _result_path(tenant, job_id, file_id)
         return {"id": file_id, "object": "file", "bytes": path.stat().st_size, "created_at": int(record.created_at),
-                "filename": "metrics.jsonl", "purpose": "fine-tune-results", "status": "processed",
+                "filename": METRICS_FILE, "purpose": "fine-tune-results", "status": "processed",
                 "status_details": None, "expires_at": None}
     return file_object((await files.get_file(file_id, tenant)).model_dump())
 
@@ -240,7 +241,7 @@ async def delete_file(file_id: SafeText, tenant: Annotated[Tenant, Depends(curre
 async def file_content(file_id: SafeText, tenant: Annotated[Tenant, Depends(current_tenant)]):
     if (job_id := result_job_id(file_id)) is not None:
         path, _ = await _result_path(tenant, job_id, file_id)
-        return FileResponse(path, media_type="application/x-ndjson", filename="metrics.jsonl")
+        return FileResponse(path, media_type="application/x-ndjson", filename=METRICS_FILE)
     return await files.get_file_content(file_id, tenant)
 
 
@@ -262,7 +263,7 @@ async def _result_path(tenant: Tenant, job_id: str, file_id: str) -> tuple[Path,
     """A job's metrics.jsonl inside the tenant's namespace (404 for another tenant's job, or before it exists)."""
     record = await tenant.get(job_id)
     root = PathPolicy(tenant.settings, tenant.name).owns_output(record.output_dir or record.spec.get("output_dir"))
-    path = confine(root / "metrics.jsonl", root) if root is not None else None
+    path = confine(root / METRICS_FILE, root) if root is not None else None
     if path is None or not path.is_file():
         raise ApiError(404, "not_found", f"no file {file_id!r}: job {job_id} has written no metrics yet",
                        field="file_id")
