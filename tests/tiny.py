@@ -227,17 +227,36 @@ JOB_LLAMA = {
 }
 
 
-def job_assets(root, n_examples: int):
-    """`root/model` (JOB_LLAMA, random init, with the demo tokenizer) and `root/train.jsonl`."""
-    from horizon_ray.data import build_demo_tokenizer, make_demo_dataset
+def job_model(path):
+    """A JOB_LLAMA model directory at `path` (random init, seed 7) with the demo tokenizer."""
+    from horizon_ray.data import build_demo_tokenizer
     from horizon_ray.engine import Engine, EngineConfig
 
     eng = Engine.from_config(JOB_LLAMA, EngineConfig(device="cpu", seed=7))
-    eng.save_pretrained(root / "model")
+    eng.save_pretrained(path)
     eng.close()
-    build_demo_tokenizer(root / "model")
+    build_demo_tokenizer(path)
+    return path
+
+
+def job_assets(root, n_examples: int):
+    """`root/model` (job_model) and `root/train.jsonl`."""
+    from horizon_ray.data import make_demo_dataset
+
+    job_model(root / "model")
     make_demo_dataset(root / "train.jsonl", n_examples, seed=1)
     return root
+
+
+def catalogue_model(bed):
+    """A real model (job_model) in an API testbed's catalogue as ``tiny-1g``, in place of the testbed's empty
+    ``1GiB`` directory (the fake planner reads the size from that name); its path."""
+    import shutil
+
+    base = bed.root / "models" / "1GiB"
+    shutil.rmtree(base)
+    bed.settings.model_catalogue = {"tiny-1g": job_model(base)}
+    return base
 
 
 def resumed_and_uninterrupted(path, cfg, batches):

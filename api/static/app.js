@@ -316,21 +316,8 @@ async function tryModel() {
       const body = await res.json().catch(() => null);
       throw new Error(body && body.error ? body.error.message : `HTTP ${res.status}`);
     }
-    const reader = res.body.getReader();
-    const decoder = new TextDecoder();
-    let buffer = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, { stream: true });
-      let cut;
-      while ((cut = buffer.indexOf("\n\n")) >= 0) {
-        const line = buffer.slice(0, cut).replace(/^data: /, "");
-        buffer = buffer.slice(cut + 2);
-        if (line === "[DONE]") continue;
-        const chunk = JSON.parse(line);
-        for (const c of chunk.choices || []) if (c.delta && c.delta.content) out.textContent += c.delta.content;
-      }
+    for await (const msg of sseMessages(res)) {  // the closing "data: [DONE]" is no JSON: parseSse drops it
+      for (const c of msg.data.choices || []) if (c.delta && c.delta.content) out.textContent += c.delta.content;
     }
     out.dataset.state = "done";
   } catch (err) {
@@ -378,28 +365,33 @@ async function follow(id) {
       const res = await fetch(`/finetune/${encodeURIComponent(id)}/events?after=${after}`,
         { headers: headers({ Accept: "text/event-stream" }), signal: ctrl.signal });
       if (!res.ok) { banner(`events: HTTP ${res.status}`); return; }
-      const reader = res.body.getReader();
-      const decoder = new TextDecoder();
-      let buffer = "";
-      for (;;) {
-        const { value, done } = await reader.read();
-        if (done) break;
-        buffer += decoder.decode(value, { stream: true });
-        let cut;
-        while ((cut = buffer.indexOf("\n\n")) >= 0) {
-          const block = buffer.slice(0, cut);
-          buffer = buffer.slice(cut + 2);
-          const msg = parseSse(block);
-          if (!msg) continue;
-          if (msg.id) after = Number(msg.id);
-          if (msg.event === "end") { refresh(); return; }
-          onEvent(msg.event, msg.data);
-        }
+      for await (const msg of sseMessages(res)) {
+        if (msg.id) after = Number(msg.id);
+        if (msg.event === "end") { refresh(); return; }
+        onEvent(msg.event, msg.data);
       }
     } catch (err) {
       if (ctrl.signal.aborted) return;
     }
     await sleep(2000);  // the stream broke off: resume after the last event seen
+  }
+}
+
+// the server-sent events of a response as they arrive (each block up to a blank line), parsed by parseSse
+async function* sseMessages(res) {
+  const reader = res.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const msg = parseSse(buffer.slice(0, cut));
+      buffer = buffer.slice(cut + 2);
+      if (msg) yield msg;
+    }
   }
 }
 

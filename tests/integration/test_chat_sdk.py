@@ -21,7 +21,7 @@ from api.server import running_server
 from api.testing import make_testbed
 from horizon_ray.engine.generate import Generator, Request, SamplingParams
 from tests.integration.test_openai_sdk import jsonl, sdk, wait_for
-from tests.tiny import JOB_LLAMA
+from tests.tiny import catalogue_model
 
 pytestmark = pytest.mark.integration
 HI = [{"role": "user", "content": "add 2 and 3"}]
@@ -29,18 +29,9 @@ HI = [{"role": "user", "content": "add 2 and 3"}]
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory):
-    from horizon_ray.data import build_demo_tokenizer
-    from horizon_ray.engine import Engine, EngineConfig
-
     root = tmp_path_factory.mktemp("chat")
     bed = make_testbed(root, tenants=("acme", "globex"), quotas={"default": {"max_concurrent_jobs": 8}})
-    base = bed.root / "models" / "1GiB"  # the fake planner's size; a real model inside
-    shutil.rmtree(base)
-    eng = Engine.from_config(JOB_LLAMA, EngineConfig(device="cpu", seed=7))
-    eng.save_pretrained(base)
-    eng.close()
-    build_demo_tokenizer(base)
-    bed.settings.model_catalogue = {"tiny-1g": base}
+    catalogue_model(bed)
     yield bed
     bed.close()
 
