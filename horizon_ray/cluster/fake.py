@@ -36,7 +36,7 @@ from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, Launch, NodeI
 from horizon_ray.cluster.nodes import parse_node_value
 from horizon_ray.cluster.placement import default_planner
 from horizon_ray.cluster.tenants import TenantsConfig, parse_bytes
-from horizon_ray.job.events import Checkpoint, CheckpointBegin, Done, Error, Event, Metrics, Start
+from horizon_ray.job.events import Checkpoint, CheckpointBegin, Done, Error, Eval, Event, Metrics, Start
 
 
 @dataclass
@@ -65,7 +65,8 @@ class FakeJob:
 
 
 def fake_rewards(step: int, total_steps: int) -> dict[str, float]:
-    """A fake DPO step's metrics (TRL's names): the margin grows 0.1 a step, the accuracy to 1 at the last step."""
+    """A fake DPO step's metrics (TRL's names): the margin grows 0.1 a step, the accuracy to 1 at the last step
+    (the end's eval: to 0.5, as if `total_steps` were twice as many)."""
     return {"loss": 1.0 / step, "rewards/chosen": 0.05 * step, "rewards/rejected": -0.05 * step,
             "rewards/accuracies": min(1.0, step / total_steps), "rewards/margins": 0.1 * step,
             "logps/chosen": -20.0 + step, "logps/rejected": -20.0 - step}
@@ -181,6 +182,9 @@ class FakeAgent:
                 self._emit(Checkpoint(step=job.step, path=f"{job.output_dir}/checkpoints/step-{job.step:08d}",
                                       pruned=pruned), job)
             if job.step >= job.total_steps:
+                if job.preference:  # the eval of the run's end, over held-out pairs
+                    self._emit(Eval(step=job.step, eval_loss=0.5, eval_tokens=8,
+                                    eval_preference=fake_rewards(job.step, 2 * job.total_steps)), job)
                 self._emit(Done(step=job.step, final_dir=f"{job.output_dir}/final"), job)
                 self._exit(job, 0)
 

@@ -165,7 +165,12 @@ def test_a_dpo_jobs_page_shows_its_rewards_as_the_loss_is_shown(browser, served)
     assert values["rewards/margins"] == f"{last['rewards/margins']:.4g}"
     assert values["rewards/chosen"] == f"{last['rewards/chosen']:.4g}"
     assert values["rewards/rejected"] == f"{last['rewards/rejected']:.4g}"
+    evaluated = fake_rewards(steps, 2 * steps)  # the fake's eval at the end
+    assert values["eval rewards/accuracies"] == "50.0 %"
+    assert values["eval rewards/margins"] == f"{evaluated['rewards/margins']:.4g}"
     lines = page.locator("#events li[data-type='metrics']").all_text_contents()
-    assert len(lines) == steps
+    assert len(lines) == steps + 1
     assert f"reward accuracy {100 * fake_rewards(3, steps)['rewards/accuracies']:.1f} %, margin 0.3" in lines[2]
+    assert lines[-1].endswith(f"step {steps}: eval loss 0.5, reward accuracy 50.0 %, margin "
+                              f"{evaluated['rewards/margins']:.4g}"), lines[-1]
     assert not console_errors, console_errors
