@@ -227,8 +227,8 @@ JOB_LLAMA = {
 }
 
 
-def job_model(path):
-    """A JOB_LLAMA model directory at `path` (random init, seed 7) with the demo tokenizer."""
+def demo_model(path):
+    """JOB_LLAMA (random init, seed 7) saved at `path` with the demo tokenizer."""
     from horizon_ray.data import build_demo_tokenizer
     from horizon_ray.engine import Engine, EngineConfig
 
@@ -240,22 +240,36 @@ def job_model(path):
 
 
 def job_assets(root, n_examples: int):
-    """`root/model` (job_model) and `root/train.jsonl`."""
+    """`root/model` (demo_model) and `root/train.jsonl`."""
     from horizon_ray.data import make_demo_dataset
 
-    job_model(root / "model")
+    demo_model(root / "model")
     make_demo_dataset(root / "train.jsonl", n_examples, seed=1)
     return root
 
 
+def preference_assets(root, n_train: int, n_eval: int):
+    """`root/model` (demo_model), `root/train.jsonl` and `root/eval.jsonl`: the demo's preference pairs, the
+    eval prompts none of the training ones."""
+    import json
+
+    from horizon_ray.data import make_demo_preferences
+
+    demo_model(root / "model")
+    make_demo_preferences(root / "train.jsonl", n_train, seed=1)
+    train_prompts = {json.loads(line)["prompt"][0]["content"] for line in open(root / "train.jsonl")}
+    make_demo_preferences(root / "eval.jsonl", n_eval, seed=2, exclude=train_prompts)
+    return root
+
+
 def catalogue_model(bed):
-    """A real model (job_model) in an API testbed's catalogue as ``tiny-1g``, in place of the testbed's empty
+    """A real model (demo_model) in an API testbed's catalogue as ``tiny-1g``, in place of the testbed's empty
     ``1GiB`` directory (the fake planner reads the size from that name); its path."""
     import shutil
 
     base = bed.root / "models" / "1GiB"
     shutil.rmtree(base)
-    bed.settings.model_catalogue = {"tiny-1g": job_model(base)}
+    bed.settings.model_catalogue = {"tiny-1g": demo_model(base)}
     return base
 
 

@@ -13,7 +13,7 @@ import yaml
 from safetensors.torch import load_file
 
 from horizon_ray.job.events import Done, Metrics, Start, read_events
-from tests.tiny import job_assets
+from tests.tiny import job_assets, preference_assets
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,31 +88,20 @@ def test_a_two_rank_run_killed_after_a_checkpoint_resumes_exactly(assets, tmp_pa
 
 
 @pytest.fixture(scope="module")
-def preference_assets(tmp_path_factory):
-    from horizon_ray.data import build_demo_tokenizer, make_demo_preferences
-    from horizon_ray.engine import Engine, EngineConfig
-    from tests.tiny import JOB_LLAMA
-
-    root = tmp_path_factory.mktemp("dpo-assets")
-    eng = Engine.from_config(JOB_LLAMA, EngineConfig(device="cpu", seed=7))
-    eng.save_pretrained(root / "model")
-    eng.close()
-    build_demo_tokenizer(root / "model")
-    make_demo_preferences(root / "train.jsonl", 64, seed=1)
-    make_demo_preferences(root / "eval.jsonl", 8, seed=2)
-    return root
+def pairs(tmp_path_factory):
+    return preference_assets(tmp_path_factory.mktemp("dpo-assets"), 64, 8)
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
-def test_two_ranks_run_dpo_as_one_with_twice_the_micro_batches(preference_assets, tmp_path, finetune, method):
+def test_two_ranks_run_dpo_as_one_with_twice_the_micro_batches(pairs, tmp_path, finetune, method):
     """objective dpo over two gloo ranks: the leader computes the reference once, the follower reads it, each
     rank takes the reference log-probs of its own rows; losses, TRL's reward metrics and the weights equal one
     rank's with all the micro-batches."""
     def spec(out: Path, gpus: int, grad_accum: int) -> Path:
         doc = {
-            "model": {"path": str(preference_assets / "model")},
-            "data": {"path": str(preference_assets / "train.jsonl"),
-                     "eval_path": str(preference_assets / "eval.jsonl")},
+            "model": {"path": str(pairs / "model")},
+            "data": {"path": str(pairs / "train.jsonl"),
+                     "eval_path": str(pairs / "eval.jsonl")},
             "objective": "dpo", "dpo": {"beta": 0.1}, "method": method,
             "training": {"seq_len": 32, "micro_batch_size": 4, "grad_accum": grad_accum, "max_steps": 4,
                          "lr": 3e-3, "schedule": {"type": "constant"}, "seed": 3},
