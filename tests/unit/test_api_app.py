@@ -58,7 +58,8 @@ def test_every_other_route_needs_a_valid_key(http, headers):
                          ("POST", "/finetune/job-1/cancel"), ("GET", "/finetune/job-1/events"),
                          ("GET", "/finetune/job-1/checkpoints"), ("GET", "/finetune/job-1/outputs"),
                          ("GET", "/finetune/job-1/outputs/a"), ("GET", "/v1/fine_tuning/jobs"), ("GET", "/v1/files"),
-                         ("POST", "/v1/files"), ("GET", "/v1/models"), ("POST", "/v1/fine_tuning/jobs"),
+                         ("POST", "/v1/files"), ("GET", "/v1/models"), ("GET", "/v1/models/ft:a:b::job-1"),
+                         ("POST", "/v1/fine_tuning/jobs"),
                          ("POST", "/plan"), ("GET", "/nodes"), ("GET", "/queue"), ("GET", "/files"),
                          ("POST", "/files"), ("GET", "/files/file-1"), ("DELETE", "/files/file-1")]:
         r = http.request(method, path, headers=headers, json={} if method == "POST" else None)
