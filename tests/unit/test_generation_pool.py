@@ -70,6 +70,14 @@ class _FakeSession:
             self.gen.emptied.set()
 
 
+def _taken(pool, model="/m"):
+    """Wait until the worker has taken every queued request of the model (a condition, not a sleep)."""
+    deadline = time.monotonic() + 10
+    while model not in pool._models or pool._models[model].pending:
+        assert time.monotonic() < deadline, "the worker never took the queued requests"
+        time.sleep(0.005)
+
+
 def _req(text="hi", n=1, max_tokens=2):
     return GenerationRequest("/m", SamplingParams(max_tokens=max_tokens), prompt=text, n=n)
 
@@ -77,9 +85,9 @@ def _req(text="hi", n=1, max_tokens=2):
 def test_requests_waiting_together_run_as_one_batch(tmp_path):
     fake = _Recording()
     pool = ModelPool(load=lambda d: fake)
-    fake.release.clear()  # the first batch holds the worker while the next requests queue
+    fake.release.clear()  # the first admission holds the worker while the next requests queue
     first = pool.submit(_req())
-    time.sleep(0.1)
+    _taken(pool)
     later = [pool.submit(_req(n=2)), pool.submit(_req("abc"))]
     fake.release.set()
     outs = [list(h) for h in (first, *later)]
@@ -146,10 +154,7 @@ def test_a_request_joins_the_running_batch_and_a_cancelled_one_leaves_it():
     assert next(events).deltas  # it generates, and never finishes by itself
     fake.release.clear()  # the next admission waits: the worker holds the joining request
     later = pool.submit(_req("later", max_tokens=1000))
-    deadline = time.monotonic() + 10
-    while fake.batches != [1] or pool._models["/m"].pending:  # taken for admission (blocked on release)
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    _taken(pool)  # the worker holds it, blocked on release
     gone = pool.submit(_req("gone", max_tokens=1000))
     gone.cancel()  # cancelled while queued
     fake.release.set()
