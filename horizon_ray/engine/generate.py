@@ -125,20 +125,21 @@ class KVCache:
         """Every layer has cached T more positions."""
         self.length += T
 
-    def copy_rows(self, dst: KVCache, rows: torch.Tensor, shift: int) -> None:
-        """Into ``dst``'s first len(rows) rows, at slots shift .. shift + length - 1: these rows' cached slots
-        (a batch that rows join or leave is laid out again)."""
+    def copy_rows(self, dst: KVCache, rows: torch.Tensor, first: int, to: int) -> None:
+        """Into ``dst``'s first len(rows) rows, from slot ``to`` on: these rows' cached slots from ``first`` on
+        (a batch that rows join or leave is laid out again; slots before ``first`` hold none of their tokens)."""
         n = self.length
+        m = n - first
         for j in range(len(self.k)):
             for src, out in ((self.k[j], dst.k[j]), (self.v[j], dst.v[j])):
                 if j < self.on_device:
-                    part = src.index_select(0, rows.to(src.device))[:, :, :n]  # [b, kvH, n, d]
+                    part = src.index_select(0, rows.to(src.device))[:, :, first:n]  # [b, kvH, m, d]
                 else:
-                    part = src[:n].index_select(1, rows).permute(1, 2, 0, 3)
+                    part = src[first:n].index_select(1, rows).permute(1, 2, 0, 3)
                 if j < dst.on_device:
-                    out[:len(rows), :, shift:shift + n] = part.to(out.device)
+                    out[:len(rows), :, to:to + m] = part.to(out.device)
                 else:
-                    out[shift:shift + n, :len(rows)] = part.permute(2, 0, 1, 3).to(out.device)
+                    out[to:to + m, :len(rows)] = part.permute(2, 0, 1, 3).to(out.device)
 
 
 class _JoiningRows:
@@ -454,9 +455,9 @@ class Session:
         keys = list(keys)
         live = [b for b, row in enumerate(self.rows) if not row.done]
         n = self.cache.length if self.cache is not None else 0
+        first = self._first_used(live)  # slots before it hold no token of a row that stays: they go
         T = max(len(r.prompt_ids) for r in requests)
-        shift = max(0, T - n)
-        n2 = n + shift  # the slot every row's next token goes to
+        n2 = max(n - first, T)  # the slot every row's next token goes to
         # slots each row needs: its remaining tokens fed from n2 on (a joining row's first comes from its prompt)
         need = [n2 + self.rows[b].params.max_tokens - len(self.rows[b].tokens) for b in live]
         need += [n2 + r.params.max_tokens - 1 for r in requests]
@@ -466,9 +467,10 @@ class Session:
         valid = torch.zeros(B, S, dtype=torch.bool)
         if B0:
             keep = torch.tensor(live, dtype=torch.long)
-            self.cache.copy_rows(cache, keep, shift)
-            pos[:B0, shift:n2] = self.pos[keep, :n]
-            valid[:B0, shift:n2] = self.valid[keep, :n]
+            to = n2 - (n - first)
+            self.cache.copy_rows(cache, keep, first, to)
+            pos[:B0, to:n2] = self.pos[keep, first:n]
+            valid[:B0, to:n2] = self.valid[keep, first:n]
         ids_BT = torch.zeros(len(requests), T, dtype=torch.long)
         for i, r in enumerate(requests):
             p = len(r.prompt_ids)
@@ -523,14 +525,28 @@ class Session:
             live = [b for b, row in enumerate(self.rows) if not row.done]
             keep = torch.tensor(live, dtype=torch.long)
             old, gen = self.cache, self.gen
-            B, S = len(live), old.capacity
+            first = self._first_used(live)
+            n = old.length - first
+            # the slots the rows that stay still need: what they hold, and their remaining tokens
+            S = n + max(self.rows[b].params.max_tokens - len(self.rows[b].tokens) for b in live) + 1
+            B = len(live)
             self.cache = KVCache(gen.model, B, S, gen.dtype, gen.device, gen._device_kv_layers(B, S, 1),
                                  gen._buffers)
-            old.copy_rows(self.cache, keep, 0)
-            self.cache.length = old.length
-            self.pos, self.valid = self.pos[keep], self.valid[keep]
+            old.copy_rows(self.cache, keep, first, 0)
+            self.cache.length = n
+            pos, valid = self.pos[keep, first:], self.valid[keep, first:]
+            self.pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, S - pos.shape[1] + 1)[None]], 1)[:, :S]
+            self.valid = torch.cat([valid, valid.new_ones(B, max(S - valid.shape[1], 0))], 1)[:, :S]
             for name in ("rows", "keys", "next_ids", "next_pos"):
                 setattr(self, name, [getattr(self, name)[b] for b in live])
+
+    def _first_used(self, live: list[int]) -> int:
+        """The first cached slot holding a token of one of these rows (the batch's length if none)."""
+        n = self.cache.length if self.cache is not None else 0
+        if not live or self.cache is None:
+            return n
+        used = self.valid[torch.tensor(live, dtype=torch.long), :n].any(0).nonzero()
+        return int(used[0]) if len(used) else n
 
 
 class _Row:

@@ -271,3 +271,31 @@ def test_rows_that_join_and_leave_a_running_batch_make_the_tokens_they_make_alon
             assert got[key] == want[:cancelled_at] and cancelled_at < max_tokens[key]
         else:
             assert got[key] == want, key
+
+
+def test_a_session_under_steady_traffic_keeps_only_the_slots_its_rows_use(tmp_path):
+    """A service's session may never empty: request after request joins while others finish. The slots before
+    the oldest row that stays are dropped whenever the batch is laid out again, so the cache stays the size of
+    what its rows hold and need, however long the session runs; every row still gets HF's tokens."""
+    path, cls = tiny_llama(tmp_path)
+    ref = _reference(cls, path)
+    gen = Generator.from_pretrained(path, device="cpu", tokenizer=None)
+    gen.eos_ids = frozenset()
+    session = gen.session()
+    prompts = [PROMPTS[i % 3] for i in range(8)]
+    got: dict = {i: [] for i in range(8)}
+    capacities = []
+    for i, prompt in enumerate(prompts):  # a request joins every 4 steps; each runs 6 tokens
+        for key, d in session.admit([Request(tuple(prompt), SamplingParams(max_tokens=6))], [i]):
+            got[key].append(d.token_id)
+        for _ in range(4):
+            for key, d in session.step():
+                got[key].append(d.token_id)
+        capacities.append(session.cache.capacity)
+    while len(session):
+        for key, d in session.step():
+            got[key].append(d.token_id)
+    # 8 requests over 32 steps: without trimming the slots would grow past 32 + 10
+    assert max(capacities) <= 10 + 2 * 6 + 1, capacities
+    for i, prompt in enumerate(prompts):
+        assert got[i] == _hf_greedy(ref, prompt, 6), i
