@@ -1,0 +1,148 @@
+"""LoRA on a pre-quantized checkpoint: a model directory transformers saved with a bitsandbytes
+``quantization_config`` (what the hub's ``*-bnb-4bit`` models are), against PEFT over that directory as
+transformers loads it.
+
+The checkpoints are written the way users get them: a tiny model loaded by transformers with
+``BitsAndBytesConfig`` on the CPU (quantized by bitsandbytes' CPU backend), then ``save_pretrained``
+(bitsandbytes' HF serialization: the codes with ``.absmax``, ``.quant_map``, ``.nested_absmax``,
+``.nested_quant_map`` and ``.quant_state.bitsandbytes__<type>`` beside them; int8 rows with ``.SCB``). The bnb
+config's compute dtype is float32 so that the reference runs in fp32 like the engine. The byte test uses a
+checkpoint quantized from bf16 (the hub's: bf16 norms and a bf16 quant state); the training tests one quantized
+from fp32, because over a bf16 quant state bitsandbytes 0.50's MatMul4Bit is not one function of the weights in
+fp32: its forward dequantizes into the activations' dtype (fp32), its backward into the state's (bf16) and
+casts (the engine dequantizes into the compute dtype, as that forward does; in bf16, on the GPU, both are one).
+
+Tolerances: those of test_engine_qlora.py and for the same reason: the engine's packed bytes are the
+checkpoint's (asserted first), both sides dequantize them with bitsandbytes into fp32, so what differs is the
+order of fp32 sums.
+"""
+
+import json
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors import safe_open
+from transformers import BitsAndBytesConfig
+
+from horizon_ray.engine import Engine, EngineConfig, LoraConfig
+from horizon_ray.errors import BadInput
+from tests.tiny import V, peft_reference, tiny_llama
+from tests.unit.test_engine_qlora import ALL, HP, _packed_parts, _train_against_reference
+
+# (lora.quantize, double quantization of the 4-bit scales): QLoRA's nf4, fp4, nf4 without double quantization
+# (BitsAndBytesConfig's default use_double_quant=False), LLM.int8
+FORMATS = [("nf4", True), ("fp4", True), ("nf4", False), ("int8", False)]
+IDS = [f"{q}{'' if nested or q == 'int8' else '-single'}" for q, nested in FORMATS]
+
+
+def _saved_quantized(tmp_path, quantize, nested, dtype=torch.float32):
+    """A tiny Llama saved pre-quantized by transformers + bitsandbytes from ``dtype`` weights; (its directory,
+    the model class)."""
+    path, cls = tiny_llama(tmp_path, "base")
+    if quantize == "int8":
+        bnb = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantize, bnb_4bit_use_double_quant=nested,
+                                 bnb_4bit_compute_dtype=torch.float32)
+    cls.from_pretrained(path, quantization_config=bnb, device_map="cpu", dtype=dtype).save_pretrained(
+        tmp_path / "quantized")
+    return tmp_path / "quantized", cls
+
+
+def _loaded(cls, qdir):
+    """The checkpoint as transformers loads it (its own quantization_config)."""
+    return cls.from_pretrained(qdir, device_map="cpu", dtype=torch.float32)
+
+
+def _engine(qdir, quantize="none", **kw):
+    lora = LoraConfig(r=4, alpha=8, targets=ALL, quantize=quantize)
+    return Engine.from_pretrained(qdir, EngineConfig(**HP, device="cpu", compute_dtype="float32", lora=lora, **kw))
+
+
+@pytest.mark.parametrize(("quantize", "nested"), FORMATS, ids=IDS)
+def test_stored_bytes_are_taken_as_they_are(tmp_path, quantize, nested):
+    qdir, _ = _saved_quantized(tmp_path, quantize, nested, torch.bfloat16)
+    config = json.loads((qdir / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "bitsandbytes"
+    eng = _engine(qdir)  # lora.quantize left at its default: the checkpoint's
+    assert eng.lora.quantize == quantize
+    ours = _packed_parts(eng)
+    assert len(ours) == 7 * 4  # every projection of every layer
+    with safe_open(qdir / "model.safetensors", "pt") as f:
+        for name, parts in ours.items():
+            if quantize == "int8":
+                assert torch.equal(parts["cb"].view(torch.int8), f.get_tensor(name).reshape(-1)), name
+                assert torch.equal(parts["scb"].view(torch.float32), f.get_tensor(name.removesuffix("weight") + "SCB"))
+                continue
+            assert torch.equal(parts["codes"], f.get_tensor(name).reshape(-1)), name
+            if not nested:
+                assert set(parts) == {"codes", "absmax"}  # fp32 scales, kept as they are (no double quantization)
+                assert torch.equal(parts["absmax"].view(torch.float32), f.get_tensor(name + ".absmax")), name
+                continue
+            assert torch.equal(parts["absmax"], f.get_tensor(name + ".absmax")), name
+            nested_absmax = f.get_tensor(name + ".nested_absmax")
+            assert torch.equal(parts["absmax2"][:4 * nested_absmax.numel()].view(torch.float32), nested_absmax)
+            state = json.loads(bytes(f.get_tensor(name + f".quant_state.bitsandbytes__{quantize}").tolist()))
+            assert parts["offset"][:4].view(torch.float32).item() == state["nested_offset"], name
+        # the norms are the checkpoint's (bf16 on disk), exactly
+        norm = f.get_tensor("model.layers.2.input_layernorm.weight")
+        assert norm.dtype == torch.bfloat16
+        unit = eng.store.units[3]
+        key = next(t.key for t in unit.layout.tensors if t.name == "model.layers.2.input_layernorm.weight")
+        assert torch.equal(eng.store.packed[3].plain(unit.master, key), norm.float())
+    eng.close()
+
+
+@pytest.mark.parametrize(("quantize", "nested"), FORMATS, ids=IDS)
+def test_lora_on_a_prequantized_base_matches_peft(tmp_path, quantize, nested):
+    qdir, cls = _saved_quantized(tmp_path, quantize, nested)
+    lora = LoraConfig(r=4, alpha=8, targets=ALL, quantize=quantize)
+    ref, init = peft_reference(_loaded(cls, qdir), lora, tmp_path)
+    eng = _engine(qdir, quantize, max_grad_norm=0.05)  # lora.quantize named, and agreeing
+    _train_against_reference(eng, ref, init)
+    # the adapter loads with PEFT on the pre-quantized checkpoint and gives the engine's logits
+    ids = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(9))
+    loaded = PeftModel.from_pretrained(_loaded(cls, qdir), eng.save_pretrained(tmp_path / "adapter")).train()
+    torch.testing.assert_close(eng.forward_logits(ids), loaded(input_ids=ids).logits.float(), rtol=1e-4, atol=1e-5)
+    eng.close()
+
+
+def test_a_quantize_that_disagrees_with_the_checkpoint_names_both_and_the_fix(tmp_path):
+    from horizon_ray.planner import Adapters, plan
+
+    qdir, _ = _saved_quantized(tmp_path, "nf4", True)
+    with pytest.raises(BadInput, match=r"lora.quantize is int8 but the model is a pre-quantized nf4 checkpoint.*"
+                                       r"set lora.quantize to nf4 or leave it out") as exc:
+        _engine(qdir, "int8")
+    assert exc.value.field == "lora.quantize"
+    with pytest.raises(BadInput, match="lora.quantize is fp4 but the model is a pre-quantized nf4"):
+        plan(qdir, method="lora", lora=Adapters(quantize="fp4"), device="cpu")
+
+
+def test_full_fine_tuning_of_a_prequantized_base_is_refused(tmp_path):
+    from horizon_ray.planner import plan
+
+    qdir, _ = _saved_quantized(tmp_path, "int8", False)
+    with pytest.raises(BadInput, match="pre-quantized int8 checkpoint.*cannot be fine-tuned in full; use method: lora"):
+        Engine.from_pretrained(qdir, EngineConfig(device="cpu", compute_dtype="float32"))
+    with pytest.raises(BadInput, match="cannot be fine-tuned in full"):
+        plan(qdir, method="full", device="cpu")
+
+
+@pytest.mark.parametrize(("quantize", "nested"), FORMATS, ids=IDS)
+def test_the_plan_counts_the_checkpoints_bytes(tmp_path, quantize, nested):
+    """plan on the directory: the host bytes the engine holds for it (its packed base), not bf16's."""
+    from horizon_ray.planner import plan
+
+    qdir, _ = _saved_quantized(tmp_path, quantize, nested)
+    kw = dict(method="lora", lora={"r": 4, "targets": list(ALL)}, compute_dtype="float32", device="cpu",
+              seq_len=16, micro_batch_size=2, grad_accum=1, checkpoint_every=1)
+    p = plan(qdir, **kw)
+    eng = _engine(qdir)
+    got, want = eng.store.bytes_by_kind(), p.breakdown["host"]
+    assert got == {"master": want["master"], "moments": want["moments"], "grads": want["grads"],
+                   "wire": want["weights"]}
+    unquantized = plan(tmp_path / "base", **kw)
+    assert want["weights"] < 0.5 * unquantized.breakdown["host"]["weights"]
+    eng.close()
