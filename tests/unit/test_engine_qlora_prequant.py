@@ -21,6 +21,7 @@ import json
 
 import pytest
 import torch
+from bitsandbytes import functional as bnbF
 from peft import PeftModel
 from safetensors import safe_open
 from transformers import BitsAndBytesConfig
@@ -145,4 +146,60 @@ def test_the_plan_counts_the_checkpoints_bytes(tmp_path, quantize, nested):
                    "wire": want["weights"]}
     unquantized = plan(tmp_path / "base", **kw)
     assert want["weights"] < 0.5 * unquantized.breakdown["host"]["weights"]
+    eng.close()
+
+
+def test_moe_checkpoint_experts_kept_in_floats_are_quantized_as_lora_quantize_does(tmp_path):
+    """transformers 5 leaves a MoE's stacked experts (no nn.Linear) in floats in a bnb checkpoint: the engine
+    takes the checkpoint's packed attention as it is and quantizes each expert as ``lora.quantize`` does (what
+    test_engine_qlora's MoE reference multiplies by)."""
+    from tests.tiny import tiny_mixtral
+    from tests.unit.test_engine_qlora import EXPERTS, _bnb_config, _quantize_experts
+
+    path, cls = tiny_mixtral(tmp_path, "base")
+    qdir = tmp_path / "quantized"
+    cls.from_pretrained(path, quantization_config=_bnb_config("nf4"), device_map="cpu",
+                        dtype=torch.float32).save_pretrained(qdir)
+    lora = LoraConfig(r=4, alpha=8, targets=("q_proj", "v_proj", *EXPERTS), quantize="nf4")
+    ref, init = peft_reference(_quantize_experts(_loaded(cls, qdir), "nf4"), lora, tmp_path, expert_targets=EXPERTS)
+    eng = Engine.from_pretrained(qdir, EngineConfig(**HP, device="cpu", compute_dtype="float32", max_grad_norm=0.05,
+                                                    lora=LoraConfig(r=4, alpha=8, targets=lora.targets)))
+    assert eng.lora.quantize == "nf4"
+    parts = _packed_parts(eng)
+    with safe_open(qdir / "model.safetensors", "pt") as f:
+        name = "model.layers.1.self_attn.q_proj.weight"
+        assert torch.equal(parts[name]["codes"], f.get_tensor(name).reshape(-1))
+        assert torch.equal(parts[name]["absmax"], f.get_tensor(name + ".absmax"))
+        expert = "model.layers.1.block_sparse_moe.experts.2.w2.weight"
+        assert f.get_tensor(expert).dtype == torch.float32  # stored in floats: quantized by the engine
+        q, _ = bnbF.quantize_4bit(f.get_tensor(expert), blocksize=64, compress_statistics=True, quant_type="nf4")
+        assert torch.equal(parts[expert]["codes"], q.reshape(-1))
+    _train_against_reference(eng, ref, init)
+    eng.close()
+
+
+def test_a_4bit_weight_of_another_block_size_is_dequantized_and_quantized_again(tmp_path):
+    """Our 4-bit layout has blocks of 64 (QLoRA's; bitsandbytes on ROCm used 128): a weight stored with other
+    blocks is dequantized as bitsandbytes does and quantized into ours, the one load that rounds twice."""
+    from safetensors.torch import load_file, save_file
+
+    qdir, _ = _saved_quantized(tmp_path, "nf4", True)
+    tensors = load_file(qdir / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight"
+    for k in [k for k in tensors if k.startswith(name + ".")]:
+        del tensors[k]
+    with safe_open(tmp_path / "base" / "model.safetensors", "pt") as f:
+        w = f.get_tensor(name)
+    codes, state = bnbF.quantize_4bit(w, blocksize=128, compress_statistics=True, quant_type="nf4")
+    tensors[name] = codes  # what bitsandbytes' Params4bit saves, its quant state packed beside it
+    tensors.update({f"{name}.{k}": v for k, v in state.as_dict(packed=True).items()})
+    save_file(tensors, qdir / "model.safetensors", metadata={"format": "pt"})
+    eng = _engine(qdir)
+    got = _packed_parts(eng)[name]
+    want, want_state = bnbF.quantize_4bit(bnbF.dequantize_4bit(codes, state), blocksize=64, compress_statistics=True,
+                                          quant_type="nf4")
+    assert torch.equal(got["codes"], want.reshape(-1)) and torch.equal(got["absmax"], want_state.absmax)
+    other = "model.layers.1.mlp.down_proj.weight"  # the rest still as stored
+    with safe_open(qdir / "model.safetensors", "pt") as f:
+        assert torch.equal(_packed_parts(eng)[other]["codes"], f.get_tensor(other).reshape(-1))
     eng.close()
