@@ -502,7 +502,9 @@ def format_plan(p: Plan) -> str:
     """The plan as a readable table."""
     rows = [f"model        {p.model}: {human_params(p.params)} params"
             + (f", {human_params(p.trainable_params)} trainable" if p.trainable_params != p.params else ""),
-            f"job          {p.method}, mode {p.mode}, {p.compute_dtype} on {p.device}; seq {p.seq_len} x micro "
+            f"job          {p.method}, mode {p.mode}"
+            + (f", base {p.lora['quantize']}" if p.lora and p.lora.get("quantize", "none") != "none" else "")
+            + f", {p.compute_dtype} on {p.device}; seq {p.seq_len} x micro "
             f"{p.micro_batch_size} x accum {p.grad_accum} = {p.tokens_per_step} tokens/step; "
             f"{recomputation(p.checkpoint_every)}",
             f"node         {format_bytes(p.node.get('ram_bytes', 0))} RAM, "

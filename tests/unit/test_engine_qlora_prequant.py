@@ -134,7 +134,7 @@ def test_full_fine_tuning_of_a_prequantized_base_is_refused(tmp_path):
 @pytest.mark.parametrize(("quantize", "nested"), FORMATS, ids=IDS)
 def test_the_plan_counts_the_checkpoints_bytes(tmp_path, quantize, nested):
     """plan on the directory: the host bytes the engine holds for it (its packed base), not bf16's."""
-    from horizon_ray.planner import plan
+    from horizon_ray.planner import format_plan, plan
 
     qdir, _ = _saved_quantized(tmp_path, quantize, nested)
     kw = dict(method="lora", lora={"r": 4, "targets": list(ALL)}, compute_dtype="float32", device="cpu",
@@ -146,7 +146,19 @@ def test_the_plan_counts_the_checkpoints_bytes(tmp_path, quantize, nested):
                    "wire": want["weights"]}
     unquantized = plan(tmp_path / "base", **kw)
     assert want["weights"] < 0.5 * unquantized.breakdown["host"]["weights"]
+    assert f"mode lora, base {quantize}," in format_plan(p) and "mode lora, base" not in format_plan(unquantized)
     eng.close()
+
+
+def test_a_checkpoint_quantized_otherwise_is_refused_by_name():
+    from horizon_ray.planner import plan
+    from tests.tiny import llama_config
+
+    config = {**llama_config(2), "quantization_config": {"quant_method": "gptq", "bits": 4}}
+    with pytest.raises(BadInput, match="quantized by 'gptq'.*bitsandbytes' 4-bit and 8-bit checkpoints only"):
+        plan(config, method="lora", device="cpu")
+    with pytest.raises(BadInput, match="quantized by 'gptq'"):
+        Engine.from_config(config, EngineConfig(device="cpu", lora=LoraConfig()))
 
 
 def test_moe_checkpoint_experts_kept_in_floats_are_quantized_as_lora_quantize_does(tmp_path):
