@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from horizon_ray.engine import io, preference
 from horizon_ray.engine import lora as lora_io
-from horizon_ray.engine.config import EngineConfig, resolve_device
+from horizon_ray.engine.config import DTYPES, EngineConfig, resolve_device
 from horizon_ray.engine.fence import Fence
 from horizon_ray.engine.grads import DeviceGrads, HostGrads
 from horizon_ray.engine.kernels import Kernels, resolve_kernels
@@ -345,17 +345,18 @@ class Engine:
         self.synchronize()
         if self.lora is not None:
             return lora_io.save_adapter(self.store.adapters, self.lora, self.base_model_path, Path(out_dir))
-        return io.save_pretrained(self.store, self.model.hf, Path(out_dir), getattr(torch, self.cfg.save_dtype),
+        return io.save_pretrained(self.store, self.model.hf, Path(out_dir), DTYPES[self.cfg.save_dtype or "float32"],
                                   self.cfg.max_shard_bytes, self.model.tie_word_embeddings)
 
     def save_merged(self, out_dir: str | Path) -> Path:
         """LoRA only: the full model in HF format with every adapter merged, W + scaling x B A (computed in
-        fp32, written in save_dtype)."""
+        fp32, written in save_dtype; by default float32, or for a quantized base the compute dtype)."""
         if self.lora is None:
             raise BadInput("save_merged merges LoRA adapters; this engine fine-tunes the whole model, whose "
                              "save_pretrained already writes the full model")
         self._optimizer.wait_all()
-        return io.save_pretrained(self.store, self.model.hf, Path(out_dir), getattr(torch, self.cfg.save_dtype),
+        dtype = self.cfg.save_dtype or (self.cfg.compute_dtype if self.store.quantize != "none" else "float32")
+        return io.save_pretrained(self.store, self.model.hf, Path(out_dir), DTYPES[dtype],
                                   self.cfg.max_shard_bytes, self.model.tie_word_embeddings,
                                   merge=lora_io.merge_fn(self.store.adapters, self.lora, self.model))
 

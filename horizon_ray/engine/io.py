@@ -124,6 +124,7 @@ def save_pretrained(store: HostStore, hf_config: dict, out_dir: Path, dtype: tor
             with open(tmp / "model.safetensors.index.json", "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         config = dict(hf_config)
+        config.pop("quantization_config", None)  # a pre-quantized base's: what is written here are floats
         dtype_name = str(dtype).removeprefix("torch.")
         config["torch_dtype"] = dtype_name
         config["dtype"] = dtype_name

@@ -215,3 +215,33 @@ def test_a_4bit_weight_of_another_block_size_is_dequantized_and_quantized_again(
     with safe_open(qdir / "model.safetensors", "pt") as f:
         assert torch.equal(_packed_parts(eng)[other]["codes"], f.get_tensor(other).reshape(-1))
     eng.close()
+
+
+def test_the_merged_model_of_a_quantized_base_is_written_in_the_compute_dtype_unless_asked(tmp_path):
+    """save_merged on a quantized base: the dequantized base + adapter in the compute dtype (bf16 here, not
+    float32, which doubled the files and held no more of the base); save_dtype, when given, still decides."""
+    from tests.tiny import random_batches
+
+    qdir, cls = _saved_quantized(tmp_path, "nf4", True, torch.bfloat16)
+    merged = {}
+    for save_dtype in (None, "float32"):
+        eng = Engine.from_pretrained(qdir, EngineConfig(**HP, device="cpu", compute_dtype="bfloat16",
+                                                        save_dtype=save_dtype, lora=LoraConfig(r=4, targets=ALL)))
+        for mbs in random_batches(2, micro=1):
+            eng.train_step(mbs)
+        out = eng.save_merged(tmp_path / f"merged-{save_dtype}")
+        assert json.loads((out / "config.json").read_text())["dtype"] == (save_dtype or "bfloat16")
+        with safe_open(out / "model.safetensors", "pt") as f:
+            merged[save_dtype] = {k: f.get_tensor(k) for k in f.keys()}
+        eng.close()
+    assert {t.dtype for t in merged[None].values()} == {torch.bfloat16}
+    assert {t.dtype for t in merged["float32"].values()} == {torch.float32}
+    for name, w in merged[None].items():  # the same merge, rounded once to bf16
+        assert torch.equal(w, merged["float32"][name].to(torch.bfloat16)), name
+    # the merged model is a plain (unquantized) model: its config.json carries no quantization_config
+    hf = cls.from_pretrained(tmp_path / "merged-None")
+    assert type(hf.model.layers[0].self_attn.q_proj) is torch.nn.Linear and hf.dtype == torch.bfloat16
+    plain = Engine.from_pretrained(tmp_path / "merged-None", EngineConfig(device="cpu", compute_dtype="bfloat16",
+                                                                          lora=LoraConfig(r=4)))
+    assert plain.lora.quantize == "none"
+    plain.close()
