@@ -245,3 +245,22 @@ def test_the_merged_model_of_a_quantized_base_is_written_in_the_compute_dtype_un
                                                                           lora=LoraConfig(r=4)))
     assert plain.lora.quantize == "none"
     plain.close()
+
+
+def test_codes_in_another_quant_storage_dtype_are_read_as_their_bytes(tmp_path):
+    """bnb_4bit_quant_storage=bfloat16 (FSDP-QLoRA's checkpoints): the codes are stored as a bf16 tensor."""
+    path, cls = tiny_llama(tmp_path, "base")
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.bfloat16)
+    qdir = tmp_path / "quantized"
+    cls.from_pretrained(path, quantization_config=bnb, device_map="cpu", dtype=torch.float32).save_pretrained(qdir)
+    eng = _engine(qdir)
+    name = "model.layers.2.mlp.gate_proj.weight"
+    with safe_open(qdir / "model.safetensors", "pt") as f:
+        stored = f.get_tensor(name)
+    assert stored.dtype == torch.bfloat16
+    assert torch.equal(_packed_parts(eng)[name]["codes"], stored.reshape(-1).view(torch.uint8))
+    ids = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(4))
+    want = _loaded(cls, qdir).train()(input_ids=ids).logits
+    torch.testing.assert_close(eng.forward_logits(ids), want, rtol=1e-4, atol=1e-5)
+    eng.close()
