@@ -20,6 +20,11 @@ codes and block scales of a chunk depend only on its blocks, the double quantiza
 runs once over the whole tensor's scales, as ``quantize_4bit`` does. Peak beyond the store: one source tensor
 plus a few fp32 chunks. On a CUDA engine the chunks are quantized on the GPU (as transformers does when it
 moves a bitsandbytes model to the GPU); on the CPU by bitsandbytes' CPU backend.
+
+A pre-quantized checkpoint (saved by transformers with a bitsandbytes ``quantization_config``) is read as it
+is stored (``StoredTensor``: the codes and QuantState of a 4-bit weight, the rows and SCB of an int8 one) and
+``take`` copies its bytes into the parts above where its quant state is ours (a checkpoint without double
+quantization keeps its fp32 block scales: ``nested`` False); otherwise it is dequantized and packed.
 """
 
 from __future__ import annotations
@@ -262,7 +267,8 @@ class StoredTensor:
         fmt = companions.get(name + "_format")
         if fmt is not None and int(fmt) != 0:
             raise BadInput(f"{name} is stored in bitsandbytes' int8 weight format {int(fmt)} (a tiled GPU layout of "
-                           "older versions); save the checkpoint again with bitsandbytes >= 0.45, which stores rows")
+                           "older versions, not rows); save the checkpoint again with a current bitsandbytes "
+                           "(weight_format 0) or give the bf16 checkpoint")
         if four_bit:
             self.state = _bnb().QuantState.from_dict(four_bit, device=torch.device("cpu"))
             self.kind = self.state.quant_type
@@ -285,7 +291,7 @@ class StoredTensor:
             return self.data.to(dtype).mul_(self.scb.unsqueeze(1).mul(1.0 / 127.0))
         if self.state is not None:
             # straight into ``dtype``, as the forward of bitsandbytes' MatMul4Bit dequantizes into the activations'
-            # dtype (the state's dtype, the weights' when they were quantized, only names the default)
+            # dtype (the state's own dtype, the weights' when they were quantized, is what its backward uses)
             self.state.dtype = dtype
             return _bnb().dequantize_4bit(self.data.reshape(-1).view(torch.uint8).view(-1, 1), self.state)
         return self.data
