@@ -264,3 +264,20 @@ def test_codes_in_another_quant_storage_dtype_are_read_as_their_bytes(tmp_path):
     want = _loaded(cls, qdir).train()(input_ids=ids).logits
     torch.testing.assert_close(eng.forward_logits(ids), want, rtol=1e-4, atol=1e-5)
     eng.close()
+
+
+def test_a_job_spec_on_a_prequantized_directory_is_placed_by_its_packed_bytes(tmp_path):
+    """The coordinator places a job by plan_for_spec: lora.quantize left out, the checkpoint's is planned;
+    method full is refused before any node is asked."""
+    from horizon_ray.jobspec import JobSpec
+    from horizon_ray.planner import plan_for_spec
+
+    qdir, _ = _saved_quantized(tmp_path, "nf4", True)
+    spec = {"model": {"path": str(qdir)}, "data": {"path": "train.jsonl"}, "method": "lora", "output_dir": "runs/x",
+            "training": {"max_steps": 1}}
+    quantized = plan_for_spec(JobSpec.from_dict(spec))
+    plain = plan_for_spec(JobSpec.from_dict({**spec, "model": {"path": str(tmp_path / "base")}}))
+    assert quantized.lora["quantize"] == "nf4" and plain.lora["quantize"] == "none"
+    assert quantized.breakdown["host"]["weights"] < 0.5 * plain.breakdown["host"]["weights"]
+    with pytest.raises(BadInput, match="cannot be fine-tuned in full"):
+        plan_for_spec(JobSpec.from_dict({**spec, "method": "full"}))
