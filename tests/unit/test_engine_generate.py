@@ -329,3 +329,32 @@ def test_an_adapter_on_a_pre_quantized_base_generates_as_peft_over_bitsandbytes(
             for _ in range(10):
                 seq = torch.cat([seq, peft(input_ids=seq).logits[0, -1].argmax().view(1, 1)], 1)
         assert c.token_ids == seq[0, len(prompt):].tolist(), prompt
+
+
+def test_a_decode_steps_grouped_query_attention_repeats_no_keys(monkeypatch):
+    """One query a row with grouped heads (a decode step): the query heads of each key/value head are folded
+    into its queries, so SDPA runs without grouped-query support (its math path repeats every cached key and
+    value per query head) and gives what the grouped-query call gives."""
+    import torch.nn.functional as F
+
+    from horizon_ray.engine import kernels as kernels_mod
+
+    ops = kernels_mod.Kernels("torch")
+    g = torch.Generator().manual_seed(0)
+    B, H, kvH, S, d = 3, 8, 2, 37, 16
+    q = torch.randn(B, H, 1, d, generator=g)
+    k, v = torch.randn(B, kvH, S, d, generator=g), torch.randn(B, kvH, S, d, generator=g)
+    mask = torch.rand(B, 1, 1, S, generator=g) < 0.7
+    mask[..., -1] = True
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q_, k_, v_, **kw):
+        calls.append((tuple(q_.shape), kw.get("enable_gqa")))
+        return sdpa(q_, k_, v_, **kw)
+
+    monkeypatch.setattr(kernels_mod.F, "scaled_dot_product_attention", spy)
+    got = ops.attention(q, k, v, mask, 0.25)
+    assert calls == [((B, kvH, H // kvH, d), False)]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
