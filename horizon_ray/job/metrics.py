@@ -13,6 +13,7 @@ from horizon_ray.atomic import Commit, atomic_path
 from horizon_ray.job.events import Eval, Event, Metrics, decode, encode, read_events
 
 METRICS_FILE = "metrics.jsonl"  # a job's events in its output directory: what the runner writes and the agent tails
+SPEC_FILE = "job.yaml"  # the spec a job runs with, in its output directory: written by the agent and the runner
 
 
 class MetricsWriter:

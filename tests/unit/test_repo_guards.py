@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -88,20 +90,22 @@ def test_no_run_output_is_tracked():
         assert ignored.returncode == 0, f"git would add {run_dir}/: add it to .gitignore"
 
 
-def test_the_metrics_file_is_named_in_one_place():
-    """The name of a job's metrics file is METRICS_FILE (horizon_ray/job/metrics.py) everywhere it is opened or
-    served: a second literal would drift from it."""
+@pytest.mark.parametrize("constant", ["METRICS_FILE", "SPEC_FILE"])
+def test_a_jobs_file_names_are_named_in_one_place(constant):
+    """The names of a job's files (horizon_ray/job/metrics.py: METRICS_FILE, SPEC_FILE) everywhere they are
+    opened or served: a second literal would drift from it."""
     import re
 
-    from horizon_ray.job.metrics import METRICS_FILE
+    from horizon_ray.job import metrics
 
+    name = getattr(metrics, constant)
     files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True,
                            check=True).stdout.split()
-    literal = re.compile(r"""["']""" + re.escape(METRICS_FILE) + r"""["']""")
-    found = [f"{name}:{n}" for name in files if not name.startswith("tests/") and (ROOT / name).is_file()
-             for n, line in enumerate((ROOT / name).read_text().splitlines(), 1)
-             if literal.search(line) and not line.startswith("METRICS_FILE = ")]
-    assert not found, f"use METRICS_FILE from horizon_ray.job.metrics: {found}"
+    literal = re.compile(r"""["']""" + re.escape(name) + r"""["']""")
+    found = [f"{path}:{n}" for path in files if not path.startswith("tests/") and (ROOT / path).is_file()
+             for n, line in enumerate((ROOT / path).read_text().splitlines(), 1)
+             if literal.search(line) and not line.startswith(f"{constant} = ")]
+    assert not found, f"use {constant} from horizon_ray.job.metrics: {found}"
 
 
 def _lint_imports(root: Path) -> subprocess.CompletedProcess:
