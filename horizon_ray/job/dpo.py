@@ -40,6 +40,7 @@ class Preference:
     def __init__(self, spec: JobSpec, out: Path, train_ds: Any, eval_ds: Any, sampler: Any, evals: list | None):
         from horizon_ray.data.pairs import data_hash
 
+        assert spec.dpo is not None, "JobSpec gives objective dpo its section"
         self.config = spec.dpo.config()
         self.out = out
         self.sampler = sampler
@@ -69,11 +70,13 @@ class Preference:
         self.logps = reference.compute(self.out, self.hash, splits, eng.sequence_logps, commit, progress)
 
     def train_step(self, eng: Any, step: int, batches: list) -> float:
+        assert self.logps is not None, "prepare() comes first"
         ref = self.logps["train"][self.sampler.rows_for_step(step)]
         return float(eng.train_step(batches, dpo=self.config, ref_logps=ref))
 
     def evaluate(self, eng: Any) -> Any:
         """The metrics' sums over the eval pairs (DpoMetrics)."""
+        assert self.logps is not None, "prepare() comes first"
         total, lo = None, 0
         for mb in self.evals:
             rows = int(mb[0].shape[0])
