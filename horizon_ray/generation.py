@@ -192,7 +192,8 @@ class ModelPool:
                     m.cv.wait(timeout=min(left, 1.0))
             time.sleep(GATHER_S)
             with m.cv:
-                batch, rows = [], 0
+                batch: list[_Queued] = []
+                rows = 0
                 while m.pending and (not batch or rows + len(m.pending[0].rows) <= self.limits.max_batch):
                     q = m.pending.pop(0)
                     batch.append(q)

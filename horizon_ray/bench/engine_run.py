@@ -40,7 +40,7 @@ from horizon_ray.bench.runtime import cap_gpu_memory, device_and_dtype, device_n
 from horizon_ray.bench.shapes import hf_config, model_flops_per_token, resolve_shape
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig
 
-OFFLOAD = {"auto": "auto", "true": True, "false": False}
+OFFLOAD: dict[str, bool | str] = {"auto": "auto", "true": True, "false": False}
 
 
 def run(args, emit: Callable[[dict], None]) -> list[dict]:
