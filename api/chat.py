@@ -21,6 +21,7 @@ this module adds the tenant's requests-in-flight limit (429 beyond it).
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 import uuid
@@ -41,6 +42,8 @@ from horizon_ray.cluster.errors import JobNotFound
 from horizon_ray.cluster.messages import JobStatus
 from horizon_ray.engine.sampling import SamplingParams
 from horizon_ray.generation import Event, GenerationRequest, Handle
+
+DISCONNECT_CHECK_S = 0.5  # how often a request without a stream checks that its client is still there
 
 router = APIRouter(prefix=PREFIX, tags=["openai"], responses=ERRORS)
 
@@ -173,7 +176,7 @@ async def _answer(request: Request, tenant: Tenant, body: _Sampling, gen: Genera
         return StreamingResponse(_sse(handle, rid, created, body, chat, lambda: flight.leave(tenant.name)),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
-        events = await run_in_threadpool(lambda: list(handle))
+        events = await _events_while_connected(request, handle)
     finally:
         flight.leave(tenant.name)
     texts, finish, tokens = [""] * body.n, ["length"] * body.n, [0] * body.n
@@ -193,6 +196,30 @@ async def _answer(request: Request, tenant: Tenant, body: _Sampling, gen: Genera
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": body.model, "choices": choices, "system_fingerprint": None,
             "usage": _usage(handle.prompt_tokens, sum(tokens))}
+
+
+async def _events_while_connected(request: Request, handle: Handle) -> list[Event]:
+    """Every event of the request; a client that hangs up meanwhile cancels it (its rows stop, the requests
+    queued behind its batch start) and gets nothing."""
+    events: list[Event] = []
+    while not (events and events[-1].done):
+        events += await run_in_threadpool(_events_for, handle, DISCONNECT_CHECK_S)
+        if not (events and events[-1].done) and await request.is_disconnected():
+            handle.cancel()
+            raise ApiError(499, "client_closed_request", "the client closed the connection")
+    return events
+
+
+def _events_for(handle: Handle, seconds: float) -> list[Event]:
+    """The request's events that come within ``seconds``, up to its last."""
+    out: list[Event] = []
+    deadline = time.monotonic() + seconds
+    while not (out and out[-1].done) and (left := deadline - time.monotonic()) > 0:
+        try:
+            out.append(handle.events.get(timeout=left))
+        except queue.Empty:
+            break
+    return out
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -218,6 +245,7 @@ async def _sse(handle: Handle, rid: str, created: int, body: _Sampling, chat: bo
             delta["content"] = text
         return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
 
+    finished = False
     try:
         if chat:
             yield chunk([choice(i, "", None, first=True) for i in range(body.n)])
@@ -225,6 +253,7 @@ async def _sse(handle: Handle, rid: str, created: int, body: _Sampling, chat: bo
             ev: Event = await run_in_threadpool(handle.events.get)
             if ev.error:
                 yield f"data: {json.dumps({'error': {'message': ev.error, 'type': 'server_error'}})}\n\n".encode()
+                finished = True
                 break
             for d in ev.deltas:
                 tokens += d.token_id is not None
@@ -233,9 +262,12 @@ async def _sse(handle: Handle, rid: str, created: int, body: _Sampling, chat: bo
                 if d.finish_reason:
                     yield chunk([choice(d.row, None if chat else "", d.finish_reason)])
             if ev.done:
+                finished = True
                 break
         if (body.stream_options or {}).get("include_usage"):
             yield chunk([], usage=_usage(handle.prompt_tokens, tokens))
         yield b"data: [DONE]\n\n"
     finally:
+        if not finished:  # the client closed the stream: nobody reads the rest
+            handle.cancel()
         done()

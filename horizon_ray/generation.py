@@ -5,7 +5,10 @@ checked and tokenised when it is submitted (a refusal is a ``BadInput`` before a
 in its model's queue; the model's worker thread takes every request waiting when it starts a batch (up to
 ``max_batch`` rows), runs them through the layers together, and hands each its ``Delta`` steps through its
 ``Handle``. Requests that arrive while a batch runs form the next one. A model no request used for
-``idle_s`` seconds is unloaded (its host and GPU memory freed).
+``idle_s`` seconds is unloaded (its host and GPU memory freed). A request whose caller is gone (a client that
+closed its stream: ``Handle.cancel``) leaves the queue, or gets no more steps; a batch whose every request is
+finished or cancelled ends at once, so that the requests waiting behind it start (a cancelled row of a batch
+with live ones is still computed until the batch ends: the batch's rows are fixed when it starts).
 
 The same pool runs in-process (the API's default, tests, the CLI) or inside a Ray actor on a node whose RAM
 holds the model (cluster/generation.py); the messages that cross are the dataclasses below.
@@ -66,6 +69,8 @@ class Handle:
 
     prompt_tokens: int
     events: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    on_cancel: Callable[[], None] | None = None  # tells the side that runs the request (a Ray actor's pool)
 
     def __iter__(self) -> Iterator[Event]:
         while True:
@@ -73,6 +78,13 @@ class Handle:
             yield ev
             if ev.done:
                 return
+
+    def cancel(self) -> None:
+        """Nobody reads this request any more: it ends (with one last ``done`` event) at the next step."""
+        if not self.cancelled.is_set():
+            self.cancelled.set()
+            if self.on_cancel is not None:
+                self.on_cancel()
 
 
 @dataclass
@@ -196,34 +208,45 @@ class ModelPool:
                 rows = 0
                 while m.pending and (not batch or rows + len(m.pending[0].rows) <= self.limits.max_batch):
                     q = m.pending.pop(0)
+                    if q.handle.cancelled.is_set():  # gone before it started
+                        q.handle.events.put(Event(done=True))
+                        continue
                     batch.append(q)
                     rows += len(q.rows)
                 m.busy = True
-            self._run(m, batch)
+            if batch:
+                self._run(m, batch)
             with m.cv:
                 m.busy = False
                 m.last_used = time.monotonic()
 
     def _run(self, m: _Model, batch: list[_Queued]) -> None:
         owners = [(q, i) for q in batch for i in range(len(q.rows))]  # batch row -> (request, choice)
+        unfinished = {id(q): len(q.rows) for q in batch}  # each request's rows still generating
         for q in batch:
             q.handle.events.put(Event(prompt_tokens=q.handle.prompt_tokens))
+        steps = m.generator.stream([r for q in batch for r in q.rows])
         try:
-            for step in m.generator.stream([r for q in batch for r in q.rows]):
+            for step in steps:
                 by_request: dict[int, list] = {}
                 for d in step:
                     if d.token_id is None and not d.text:
                         continue
                     q, i = owners[d.row]
+                    unfinished[id(q)] -= d.finish_reason is not None
                     by_request.setdefault(id(q), []).append(replace(d, row=i))
                 for q in batch:
-                    if id(q) in by_request:
+                    if id(q) in by_request and not q.handle.cancelled.is_set():
                         q.handle.events.put(Event(deltas=tuple(by_request[id(q)])))
+                if all(q.handle.cancelled.is_set() or not unfinished[id(q)] for q in batch):
+                    break  # what is left is cancelled: the requests behind this batch start
         except Exception as exc:  # the batch's requests end with the error; the worker goes on
             msg = exc.message if isinstance(exc, BadInput) else f"generation failed: {type(exc).__name__}"
             for q in batch:
                 q.handle.events.put(Event(error=msg, done=True))
             return
+        finally:
+            steps.close()
         for q in batch:
             q.handle.events.put(Event(done=True))
 

@@ -594,9 +594,6 @@ class JobSpec(_Section):
             raise BadInput(f"training.micro_batch_size is {self.training.micro_batch_size}; with objective dpo it "
                            "counts rows, and a pair's chosen and rejected are two rows of one micro-batch: set an "
                            "even number (2 x the pairs a micro-batch holds)", field="training.micro_batch_size")
-        if self.resources.gpus > 1:
-            raise BadInput("objective dpo runs on one GPU a job for now (its reference log-probs are indexed by the "
-                           "rows of one rank's steps); set resources.gpus to 1", field="resources.gpus")
         if self.training.packing:
             raise BadInput("training.packing packs examples into rows; objective dpo keeps each completion in a row "
                            "of its own (its log-probability is that row's sum): set training.packing false",

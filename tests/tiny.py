@@ -227,16 +227,38 @@ JOB_LLAMA = {
 }
 
 
-def job_assets(root, n_examples: int):
-    """`root/model` (JOB_LLAMA, random init, with the demo tokenizer) and `root/train.jsonl`."""
-    from horizon_ray.data import build_demo_tokenizer, make_demo_dataset
+def demo_model(path):
+    """JOB_LLAMA (random init, seed 7) saved at `path` with the demo tokenizer."""
+    from horizon_ray.data import build_demo_tokenizer
     from horizon_ray.engine import Engine, EngineConfig
 
     eng = Engine.from_config(JOB_LLAMA, EngineConfig(device="cpu", seed=7))
-    eng.save_pretrained(root / "model")
+    eng.save_pretrained(path)
     eng.close()
-    build_demo_tokenizer(root / "model")
+    build_demo_tokenizer(path)
+    return path
+
+
+def job_assets(root, n_examples: int):
+    """`root/model` (demo_model) and `root/train.jsonl`."""
+    from horizon_ray.data import make_demo_dataset
+
+    demo_model(root / "model")
     make_demo_dataset(root / "train.jsonl", n_examples, seed=1)
+    return root
+
+
+def preference_assets(root, n_train: int, n_eval: int):
+    """`root/model` (demo_model), `root/train.jsonl` and `root/eval.jsonl`: the demo's preference pairs, the
+    eval prompts none of the training ones."""
+    import json
+
+    from horizon_ray.data import make_demo_preferences
+
+    demo_model(root / "model")
+    make_demo_preferences(root / "train.jsonl", n_train, seed=1)
+    train_prompts = {json.loads(line)["prompt"][0]["content"] for line in open(root / "train.jsonl")}
+    make_demo_preferences(root / "eval.jsonl", n_eval, seed=2, exclude=train_prompts)
     return root
 
 

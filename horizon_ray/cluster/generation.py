@@ -120,6 +120,13 @@ class GenerationActor:
                 del self._handles[rid]
         return out
 
+    def cancel(self, rid: str) -> None:
+        """The caller is gone: the pool ends the request at its next step (its last events are still polled)."""
+        with self._lock:
+            handle = self._handles.get(rid)
+        if handle is not None:
+            handle.cancel()
+
     def idle(self) -> bool:
         """No model loaded (the pool unloaded it), no request open or being submitted, none for idle_s: the actor
         may end."""
@@ -149,7 +156,7 @@ class RayGeneration:
         rid, prompt_tokens, refused = ray.get(actor.submit.remote(req))
         if refused is not None:
             raise BadInput(refused)
-        handle = Handle(prompt_tokens=prompt_tokens)
+        handle = Handle(prompt_tokens=prompt_tokens, on_cancel=lambda: actor.cancel.remote(rid))
         threading.Thread(target=self._pump, args=(actor, rid, handle), daemon=True).start()
         return handle
 

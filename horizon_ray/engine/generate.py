@@ -10,7 +10,10 @@ cached keys and values cross to the device for its attention, and the new positi
 The layer math is the training template's (layers.py): ``Template.layer`` with a ``KVCache`` in the
 micro-batch appends the call's keys and values and attends to every cached position through explicit masks
 (causal, the sliding window of the layers that have one, padding). Prompts of a batch are left-padded; a
-row's positions count its own tokens, so a batch gives each prompt what it would get alone.
+row's positions count its own tokens, so a batch gives each prompt what it would get alone. Attention reads
+the cache up to a multiple of ``KV_BUCKET`` positions (the unwritten ones are zeros, masked as future
+positions), so its shapes change once per bucket, not at every step: cuDNN's attention builds a plan per shape
+(hundreds of milliseconds each), and a plan per decode step cost more than the step's arithmetic.
 
 Sources: an HF model directory (a base model, a full fine-tune's final/), or a PEFT LoRA adapter directory
 (its base is loaded frozen and the adapters are applied on it as PEFT applies them, ``base(x) + B(A(x)) x
@@ -45,6 +48,9 @@ from horizon_ray.errors import BadInput
 
 # Of the GPU budget, the share resident weights may take (the rest: KV cache and the layers' workspace).
 RESIDENT_SHARE = 0.75
+# Attention reads the cache in multiples of this many positions (the module doc): at most this many masked
+# positions more per row than a step needs, in exchange for one attention shape per bucket.
+KV_BUCKET = 256
 
 
 class KVCache:
@@ -62,29 +68,37 @@ class KVCache:
         self.on_device = on_device
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        # zeros, not garbage: attention reads unwritten positions up to the bucket's end, masked, and a NaN
+        # there would still poison the weighted sum (0 x NaN); host layers are read only as far as written
         for j in range(cfg.num_layers):
             for store in (self.k, self.v):
                 if j < on_device:
-                    store.append(torch.empty(shape, dtype=dtype, device=device))
+                    store.append(torch.zeros(shape, dtype=dtype, device=device))
                 else:
                     store.append(buffers.pool.empty(host_shape, dtype))
         self.stage = None
         if on_device < cfg.num_layers:
-            self.stage = (torch.empty(host_shape, dtype=dtype, device=device),
-                          torch.empty(host_shape, dtype=dtype, device=device))
+            self.stage = (torch.zeros(host_shape, dtype=dtype, device=device),
+                          torch.zeros(host_shape, dtype=dtype, device=device))
+        self.capacity = S
         self.length = 0  # positions cached in every layer (this call's are appended by extend)
 
     @staticmethod
     def layer_bytes(cfg: ModelConfig, B: int, S: int, dtype: torch.dtype) -> int:
         return 2 * B * cfg.num_kv_heads * S * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
 
+    def visible(self, T: int) -> int:
+        """Positions a call of T new tokens attends to: every cached and new one, rounded up to the bucket."""
+        return min(self.capacity, -(-(self.length + T) // KV_BUCKET) * KV_BUCKET)
+
     def extend(self, j: int, k_BHTd: torch.Tensor, v_BHTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, T = self.length, k_BHTd.shape[2]
+        seen = self.visible(T)
         if j < self.on_device:
             K, V = self.k[j], self.v[j]
             K[:, :, n:n + T] = k_BHTd
             V[:, :, n:n + T] = v_BHTd
-            return K[:, :, :n + T], V[:, :, :n + T]
+            return K[:, :, :seen], V[:, :, :seen]
         out = []
         for host, new, stage in ((self.k[j], k_BHTd, self.stage[0]), (self.v[j], v_BHTd, self.stage[1])):
             new_TBHd = new.permute(2, 0, 1, 3)
@@ -94,7 +108,8 @@ class KVCache:
             stage[:n].copy_(host[:n], non_blocking=True)
             stage[n:n + T] = new_TBHd
             host[n:n + T].copy_(new_TBHd, non_blocking=True)
-            out.append(stage[:n + T].permute(1, 2, 0, 3))
+            # beyond n + T the stage holds zeros or an earlier layer's finite keys, masked either way
+            out.append(stage[:seen].permute(1, 2, 0, 3))
         return out[0], out[1]
 
     def advance(self, T: int) -> None:
@@ -314,14 +329,16 @@ class Generator:
         return max(0, min(L, room // per_layer))
 
     def _micro_batch(self, ids_BT, pos_BS, valid_BS, cache: KVCache) -> MicroBatch:
-        """This call's T tokens at cache positions n .. n + T - 1, attending to cache positions 0 .. n + T - 1."""
+        """This call's T tokens at cache positions n .. n + T - 1, attending to cache positions 0 .. n + T - 1
+        (the mask spans the cache's visible positions; those after n + T - 1 are later positions of each row,
+        masked as the future)."""
         cfg, dev, dt = self.model, self.device, self.dtype
         B, T = ids_BT.shape
-        n = cache.length
+        n, seen = cache.length, cache.visible(T)
         q_pos_BT = pos_BS[:, n:n + T]
-        k_pos_BS, k_valid_BS = pos_BS[:, :n + T], valid_BS[:, :n + T]
+        k_pos_BS, k_valid_BS = pos_BS[:, :seen], valid_BS[:, :seen]
         # each query attends to itself whatever else is masked: a padding row must not be empty (NaN)
-        self_TS = torch.arange(n + T)[None, :] == (n + torch.arange(T))[:, None]
+        self_TS = torch.arange(seen)[None, :] == (n + torch.arange(T))[:, None]
 
         def tables(kind: str) -> tuple:
             cos, sin = rope_tables(self.template.inv_freq[kind], q_pos_BT, dt)

@@ -3,6 +3,7 @@ inputs and its evaluation. The runner's loop stays one loop; it asks this module
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,8 @@ def load_data(spec: JobSpec, tokenizer: Any) -> tuple[Any, Any, Any, list | None
         pairs, eval_pairs = split_examples(pairs, d.eval_fraction, t.seed)
     train_ds = tokenize_pairs(pairs, tokenizer, t.seq_len)
     eval_ds = tokenize_pairs(eval_pairs, tokenizer, t.seq_len) if eval_pairs else None
-    sampler = PairSampler(train_ds, t.micro_batch_size, t.grad_accum, t.seed)
+    # a step has resources.gpus x grad_accum micro-batches: every rank's (job/ranks.py takes each its share)
+    sampler = PairSampler(train_ds, t.micro_batch_size, t.grad_accum * spec.resources.gpus, t.seed)
     evals = None
     if eval_ds is not None:
         evals = pair_batches(eval_ds, list(range(len(eval_ds.examples))), t.micro_batch_size)[: spec.eval.max_batches]
@@ -69,14 +71,27 @@ class Preference:
 
         self.logps = reference.compute(self.out, self.hash, splits, eng.sequence_logps, commit, progress)
 
-    def train_step(self, eng: Any, step: int, batches: list) -> float:
-        assert self.logps is not None, "prepare() comes first"
-        ref = self.logps["train"][self.sampler.rows_for_step(step)]
+    def wait_for_reference(self, alive: Any, poll_s: float = 0.5) -> None:
+        """A follower rank's reference: the one the leader computes (or finds) before its first step, read once
+        the leader has written it; ``alive()`` false (the leader is gone) ends the wait with an error."""
+        while (logps := reference.load(self.out, self.hash)) is None:
+            if not alive():
+                raise RuntimeError("the job's leader ended before it wrote the reference log-probs")
+            time.sleep(poll_s)
+        self.logps = logps
+
+    def train_step(self, eng: Any, step: int, batches: list, rank: int = 0, world: int = 1) -> float:
+        """Rank ``rank``'s share of the step (its ``batches``, as ranks.my_batches cut them): the reference
+        log-probs of its rows."""
+        assert self.logps is not None, "prepare() or wait_for_reference() comes first"
+        rows = self.sampler.rows_for_step(step)
+        per = len(rows) // world
+        ref = self.logps["train"][rows[rank * per:(rank + 1) * per]]
         return float(eng.train_step(batches, dpo=self.config, ref_logps=ref))
 
     def evaluate(self, eng: Any) -> Any:
         """The metrics' sums over the eval pairs (DpoMetrics)."""
-        assert self.logps is not None, "prepare() comes first"
+        assert self.logps is not None, "prepare() or wait_for_reference() comes first"
         total, lo = None, 0
         for mb in self.evals:
             rows = int(mb[0].shape[0])

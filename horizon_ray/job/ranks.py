@@ -72,8 +72,9 @@ def rank_config(cfg: Any, rank: int, world: int) -> Any:
     return cfg
 
 
-def start(spec: JobSpec, cfg: Any, model_dir: Path, resume_dir: Path | None, start_step: int):
-    """Build the shared store, start ranks 1..N-1 and join the group as rank 0; (rank 0's engine, handle)."""
+def start(spec: JobSpec, cfg: Any, model_dir: Path, resume_dir: Path | None, start_step: int, out: Path):
+    """Build the shared store, start ranks 1..N-1 and join the group as rank 0; (rank 0's engine, handle).
+    ``out``: the job's output directory (a preference job's followers read the leader's reference there)."""
     from horizon_ray.engine import Engine
     from horizon_ray.engine.ranks import Ranks
 
@@ -85,7 +86,7 @@ def start(spec: JobSpec, cfg: Any, model_dir: Path, resume_dir: Path | None, sta
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_follower, name=f"horizon-rank-{r}", daemon=True,
                          args=(r, world, port, spec.to_dict(), cfg, str(model_dir), store,
-                               str(resume_dir) if resume_dir else None, start_step))
+                               str(resume_dir) if resume_dir else None, start_step, str(out)))
              for r in range(1, world)]
     for p in procs:
         p.start()
@@ -120,8 +121,9 @@ def _join(rank: int, world: int, port: int, cfg: Any) -> None:
 
 
 def _follower(rank: int, world: int, port: int, spec_dict: dict, cfg: Any, model_dir: str, store: Any,
-              resume_dir: str | None, start_step: int) -> None:
-    """Rank r > 0: the same steps as the leader on its share of each step's micro-batches; nothing written."""
+              resume_dir: str | None, start_step: int, out: str) -> None:
+    """Rank r > 0: the same steps as the leader on its share of each step's micro-batches; nothing written. A
+    preference job's follower waits for the reference the leader computes (or finds) in ``out``."""
     import torch.distributed as dist
 
     from horizon_ray.engine import Engine, ModelConfig
@@ -136,9 +138,20 @@ def _follower(rank: int, world: int, port: int, spec_dict: dict, cfg: Any, model
             eng.load_state(resume_dir)
         data = load_data(spec)
         t = spec.training
+        preference = None
+        if spec.objective == "dpo":
+            from horizon_ray.job.dpo import Preference
+
+            preference = Preference(spec, Path(out), data.train_ds, data.eval_ds, data.sampler, data.evals)
+            leader = os.getppid()
+            preference.wait_for_reference(lambda: os.getppid() == leader)  # orphaned: the leader died
         for step in range(start_step, data.total):  # the leader's loop, without its writing
             eng.set_lr(lr_at(step, data.total, t.lr, data.schedule))
-            eng.train_step(my_batches(data.sampler.batches_for_step(step), rank, world))
+            mine = my_batches(data.sampler.batches_for_step(step), rank, world)
+            if preference is None:
+                eng.train_step(mine)
+            else:
+                preference.train_step(eng, step, mine, rank, world)
         eng.synchronize()  # this rank's shard of the last update is in the store before it leaves
         dist.barrier()  # the leader saves final/ after every rank's last update
         eng.close()

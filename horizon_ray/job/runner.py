@@ -227,7 +227,7 @@ class _Job:
         with _reading(f"model.path {model_dir}"):
             if self.world > 1:  # ranks 1..N-1 in child processes over one host store (job/ranks.py)
                 eng, group = ranks.start(self.spec, cfg, model_dir, latest.engine_dir if latest else None,
-                                         latest.step if latest else 0)
+                                         latest.step if latest else 0, self.out)
             else:
                 eng = Engine.from_pretrained(str(model_dir), cfg)
         try:
@@ -350,7 +350,7 @@ class _Job:
                 if self.preference is None:
                     last_loss = float(eng.train_step(batches))
                 else:
-                    last_loss = self.preference.train_step(eng, step, batches)
+                    last_loss = self.preference.train_step(eng, step, batches, 0, self.world)
                 self.step = done = step + 1
 
                 tokens = self.sampler.tokens_for_step(step)

@@ -13,7 +13,7 @@ import yaml
 from safetensors.torch import load_file
 
 from horizon_ray.job.events import Done, Metrics, Start, read_events
-from tests.tiny import job_assets
+from tests.tiny import job_assets, preference_assets
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,3 +85,51 @@ def test_a_two_rank_run_killed_after_a_checkpoint_resumes_exactly(assets, tmp_pa
     a, b = _weights(tmp_path / "straight"), _weights(out)
     for name, t in a.items():
         assert (b[name] - t).abs().max() <= 1e-6 * max(1.0, float(t.abs().max())), name
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    return preference_assets(tmp_path_factory.mktemp("dpo-assets"), 64, 8)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_two_ranks_run_dpo_as_one_with_twice_the_micro_batches(pairs, tmp_path, finetune, method):
+    """objective dpo over two gloo ranks: the leader computes the reference once, the follower reads it, each
+    rank takes the reference log-probs of its own rows; losses, TRL's reward metrics and the weights equal one
+    rank's with all the micro-batches."""
+    def spec(out: Path, gpus: int, grad_accum: int) -> Path:
+        doc = {
+            "model": {"path": str(pairs / "model")},
+            "data": {"path": str(pairs / "train.jsonl"),
+                     "eval_path": str(pairs / "eval.jsonl")},
+            "objective": "dpo", "dpo": {"beta": 0.1}, "method": method,
+            "training": {"seq_len": 32, "micro_batch_size": 4, "grad_accum": grad_accum, "max_steps": 4,
+                         "lr": 3e-3, "schedule": {"type": "constant"}, "seed": 3},
+            "eval": {"every_steps": 2},
+            "engine": {"device": "cpu"}, "resources": {"gpus": gpus}, "output_dir": str(out),
+        }
+        if method == "lora":
+            doc["lora"] = {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
+        path = out.parent / f"{out.name}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return path
+
+    one = finetune(spec(tmp_path / "one", gpus=1, grad_accum=2))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = finetune(spec(tmp_path / "two", gpus=2, grad_accum=1))
+    assert two.returncode == 0, two.stderr[-3000:]
+    weights = "adapter_model.safetensors" if method == "lora" else "model.safetensors"
+    a, b = load_file(tmp_path / "one" / "final" / weights), load_file(tmp_path / "two" / "final" / weights)
+    assert set(a) == set(b)
+    for name, t in a.items():
+        assert (b[name] - t).abs().max() <= 1e-5 * max(1.0, float(t.abs().max())), name
+    runs = [[e for e in read_events(tmp_path / run / "metrics.jsonl") if isinstance(e, Metrics)]
+            for run in ("one", "two")]
+    assert [e.step for e in runs[1]] == [1, 2, 3, 4]
+    for x, y in zip(*runs):
+        assert y.loss == pytest.approx(x.loss, rel=1e-5)
+        assert y.preference.keys() == x.preference.keys()
+        for key, value in x.preference.items():
+            assert y.preference[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert not (tmp_path / "two" / "reference" / "part-00000.safetensors").exists()
+    assert (tmp_path / "two" / "reference" / "logps.safetensors").is_file()

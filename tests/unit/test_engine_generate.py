@@ -186,3 +186,38 @@ def test_a_model_from_its_tensors_generates_as_hf(tmp_path):
     gen = Generator.from_tensors(ref.config.to_dict(), dict(ref.state_dict()), device="cpu")
     got = gen.generate([Request(tuple(p), SamplingParams(max_tokens=8)) for p in PROMPTS])
     assert [c.token_ids for c in got] == [_hf_greedy(ref, p, 8) for p in PROMPTS]
+
+
+def test_attention_shapes_change_once_per_bucket_and_tokens_stay_hf_s(tmp_path, monkeypatch):
+    """Attention reads the cache up to a multiple of KV_BUCKET positions, so its shapes (a cuDNN plan each)
+    change once per bucket, not every decode step; the masked positions past the written ones change no token,
+    with the cache on the device or staged from the host."""
+    from horizon_ray.engine import generate as generate_mod
+
+    monkeypatch.setattr(generate_mod, "KV_BUCKET", 4)
+    path, cls = tiny_llama(tmp_path)
+    ref = _reference(cls, path)
+    want = [_hf_greedy(ref, p, 12) for p in PROMPTS]
+    gen = Generator.from_pretrained(path, device="cpu", tokenizer=None)
+    gen.eos_ids = frozenset()
+    lengths: list[int] = []
+    kernels = type(gen.template.ops)
+    attention = kernels.attention
+
+    def spy(self, q, k, v, mask, scale):
+        lengths.append(k.shape[2])
+        assert mask.shape[-1] == k.shape[2]
+        return attention(self, q, k, v, mask, scale)
+
+    monkeypatch.setattr(kernels, "attention", spy)
+    T0, new = max(map(len, PROMPTS)), 12
+    for on_device in (None, 0, 1):
+        if on_device is not None:
+            gen._device_kv_layers = lambda B, S, T0, n=on_device: n
+        lengths.clear()
+        got = [c.token_ids for c in gen.generate([Request(tuple(p), SamplingParams(max_tokens=new)) for p in PROMPTS])]
+        assert got == want, on_device
+        # the prompts' pass, then 11 decode steps over positions 10 .. 21 of a 22-position cache
+        assert sorted(set(lengths)) == [12, 16, 20, 22], on_device
+        assert len(lengths) == new * gen.model.num_layers
+    assert T0 == 10

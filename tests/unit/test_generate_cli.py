@@ -10,7 +10,7 @@ import pytest
 
 from horizon_ray.engine.generate import Generator
 from horizon_ray.engine.sampling import Request, SamplingParams
-from tests.tiny import JOB_LLAMA
+from tests.tiny import demo_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,14 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def job_dir(tmp_path_factory):
     """A job's output directory whose final/ holds a tiny model and the demo tokenizer."""
-    from horizon_ray.data import build_demo_tokenizer
-    from horizon_ray.engine import Engine, EngineConfig
-
     out = tmp_path_factory.mktemp("job")
-    eng = Engine.from_config(JOB_LLAMA, EngineConfig(device="cpu", seed=7))
-    eng.save_pretrained(out / "final")
-    eng.close()
-    build_demo_tokenizer(out / "final")
+    demo_model(out / "final")
     return out
 
 

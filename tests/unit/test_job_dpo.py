@@ -9,27 +9,17 @@ import pytest
 import torch
 import yaml
 
-from horizon_ray.data import build_demo_tokenizer, make_demo_preferences
-from horizon_ray.engine import Engine, EngineConfig
 from horizon_ray.errors import BadInput
 from horizon_ray.job import reference
 from horizon_ray.job.events import read_events
 from horizon_ray.job.runner import run_job
 from horizon_ray.jobspec import JobSpec
-from tests.tiny import JOB_LLAMA
+from tests.tiny import preference_assets
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dpo-assets")
-    eng = Engine.from_config(JOB_LLAMA, EngineConfig(device="cpu", seed=7))
-    eng.save_pretrained(root / "model")
-    eng.close()
-    build_demo_tokenizer(root / "model")
-    make_demo_preferences(root / "train.jsonl", 128, seed=1)
-    train_prompts = {json.loads(line)["prompt"][0]["content"] for line in open(root / "train.jsonl")}
-    make_demo_preferences(root / "eval.jsonl", 32, seed=2, exclude=train_prompts)
-    return root
+    return preference_assets(tmp_path_factory.mktemp("dpo-assets"), 128, 32)
 
 
 def _spec(assets, out, **training):
