@@ -113,10 +113,11 @@ class Engine:
             store.attach(pin=cuda)
         n_trained = len(self.store.trained)
         # the optimizer marks: a unit's update is committed (with several ranks: every rank's shard of it)
-        self._updates: Fence = Fence(n_trained, "updates")
         if self.ranks.many:
             assert self.store.versions is not None, "a store made for several ranks holds their table of versions"
-            self._updates = SharedFence(self.store.versions, self.ranks.rank, "updates")
+            self._updates: Fence = SharedFence(self.store.versions, self.ranks.rank, "updates")
+        else:
+            self._updates = Fence(n_trained, "updates")
         self._grads = Fence(n_trained, "grads")  # the training thread marks: a unit's gradient is on the host
         threads = cfg.optimizer_threads or (max(1, (os.cpu_count() or 4) - 2) if cuda else 0)
         self._optimizer = HostAdamW(self.store, cfg.betas, cfg.eps, cfg.weight_decay, self._updates, self._grads,
