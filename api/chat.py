@@ -121,7 +121,7 @@ async def resolve_model(name: str, tenant: Tenant) -> Path:
 class _InFlight:
     """Requests of each tenant being generated."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._n: dict[str, int] = {}
         self._lock = threading.Lock()
 

@@ -168,7 +168,7 @@ class FallbackAdamW:
     """A fused AdamW that turns into a foreach one if its first step fails (a fused kernel that a tensor
     subclass, e.g. FSDP2's DTensor, does not support), so the peer still gets measured."""
 
-    def __init__(self, params):
+    def __init__(self, params) -> None:
         self.params = list(params)
         self.opt = adamw(self.params)
         self.fell_back: str | None = None  # why the fused optimizer was replaced
