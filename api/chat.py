@@ -7,11 +7,11 @@
 
 ``model`` is a finished job's ``fine_tuned_model`` (``ft:<model>:<tenant>:<suffix>:<job id>``: its final/
 directory, a full model or a LoRA adapter on its base), or a base model of the operator's catalogue. A
-tenant sees only its own jobs' models: another's is a 404, as a model that does not exist. Parameters:
-``messages`` (chat; the model's chat template renders them) or ``prompt`` (completions), ``max_tokens`` (or
-``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k`` (an extension), ``seed``, ``stop``, ``n``,
-``stream``. Streaming answers are server-sent events of ``chat.completion.chunk`` (or ``text_completion``)
-objects ending with ``data: [DONE]``, as OpenAI's are.
+tenant sees only its own jobs' models (``GET /v1/models`` lists them): another's is a 404, as a model that
+does not exist. Parameters: ``messages`` (chat; the model's chat template renders them) or ``prompt``
+(completions), ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k`` (an
+extension), ``seed``, ``stop``, ``n``, ``stream``. Streaming answers are server-sent events of
+``chat.completion.chunk`` (or ``text_completion``) objects ending with ``data: [DONE]``, as OpenAI's are.
 
 Generation runs in the app's generation backend (``app.state.generation``: an in-process ``ModelPool``, or
 the cluster's generation actors), which batches concurrent requests and checks the per-request token limits;
@@ -26,7 +26,6 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
@@ -36,10 +35,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import Tenant, current_tenant
 from api.errors import ApiError
-from api.openai import ERRORS, PREFIX, model_name
-from api.paths import PathPolicy
-from horizon_ray.cluster.errors import JobNotFound
-from horizon_ray.cluster.messages import JobStatus
+from api.openai import ERRORS, PREFIX, resolve_model
 from horizon_ray.engine.sampling import SamplingParams
 from horizon_ray.generation import Event, GenerationRequest, Handle
 
@@ -89,35 +85,6 @@ class CompletionRequest(_Sampling):
     prompt: str = Field(min_length=1, max_length=1 << 20)
 
 
-async def resolve_model(name: str, tenant: Tenant) -> Path:
-    """The directory a model name serves: a finished job's final/ (the tenant's own only) or a catalogue entry."""
-    catalogue = tenant.settings.model_catalogue
-    if not name.startswith("ft:"):
-        if name in catalogue:
-            return Path(catalogue[name])
-        known = ", ".join(sorted(catalogue)) or "none in the catalogue"
-        raise ApiError(404, "model_not_found", f"the model {name!r} does not exist; use a finished job's "
-                       f"fine_tuned_model or a base model ({known})", field="model")
-    missing = ApiError(404, "model_not_found", f"the model {name!r} does not exist: name a fine_tuned_model of one "
-                       "of your finished jobs", field="model")
-    job_id = name.rsplit(":", 1)[-1]
-    try:
-        record = await tenant.get(job_id)
-    except JobNotFound:
-        raise missing from None
-    if record.status is not JobStatus.SUCCEEDED:
-        raise ApiError(404, "model_not_found", f"job {job_id} is {record.status.value}: its model is served once "
-                       "the job has succeeded", field="model")
-    if name != f"ft:{model_name(record, catalogue)}:{record.tenant}:{record.name or ''}:{record.id}":
-        raise missing
-    root = PathPolicy(tenant.settings, tenant.name).owns_output(record.output_dir or record.spec.get("output_dir"))
-    final = root / "final" if root is not None else None
-    if final is None or not final.is_dir():
-        raise ApiError(404, "model_not_found", f"job {job_id} has no final model on this service's storage",
-                       field="model")
-    return final
-
-
 class _InFlight:
     """Requests of each tenant being generated."""
 
@@ -146,7 +113,7 @@ def _in_flight(request: Request) -> _InFlight:
 
 @router.post("/chat/completions", summary="Chat with a finished job's model or a catalogue model (OpenAI)")
 async def chat_completions(request: Request, body: ChatRequest, tenant: Annotated[Tenant, Depends(current_tenant)]):
-    model_dir = await resolve_model(body.model, tenant)
+    model_dir, _ = await resolve_model(body.model, tenant)
     max_tokens = body.max_completion_tokens or body.max_tokens
     gen = GenerationRequest(str(model_dir), body.params(max_tokens), n=body.n,
                             messages=tuple((m.role if m.role != "developer" else "system", m.content)
@@ -156,7 +123,7 @@ async def chat_completions(request: Request, body: ChatRequest, tenant: Annotate
 
 @router.post("/completions", summary="Continue a prompt with a finished job's model or a catalogue model (OpenAI)")
 async def completions(request: Request, body: CompletionRequest, tenant: Annotated[Tenant, Depends(current_tenant)]):
-    model_dir = await resolve_model(body.model, tenant)
+    model_dir, _ = await resolve_model(body.model, tenant)
     gen = GenerationRequest(str(model_dir), body.params(body.max_tokens), n=body.n, prompt=body.prompt)
     return await _answer(request, tenant, body, gen, chat=False)
 

@@ -9,9 +9,11 @@
 
 Routes (OpenAI's paths, object names, statuses, list pagination and error shape): ``/files`` (multipart upload
 with purpose ``fine-tune``, list, retrieve, delete, content), ``/fine_tuning/jobs`` (create, list with an
-``after`` cursor, retrieve, cancel, events newest first, checkpoints) and ``/models`` (the operator's catalogue,
-HORIZON_MODEL_CATALOGUE). A job created here is an ordinary job of the service (the same coordinator, plan,
-events and outputs under ``/finetune/{id}``); jobs created there show here too.
+``after`` cursor, retrieve, cancel, events newest first, checkpoints) and ``/models`` (list and retrieve: the
+operator's catalogue, HORIZON_MODEL_CATALOGUE, and the tenant's fine-tuned models, ``ft:`` names of its succeeded
+jobs whose final/ is on the service's storage: what ``/chat/completions`` serves). A job created here is an
+ordinary job of the service (the same coordinator, plan, events and outputs under ``/finetune/{id}``); jobs
+created there show here too.
 
 How OpenAI's parameters map onto a job spec:
 - ``model``: a catalogue name (refused otherwise, with the names there are); ``training_file`` /
@@ -57,8 +59,10 @@ from api.jobs import JOB_ID, checked_spec
 from api.params import SafePath, SafeText
 from api.paths import FILE_ID_RE, PathPolicy, confine
 from api.settings import ENV_MODEL_CATALOGUE
+from horizon_ray.cluster.errors import JobNotFound
 from horizon_ray.cluster.messages import Checkpoint, EventType, JobEvent, JobRecord, JobStatus
 from horizon_ray.errors import BadInput
+from horizon_ray.job.metrics import METRICS_FILE
 from horizon_ray.jobspec import DpoSpec, JobSpec, Quantize, Text, TrainingSpec, spec_error
 from horizon_ray.strings import MAX_COMPONENT_BYTES, fix, problem
 
@@ -221,7 +225,7 @@ async def retrieve_file(file_id: SafeText, tenant: Annotated[Tenant, Depends(cur
     if (job_id := result_job_id(file_id)) is not None:
         path, record = await _result_path(tenant, job_id, file_id)
         return {"id": file_id, "object": "file", "bytes": path.stat().st_size, "created_at": int(record.created_at),
-                "filename": "metrics.jsonl", "purpose": "fine-tune-results", "status": "processed",
+                "filename": METRICS_FILE, "purpose": "fine-tune-results", "status": "processed",
                 "status_details": None, "expires_at": None}
     return file_object((await files.get_file(file_id, tenant)).model_dump())
 
@@ -236,7 +240,7 @@ async def delete_file(file_id: SafeText, tenant: Annotated[Tenant, Depends(curre
 async def file_content(file_id: SafeText, tenant: Annotated[Tenant, Depends(current_tenant)]):
     if (job_id := result_job_id(file_id)) is not None:
         path, _ = await _result_path(tenant, job_id, file_id)
-        return FileResponse(path, media_type="application/x-ndjson", filename="metrics.jsonl")
+        return FileResponse(path, media_type="application/x-ndjson", filename=METRICS_FILE)
     return await files.get_file_content(file_id, tenant)
 
 
@@ -258,7 +262,7 @@ async def _result_path(tenant: Tenant, job_id: str, file_id: str) -> tuple[Path,
     """A job's metrics.jsonl inside the tenant's namespace (404 for another tenant's job, or before it exists)."""
     record = await tenant.get(job_id)
     root = PathPolicy(tenant.settings, tenant.name).owns_output(record.output_dir or record.spec.get("output_dir"))
-    path = confine(root / "metrics.jsonl", root) if root is not None else None
+    path = confine(root / METRICS_FILE, root) if root is not None else None
     if path is None or not path.is_file():
         raise ApiError(404, "not_found", f"no file {file_id!r}: job {job_id} has written no metrics yet",
                        field="file_id")
@@ -268,11 +272,75 @@ async def _result_path(tenant: Tenant, job_id: str, file_id: str) -> tuple[Path,
 # ---- models -----------------------------------------------------------------------------------------------
 
 
-@router.get("/models", summary="The base models of the operator's catalogue (OpenAI)")
+# succeeded jobs read from the coordinator at a time while /models gathers a tenant's fine-tuned models
+MODELS_PAGE = 1000
+
+
+def fine_tuned_model(record: JobRecord, catalogue: dict) -> str:
+    """The name a job's model is served and listed by: ``ft:<model>:<tenant>:<suffix>:<job id>``."""
+    return f"ft:{model_name(record, catalogue)}:{record.tenant}:{record.name or ''}:{record.id}"
+
+
+def final_dir(record: JobRecord, tenant: Tenant) -> Path | None:
+    """The job's final/ model in the tenant's namespace of this service's storage, if it is there."""
+    root = PathPolicy(tenant.settings, tenant.name).owns_output(record.output_dir or record.spec.get("output_dir"))
+    final = confine(root / "final", root) if root is not None else None
+    return final if final is not None and final.is_dir() else None
+
+
+async def resolve_model(name: str, tenant: Tenant) -> tuple[Path, JobRecord | None]:
+    """The directory a model name serves and its job: a finished job's final/ (the tenant's own only: another
+    tenant's is a 404, as a model that does not exist) or a catalogue entry (no job)."""
+    catalogue = tenant.settings.model_catalogue
+    if not name.startswith("ft:"):
+        if name in catalogue:
+            return Path(catalogue[name]), None
+        known = ", ".join(sorted(catalogue)) or "none in the catalogue"
+        raise ApiError(404, "model_not_found", f"the model {name!r} does not exist; use a finished job's "
+                       f"fine_tuned_model or a base model ({known})", field="model")
+    missing = ApiError(404, "model_not_found", f"the model {name!r} does not exist: name a fine_tuned_model of one "
+                       "of your finished jobs", field="model")
+    job_id = name.rsplit(":", 1)[-1]
+    try:
+        record = await tenant.get(job_id)
+    except JobNotFound:
+        raise missing from None
+    if record.status is not JobStatus.SUCCEEDED:
+        raise ApiError(404, "model_not_found", f"job {job_id} is {record.status.value}: its model is served once "
+                       "the job has succeeded", field="model")
+    if name != fine_tuned_model(record, catalogue):
+        raise missing
+    if (final := final_dir(record, tenant)) is None:
+        raise ApiError(404, "model_not_found", f"job {job_id} has no final model on this service's storage",
+                       field="model")
+    return final, record
+
+
+def model_object(name: str, record: JobRecord | None) -> dict[str, Any]:
+    """OpenAI's `model` object: a catalogue model is the operator's, a fine-tuned one its tenant's."""
+    if record is None:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "horizon-ray"}
+    return {"id": name, "object": "model", "created": int(record.finished_at or record.created_at),
+            "owned_by": record.tenant}
+
+
+@router.get("/models", summary="The catalogue's base models and your fine-tuned models (OpenAI)")
 async def list_models(tenant: Annotated[Tenant, Depends(current_tenant)]) -> dict[str, Any]:
-    names = sorted(tenant.settings.model_catalogue)
-    return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "horizon-ray"}
-                                       for n in names]}
+    catalogue = tenant.settings.model_catalogue
+    data = [model_object(n, None) for n in sorted(catalogue)]
+    after = None
+    while True:  # the tenant's succeeded jobs, newest first: those whose final/ is here serve under their ft: name
+        records, more = await tenant.list(limit=MODELS_PAGE, after=after, status=JobStatus.SUCCEEDED)
+        data += [model_object(fine_tuned_model(r, catalogue), r) for r in records if final_dir(r, tenant)]
+        if not more:
+            return {"object": "list", "data": data}
+        after = records[-1].id
+
+
+@router.get("/models/{model:path}", summary="One model: a catalogue model or one of your fine-tuned models (OpenAI)")
+async def retrieve_model(model: SafeText, tenant: Annotated[Tenant, Depends(current_tenant)]) -> dict[str, Any]:
+    _, record = await resolve_model(model, tenant)
+    return model_object(model, record)
 
 
 # ---- fine-tuning jobs -------------------------------------------------------------------------------------
@@ -493,7 +561,6 @@ def job_object(record: JobRecord, tenant: Tenant) -> dict[str, Any]:
     spec = record.spec or {}
     training, data = spec.get("training") or {}, spec.get("data") or {}
     model = model_name(record, tenant.settings.model_catalogue)
-    suffix = record.name or ""
     hyper = {"n_epochs": training.get("epochs") if training.get("epochs") is not None else "auto",
              "batch_size": (training.get("micro_batch_size", 1) * training.get("grad_accum", 1)
                             if training.get("packing") is False else "auto"),
@@ -509,7 +576,7 @@ def job_object(record: JobRecord, tenant: Tenant) -> dict[str, Any]:
         "id": record.id, "object": "fine_tuning.job", "created_at": int(record.created_at),
         "error": ({"code": record.error.code, "message": record.error.message, "param": None}
                   if record.error else None),
-        "fine_tuned_model": f"ft:{model}:{record.tenant}:{suffix}:{record.id}" if succeeded else None,
+        "fine_tuned_model": fine_tuned_model(record, tenant.settings.model_catalogue) if succeeded else None,
         "finished_at": _ts(record.finished_at), "hyperparameters": hyper, "model": model,
         "organization_id": record.tenant, "seed": int(training.get("seed", 0)),
         "result_files": [rid] if (rid := result_file_id(record.id)) and record.progress.step else [],
@@ -582,10 +649,9 @@ def _step_metrics(events: list[JobEvent]) -> dict[int, dict[str, float]]:
 
 def checkpoint_object(record: JobRecord, ckpt: Checkpoint, metrics: dict[str, float],
                       tenant: Tenant) -> dict[str, Any]:
-    model = model_name(record, tenant.settings.model_catalogue)
     return {"id": f"ftckpt-{record.id}-{ckpt.step}", "object": "fine_tuning.job.checkpoint",
             "created_at": int(ckpt.time), "fine_tuning_job_id": record.id, "step_number": ckpt.step,
-            "fine_tuned_model_checkpoint": f"ft:{model}:{record.tenant}:{record.name or ''}:{record.id}:ckpt-step-"
+            "fine_tuned_model_checkpoint": f"{fine_tuned_model(record, tenant.settings.model_catalogue)}:ckpt-step-"
                                            f"{ckpt.step}",
             "metrics": _json_safe(metrics or {"step": float(ckpt.step)})}
 

@@ -42,11 +42,12 @@ def stand_in_engine(argv: list[str]) -> int:
     import yaml
 
     from horizon_ray.job import events as ev
+    from horizon_ray.job.metrics import METRICS_FILE
 
     spec = yaml.safe_load(open(argv[argv.index("--config") + 1]))
     out = Path(spec["output_dir"])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    with open(out / "metrics.jsonl", "a") as f:
+    with open(out / METRICS_FILE, "a") as f:
         f.write(ev.encode(ev.Start(step=0, total_steps=1_000_000)))
         f.flush()
         for step in range(1, 1_000_000):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from horizon_ray.job.demo import demo_spec, prepare_demo_assets
 from horizon_ray.job.events import Eval, Metrics, read_events
+from horizon_ray.job.metrics import METRICS_FILE
 from horizon_ray.job.runner import delayed_from, run_job
 
 MODES = ("exact", "speculative", "delayed")
@@ -27,7 +28,7 @@ def run_modes(steps: int, root: Path, modes=MODES, extra=(), device: str = "cpu"
         spec = demo_spec(assets, root / mode, [f"training.max_steps={steps}", f"training.update={mode}",
                                                f"engine.device={device}", "checkpoint.every_steps=0", *extra])
         run_job(spec, progress=False)
-        events = read_events(root / mode / "metrics.jsonl")
+        events = read_events(root / mode / METRICS_FILE)
         metrics = [e for e in events if isinstance(e, Metrics)]
         evals = [e for e in events if isinstance(e, Eval)]
         out[mode] = {"final_eval_loss": evals[-1].eval_loss, "loss": [e.loss for e in metrics],

@@ -1,14 +1,14 @@
-"""The service side of generation: loaded models, batching of concurrent requests, idle models unloaded.
+"""The service side of generation: loaded models, continuous batching of concurrent requests, idle models
+unloaded.
 
 ``ModelPool`` keeps one ``Generator`` (engine/generate.py) per model directory while it is used. A request is
 checked and tokenised when it is submitted (a refusal is a ``BadInput`` before anything streams), then waits
-in its model's queue; the model's worker thread takes every request waiting when it starts a batch (up to
-``max_batch`` rows), runs them through the layers together, and hands each its ``Delta`` steps through its
-``Handle``. Requests that arrive while a batch runs form the next one. A model no request used for
+in its model's queue. The model's worker thread runs one ``Session`` (the engine's continuous batch): at every
+step boundary the requests waiting join it (as many rows as ``max_batch`` leaves room for), then every row
+decodes one token, and each request gets its ``Delta`` steps through its ``Handle``; a request arriving while
+others generate starts at the next step instead of waiting for them to end. A model no request used for
 ``idle_s`` seconds is unloaded (its host and GPU memory freed). A request whose caller is gone (a client that
-closed its stream: ``Handle.cancel``) leaves the queue, or gets no more steps; a batch whose every request is
-finished or cancelled ends at once, so that the requests waiting behind it start (a cancelled row of a batch
-with live ones is still computed until the batch ends: the batch's rows are fixed when it starts).
+closed its stream: ``Handle.cancel``) leaves the queue, or the batch at the next step.
 
 The same pool runs in-process (the API's default, tests, the CLI) or inside a Ray actor on a node whose RAM
 holds the model (cluster/generation.py); the messages that cross are the dataclasses below.
@@ -26,7 +26,7 @@ from typing import Any
 
 from horizon_ray.errors import BadInput
 
-# Batches start this long after their first request, so that requests sent together are batched together.
+# A batch starts this long after its first request, so that requests sent together join together.
 GATHER_S = 0.01
 
 
@@ -188,10 +188,12 @@ class ModelPool:
             return m
 
     def _serve(self, key: str, m: _Model) -> None:
-        """The model's worker: batch what waits, run it, hand out the steps; unload when idle."""
+        """The model's worker: requests join the running batch at each step, every row decodes, the steps go
+        out; unload when idle."""
+        batch = _Batch(m.generator.session())
         while True:
             with m.cv:
-                while not m.pending:
+                while not m.pending and not batch:
                     if self._models.get(key) is not m:
                         return  # closed
                     left = self.idle_s - (time.monotonic() - m.last_used)
@@ -202,53 +204,87 @@ class ModelPool:
                                 return
                         continue
                     m.cv.wait(timeout=min(left, 1.0))
-            time.sleep(GATHER_S)
+                if self._models.get(key) is not m:
+                    batch.fail("the model was unloaded")
+                    return
+            if not batch:
+                time.sleep(GATHER_S)
             with m.cv:
-                batch: list[_Queued] = []
-                rows = 0
-                while m.pending and (not batch or rows + len(m.pending[0].rows) <= self.limits.max_batch):
+                joining, rows = [], batch.rows()
+                while m.pending and (not rows or rows + len(m.pending[0].rows) <= self.limits.max_batch):
                     q = m.pending.pop(0)
                     if q.handle.cancelled.is_set():  # gone before it started
                         q.handle.events.put(Event(done=True))
                         continue
-                    batch.append(q)
+                    joining.append(q)
                     rows += len(q.rows)
                 m.busy = True
-            if batch:
-                self._run(m, batch)
+            try:
+                batch.join(joining)
+                batch.step()
+            except Exception as exc:  # the batch's requests end with the error; the worker goes on
+                batch.fail(exc.message if isinstance(exc, BadInput) else f"generation failed: {type(exc).__name__}")
+                batch = _Batch(m.generator.session())
             with m.cv:
                 m.busy = False
                 m.last_used = time.monotonic()
 
-    def _run(self, m: _Model, batch: list[_Queued]) -> None:
-        owners = [(q, i) for q in batch for i in range(len(q.rows))]  # batch row -> (request, choice)
-        unfinished = {id(q): len(q.rows) for q in batch}  # each request's rows still generating
-        for q in batch:
-            q.handle.events.put(Event(prompt_tokens=q.handle.prompt_tokens))
-        steps = m.generator.stream([r for q in batch for r in q.rows])
-        try:
-            for step in steps:
-                by_request: dict[int, list] = {}
-                for d in step:
-                    if d.token_id is None and not d.text:
-                        continue
-                    q, i = owners[d.row]
-                    unfinished[id(q)] -= d.finish_reason is not None
-                    by_request.setdefault(id(q), []).append(replace(d, row=i))
-                for q in batch:
-                    if id(q) in by_request and not q.handle.cancelled.is_set():
-                        q.handle.events.put(Event(deltas=tuple(by_request[id(q)])))
-                if all(q.handle.cancelled.is_set() or not unfinished[id(q)] for q in batch):
-                    break  # what is left is cancelled: the requests behind this batch start
-        except Exception as exc:  # the batch's requests end with the error; the worker goes on
-            msg = exc.message if isinstance(exc, BadInput) else f"generation failed: {type(exc).__name__}"
-            for q in batch:
-                q.handle.events.put(Event(error=msg, done=True))
+
+class _Batch:
+    """The worker's running batch: the engine's session and the requests whose rows it holds."""
+
+    def __init__(self, session: Any):
+        self.session = session
+        self.requests: dict[int, _Queued] = {}  # id(request) -> the request
+        self.unfinished: dict[int, int] = {}  # id(request) -> its rows still generating
+
+    def __bool__(self) -> bool:
+        return bool(self.requests)
+
+    def rows(self) -> int:
+        return sum(self.unfinished.values())
+
+    def join(self, joining: list[_Queued]) -> None:
+        if not joining:
             return
-        finally:
-            steps.close()
-        for q in batch:
-            q.handle.events.put(Event(done=True))
+        for q in joining:
+            self.requests[id(q)] = q
+            self.unfinished[id(q)] = len(q.rows)
+            q.handle.events.put(Event(prompt_tokens=q.handle.prompt_tokens))
+        keys = [(id(q), i) for q in joining for i in range(len(q.rows))]
+        self._hand_out(self.session.admit([r for q in joining for r in q.rows], keys))
+
+    def step(self) -> None:
+        gone = [rid for rid, q in self.requests.items() if q.handle.cancelled.is_set()]
+        if gone:
+            self.session.cancel([(rid, i) for rid in gone for i in range(len(self.requests[rid].rows))])
+            for rid in gone:
+                self._end(rid)
+        if self.requests and len(self.session):
+            self._hand_out(self.session.step())
+
+    def fail(self, message: str) -> None:
+        for q in self.requests.values():
+            q.handle.events.put(Event(error=message, done=True))
+        self.requests.clear()
+        self.unfinished.clear()
+
+    def _hand_out(self, steps: list) -> None:
+        by_request: dict[int, list] = {}
+        for (rid, i), d in steps:
+            if rid in self.requests and (d.token_id is not None or d.text):
+                by_request.setdefault(rid, []).append(replace(d, row=i))
+        for rid, deltas in by_request.items():
+            q = self.requests[rid]
+            if not q.handle.cancelled.is_set():
+                q.handle.events.put(Event(deltas=tuple(deltas)))
+            self.unfinished[rid] -= sum(d.finish_reason is not None for d in deltas)
+            if not self.unfinished[rid]:
+                self._end(rid)
+
+    def _end(self, rid: int) -> None:
+        self.requests.pop(rid).handle.events.put(Event(done=True))
+        del self.unfinished[rid]
 
 
 def _default_load(model_dir: str) -> Any:

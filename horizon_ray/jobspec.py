@@ -361,9 +361,10 @@ class DpoSpec(_Section):
     beta: Float = Field(0.1, description=(
         "strength of the pull towards the reference (the model before training); IPO: its regulariser tau"))
     loss: DpoLoss = Field("sigmoid", description=(
-        "sigmoid: DPO (TRL's sigmoid) | ipo: IPO, each row's log-ratio divided by its completion length (TRL's ipo)"))
+        "sigmoid: DPO (TRL's sigmoid) | ipo: IPO, each row's log-ratio divided by its completion length (TRL's ipo) "
+        "| robust: robust DPO for noisy preference labels (TRL's robust)"))
     label_smoothing: Float = Field(0.0, description=(
-        "conservative DPO: the probability that a pair's preference is flipped, in [0, 0.5) (sigmoid only)"))
+        "loss robust only: the probability that a pair's preference is flipped, in [0, 0.5) (TRL's label_smoothing)"))
     sft_weight: Float = Field(0.0, description=(
         "adds this weight x the chosen completions' mean token NLL to the loss (RPO); 0: none"))
 

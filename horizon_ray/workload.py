@@ -14,7 +14,14 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from horizon_ray.engine.model import DTYPE_BYTES, LORA_TARGETS, QUANTIZE, UPDATES, default_lora_targets
+from horizon_ray.engine.model import (
+    DTYPE_BYTES,
+    LORA_TARGETS,
+    QUANTIZE,
+    UPDATES,
+    default_lora_targets,
+    quantize_for,
+)
 from horizon_ray.errors import BadInput
 
 
@@ -88,8 +95,10 @@ class Adapters:
 
     def for_shape(self, shape) -> Adapters:
         """These adapters on `shape` (a ModelShape or ModelConfig): the family's default targets where none are
-        named, so that one default serves Phi's fused projections as well as Llama's."""
-        return self if self.targets else replace(self, targets=default_lora_targets(shape))
+        named, so that one default serves Phi's fused projections as well as Llama's; a pre-quantized
+        checkpoint's quantize (model.quantize_for)."""
+        return replace(self, targets=self.targets or default_lora_targets(shape),
+                       quantize=quantize_for(shape.hf, self.quantize))
 
     def check(self) -> None:
         """Refuse what no model can take (the targets a family lacks are refused at its plan). The one place of

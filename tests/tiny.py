@@ -262,6 +262,17 @@ def preference_assets(root, n_train: int, n_eval: int):
     return root
 
 
+def catalogue_model(bed):
+    """A real model (demo_model) in an API testbed's catalogue as ``tiny-1g``, in place of the testbed's empty
+    ``1GiB`` directory (the fake planner reads the size from that name); its path."""
+    import shutil
+
+    base = bed.root / "models" / "1GiB"
+    shutil.rmtree(base)
+    bed.settings.model_catalogue = {"tiny-1g": demo_model(base)}
+    return base
+
+
 def resumed_and_uninterrupted(path, cfg, batches):
     """(uninterrupted engine, engine resumed from a state saved halfway), both run over `batches`."""
     from horizon_ray.engine import Engine

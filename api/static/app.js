@@ -1,5 +1,6 @@
 // horizon-ray dashboard: nodes and their RAM ledger, the queue, jobs, a form that uploads a dataset, plans and
-// submits a job, and one job's live loss curve, events and outputs (downloaded with the key).
+// submits a job, and one job's live loss curve (and a DPO job's reward curves), events and outputs (downloaded
+// with the key).
 // Plain JS, no dependencies. The API key lives in localStorage and goes out as a bearer token; data is
 // always rendered with textContent, never as HTML.
 "use strict";
@@ -8,6 +9,10 @@ const KEY_STORAGE = "horizon.apiKey";
 const REFRESH_MS = 2000;
 const SVG_NS = "http://www.w3.org/2000/svg";
 const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
+// a DPO job's metrics (TRL's names, as in its metrics events' `preference` and eval events' `eval_preference`),
+// each with the id of its line in the reward chart
+const REWARDS = [["rewards/chosen", "reward-chosen-line"], ["rewards/rejected", "reward-rejected-line"],
+  ["rewards/margins", "reward-margins-line"], ["rewards/accuracies", "reward-accuracies-line"]];
 
 const state = {
   key: localStorage.getItem(KEY_STORAGE) || "",
@@ -15,6 +20,7 @@ const state = {
   stream: null,         // AbortController of the selected job's event stream
   loss: [],             // [step, loss] of the selected job
   evalLoss: [],         // [step, eval_loss]
+  rewards: {},          // TRL name -> [step, value] of a DPO job's training steps
   outputsOf: null,      // "<job id>:<status>:<step>" the outputs table was listed at
   timer: null,
 };
@@ -59,9 +65,18 @@ function num(x, digits = 4) {
 // "step 21/400: loss 1.975, 7,685 tokens/s, ETA 48 s": a step's place in the run, throughput and time left
 function progressLine(d) {
   const parts = [`step ${d.step}${d.total_steps ? `/${d.total_steps}` : ""}: loss ${num(d.loss)}`];
+  const rewards = rewardsLine(d.preference);
+  if (rewards) parts.push(rewards);
   if (typeof d.tokens_per_s === "number") parts.push(`${Math.round(d.tokens_per_s).toLocaleString("en-US")} tokens/s`);
   if (typeof d.eta_s === "number") parts.push(`ETA ${duration(d.eta_s)}`);
   return parts.join(", ");
+}
+
+// "reward accuracy 87.5 %, margin 0.412" of a DPO step or evaluation, as `horizon-ray status` words it; else ""
+function rewardsLine(p) {
+  if (!p || typeof p["rewards/accuracies"] !== "number") return "";
+  const margin = typeof p["rewards/margins"] === "number" ? `, margin ${num(p["rewards/margins"])}` : "";
+  return `reward accuracy ${(100 * p["rewards/accuracies"]).toFixed(1)} %${margin}`;
 }
 
 function duration(s) {
@@ -206,13 +221,14 @@ function select(id) {
   state.selected = id;
   state.loss = [];
   state.evalLoss = [];
+  state.rewards = {};
   state.outputsOf = null;
   document.querySelector("#outputs tbody").replaceChildren();
   document.getElementById("job-section").hidden = false;
   document.getElementById("job-title").textContent = id;
   document.getElementById("events").replaceChildren();
   for (const tr of document.querySelectorAll("#jobs tbody tr")) tr.classList.toggle("selected", tr.dataset.jobId === id);
-  drawChart();
+  drawCharts();
   api(`/finetune/${id}`).then(renderJobFacts).catch((err) => banner(err.message));
   follow(id);
 }
@@ -225,15 +241,33 @@ function methodText(spec) {
   return `lora r${lora.r ?? 8}${q}`;
 }
 
+// a DPO job's objective: its loss and beta
+function dpoText(dpo) {
+  return `dpo ${(dpo && dpo.loss) || "sigmoid"}, beta ${(dpo && dpo.beta) ?? 0.1}`;
+}
+
+// [TRL name, value] facts of a DPO job's latest training (prefix "") or eval ("eval ") metrics; none for SFT
+function rewardFacts(p, prefix) {
+  if (!p) return [];
+  const facts = REWARDS.map(([name]) => [`${prefix}${name}`, num(p[name])]);
+  const acc = p["rewards/accuracies"];
+  if (typeof acc === "number") facts[3][1] = `${(100 * acc).toFixed(1)} %`;
+  return facts;
+}
+
 function renderJobFacts(job) {
   if (job.id !== state.selected) return;
   const status = document.getElementById("job-status");
   status.replaceWith(Object.assign(badge(job.status), { id: "job-status" }));
   const facts = [
-    ["status", job.status], ["method", methodText(job.spec)], ["node", job.node_id || "–"],
+    ["status", job.status], ["method", methodText(job.spec)],
+    ...(job.spec && job.spec.objective === "dpo" ? [["objective", dpoText(job.spec.dpo)]] : []),
+    ["node", job.node_id || "–"],
     ["step", `${job.progress.step} / ${job.progress.total_steps ?? "?"}`],
     ["tokens/s", num(job.progress.tokens_per_s, 3)], ["ETA", duration(job.progress.eta_s)],
-    ["loss", num(job.metrics.loss)], ["host RAM (plan)", bytes(job.plan && job.plan.host_bytes)],
+    ["loss", num(job.metrics.loss)],
+    ...rewardFacts(job.metrics.preference, ""), ...rewardFacts(job.metrics.eval_preference, "eval "),
+    ["host RAM (plan)", bytes(job.plan && job.plan.host_bytes)],
     ["created", when(job.created_at)], ["started", when(job.started_at)], ["finished", when(job.finished_at)],
     ["queue", job.queue ? `#${job.queue.position ?? "?"} ${job.queue.reason || ""}` : "–"],
     ["error", job.error ? `${job.error.code}: ${job.error.message}` : "–"],
@@ -282,21 +316,8 @@ async function tryModel() {
       const body = await res.json().catch(() => null);
       throw new Error(body && body.error ? body.error.message : `HTTP ${res.status}`);
     }
-    const reader = res.body.getReader();
-    const decoder = new TextDecoder();
-    let buffer = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, { stream: true });
-      let cut;
-      while ((cut = buffer.indexOf("\n\n")) >= 0) {
-        const line = buffer.slice(0, cut).replace(/^data: /, "");
-        buffer = buffer.slice(cut + 2);
-        if (line === "[DONE]") continue;
-        const chunk = JSON.parse(line);
-        for (const c of chunk.choices || []) if (c.delta && c.delta.content) out.textContent += c.delta.content;
-      }
+    for await (const msg of sseMessages(res)) {  // the closing "data: [DONE]" is no JSON: parseSse drops it
+      for (const c of msg.data.choices || []) if (c.delta && c.delta.content) out.textContent += c.delta.content;
     }
     out.dataset.state = "done";
   } catch (err) {
@@ -344,28 +365,33 @@ async function follow(id) {
       const res = await fetch(`/finetune/${encodeURIComponent(id)}/events?after=${after}`,
         { headers: headers({ Accept: "text/event-stream" }), signal: ctrl.signal });
       if (!res.ok) { banner(`events: HTTP ${res.status}`); return; }
-      const reader = res.body.getReader();
-      const decoder = new TextDecoder();
-      let buffer = "";
-      for (;;) {
-        const { value, done } = await reader.read();
-        if (done) break;
-        buffer += decoder.decode(value, { stream: true });
-        let cut;
-        while ((cut = buffer.indexOf("\n\n")) >= 0) {
-          const block = buffer.slice(0, cut);
-          buffer = buffer.slice(cut + 2);
-          const msg = parseSse(block);
-          if (!msg) continue;
-          if (msg.id) after = Number(msg.id);
-          if (msg.event === "end") { refresh(); return; }
-          onEvent(msg.event, msg.data);
-        }
+      for await (const msg of sseMessages(res)) {
+        if (msg.id) after = Number(msg.id);
+        if (msg.event === "end") { refresh(); return; }
+        onEvent(msg.event, msg.data);
       }
     } catch (err) {
       if (ctrl.signal.aborted) return;
     }
     await sleep(2000);  // the stream broke off: resume after the last event seen
+  }
+}
+
+// the server-sent events of a response as they arrive (each block up to a blank line), parsed by parseSse
+async function* sseMessages(res) {
+  const reader = res.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const msg = parseSse(buffer.slice(0, cut));
+      buffer = buffer.slice(cut + 2);
+      if (msg) yield msg;
+    }
   }
 }
 
@@ -391,11 +417,19 @@ function onEvent(type, ev) {
   if (type === "metrics") {
     if (typeof d.loss === "number" && typeof d.step === "number") addPoint(state.loss, d.step, d.loss);
     if (typeof d.eval_loss === "number" && typeof d.step === "number") addPoint(state.evalLoss, d.step, d.eval_loss);
-    drawChart();
+    if (d.preference && typeof d.step === "number") {
+      for (const [name] of REWARDS) {
+        if (typeof d.preference[name] === "number") addPoint(state.rewards[name] ||= [], d.step, d.preference[name]);
+      }
+    }
+    drawCharts();
   }
   let summary = "";
   if (type === "status") summary = `${d.from || ""} → ${d.to || ""}${d.reason ? ` (${d.reason})` : ""}`;
-  else if (type === "metrics" && "eval_loss" in d) summary = `step ${d.step}: eval loss ${num(d.eval_loss)}`;
+  else if (type === "metrics" && "eval_loss" in d) {
+    const rewards = rewardsLine(d.eval_preference);
+    summary = `step ${d.step}: eval loss ${num(d.eval_loss)}${rewards ? `, ${rewards}` : ""}`;
+  }
   else if (type === "metrics") summary = progressLine(d);
   else if (type === "checkpoint") summary = `step ${d.step}`;
   else if (type === "memory") summary = `host memory ${bytes(d.rss_bytes)} now, peak ${bytes(d.peak_rss_bytes)}, ${bytes(d.planned_bytes)} planned`;
@@ -416,13 +450,23 @@ function addPoint(series, step, value) {
   else series.push([step, value]);
 }
 
-function drawChart() {
-  const box = document.getElementById("loss-chart");
+// the loss chart, and the reward chart of a DPO job (hidden for SFT)
+function drawCharts() {
+  drawChart("loss-chart", [[state.loss, "loss-line"], [state.evalLoss, "eval-line"]]);
+  const lines = REWARDS.map(([name, id]) => [state.rewards[name] || [], id]);
+  const rewards = document.getElementById("reward-section");
+  rewards.hidden = !lines.some(([points]) => points.length);
+  if (!rewards.hidden) drawChart("reward-chart", lines);
+}
+
+// `lines`: [[step, value] points, the id of its path]; ids give each line its style and the tests a handle
+function drawChart(boxId, lines) {
+  const box = document.getElementById(boxId);
   const W = Math.max(320, Math.round(box.clientWidth) || 640);
   const H = Math.max(160, Math.round(box.clientHeight) || 260);
   const pad = { l: 48, r: 12, t: 12, b: 28 };
   const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img" });
-  const all = state.loss.concat(state.evalLoss);
+  const all = lines.flatMap(([points]) => points);
   if (!all.length) {
     const t = svg("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "tick" });
     t.textContent = "no metrics yet";
@@ -437,7 +481,7 @@ function drawChart() {
   if (x1 === x0) { x0 -= 1; x1 += 1; }
   if (y1 === y0) { y0 -= 0.5; y1 += 0.5; }
   const yPad = 0.05 * (y1 - y0);
-  y0 = y0 >= 0 ? Math.max(0, y0 - yPad) : y0 - yPad;  // a loss is never negative: keep the axis at >= 0
+  y0 = y0 >= 0 ? Math.max(0, y0 - yPad) : y0 - yPad;  // a loss is never negative: keep its axis at >= 0
   y1 += yPad;
   const sx = (x) => pad.l + ((x - x0) / (x1 - x0)) * (W - pad.l - pad.r);
   const sy = (y) => H - pad.b - ((y - y0) / (y1 - y0)) * (H - pad.t - pad.b);
@@ -460,8 +504,7 @@ function drawChart() {
     const d = series.map((p, i) => `${i ? "L" : "M"}${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ");
     return svg("path", { id, d, "data-points": series.length });
   };
-  if (state.loss.length) root.append(line(state.loss, "loss-line"));
-  if (state.evalLoss.length) root.append(line(state.evalLoss, "eval-line"));
+  for (const [points, id] of lines) if (points.length) root.append(line(points, id));
   box.replaceChildren(root);
 }
 
@@ -596,5 +639,5 @@ document.addEventListener("DOMContentLoaded", () => {
   if (state.key) document.getElementById("whoami").textContent = "key saved in this browser";
   refresh();
   state.timer = setInterval(refresh, REFRESH_MS);
-  window.addEventListener("resize", drawChart);
+  window.addEventListener("resize", drawCharts);
 });

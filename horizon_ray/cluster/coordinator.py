@@ -73,8 +73,10 @@ from horizon_ray.cluster.placement import (
     best_fit,
     default_planner,
     evaluate,
+    gpus_wanted,
     never_fits_reason,
     per_node_reasons,
+    spec_section,
     waiting_reason,
 )
 from horizon_ray.cluster.reports import MemoryMark, apply_report
@@ -83,6 +85,7 @@ from horizon_ray.cluster.tenants import TenantsConfig, check_tenant_name, fair_o
 from horizon_ray.errors import BadInput
 from horizon_ray.job import lease
 from horizon_ray.job.metrics import METRICS_FILE
+from horizon_ray.jobspec import TrainingSpec
 from horizon_ray.strings import fix, problem
 
 log = logging.getLogger("horizon_ray.cluster")
@@ -786,8 +789,8 @@ def _check_budget(spec: dict[str, Any], tenant: str, quota: TenantQuota) -> None
     """QuotaExceeded when the job would take more optimizer steps or tokens than its tenant may spend on one."""
     if quota.max_steps_per_job is None and quota.max_tokens_per_job is None:
         return
-    t = spec.get("training") or {}
-    steps = t.get("max_steps")
+    t = spec_section(spec, "training", TrainingSpec)  # the spec's defaults, never ones of its own
+    steps = t.max_steps
     caps = [f"{quota.max_steps_per_job} steps" if quota.max_steps_per_job is not None else None,
             f"{quota.max_tokens_per_job} tokens" if quota.max_tokens_per_job is not None else None]
     budget = " and ".join(c for c in caps if c)
@@ -799,8 +802,7 @@ def _check_budget(spec: dict[str, Any], tenant: str, quota: TenantQuota) -> None
         raise QuotaExceeded(f"training.max_steps is {steps}; tenant {tenant} may run at most "
                             f"{quota.max_steps_per_job} steps a job: lower it", limit="max_steps_per_job",
                             field="training.max_steps")
-    per_step = (int(t.get("seq_len") or 1) * int(t.get("micro_batch_size") or 1) * int(t.get("grad_accum") or 1)
-                * int((spec.get("resources") or {}).get("gpus") or 1))
+    per_step = t.seq_len * t.micro_batch_size * t.grad_accum * gpus_wanted(spec)
     if quota.max_tokens_per_job is not None and steps * per_step > quota.max_tokens_per_job:
         raise QuotaExceeded(f"the job would train on {steps * per_step} tokens ({steps} steps of {per_step}); "
                             f"tenant {tenant} may spend at most {quota.max_tokens_per_job} on one job: lower "

@@ -37,7 +37,7 @@ from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, Launch, NodeI
 from horizon_ray.cluster.nodes import parse_node_value
 from horizon_ray.cluster.placement import default_planner
 from horizon_ray.cluster.tenants import TenantsConfig, parse_bytes
-from horizon_ray.job.events import Checkpoint, CheckpointBegin, Done, Error, Event, Metrics, Start
+from horizon_ray.job.events import Checkpoint, CheckpointBegin, Done, Error, Eval, Event, Metrics, Start
 
 
 @dataclass
@@ -62,6 +62,15 @@ class FakeJob:
     planned_bytes: int = 0
     rss_bytes: int = 0
     env: dict[str, str] = field(default_factory=dict)  # what the real agent would set for its engine
+    preference: bool = False  # objective dpo: its metrics carry TRL's rewards, as the runner's do
+
+
+def fake_rewards(step: int, total_steps: int) -> dict[str, float]:
+    """A fake DPO step's metrics (TRL's names): the margin grows 0.1 a step, the accuracy to 1 at the last step
+    (the end's eval: to 0.5, as if `total_steps` were twice as many)."""
+    return {"loss": 1.0 / step, "rewards/chosen": 0.05 * step, "rewards/rejected": -0.05 * step,
+            "rewards/accuracies": min(1.0, step / total_steps), "rewards/margins": 0.1 * step,
+            "logps/chosen": -20.0 + step, "logps/rejected": -20.0 - step}
 
 
 class FakeAgent:
@@ -118,7 +127,8 @@ class FakeAgent:
         keep = int((spec.get("checkpoint") or {}).get("keep") or 2)
         job = FakeJob(job_id, output_dir, int(total), int(every), step=max(done, default=0), keep=keep,
                       planned_bytes=int(host_bytes), rss_bytes=int(host_bytes * 0.9),
-                      env=engine_env(res, [str(i) for i in range(self.ledger.gpu_count)]))
+                      env=engine_env(res, [str(i) for i in range(self.ledger.gpu_count)]),
+                      preference=spec.get("objective") == "dpo")
         self.jobs[job_id] = job
         self.started.append(job_id)
         self._emit(Start(step=job.step, total_steps=job.total_steps), job)
@@ -163,7 +173,8 @@ class FakeAgent:
             job.step += 1
             self._emit(Metrics(step=job.step, loss=1.0 / job.step, lr=1e-4, grad_norm=1.0, tokens_per_s=1000.0,
                                host_rss_bytes=job.rss_bytes, total_steps=job.total_steps,
-                               eta_s=float(job.total_steps - job.step)), job)
+                               eta_s=float(job.total_steps - job.step),
+                               preference=fake_rewards(job.step, job.total_steps) if job.preference else None), job)
             if job.checkpoint_every and job.step % job.checkpoint_every == 0:
                 kept = self.storage.checkpoints.setdefault(job.output_dir, [])
                 kept.append(job.step)
@@ -172,6 +183,9 @@ class FakeAgent:
                 self._emit(Checkpoint(step=job.step, path=f"{job.output_dir}/checkpoints/step-{job.step:08d}",
                                       pruned=pruned), job)
             if job.step >= job.total_steps:
+                if job.preference:  # the eval of the run's end, over held-out pairs
+                    self._emit(Eval(step=job.step, eval_loss=0.5, eval_tokens=8,
+                                    eval_preference=fake_rewards(job.step, 2 * job.total_steps)), job)
                 self._emit(Done(step=job.step, final_dir=f"{job.output_dir}/final"), job)
                 self._exit(job, 0)
 

@@ -43,7 +43,7 @@ S = TypeVar("S", bound=BaseModel)
 def needs_gpu(spec: dict[str, Any], gpu_count: int) -> bool:
     """Whether `spec`'s engine takes a GPU of a node that has `gpu_count` GPUs: its engine.device resolved
     for the node by the rule the job runner follows (``workload.resolve``)."""
-    device = _section(spec, "engine", EngineSpec).device
+    device = spec_section(spec, "engine", EngineSpec).device
     if device == "auto" and gpus_wanted(spec) > 1:
         return True  # several GPUs asked for: CPU ranks would not be what the user wanted
     return resolve(gpu=gpu_count > 0, device=device).cuda
@@ -51,12 +51,12 @@ def needs_gpu(spec: dict[str, Any], gpu_count: int) -> bool:
 
 def gpus_wanted(spec: dict[str, Any]) -> int:
     """The GPUs a GPU job holds: its resources.gpus."""
-    return _section(spec, "resources", ResourcesSpec).gpus
+    return spec_section(spec, "resources", ResourcesSpec).gpus
 
 
-def _section(spec: dict[str, Any], name: str, section: type[S]) -> S:
+def spec_section(spec: dict[str, Any], name: str, section: type[S]) -> S:
     """One section of `spec` as the typed spec reads it: its defaults where the section or a key is absent,
-    BadInput naming the key for a value the spec refuses (never a default of placement's own)."""
+    BadInput naming the key for a value the spec refuses (never a default of the cluster's own)."""
     return parse(section, spec.get(name) or {}, prefix=f"{name}.")
 
 

@@ -241,16 +241,14 @@ def with_demo_model(settings):
     """`settings` that also offer the embedded demo model (built if missing): catalogue entry DEMO_MODEL_NAME
     unless the operator's catalogue has that name or names that model, its assets directory a model root and a
     data root."""
-    from dataclasses import replace
-
     from horizon_ray.job.demo import prepare_demo_assets
 
     assets, _ = prepare_demo_assets()
     # the operator's names first: a job's model is named by the first entry of its directory
     catalogue = {**settings.model_catalogue, DEMO_MODEL_NAME: settings.model_catalogue.get(DEMO_MODEL_NAME,
                                                                                           assets.model_dir)}
-    return replace(settings, model_catalogue=catalogue, model_roots=[*settings.model_roots, assets.root],
-                   data_roots=[*settings.data_roots, assets.root])
+    return settings.replaced(model_catalogue=catalogue, model_roots=[*settings.model_roots, assets.root],
+                             data_roots=[*settings.data_roots, assets.root])
 
 
 def _wait() -> None:

@@ -39,8 +39,9 @@ class EngineConfig:
     layer_chunk_tokens: int = 8192
     # Tokens per chunk of the LM-head + cross-entropy, so full logits [tokens x vocab] never exist.
     loss_chunk_tokens: int = 1024
-    # Dtype of the tensors written by save_pretrained.
-    save_dtype: str = "float32"
+    # Dtype of the tensors written by save_pretrained and save_merged; None: float32, but the compute dtype for
+    # a quantized base's merged model (its dequantized base holds no more: fp32 would double the files).
+    save_dtype: str | None = None
     # save_pretrained writes shards of at most this many bytes (plus an index) above it.
     max_shard_bytes: int = 5 * 2**30
     # Seed of random initialisation (Engine.from_config).
@@ -77,7 +78,7 @@ class EngineConfig:
                 f"checkpoint_every must be >= 1 (1 keeps every layer's input), got {self.checkpoint_every}")
         if self.compute_dtype not in DTYPES:
             raise BadInput(f"compute_dtype must be one of {sorted(DTYPES)}, got {self.compute_dtype!r}")
-        if self.save_dtype not in DTYPES:
+        if self.save_dtype is not None and self.save_dtype not in DTYPES:
             raise BadInput(f"save_dtype must be one of {sorted(DTYPES)}, got {self.save_dtype!r}")
         if self.precision not in PRECISIONS:
             raise BadInput(f"precision must be one of {PRECISIONS}, got {self.precision!r}")

@@ -34,12 +34,12 @@ import torch.nn.functional as F
 
 from horizon_ray.engine import io, preference
 from horizon_ray.engine import lora as lora_io
-from horizon_ray.engine.config import EngineConfig, resolve_device
+from horizon_ray.engine.config import DTYPES, EngineConfig, resolve_device
 from horizon_ray.engine.fence import Fence
 from horizon_ray.engine.grads import DeviceGrads, HostGrads
 from horizon_ray.engine.kernels import Kernels, resolve_kernels
 from horizon_ray.engine.layers import LoraCall, MicroBatch, Template
-from horizon_ray.engine.model import NORM_KEYS, ModelConfig, unit_layouts
+from horizon_ray.engine.model import NORM_KEYS, ModelConfig, quantize_for, stored_nested, unit_layouts
 from horizon_ray.engine.objective import DpoConfig, DpoMetrics
 from horizon_ray.engine.optimizer import HostAdamW
 from horizon_ray.engine.pinned import HostBuffers
@@ -78,8 +78,10 @@ class Engine:
         """``store`` and ``ranks``: one rank of a job of several on one node (ranks.py), over a store that
         ``Engine.new_store(..., world=N)`` made in shared memory and filled; None: a job of one."""
         cfg.validate()
-        if cfg.lora is not None:  # the family's default targets where the config names none
+        if cfg.lora is not None:  # the family's default targets where the config names none, the checkpoint's quantize
             cfg = replace(cfg, lora=cfg.lora.for_model(model))
+        else:
+            quantize_for(model.hf, None)  # a pre-quantized checkpoint is refused for full fine-tuning
         self.cfg = cfg
         self.model = model
         self.device = resolve_device(cfg.device)
@@ -152,13 +154,14 @@ class Engine:
     def new_store(model: ModelConfig, cfg: EngineConfig, pin: bool, world: int = 1) -> HostStore:
         """The host store this engine keeps for these settings (LoRA adapters initialised); ``world`` > 1: in
         shared memory for that many ranks (each then builds ``Engine(model, cfg, store, Ranks(r, world))``)."""
-        adapters = lora_io.adapter_layouts(model, cfg.lora) if cfg.lora is not None else None
+        lora = cfg.lora.for_model(model) if cfg.lora is not None else None
+        adapters = lora_io.adapter_layouts(model, lora) if lora is not None else None
         units = Units(model.num_layers, min(cfg.checkpoint_every, max(model.num_layers, 1)))
         spec = Engine._speculation_order_of(units, cfg.update, cfg.speculate_units, Engine._n_trained(model, cfg))
         store = HostStore(unit_layouts(model), cfg.dtype, cfg.master_dtype, pin=pin, adapter_layouts=adapters,
                           wires=2 if cfg.update == "delayed" else 1, own_grads=frozenset(spec), world=world,
-                          quantize=cfg.lora.quantize if cfg.lora is not None else "none")
-        if cfg.lora is not None:
+                          quantize=lora.quantize if lora is not None else "none", nested=stored_nested(model.hf))
+        if lora is not None:
             lora_io.init_adapters(store.adapters, cfg.seed)
         return store
 
@@ -347,17 +350,18 @@ class Engine:
         self.synchronize()
         if self.lora is not None:
             return lora_io.save_adapter(self.store.adapters, self.lora, self.base_model_path, Path(out_dir))
-        return io.save_pretrained(self.store, self.model.hf, Path(out_dir), getattr(torch, self.cfg.save_dtype),
+        return io.save_pretrained(self.store, self.model.hf, Path(out_dir), DTYPES[self.cfg.save_dtype or "float32"],
                                   self.cfg.max_shard_bytes, self.model.tie_word_embeddings)
 
     def save_merged(self, out_dir: str | Path) -> Path:
         """LoRA only: the full model in HF format with every adapter merged, W + scaling x B A (computed in
-        fp32, written in save_dtype)."""
+        fp32, written in save_dtype; by default float32, or for a quantized base the compute dtype)."""
         if self.lora is None:
             raise BadInput("save_merged merges LoRA adapters; this engine fine-tunes the whole model, whose "
                              "save_pretrained already writes the full model")
         self._optimizer.wait_all()
-        return io.save_pretrained(self.store, self.model.hf, Path(out_dir), getattr(torch, self.cfg.save_dtype),
+        dtype = self.cfg.save_dtype or (self.cfg.compute_dtype if self.store.quantize != "none" else "float32")
+        return io.save_pretrained(self.store, self.model.hf, Path(out_dir), DTYPES[dtype],
                                   self.cfg.max_shard_bytes, self.model.tie_word_embeddings,
                                   merge=lora_io.merge_fn(self.store.adapters, self.lora, self.model))
 

@@ -25,7 +25,8 @@ the model's eos tokens, at stop sequences (the text is cut before them), or afte
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ KV_BUCKET = 256
 
 
 class KVCache:
-    """Keys and values of every layer for a batch of B rows and S positions at most.
+    """Keys and values of every layer for a batch of B rows and S positions (slots) at most.
 
     Device layers: [B, kvH, S, d] on the device. Host layers: [S, B, kvH, d] in (pinned) host memory, so
     that the first n positions are one contiguous block to copy; each host layer's cached positions cross to
@@ -68,18 +69,19 @@ class KVCache:
         self.on_device = on_device
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        # zeros, not garbage: attention reads unwritten positions up to the bucket's end, masked, and a NaN
-        # there would still poison the weighted sum (0 x NaN); host layers are read only as far as written
+        # zeros, not garbage: attention reads unwritten positions (up to the bucket's end, before a joining
+        # row's prompt), masked, and a NaN there would still poison the weighted sum (0 x NaN)
         for j in range(cfg.num_layers):
             for store in (self.k, self.v):
                 if j < on_device:
                     store.append(torch.zeros(shape, dtype=dtype, device=device))
                 else:
-                    store.append(buffers.pool.empty(host_shape, dtype))
+                    store.append(buffers.pool.empty(host_shape, dtype, zero=True))
         self.stage = None
         if on_device < cfg.num_layers:
             self.stage = (torch.zeros(host_shape, dtype=dtype, device=device),
                           torch.zeros(host_shape, dtype=dtype, device=device))
+        self.rows = B
         self.capacity = S
         self.length = 0  # positions cached in every layer (this call's are appended by extend)
 
@@ -89,18 +91,25 @@ class KVCache:
 
     def visible(self, T: int) -> int:
         """Positions a call of T new tokens attends to: every cached and new one, rounded up to the bucket."""
-        return min(self.capacity, -(-(self.length + T) // KV_BUCKET) * KV_BUCKET)
+        return _visible(self.capacity, self.length, T)
 
     def extend(self, j: int, k_BHTd: torch.Tensor, v_BHTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n, T = self.length, k_BHTd.shape[2]
-        seen = self.visible(T)
+        return self.write(j, k_BHTd, v_BHTd, 0, self.rows, self.length)
+
+    def write(self, j: int, k_BHTd: torch.Tensor, v_BHTd: torch.Tensor, lo: int, hi: int,
+              n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer j's keys and values of rows lo..hi-1 at slots n .. n + T - 1; those rows' keys and values of
+        the visible slots."""
+        T = k_BHTd.shape[2]
+        seen = _visible(self.capacity, n, T)
         if j < self.on_device:
-            K, V = self.k[j], self.v[j]
+            K, V = self.k[j][lo:hi], self.v[j][lo:hi]
             K[:, :, n:n + T] = k_BHTd
             V[:, :, n:n + T] = v_BHTd
             return K[:, :, :seen], V[:, :, :seen]
         out = []
         for host, new, stage in ((self.k[j], k_BHTd, self.stage[0]), (self.v[j], v_BHTd, self.stage[1])):
+            host, stage = host[:, lo:hi], stage[:, lo:hi]
             new_TBHd = new.permute(2, 0, 1, 3)
             # non_blocking both ways on the compute stream: the stage is read by this layer's attention only
             # after the H2D landed, and the host buffer is read again only by a later step's H2D, queued after
@@ -115,6 +124,43 @@ class KVCache:
     def advance(self, T: int) -> None:
         """Every layer has cached T more positions."""
         self.length += T
+
+    def copy_rows(self, dst: KVCache, rows: torch.Tensor, first: int, to: int) -> None:
+        """Into ``dst``'s first len(rows) rows, from slot ``to`` on: these rows' cached slots from ``first`` on
+        (a batch that rows join or leave is laid out again; slots before ``first`` hold none of their tokens)."""
+        n = self.length
+        m = n - first
+        for j in range(len(self.k)):
+            for src, out in ((self.k[j], dst.k[j]), (self.v[j], dst.v[j])):
+                if j < self.on_device:
+                    part = src.index_select(0, rows.to(src.device))[:, :, first:n]  # [b, kvH, m, d]
+                else:
+                    part = src[first:n].index_select(1, rows).permute(1, 2, 0, 3)
+                if j < dst.on_device:
+                    out[:len(rows), :, to:to + m] = part.to(out.device)
+                else:
+                    out[to:to + m, :len(rows)] = part.permute(2, 0, 1, 3).to(out.device)
+
+
+class _JoiningRows:
+    """Rows lo..hi-1 of a cache, written from slot ``start`` on: the prompts' pass of rows that join a batch
+    (their prompts end where the batch's cached slots do)."""
+
+    def __init__(self, cache: KVCache, lo: int, hi: int, start: int):
+        self.cache, self.lo, self.hi, self.length = cache, lo, hi, start
+
+    def visible(self, T: int) -> int:
+        return _visible(self.cache.capacity, self.length, T)
+
+    def extend(self, j: int, k_BHTd: torch.Tensor, v_BHTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.write(j, k_BHTd, v_BHTd, self.lo, self.hi, self.length)
+
+    def advance(self, T: int) -> None:
+        pass  # the batch's length is the session's to set
+
+
+def _visible(capacity: int, n: int, T: int) -> int:
+    return min(capacity, -(-(n + T) // KV_BUCKET) * KV_BUCKET)
 
 
 class _Resident(Units):
@@ -265,36 +311,18 @@ class Generator:
         return [Completion(t, self._final_text(t, r.params.stop), f, len(r.prompt_ids))
                 for t, f, r in zip(tokens, finish, requests)]
 
-    @torch.no_grad()
     def stream(self, requests: Sequence[Request]) -> Iterator[list[Delta]]:
-        """The batch's steps: after the prompts' pass and after every decode step, what each row added."""
-        self.check(requests)
-        B = len(requests)
-        prompts = [list(r.prompt_ids) for r in requests]
-        T0 = max(len(p) for p in prompts)
-        S = T0 + max(r.params.max_tokens for r in requests)
-        cache = KVCache(self.model, B, S, self.dtype, self.device, self._device_kv_layers(B, S, T0), self._buffers)
-        # left padding: row b's tokens end at the right edge; its positions count its own tokens
-        ids_BT = torch.zeros(B, T0, dtype=torch.long)
-        valid_BS = torch.zeros(B, S, dtype=torch.bool)
-        for b, p in enumerate(prompts):
-            ids_BT[b, T0 - len(p):] = torch.tensor(p, dtype=torch.long)
-            valid_BS[b, T0 - len(p):T0] = True
-        pos_BS = (torch.cumsum(valid_BS.long(), 1) - 1).clamp(min=0)
-        lengths = torch.tensor([len(p) for p in prompts])
-        pos_BS[:, T0:] = lengths[:, None] + torch.arange(S - T0)[None, :]
-        valid_BS[:, T0:] = True  # every generated position is a real token
-        rows = [_Row(r.params, self.tokenizer) for r in requests]
-        greedy = all(r.params.temperature == 0 for r in requests)
-        logits = self._forward(ids_BT, pos_BS, valid_BS, cache)
-        while True:
-            picked = self._pick(logits, rows, greedy)
-            deltas = [row.add(b, int(t), self.eos_ids) for b, (row, t) in enumerate(zip(rows, picked))]
-            yield deltas
-            if all(row.done for row in rows):
-                return
-            ids_BT = torch.tensor(picked, dtype=torch.long)[:, None]
-            logits = self._forward(ids_BT, pos_BS, valid_BS, cache)
+        """The batch's steps: after the prompts' pass and after every decode step, what each row added (a
+        finished row adds nothing more)."""
+        session = self.session()
+        first = session.admit(requests, range(len(requests)))
+        yield [replace(d, row=key) for key, d in first]
+        while len(session):
+            yield [replace(d, row=key) for key, d in session.step()]
+
+    def session(self) -> Session:
+        """A batch that requests join and leave between its steps (continuous batching)."""
+        return Session(self)
 
     def check(self, requests: Sequence[Request]) -> None:
         """Refuse what cannot run: bad parameters, ids outside the vocabulary, more positions than the model has."""
@@ -392,6 +420,133 @@ class Generator:
         if self.tokenizer is None:
             return ""
         return _cut(self.tokenizer.decode(token_ids, skip_special_tokens=True), stop)[0]
+
+
+class Session:
+    """Rows generating together, changing between steps: ``admit`` runs the prompts' pass of new requests
+    into the running batch (and gives each its first token), ``step`` decodes one token of every row,
+    ``cancel`` ends rows. Each row is known by the key its caller gave it.
+
+    A row's prompt ends where the batch's cached slots do (they are left-padded into the slots before; a
+    prompt longer than the cached slots shifts the batch right), so every row's next token goes to the same
+    slot and a decode step stays one pass of the whole batch. Finished and cancelled rows leave when a
+    request joins, or once a quarter of the batch has finished; the cache is then laid out again for the
+    rows that stay (their slots copied, on the device or the host). A row's positions and masks count its
+    own tokens, so it makes the tokens it would make alone, whenever it joined."""
+
+    def __init__(self, gen: Generator):
+        self.gen = gen
+        self.cache: KVCache | None = None
+        self.pos = torch.zeros(0, 0, dtype=torch.long)  # [B, S] each slot's position in its row
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [B, S] slots holding a token of the row
+        self.rows: list[_Row] = []
+        self.keys: list[Any] = []
+        self.next_ids: list[int] = []  # the token each row feeds next (its newest)
+        self.next_pos: list[int] = []  # and that token's position
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @torch.no_grad()
+    def admit(self, requests: Sequence[Request], keys: Iterable[Any]) -> list[tuple[Any, Delta]]:
+        """The prompts' pass of ``requests`` (keys: one each), joining the batch; each one's first token."""
+        gen = self.gen
+        gen.check(requests)
+        keys = list(keys)
+        live = [b for b, row in enumerate(self.rows) if not row.done]
+        n = self.cache.length if self.cache is not None else 0
+        first = self._first_used(live)  # slots before it hold no token of a row that stays: they go
+        T = max(len(r.prompt_ids) for r in requests)
+        n2 = max(n - first, T)  # the slot every row's next token goes to
+        # slots each row needs: its remaining tokens fed from n2 on (a joining row's first comes from its prompt)
+        need = [n2 + self.rows[b].params.max_tokens - len(self.rows[b].tokens) for b in live]
+        need += [n2 + r.params.max_tokens - 1 for r in requests]
+        B0, B, S = len(live), len(live) + len(requests), max(need) + 1
+        cache = KVCache(gen.model, B, S, gen.dtype, gen.device, gen._device_kv_layers(B, S, T), gen._buffers)
+        pos = torch.zeros(B, S, dtype=torch.long)
+        valid = torch.zeros(B, S, dtype=torch.bool)
+        if B0:
+            keep = torch.tensor(live, dtype=torch.long)
+            to = n2 - (n - first)
+            self.cache.copy_rows(cache, keep, first, to)
+            pos[:B0, to:n2] = self.pos[keep, first:n]
+            valid[:B0, to:n2] = self.valid[keep, first:n]
+        ids_BT = torch.zeros(len(requests), T, dtype=torch.long)
+        for i, r in enumerate(requests):
+            p = len(r.prompt_ids)
+            ids_BT[i, T - p:] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            pos[B0 + i, n2 - p:n2] = torch.arange(p)
+            valid[B0 + i, n2 - p:n2] = True
+        next_pos = [self.next_pos[b] for b in live] + [len(r.prompt_ids) for r in requests]
+        pos[:, n2:] = torch.tensor(next_pos)[:, None] + torch.arange(S - n2)[None, :]
+        valid[:, n2:] = True  # every generated position is a real token
+        joining = [_Row(r.params, gen.tokenizer) for r in requests]
+        logits = gen._forward(ids_BT, pos[B0:], valid[B0:], _JoiningRows(cache, B0, B, n2 - T))
+        cache.length = n2
+        picked = gen._pick(logits, joining, all(r.params.temperature == 0 for r in requests))
+        self.cache, self.pos, self.valid = cache, pos, valid
+        self.rows = [self.rows[b] for b in live] + joining
+        self.keys = [self.keys[b] for b in live] + keys
+        self.next_ids = [self.next_ids[b] for b in live] + picked
+        self.next_pos = next_pos
+        out = [(key, row.add(0, int(t), gen.eos_ids)) for key, row, t in zip(keys, joining, picked)]
+        self._leave_if_finished()
+        return out
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[Any, Delta]]:
+        """One decode step of every row still generating: the token each added."""
+        gen = self.gen
+        ids_BT = torch.tensor(self.next_ids, dtype=torch.long)[:, None]
+        logits = gen._forward(ids_BT, self.pos, self.valid, self.cache)
+        picked = gen._pick(logits, self.rows, all(r.params.temperature == 0 for r in self.rows))
+        out = []
+        for b, (key, row, t) in enumerate(zip(self.keys, self.rows, picked)):
+            if not row.done:
+                out.append((key, row.add(0, int(t), gen.eos_ids)))
+            self.next_ids[b] = int(t)
+            self.next_pos[b] += 1
+        self._leave_if_finished()
+        return out
+
+    def cancel(self, keys: Iterable[Any]) -> None:
+        """These rows make no more tokens (they leave with the next layout)."""
+        gone = set(keys)
+        for key, row in zip(self.keys, self.rows):
+            if key in gone:
+                row.done = True
+        self._leave_if_finished()
+
+    def _leave_if_finished(self) -> None:
+        done = [b for b, row in enumerate(self.rows) if row.done]
+        if len(done) == len(self.rows):
+            self.__init__(self.gen)  # nothing left: the cache goes
+        elif len(done) * 4 >= len(self.rows):
+            live = [b for b, row in enumerate(self.rows) if not row.done]
+            keep = torch.tensor(live, dtype=torch.long)
+            old, gen = self.cache, self.gen
+            first = self._first_used(live)
+            n = old.length - first
+            # the slots the rows that stay still need: what they hold, and their remaining tokens
+            S = n + max(self.rows[b].params.max_tokens - len(self.rows[b].tokens) for b in live) + 1
+            B = len(live)
+            self.cache = KVCache(gen.model, B, S, gen.dtype, gen.device, gen._device_kv_layers(B, S, 1),
+                                 gen._buffers)
+            old.copy_rows(self.cache, keep, first, 0)
+            self.cache.length = n
+            pos, valid = self.pos[keep, first:], self.valid[keep, first:]
+            self.pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, S - pos.shape[1] + 1)[None]], 1)[:, :S]
+            self.valid = torch.cat([valid, valid.new_ones(B, max(S - valid.shape[1], 0))], 1)[:, :S]
+            for name in ("rows", "keys", "next_ids", "next_pos"):
+                setattr(self, name, [getattr(self, name)[b] for b in live])
+
+    def _first_used(self, live: list[int]) -> int:
+        """The first cached slot holding a token of one of these rows (the batch's length if none)."""
+        n = self.cache.length if self.cache is not None else 0
+        if not live or self.cache is None:
+            return n
+        used = self.valid[torch.tensor(live, dtype=torch.long), :n].any(0).nonzero()
+        return int(used[0]) if len(used) else n
 
 
 class _Row:

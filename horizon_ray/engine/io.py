@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from horizon_ray.atomic import atomic_path
 from horizon_ray.engine.model import TensorSlot
+from horizon_ray.engine.quant import StoredTensor, stored_owner
 from horizon_ray.engine.store import HostStore
 from horizon_ray.errors import BadInput
 
@@ -45,12 +46,19 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
 
 
 def load_into(store: HostStore, model_dir: Path, tied: bool, device: torch.device | None = None) -> None:
-    """``device``: where a quantized base's tensors are quantized (the engine's; default the CPU)."""
+    """``device``: where a quantized base's tensors are quantized (the engine's; default the CPU). A checkpoint
+    saved quantized by transformers + bitsandbytes has each weight's quant state beside it (quant.StoredTensor):
+    the packed store takes it as it is (quant.PackedLayout.take)."""
     device = device or torch.device("cpu")
     files = _weight_files(model_dir)
     expected = {t.name for u in store.layouts for t in u.tensors}
-    unexpected = sorted(k for k in files if k not in expected and not k.endswith(_IGNORED_SUFFIXES)
-                        and not (tied and k == "lm_head.weight"))
+    companions: dict[str, list[str]] = {}  # weight -> its quant state's tensors
+    for k in files:
+        owner = stored_owner(k)
+        if owner != k:
+            companions.setdefault(owner, []).append(k)
+    unexpected = sorted(k for k in files if stored_owner(k) not in expected and not k.endswith(_IGNORED_SUFFIXES)
+                        and not (tied and stored_owner(k) == "lm_head.weight"))
     if unexpected:
         raise BadInput(f"{model_dir} holds tensors the config does not describe, e.g. {unexpected[:3]}: "
                          "the config.json does not match the weights")
@@ -59,22 +67,24 @@ def load_into(store: HostStore, model_dir: Path, tied: bool, device: torch.devic
         raise BadInput(f"{model_dir} lacks tensors the config needs, e.g. {missing[:3]} "
                          f"({len(missing)} missing): the config.json does not match the weights")
     handles: dict[Path, Any] = {}  # safetensors' safe_open handles
+
+    def read(name: str) -> torch.Tensor:
+        path = files[name]
+        if path not in handles:
+            handles[path] = safe_open(path, framework="pt").__enter__()
+        return handles[path].get_tensor(name)
+
     try:
         for unit, packed in zip(store.units, store.packed):
             for t in unit.layout.tensors:
-                path = files[t.name]
-                if path not in handles:
-                    handles[path] = safe_open(path, framework="pt").__enter__()
-                src = handles[path].get_tensor(t.name)
-                if tuple(src.shape) != t.shape:
-                    raise BadInput(f"tensor {t.name} has shape {tuple(src.shape)} in {path.name} but the "
+                src = StoredTensor(t.name, read(t.name), {k: read(k) for k in companions.get(t.name, ())})
+                if src.shape != t.shape:
+                    raise BadInput(f"tensor {t.name} has shape {src.shape} in {files[t.name].name} but the "
                                      f"config implies {t.shape}: the config.json does not match the weights")
-                if not src.is_floating_point():
-                    raise BadInput(f"tensor {t.name} has dtype {src.dtype}; expected a floating-point tensor")
-                if packed is None:
-                    t.view_of(unit.master).copy_(src)
-                else:
-                    packed.pack(unit.master, t.key, src, device)
+                if packed is not None:
+                    packed.take(unit.master, t.key, src, device)
+                else:  # floats, or a weight the checkpoint quantized and this store keeps unpacked
+                    t.view_of(unit.master).copy_(src.dequantized(unit.master.dtype))
                 del src  # one source tensor at a time
             store.refresh_wire(unit)
     finally:
@@ -116,6 +126,7 @@ def save_pretrained(store: HostStore, hf_config: dict, out_dir: Path, dtype: tor
             with open(tmp / "model.safetensors.index.json", "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         config = dict(hf_config)
+        config.pop("quantization_config", None)  # a pre-quantized base's: what is written here are floats
         dtype_name = str(dtype).removeprefix("torch.")
         config["torch_dtype"] = dtype_name
         config["dtype"] = dtype_name

@@ -61,6 +61,7 @@ from horizon_ray.engine.model import (
     layer_entries,
     layer_targets,
     modules_to_save_norms,
+    quantize_for,
 )
 from horizon_ray.errors import BadInput
 from horizon_ray.models.blocks import Entry
@@ -103,8 +104,10 @@ class LoraConfig:
         return self.alpha / self.r
 
     def for_model(self, cfg) -> LoraConfig:
-        """This config on `cfg`'s family: its default targets where none are named."""
-        return self if self.targets else replace(self, targets=default_lora_targets(cfg))
+        """This config on `cfg`'s family: its default targets where none are named; a pre-quantized
+        checkpoint's quantize (model.quantize_for)."""
+        return replace(self, targets=self.targets or default_lora_targets(cfg),
+                       quantize=quantize_for(cfg.hf, self.quantize))
 
     @property
     def ordered_targets(self) -> tuple[str, ...]:

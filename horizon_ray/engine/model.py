@@ -303,13 +303,16 @@ def is_quantized(key: str, quantize: str) -> bool:
     return quantize != "none" and (key in QUANTIZED_KEYS or _is_expert_key(key))
 
 
-def packed_parts(quantize: str, shape: tuple[int, ...], c: int) -> list[tuple[str, int]]:
+def packed_parts(quantize: str, shape: tuple[int, ...], c: int, nested: bool = True) -> list[tuple[str, int]]:
     """(part, bytes) of one tensor as the store packs it: "w" in the compute dtype (c bytes) when it is not
     quantized; 4-bit: the codes (two a byte), one uint8 scale per block, one fp32 absmax per block of block
-    scales and their fp32 offset (their mean); int8: the int8 weights and one fp32 scale a row (SCB)."""
+    scales and their fp32 offset (their mean); without ``nested`` (a checkpoint saved without double
+    quantization) one fp32 scale per block instead; int8: the int8 weights and one fp32 scale a row (SCB)."""
     n = math.prod(shape)
     if quantize in ("nf4", "fp4"):
         blocks = -(-n // QUANT_BLOCK)
+        if not nested:
+            return [("codes", -(-n // 2)), ("absmax", 4 * blocks)]
         return [("codes", -(-n // 2)), ("absmax", blocks), ("absmax2", 4 * -(-blocks // QUANT_NESTED_BLOCK)),
                 ("offset", 4)]
     if quantize == "int8":
@@ -317,12 +320,70 @@ def packed_parts(quantize: str, shape: tuple[int, ...], c: int) -> list[tuple[st
     return [("w", n * c)]
 
 
-def packed_nbytes(quantize: str, shape: tuple[int, ...], c: int) -> int:
+def packed_nbytes(quantize: str, shape: tuple[int, ...], c: int, nested: bool = True) -> int:
     """Host bytes of one tensor packed (its parts, each rounded up to the alignment)."""
-    return sum(-(-b // _PACK_ALIGN) * _PACK_ALIGN for _, b in packed_parts(quantize, shape, c))
+    return sum(-(-b // _PACK_ALIGN) * _PACK_ALIGN for _, b in packed_parts(quantize, shape, c, nested))
 
 
-def packed_layer_bytes(entries, quantize: str, c: int) -> int:
+def packed_layer_bytes(entries, quantize: str, c: int, nested: bool = True) -> int:
     """Host bytes of a layer unit with ``quantize`` (entries: layer_entries' (name, key, shape))."""
-    return sum(packed_nbytes(quantize if is_quantized(key, quantize) else "none", shape, c)
+    return sum(packed_nbytes(quantize if is_quantized(key, quantize) else "none", shape, c, nested)
                for _, key, shape in entries)
+
+
+# ---- a pre-quantized checkpoint (transformers + bitsandbytes' serialization) -------------------------------
+
+
+@dataclass(frozen=True)
+class StoredQuant:
+    """How a model directory saved by transformers with a bitsandbytes ``quantization_config`` keeps its
+    nn.Linear weights (its config.json says; each tensor's own quant state says the rest, quant.py)."""
+
+    quantize: str  # "nf4" | "fp4" (load_in_4bit, bnb_4bit_quant_type) | "int8" (load_in_8bit)
+    nested: bool  # 4-bit: the block scales double-quantized (bnb_4bit_use_double_quant); int8: False
+
+
+def stored_quant(hf: dict) -> StoredQuant | None:
+    """The checkpoint's quantization (config.json's ``quantization_config``); None: it holds floats."""
+    qc = hf.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method", "bitsandbytes")
+    if method != "bitsandbytes":
+        raise BadInput(f"the checkpoint is quantized by {method!r} (its config.json's quantization_config); the "
+                       "engine loads bitsandbytes' 4-bit and 8-bit checkpoints only: give the model's bf16 "
+                       "checkpoint (lora.quantize then quantizes it while loading)")
+    if qc.get("load_in_4bit") or qc.get("_load_in_4bit"):
+        kind = qc.get("bnb_4bit_quant_type", "fp4")
+        if kind not in ("nf4", "fp4"):
+            raise BadInput(f"the checkpoint's bnb_4bit_quant_type is {kind!r}; the engine knows nf4 and fp4")
+        return StoredQuant(kind, bool(qc.get("bnb_4bit_use_double_quant", False)))
+    if qc.get("load_in_8bit") or qc.get("_load_in_8bit"):
+        return StoredQuant("int8", False)
+    raise BadInput("the checkpoint's quantization_config is bitsandbytes' but sets neither load_in_4bit nor "
+                   "load_in_8bit; fix its config.json or give the bf16 checkpoint")
+
+
+def quantize_for(hf: dict, requested: str | None) -> str:
+    """The ``lora.quantize`` a job trains with on this checkpoint (``requested`` None: full fine-tuning, which
+    a quantized checkpoint refuses): a pre-quantized checkpoint's own, which ``requested`` must name or leave
+    at its default ("none"); else ``requested``. The one rule the engine and the planner apply."""
+    stored = stored_quant(hf)
+    if stored is None:
+        return "none" if requested is None else requested
+    if requested is None:
+        raise BadInput(f"the model is a pre-quantized {stored.quantize} checkpoint (bitsandbytes): its frozen "
+                       "4/8-bit weights cannot be fine-tuned in full; use method: lora (QLoRA on this base), or "
+                       "fine-tune the model's bf16 checkpoint", field="method")
+    if requested not in ("none", stored.quantize):
+        raise BadInput(f"lora.quantize is {requested} but the model is a pre-quantized {stored.quantize} checkpoint "
+                       f"(bitsandbytes); set lora.quantize to {stored.quantize} or leave it out (it is taken from "
+                       f"the checkpoint), or give the bf16 checkpoint to quantize it as {requested}",
+                       field="lora.quantize")
+    return stored.quantize
+
+
+def stored_nested(hf: dict) -> bool:
+    """Whether a quantized base's 4-bit scales are double-quantized: a checkpoint's own choice, else QLoRA's."""
+    stored = stored_quant(hf)
+    return True if stored is None else stored.nested

@@ -7,11 +7,13 @@ turns them into the loss and its gradient with respect to each row's summed log-
 pass through the head sends that gradient down to every completion token of the row (d logp_row / d logp_t
 is 1), so the layers' backward sweep is the same as for SFT.
 
-The losses are TRL's (trl.trainer.dpo_trainer, ``loss_type`` "sigmoid" and "ipo"), each the mean over the
-step's pairs: sigmoid -log sigmoid(beta x delta), where delta = (chosen - ref chosen) - (rejected - ref
-rejected); with label_smoothing e the conservative DPO of Mitchell (2023), -(1 - e) log sigmoid(beta delta) -
-e log sigmoid(-beta delta) (TRL < 1.0's sigmoid; e = 0 is DPO); ipo (delta / completion tokens of each row
-- 1 / (2 beta))^2 with each row's log-ratio divided by its completion length first, as TRL does.
+The losses are TRL 1.16's (trl.trainer.dpo_trainer, ``loss_type`` "sigmoid", "ipo" and "robust"), each the
+mean over the step's pairs: sigmoid -log sigmoid(beta x delta), where delta = (chosen - ref chosen) -
+(rejected - ref rejected); ipo (delta / completion tokens of each row - 1 / (2 beta))^2 with each row's
+log-ratio divided by its completion length first, as TRL does; robust, the unbiased loss of robust DPO
+(Chowdhury et al. 2024) for labels flipped with probability e = label_smoothing, (-(1 - e) log sigmoid(beta
+delta) + e log sigmoid(-beta delta)) / (1 - 2e) (e = 0 is DPO). TRL's sigmoid has no label smoothing (the
+conservative DPO of TRL < 1.0 is gone), so label_smoothing is robust's alone (DpoConfig.validate).
 ``sft_weight`` w adds w x the mean NLL over the chosen completions' tokens of the step (RPO; TRL's
 ``loss_type=["sigmoid", "sft"], loss_weights=[1, w]``).
 """
@@ -46,8 +48,10 @@ def objective(cfg: DpoConfig, logps_R: torch.Tensor, ref_R: torch.Tensor, counts
     rejected_ratio = rejected - ref_R[1::2]
     delta = chosen_ratio - rejected_ratio
     if cfg.loss == "sigmoid":
+        per_pair = -F.logsigmoid(cfg.beta * delta)
+    elif cfg.loss == "robust":
         e = cfg.label_smoothing
-        per_pair = -F.logsigmoid(cfg.beta * delta) * (1 - e) - F.logsigmoid(-cfg.beta * delta) * e
+        per_pair = (-(1 - e) * F.logsigmoid(cfg.beta * delta) + e * F.logsigmoid(-cfg.beta * delta)) / (1 - 2 * e)
     else:
         lengths = counts_R.to(logps_R.dtype).clamp(min=1.0)
         ipo_delta = chosen_ratio / lengths[0::2] - rejected_ratio / lengths[1::2]

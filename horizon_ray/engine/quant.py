@@ -20,6 +20,11 @@ codes and block scales of a chunk depend only on its blocks, the double quantiza
 runs once over the whole tensor's scales, as ``quantize_4bit`` does. Peak beyond the store: one source tensor
 plus a few fp32 chunks. On a CUDA engine the chunks are quantized on the GPU (as transformers does when it
 moves a bitsandbytes model to the GPU); on the CPU by bitsandbytes' CPU backend.
+
+A pre-quantized checkpoint (saved by transformers with a bitsandbytes ``quantization_config``) is read as it
+is stored (``StoredTensor``: the codes and QuantState of a 4-bit weight, the rows and SCB of an int8 one) and
+``take`` copies its bytes into the parts above where its quant state is ours (a checkpoint without double
+quantization keeps its fp32 block scales: ``nested`` False); otherwise it is dequantized and packed.
 """
 
 from __future__ import annotations
@@ -57,10 +62,13 @@ def _bnb():
 class PackedLayout:
     """Where each part of each tensor of one unit sits in its flat uint8 buffer."""
 
-    def __init__(self, layout: UnitLayout, quantize: str, dtype: torch.dtype):
+    def __init__(self, layout: UnitLayout, quantize: str, dtype: torch.dtype, nested: bool = True):
+        """``nested``: 4-bit block scales double-quantized (model.packed_parts; False for a checkpoint saved
+        without double quantization, whose fp32 scales are kept as they are)."""
         self.layout = layout
         self.quantize = quantize
         self.dtype = dtype
+        self.nested = nested
         c = torch.empty(0, dtype=dtype).element_size()
         # key -> (kind, {part: (byte offset, bytes)})
         self.parts: dict[str, tuple[str, dict[str, tuple[int, int]]]] = {}
@@ -68,7 +76,7 @@ class PackedLayout:
         for t in layout.tensors:
             kind = quantize if is_quantized(t.key, quantize) else "none"
             where = {}
-            for part, nbytes in packed_parts(kind, t.shape, c):
+            for part, nbytes in packed_parts(kind, t.shape, c, nested):
                 where[part] = (offset, nbytes)
                 offset += -(-nbytes // _PACK_ALIGN) * _PACK_ALIGN
             self.parts[t.key] = (kind, where)
@@ -104,6 +112,9 @@ class PackedLayout:
             c, a = torch.ops.bitsandbytes.quantize_4bit.default(chunk, QUANT_BLOCK, self.quantize, torch.uint8)
             codes[lo // 2:lo // 2 + c.numel()].copy_(c.reshape(-1))
             absmax[lo // QUANT_BLOCK:lo // QUANT_BLOCK + a.numel()] = a
+        if not self.nested:  # quantize_4bit(compress_statistics=False): the scales stay fp32
+            self._part(flat, key, "absmax", torch.float32).copy_(absmax)
+            return
         # quantize_4bit(compress_statistics=True)'s second step, verbatim
         offset = absmax.mean()
         qabsmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=QUANT_NESTED_BLOCK)
@@ -121,6 +132,40 @@ class PackedLayout:
             c, s, _ = F.int8_vectorwise_quant(w[lo:lo + rows].to(device).to(torch.float16))
             cb[lo:lo + rows].copy_(c)
             scb[lo:lo + rows].copy_(s)
+
+    def take(self, flat: torch.Tensor, key: str, src: StoredTensor, device: torch.device) -> None:
+        """Tensor ``key`` from a checkpoint: a pre-quantized weight laid out as ours (same type, block sizes
+        and code tables) is copied byte for byte, quant state included; any other is dequantized and packed
+        (floats, the checkpoint's: quantized as ``pack`` does; a weight the store keeps in the compute dtype:
+        dequantized as bitsandbytes does; a 4-bit weight of other block sizes: dequantized and quantized
+        again, the one case of a second roundoff)."""
+        kind, _ = self.parts[key]
+        if src.kind == "none" or src.kind != kind or not self._same_layout(src):
+            self.pack(flat, key, src.dequantized(self.dtype), device)
+        elif kind == "int8":
+            self._part(flat, key, "cb", torch.int8).copy_(src.data.reshape(-1))
+            self._part(flat, key, "scb", torch.float32).copy_(src.scb)
+        else:
+            st = src.state
+            self._part(flat, key, "codes", torch.uint8).copy_(src.data.reshape(-1).view(torch.uint8))
+            if self.nested:
+                self._part(flat, key, "absmax", torch.uint8).copy_(st.absmax)
+                self._part(flat, key, "absmax2", torch.float32).copy_(st.state2.absmax)
+                self._part(flat, key, "offset", torch.float32).copy_(st.offset.reshape(1))
+            else:
+                self._part(flat, key, "absmax", torch.float32).copy_(st.absmax)
+
+    def _same_layout(self, src: StoredTensor) -> bool:
+        """Whether a stored 4-bit weight's quant state is the one our parts describe (int8 always is)."""
+        st = src.state
+        if st is None:
+            return True
+        if st.blocksize != QUANT_BLOCK or st.nested != self.nested:
+            return False
+        if not torch.equal(st.code.cpu(), _code((self.quantize, torch.device("cpu")))):
+            return False
+        return not st.nested or (st.state2.blocksize == QUANT_NESTED_BLOCK
+                                 and torch.equal(st.state2.code.cpu(), _code(("dynamic", torch.device("cpu")))))
 
     # ---- unpacking (every read) ------------------------------------------------------------------------
 
@@ -150,6 +195,10 @@ class PackedLayout:
         """bitsandbytes' QuantState of a 4-bit tensor, over views of the buffer (nothing copied)."""
         F = _bnb()
         dev = flat.device
+        if not self.nested:
+            return F.QuantState(absmax=self._part(flat, key, "absmax", torch.float32),
+                                shape=torch.Size(self._slots[key].shape), code=_code((self.quantize, dev)),
+                                blocksize=QUANT_BLOCK, quant_type=self.quantize, dtype=self.dtype)
         state2 = F.QuantState(absmax=self._part(flat, key, "absmax2", torch.float32),
                               code=_code(("dynamic", dev)), blocksize=QUANT_NESTED_BLOCK, dtype=torch.float32)
         return F.QuantState(absmax=self._part(flat, key, "absmax", torch.uint8),
@@ -188,3 +237,61 @@ def _code(which: tuple[str, torch.device]) -> torch.Tensor:
         kind, dev = which
         _CODES[which] = F.create_dynamic_map().to(dev) if kind == "dynamic" else F.get_4bit_type(kind, device=dev)
     return _CODES[which]
+
+
+# ---- a pre-quantized checkpoint's tensors (transformers + bitsandbytes' serialization) ---------------------
+
+
+def stored_owner(name: str) -> str:
+    """The weight a checkpoint tensor belongs to: a 4-bit weight's quant state ("W.weight.absmax",
+    "W.weight.quant_state.bitsandbytes__nf4", ...) and an int8 weight's row scales and format ("W.SCB",
+    "W.weight_format") belong to "W.weight"; any other tensor is its own."""
+    if ".weight." in name:
+        return name[:name.index(".weight.")] + ".weight"
+    if name.endswith(".SCB"):
+        return name.removesuffix("SCB") + "weight"
+    return name.removesuffix("_format") if name.endswith(".weight_format") else name
+
+
+class StoredTensor:
+    """One tensor of a checkpoint as it is stored: floats, or a weight bitsandbytes quantized (the codes in
+    ``data`` with its QuantState; the int8 rows with their row scales)."""
+
+    def __init__(self, name: str, data: torch.Tensor, companions: dict[str, torch.Tensor]):
+        """``companions``: the tensors ``stored_owner`` maps to ``name``, by their full names."""
+        self.name = name
+        self.data = data
+        self.state = None  # bitsandbytes' QuantState of a 4-bit weight
+        self.scb = companions.get(name.removesuffix("weight") + "SCB")  # int8 row scales
+        four_bit = {k.removeprefix(name + "."): v for k, v in companions.items() if k.startswith(name + ".")}
+        fmt = companions.get(name + "_format")
+        if fmt is not None and int(fmt) != 0:
+            raise BadInput(f"{name} is stored in bitsandbytes' int8 weight format {int(fmt)} (a tiled GPU layout of "
+                           "older versions, not rows); save the checkpoint again with a current bitsandbytes "
+                           "(weight_format 0) or give the bf16 checkpoint")
+        if four_bit:
+            self.state = _bnb().QuantState.from_dict(four_bit, device=torch.device("cpu"))
+            self.kind = self.state.quant_type
+        elif self.scb is not None:
+            self.kind = "int8"
+        else:
+            if not data.is_floating_point():
+                raise BadInput(f"tensor {name} has dtype {data.dtype} and no bitsandbytes quant state beside it; "
+                               "expected a floating-point tensor")
+            self.kind = "none"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's own shape (a 4-bit weight's codes are stored [numel / 2, 1])."""
+        return tuple(self.state.shape) if self.state is not None else tuple(self.data.shape)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weights in ``dtype``, as bitsandbytes multiplies by them (quant.py's dequantize)."""
+        if self.kind == "int8":
+            return self.data.to(dtype).mul_(self.scb.unsqueeze(1).mul(1.0 / 127.0))
+        if self.state is not None:
+            # straight into ``dtype``, as the forward of bitsandbytes' MatMul4Bit dequantizes into the activations'
+            # dtype (the state's own dtype, the weights' when they were quantized, is what its backward uses)
+            self.state.dtype = dtype
+            return _bnb().dequantize_4bit(self.data.reshape(-1).view(torch.uint8).view(-1, 1), self.state)
+        return self.data

@@ -79,11 +79,13 @@ class UnitState:
 class HostStore:
     def __init__(self, layouts: list[UnitLayout], compute_dtype: torch.dtype, master_dtype: torch.dtype,
                  pin: bool, adapter_layouts: list[UnitLayout] | None = None, wires: int = 1,
-                 own_grads: frozenset[int] = frozenset(), world: int = 1, quantize: str = "none"):
+                 own_grads: frozenset[int] = frozenset(), world: int = 1, quantize: str = "none",
+                 nested: bool = True):
         """``wires``: 2 for the delayed update; ``own_grads``: trained units whose gradient must not share the
         wire (the units the speculative update may roll back); ``world`` > 1: every buffer in shared memory,
         for that many ranks to map (ranks.py), each pinning it in its own CUDA context (``attach``);
-        ``quantize`` (LoRA only): how the frozen layers are packed (model.QUANTIZE)."""
+        ``quantize`` (LoRA only): how the frozen layers are packed (model.QUANTIZE); ``nested``: 4-bit block
+        scales double-quantized (False only for a checkpoint saved so, model.stored_nested)."""
         self.layouts = layouts
         self.compute_dtype = compute_dtype
         self.master_dtype = master_dtype
@@ -95,8 +97,8 @@ class HostStore:
         self.quantize = quantize
         # unit -> where its packed tensors sit (None: a flat buffer in the compute dtype, UnitLayout's views)
         self.packed: list[PackedLayout | None] = [
-            PackedLayout(layout, quantize, compute_dtype) if quantize != "none" and 0 < u < len(layouts) - 1 else None
-            for u, layout in enumerate(layouts)]
+            PackedLayout(layout, quantize, compute_dtype, nested)
+            if quantize != "none" and 0 < u < len(layouts) - 1 else None for u, layout in enumerate(layouts)]
         if self.frozen:
             self.units = [self._frozen_unit(layout, compute_dtype, self.packed[u]) for u, layout in enumerate(layouts)]
         else:

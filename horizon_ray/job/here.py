@@ -13,6 +13,7 @@ from horizon_ray import exit_codes
 from horizon_ray.errors import BadInput
 from horizon_ray.job import runner
 from horizon_ray.job.lease import Fenced
+from horizon_ray.job.metrics import METRICS_FILE
 from horizon_ray.job.runner import STOP_AFTER_STEP, JobTerminated, OutputDirBusy
 from horizon_ray.jobspec import JobSpec
 
@@ -62,7 +63,7 @@ def run_here(spec: JobSpec, *, resume: bool, progress: bool) -> int:
     if result.final_eval_loss is not None:
         print(f"eval loss: {_fmt(result.first_eval_loss)} -> {result.final_eval_loss:.4f}")
     out = result.output_dir
-    print(f"metrics: {out / 'metrics.jsonl'}; loss curve: {out / 'loss_curve.png'}")
+    print(f"metrics: {out / METRICS_FILE}; loss curve: {out / 'loss_curve.png'}")
     return 0
 
 

@@ -49,7 +49,14 @@ from __future__ import annotations
 
 import math
 
-from horizon_ray.engine.model import DTYPE_BYTES, EXPERT_TARGETS, layer_entries, packed_layer_bytes, projection_shapes
+from horizon_ray.engine.model import (
+    DTYPE_BYTES,
+    EXPERT_TARGETS,
+    layer_entries,
+    packed_layer_bytes,
+    projection_shapes,
+    stored_nested,
+)
 from horizon_ray.models.blocks import MoE
 from horizon_ray.planner.modes import ParamBytes, PrecisionMode
 from horizon_ray.planner.node import MiB
@@ -214,7 +221,8 @@ def packed_layers(shape: ModelShape, lora: Adapters | None, mode: PrecisionMode,
     """Bytes of each decoder layer's packed wire under LoRA's quantize; empty when the base is not quantized."""
     if mode.method != "lora" or lora is None or lora.quantize == "none":
         return []
-    return [packed_layer_bytes(layer_entries(shape, i), lora.quantize, c) for i in range(shape.num_layers)]
+    nested = stored_nested(shape.hf)  # a pre-quantized checkpoint's 4-bit scales are packed as it keeps them
+    return [packed_layer_bytes(layer_entries(shape, i), lora.quantize, c, nested) for i in range(shape.num_layers)]
 
 
 def device_items(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapters | None) -> dict[str, int]:

@@ -13,7 +13,7 @@ import textwrap
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from horizon_ray.engine.model import DTYPE_BYTES, default_lora_targets
+from horizon_ray.engine.model import DTYPE_BYTES, default_lora_targets, quantize_for
 from horizon_ray.errors import BadInput
 from horizon_ray.planner.memory import PINNED_POW2_ROUNDING, device_items, host_breakdown
 from horizon_ray.planner.modes import FIDELITY_ORDER, MODES, PrecisionMode, get_mode
@@ -189,8 +189,10 @@ def _plan_job(shape: ModelShape, method: str, mode: str | None, job: Workload, l
         raise BadInput(f"mode {pm.name!r} keeps its weights in bf16 and computes in bfloat16; set "
                        "compute_dtype='bfloat16' or use mode 'exact'")
     _concurrent(concurrent_engines, job.device, node)
-    if lora is not None:
-        lora = lora.for_shape(shape)
+    if lora is None:
+        quantize_for(shape.hf, None)  # a pre-quantized checkpoint is refused for full fine-tuning
+    else:
+        lora = lora.for_shape(shape)  # a pre-quantized checkpoint's quantize among the rest
         lora.check()
         adapter_unit_params(lora, shape)  # refuses modules_to_save entries that select no norm
     p = _plan(shape, pm, job, node, gpu_budget_bytes, lora, suggest, pinned_pow2, concurrent_engines)
@@ -501,7 +503,9 @@ def format_plan(p: Plan) -> str:
     """The plan as a readable table."""
     rows = [f"model        {p.model}: {human_params(p.params)} params"
             + (f", {human_params(p.trainable_params)} trainable" if p.trainable_params != p.params else ""),
-            f"job          {p.method}, mode {p.mode}, {p.compute_dtype} on {p.device}; seq {p.seq_len} x micro "
+            f"job          {p.method}, mode {p.mode}"
+            + (f", base {p.lora['quantize']}" if p.lora and p.lora.get("quantize", "none") != "none" else "")
+            + f", {p.compute_dtype} on {p.device}; seq {p.seq_len} x micro "
             f"{p.micro_batch_size} x accum {p.grad_accum} = {p.tokens_per_step} tokens/step; "
             f"{recomputation(p.checkpoint_every)}",
             f"node         {format_bytes(p.node.get('ram_bytes', 0))} RAM, "

@@ -21,7 +21,7 @@ from api.server import running_server
 from api.testing import make_testbed
 from horizon_ray.engine.generate import Generator, Request, SamplingParams
 from tests.integration.test_openai_sdk import jsonl, sdk, wait_for
-from tests.tiny import JOB_LLAMA
+from tests.tiny import catalogue_model
 
 pytestmark = pytest.mark.integration
 HI = [{"role": "user", "content": "add 2 and 3"}]
@@ -29,18 +29,9 @@ HI = [{"role": "user", "content": "add 2 and 3"}]
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory):
-    from horizon_ray.data import build_demo_tokenizer
-    from horizon_ray.engine import Engine, EngineConfig
-
     root = tmp_path_factory.mktemp("chat")
     bed = make_testbed(root, tenants=("acme", "globex"), quotas={"default": {"max_concurrent_jobs": 8}})
-    base = bed.root / "models" / "1GiB"  # the fake planner's size; a real model inside
-    shutil.rmtree(base)
-    eng = Engine.from_config(JOB_LLAMA, EngineConfig(device="cpu", seed=7))
-    eng.save_pretrained(base)
-    eng.close()
-    build_demo_tokenizer(base)
-    bed.settings.model_catalogue = {"tiny-1g": base}
+    catalogue_model(bed)
     yield bed
     bed.close()
 
@@ -193,3 +184,32 @@ def test_limits_on_tokens_and_requests_in_flight(url, bed, monkeypatch):
             return None
 
     wait_for(another, timeout=10)
+
+
+def test_models_lists_the_tenants_fine_tuned_models_beside_the_catalogue(url, bed, full_job, lora_job):
+    """GET /v1/models: the catalogue's base models, then the tenant's servable ft: models (succeeded, final/ here),
+    newest first; never another tenant's. GET /v1/models/{id} answers for exactly those."""
+    theirs, out = _finished_job(url, bed, "theirs", tenant="globex")
+    shutil.copytree(bed.settings.model_catalogue["tiny-1g"], f"{out}/final")
+    unsaved, _ = _finished_job(url, bed, "no-final")  # succeeded, but its final/ is not on this storage
+    acme, globex = sdk(url, bed), sdk(url, bed, "globex")
+
+    listed = list(acme.models.list())
+    assert [m.id for m in listed] == ["tiny-1g", lora_job.fine_tuned_model, full_job.fine_tuned_model]
+    assert [m.owned_by for m in listed] == ["horizon-ray", "acme", "acme"]
+    assert listed[2].created == full_job.finished_at
+    assert [m.id for m in globex.models.list()] == ["tiny-1g", theirs.fine_tuned_model]
+    assert unsaved.fine_tuned_model not in {m.id for m in listed}
+
+    one = acme.models.retrieve(full_job.fine_tuned_model)
+    assert (one.id, one.object, one.owned_by, one.created) == (full_job.fine_tuned_model, "model", "acme",
+                                                              full_job.finished_at)
+    assert acme.models.retrieve("tiny-1g").owned_by == "horizon-ray"
+    for client, name in ((globex, full_job.fine_tuned_model), (acme, theirs.fine_tuned_model),
+                         (acme, unsaved.fine_tuned_model), (acme, "no-such-model")):
+        with pytest.raises(openai.NotFoundError) as info:
+            client.models.retrieve(name)
+        assert info.value.body["code"] == "model_not_found", name
+    # what the list names, chat serves
+    r = globex.chat.completions.create(model=theirs.fine_tuned_model, messages=HI, max_tokens=3, temperature=0)
+    assert r.model == theirs.fine_tuned_model

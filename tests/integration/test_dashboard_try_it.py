@@ -14,24 +14,15 @@ from horizon_ray.engine.generate import Generator
 from horizon_ray.engine.sampling import Request, SamplingParams
 from tests.integration.test_dashboard_browser import browser  # noqa: F401 (the fixture)
 from tests.integration.test_openai_sdk import wait_for
-from tests.tiny import JOB_LLAMA
+from tests.tiny import catalogue_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture
 def served(tmp_path):
-    from horizon_ray.data import build_demo_tokenizer
-    from horizon_ray.engine import Engine, EngineConfig
-
     bed = make_testbed(tmp_path / "bed")
-    base = bed.root / "models" / "1GiB"  # the fake planner's size; a real model inside
-    shutil.rmtree(base)
-    eng = Engine.from_config(JOB_LLAMA, EngineConfig(device="cpu", seed=7))
-    eng.save_pretrained(base)
-    eng.close()
-    build_demo_tokenizer(base)
-    bed.settings.model_catalogue = {"tiny-1g": base}
+    catalogue_model(bed)
     bed.client.start_background(0.1)
     try:
         with running_server(create_app(bed.client, bed.settings)) as url:

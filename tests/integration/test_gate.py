@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from horizon_ray.job.metrics import METRICS_FILE
 from tests.serving import BIN, ROOT, free_port, serving, user_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -123,6 +124,15 @@ def test_a_ray_job_acts_as_the_tenant_of_its_key(served):
     assert "(tenant bob)" in out.stdout and "succeeded" in out.stdout
     listed = httpx.get(f"{served['url']}/finetune", headers=bearer(BOB), timeout=30).json()["data"]
     assert any(j["status"] == "succeeded" for j in listed)
+    # its relative output_dir lands in bob's namespace of the service root, and nowhere else: not in the
+    # repository, the cwd of serve and of `ray job submit` (a from-ray-jobs/ there was once committed)
+    landed = served["root"] / "jobs" / "bob" / "from-ray-jobs"
+    assert (landed / "final" / "model.safetensors").is_file() and (landed / METRICS_FILE).is_file()
+    assert [Path(j["result"]["output_dir"]).resolve() for j in listed if j["status"] == "succeeded"] == [
+        landed.resolve()]
+    stray = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout
+    assert "from-ray-jobs" not in stray and not (ROOT / "from-ray-jobs").exists(), stray
     assert httpx.get(f"{served['url']}/finetune", headers=bearer(ALICE), timeout=30).json()["data"] == []
 
 

@@ -1,4 +1,4 @@
-"""DPO and IPO on the streamed engine against TRL's DPOTrainer on tiny models built here.
+"""DPO, IPO and robust DPO on the streamed engine against TRL's DPOTrainer on tiny models built here.
 
 Reference: TRL 1.16's own loss, ``DPOTrainer._compute_loss`` (the function its training step calls), run on
 the HF model (full) or the PEFT model (LoRA) with TRL's fused LM head and precomputed reference log-probs,
@@ -137,7 +137,7 @@ def _against_trl(eng, model, params, dpo: DpoConfig, max_norm: float, named):
         ref_loss, ref_norm, ref_metrics = _trl_step(trainer, model, params, opt, mbs, ref, max_norm)
         got = eng.last_dpo.mean()
         if step == 0 and not dpo.sft_weight:  # the policy is the reference: every pair's delta is 0
-            want0 = math.log(2) if dpo.loss == "sigmoid" else (1 / (2 * dpo.beta)) ** 2
+            want0 = (1 / (2 * dpo.beta)) ** 2 if dpo.loss == "ipo" else math.log(2)
             assert loss == pytest.approx(want0, rel=1e-6)
             assert got["rewards/margins"] == 0.0 and got["rewards/accuracies"] == 0.0
         assert loss == pytest.approx(ref_loss, rel=1e-4)
@@ -159,7 +159,8 @@ def _against_trl(eng, model, params, dpo: DpoConfig, max_norm: float, named):
 
 
 @pytest.mark.parametrize("dpo", [DpoConfig(beta=0.5), DpoConfig(beta=0.5, loss="ipo"),
-                                 DpoConfig(beta=0.5, sft_weight=0.3)], ids=["sigmoid", "ipo", "rpo"])
+                                 DpoConfig(beta=0.5, loss="robust", label_smoothing=0.2),
+                                 DpoConfig(beta=0.5, sft_weight=0.3)], ids=["sigmoid", "ipo", "robust", "rpo"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_full_matches_trl_dpo(tmp_path, dpo, family):
     path, cls = (tiny_llama if family == "llama" else tiny_qwen2)(tmp_path)
@@ -172,7 +173,9 @@ def test_full_matches_trl_dpo(tmp_path, dpo, family):
     _against_trl(eng, model, dict(model.named_parameters()), dpo, max_norm, lambda e: named_tensors(e.store.units))
 
 
-@pytest.mark.parametrize("dpo", [DpoConfig(beta=0.2), DpoConfig(beta=0.2, loss="ipo")], ids=["sigmoid", "ipo"])
+@pytest.mark.parametrize("dpo", [DpoConfig(beta=0.2), DpoConfig(beta=0.2, loss="ipo"),
+                                 DpoConfig(beta=0.2, loss="robust", label_smoothing=0.1)],
+                         ids=["sigmoid", "ipo", "robust"])
 def test_lora_matches_trl_dpo_with_peft(tmp_path, dpo):
     path, cls = tiny_llama(tmp_path, "base")
     lora = LoraConfig(r=4, alpha=8, dropout=0.0, targets=("q_proj", "v_proj", "gate_proj", "down_proj"))
@@ -186,21 +189,34 @@ def test_lora_matches_trl_dpo_with_peft(tmp_path, dpo):
     _against_trl(eng, model, peft_trainable(model), dpo, max_norm, lambda e: named_tensors(e.store.adapters))
 
 
-def test_label_smoothing_is_conservative_dpo(tmp_path):
-    """cDPO: -(1 - e) log sigmoid(beta delta) - e log sigmoid(-beta delta), by hand on the engine's log-probs."""
-    path, _ = tiny_llama(tmp_path)
-    cfg = EngineConfig(**HP, device="cpu", compute_dtype="float32")
-    eng = Engine.from_pretrained(path, cfg)
-    mbs = _engine_batches(preference_batches(1, micro=1, pairs=3)[0])
-    ref = eng.sequence_logps(mbs) + torch.tensor([0.3, -0.2, 0.1, 0.4, -0.5, 0.0])  # a reference apart from it
-    policy = eng.sequence_logps(mbs)
-    e, beta = 0.2, 0.5
-    loss = eng.train_step(mbs, dpo=DpoConfig(beta=beta, label_smoothing=e), ref_logps=ref)
-    delta = (policy[0::2] - ref[0::2]) - (policy[1::2] - ref[1::2])
-    want = (-(1 - e) * torch.nn.functional.logsigmoid(beta * delta)
-            - e * torch.nn.functional.logsigmoid(-beta * delta)).mean()
+@pytest.mark.parametrize("e", [0.0, 0.1, 0.3, 0.45])
+def test_label_smoothing_is_trls_robust_loss(tmp_path, e):
+    """label_smoothing means what it means in TRL 1.16: robust DPO's flip probability (loss robust), and nothing
+    for sigmoid, whose TRL loss ignores it (there it is refused, not ignored). The engine's loss on a reference
+    apart from the policy equals TRL's _compute_loss on the same log-probs, for each e."""
+    path, cls = tiny_llama(tmp_path)
+    model = cls.from_pretrained(path).float()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    eng = Engine.from_pretrained(path, EngineConfig(**HP, device="cpu", compute_dtype="float32"))
+    mbs = preference_batches(1, micro=1, pairs=3)[0]
+    ref = eng.sequence_logps(_engine_batches(mbs)) + torch.tensor([0.3, -0.2, 0.1, 0.4, -0.5, 0.0])
+    dpo = DpoConfig(beta=0.5, loss="robust", label_smoothing=e)
+    want = DPOTrainer._compute_loss(_trl(model, dpo), model, _trl_inputs(mbs[0][0], mbs[0][2], ref),
+                                    return_outputs=False).detach()
+    plain = DPOTrainer._compute_loss(_trl(model, DpoConfig(beta=0.5)), model, _trl_inputs(mbs[0][0], mbs[0][2], ref),
+                                     return_outputs=False)
+    assert (float(want) == pytest.approx(float(plain), rel=1e-6)) == (e == 0.0)  # e changes TRL's robust loss
+    loss = eng.train_step(_engine_batches(mbs), dpo=dpo, ref_logps=ref)
     assert loss == pytest.approx(float(want), rel=1e-5)
     eng.close()
+    smoothed = _trl(model, DpoConfig(beta=0.5))
+    smoothed.label_smoothing = 0.2
+    assert float(DPOTrainer._compute_loss(smoothed, model, _trl_inputs(mbs[0][0], mbs[0][2], ref),
+                                          return_outputs=False)) == pytest.approx(float(plain), rel=1e-7)
+    for loss_type in ("sigmoid", "ipo"):
+        with pytest.raises(BadInput, match="loss robust") as info:
+            DpoConfig(loss=loss_type, label_smoothing=0.1).validate()
+        assert info.value.field == "dpo.label_smoothing"
 
 
 def test_pairs_stay_in_one_row_group_and_chunks_change_nothing(tmp_path):

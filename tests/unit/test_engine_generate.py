@@ -221,3 +221,81 @@ def test_attention_shapes_change_once_per_bucket_and_tokens_stay_hf_s(tmp_path, 
         assert sorted(set(lengths)) == [12, 16, 20, 22], on_device
         assert len(lengths) == new * gen.model.num_layers
     assert T0 == 10
+
+
+@pytest.mark.parametrize("on_device", [None, 0, 1], ids=["device-kv", "host-kv", "split-kv"])
+def test_rows_that_join_and_leave_a_running_batch_make_the_tokens_they_make_alone(tmp_path, monkeypatch, on_device):
+    """Continuous batching (Session): requests join between decode steps (a prompt shorter than the cached
+    slots, and one longer, which shifts the batch), rows finish at different steps and leave (the cache laid
+    out again), one is cancelled; every row's tokens equal HF generate's of its prompt alone."""
+    from horizon_ray.engine import generate as generate_mod
+
+    monkeypatch.setattr(generate_mod, "KV_BUCKET", 4)  # bucket edges crossed too
+    path, cls = tiny_llama(tmp_path)
+    ref = _reference(cls, path)
+    gen = Generator.from_pretrained(path, device="cpu", tokenizer=None)
+    gen.eos_ids = frozenset()
+    if on_device is not None:
+        gen._device_kv_layers = lambda B, S, T0, n=on_device: n
+    prompts = {"a": PROMPTS[0], "b": PROMPTS[1], "c": PROMPTS[2], "d": list(range(20, 45)), "e": [7, 7, 8]}
+    max_tokens = {"a": 14, "b": 3, "c": 9, "d": 6, "e": 10}
+    got: dict = {k: [] for k in prompts}
+    session = gen.session()
+
+    def admit(*keys):
+        for key, d in session.admit([Request(tuple(prompts[k]), SamplingParams(max_tokens=max_tokens[k]))
+                                     for k in keys], keys):
+            got[key].append(d.token_id)
+
+    def step(times=1):
+        for _ in range(times):
+            for key, d in session.step():
+                got[key].append(d.token_id)
+
+    admit("a")
+    step(3)
+    admit("b", "c")  # prompts of 2 and 10 tokens into 10 cached slots
+    step(4)  # b finishes: a quarter of the batch, it leaves
+    assert len(session) == 2
+    admit("d")  # 25 prompt tokens: longer than the 14 cached slots, the batch shifts right
+    step(2)
+    admit("e")
+    step(1)
+    session.cancel(["c"])
+    cancelled_at = len(got["c"])
+    while len(session):
+        step()
+    for key, prompt in prompts.items():
+        want = _hf_greedy(ref, prompt, max_tokens[key])
+        if key == "c":
+            assert got[key] == want[:cancelled_at] and cancelled_at < max_tokens[key]
+        else:
+            assert got[key] == want, key
+
+
+def test_a_session_under_steady_traffic_keeps_only_the_slots_its_rows_use(tmp_path):
+    """A service's session may never empty: request after request joins while others finish. The slots before
+    the oldest row that stays are dropped whenever the batch is laid out again, so the cache stays the size of
+    what its rows hold and need, however long the session runs; every row still gets HF's tokens."""
+    path, cls = tiny_llama(tmp_path)
+    ref = _reference(cls, path)
+    gen = Generator.from_pretrained(path, device="cpu", tokenizer=None)
+    gen.eos_ids = frozenset()
+    session = gen.session()
+    prompts = [PROMPTS[i % 3] for i in range(8)]
+    got: dict = {i: [] for i in range(8)}
+    capacities = []
+    for i, prompt in enumerate(prompts):  # a request joins every 4 steps; each runs 6 tokens
+        for key, d in session.admit([Request(tuple(prompt), SamplingParams(max_tokens=6))], [i]):
+            got[key].append(d.token_id)
+        for _ in range(4):
+            for key, d in session.step():
+                got[key].append(d.token_id)
+        capacities.append(session.cache.capacity)
+    while len(session):
+        for key, d in session.step():
+            got[key].append(d.token_id)
+    # 8 requests over 32 steps: without trimming the slots would grow past 32 + 10
+    assert max(capacities) <= 10 + 2 * 6 + 1, capacities
+    for i, prompt in enumerate(prompts):
+        assert got[i] == _hf_greedy(ref, prompt, 6), i

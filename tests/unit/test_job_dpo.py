@@ -129,6 +129,13 @@ def test_dpo_specs_are_checked(assets, tmp_path):
         JobSpec.from_dict({**base, "objective": "sft"})
     with pytest.raises(BadInput, match="did you mean|valid"):
         JobSpec.from_dict({**base, "dpo": {"betta": 0.1}})
+    with pytest.raises(BadInput, match="loss robust") as info:  # TRL's sigmoid has no label smoothing
+        JobSpec.from_dict({**base, "dpo": {"loss": "sigmoid", "label_smoothing": 0.1}})
+    assert info.value.field == "dpo.label_smoothing"
+    robust = JobSpec.from_dict({**base, "dpo": {"loss": "robust", "label_smoothing": 0.1}}).dpo.config()
+    assert (robust.loss, robust.label_smoothing) == ("robust", 0.1)
+    with pytest.raises(BadInput, match=r"\[0, 0.5\)"):
+        JobSpec.from_dict({**base, "dpo": {"loss": "robust", "label_smoothing": 0.5}})
     assert JobSpec.from_dict({k: v for k, v in base.items() if k != "dpo"}).dpo.beta == 0.1
 
 

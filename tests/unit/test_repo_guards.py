@@ -71,6 +71,39 @@ def test_nothing_points_outside_the_repository():
         assert not pointer.search(out), (command, pointer.search(out))
 
 
+def test_no_run_output_is_tracked():
+    """A job run's outputs never enter the repository (a test's Ray job once left from-ray-jobs/ in the tree, and
+    it was committed): no tracked file is a run's marker, metrics, lease or TensorBoard log, and git ignores the
+    run directories tests and the README make (`git add -A` takes nothing of them)."""
+    from horizon_ray.job.lease import LOCK_FILE
+    from horizon_ray.job.metrics import METRICS_FILE
+    from horizon_ray.job.runner import DONE
+
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    markers = {METRICS_FILE, DONE, LOCK_FILE, ".lock", "loss_curve.png"}
+    tracked = [f for f in files if Path(f).name in markers or ".tfevents." in Path(f).name]
+    assert not tracked, f"a run's outputs are tracked: {tracked}"
+    for run_dir in ("from-ray-jobs", "runs/demo", "outputs/x", "checkpoints/step-1"):
+        ignored = subprocess.run(["git", "check-ignore", "-q", f"{run_dir}/{METRICS_FILE}"], cwd=ROOT)
+        assert ignored.returncode == 0, f"git would add {run_dir}/: add it to .gitignore"
+
+
+def test_the_metrics_file_is_named_in_one_place():
+    """The name of a job's metrics file is METRICS_FILE (horizon_ray/job/metrics.py) everywhere it is opened or
+    served: a second literal would drift from it."""
+    import re
+
+    from horizon_ray.job.metrics import METRICS_FILE
+
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    literal = re.compile(r"""["']""" + re.escape(METRICS_FILE) + r"""["']""")
+    found = [f"{name}:{n}" for name in files if not name.startswith("tests/") and (ROOT / name).is_file()
+             for n, line in enumerate((ROOT / name).read_text().splitlines(), 1)
+             if literal.search(line) and not line.startswith("METRICS_FILE = ")]
+    assert not found, f"use METRICS_FILE from horizon_ray.job.metrics: {found}"
+
+
 def _lint_imports(root: Path) -> subprocess.CompletedProcess:
     """`lint-imports` (import-linter, the contracts in pyproject.toml) over the packages under `root`."""
     env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
