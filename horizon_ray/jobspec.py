@@ -179,8 +179,7 @@ else:
     Precision = Literal[PRECISIONS]
     Update = Literal[UPDATES]
     Kernels = Literal[KERNELS]
-    # every family's LoRA targets (Phi-3's fused ones, the experts'); whether the model has one is checked at its
-    # plan
+    # every family's LoRA targets (Phi-3's fused ones, the experts'); a model's plan checks that it has them
     Projection = Literal[tuple(LORA_TARGETS)]
     Quantize = Literal[QUANTIZE]
 

@@ -127,4 +127,5 @@ def _materialize(model: torch.nn.Module, device: torch.device, compute: torch.dt
     rotary = getattr(model.model, "rotary_emb", None)
     if rotary is not None:
         with device:
-            model.model.rotary_emb = type(rotary)(config=model.config)  # type: ignore[union-attr]  # torch: Tensor | Module
+            # torch's stub types a module's attribute Tensor | Module
+            model.model.rotary_emb = type(rotary)(config=model.config)  # type: ignore[union-attr]  # torch stub

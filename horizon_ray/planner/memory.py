@@ -251,7 +251,7 @@ def device_items(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Ad
         else:
             # the frozen base has no gradient; each weight slot has an fp32 adapter slot beside it (engine
             # slots.py), and a layer's adapter gradients accumulate in one of two pooled fp32 buffers (grads.py)
-            assert lora is not None
+            assert lora is not None, "method lora has adapters"
             per_unit = max(adapter_unit_params(lora, shape))
             slots = 2 * K + 1 + (1 if shape.tie_word_embeddings else 0)
             out["adapter_slots"] = 4 * per_unit * slots
