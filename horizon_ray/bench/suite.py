@@ -219,6 +219,7 @@ def spawn(argv: list[str], timeout_s: float, label: str) -> Child:
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
 
     def pump():
+        assert proc.stdout is not None, "stdout=PIPE"
         for line in proc.stdout:
             child.lines.append(line.rstrip("\n"))
             print(f"  [{label}] {line}", end="", flush=True)

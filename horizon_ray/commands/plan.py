@@ -93,7 +93,7 @@ def _node(args):
     from horizon_ray.planner import H200_NODE
 
     node = _this_machine() if args.here else H200_NODE
-    kw = {}
+    kw: dict[str, Any] = {}
     if args.node_ram is not None:
         kw["ram_bytes"] = _flag_bytes("--node-ram", args.node_ram)
     if args.gpu_mem is not None:
