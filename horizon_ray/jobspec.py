@@ -363,7 +363,8 @@ class DpoSpec(_Section):
         "sigmoid: DPO (TRL's sigmoid) | ipo: IPO, each row's log-ratio divided by its completion length (TRL's ipo) "
         "| robust: robust DPO for noisy preference labels (TRL's robust)"))
     label_smoothing: Float = Field(0.0, description=(
-        "loss robust only: the probability that a pair's preference is flipped, in [0, 0.5) (TRL's label_smoothing)"))
+        "in [0, 0.5): with loss sigmoid, conservative DPO's label smoothing; with robust, the probability that a "
+        "pair's preference is flipped (TRL's label_smoothing); ipo: none"))
     sft_weight: Float = Field(0.0, description=(
         "adds this weight x the chosen completions' mean token NLL to the loss (RPO); 0: none"))
 

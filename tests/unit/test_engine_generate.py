@@ -299,3 +299,33 @@ def test_a_session_under_steady_traffic_keeps_only_the_slots_its_rows_use(tmp_pa
     assert max(capacities) <= 10 + 2 * 6 + 1, capacities
     for i, prompt in enumerate(prompts):
         assert got[i] == _hf_greedy(ref, prompt, 6), i
+
+
+@pytest.mark.parametrize("quantize", ["nf4", "int8"])
+def test_an_adapter_on_a_pre_quantized_base_generates_as_peft_over_bitsandbytes(tmp_path, quantize):
+    """A QLoRA adapter whose base is a pre-quantized checkpoint (transformers + bitsandbytes): the generator
+    dequantizes the base as bitsandbytes does and applies the adapter; greedy tokens equal PEFT's over the
+    bitsandbytes model (its forward, step by step: bitsandbytes 0.50's CPU inference path refuses these tiny
+    shapes in generate)."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.unit.test_engine_qlora_prequant import _loaded, _saved_quantized
+
+    qdir, cls = _saved_quantized(tmp_path, quantize, quantize != "int8")
+    peft = get_peft_model(_loaded(cls, qdir), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    peft.save_pretrained(tmp_path / "adapter")
+    gen = Generator.from_pretrained(tmp_path / "adapter", device="cpu", tokenizer=None)
+    gen.eos_ids = frozenset()
+    got = gen.generate([Request(tuple(p), SamplingParams(max_tokens=10)) for p in PROMPTS])
+    peft.train()  # no dropout anywhere: the training-mode forward is the model's function
+    for prompt, c in zip(PROMPTS, got):
+        seq = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(10):
+                seq = torch.cat([seq, peft(input_ids=seq).logits[0, -1].argmax().view(1, 1)], 1)
+        assert c.token_ids == seq[0, len(prompt):].tolist(), prompt
