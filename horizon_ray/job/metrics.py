@@ -110,7 +110,7 @@ def plot_loss_curve(metrics_path: str | os.PathLike, png_path: str | os.PathLike
     train, evals = curves(read_events(metrics_path))
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     steps = [s for s, m in train.items() if m.loss is not None]
-    losses = [train[s].loss for s in steps]
+    losses = [m.loss for m in train.values() if m.loss is not None]
     if steps:
         ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=1, label="train loss")
         ax.plot(steps, _ema(losses, 0.8), color="tab:blue", linewidth=1.5, label="train loss (EMA)")

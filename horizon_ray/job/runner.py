@@ -403,6 +403,7 @@ class _Job:
             self.metrics.write(Eval(step=self.step, eval_loss=means["loss"], eval_tokens=m.pairs,
                                     eval_preference=means))
             return means["loss"]
+        assert self.evals is not None, "evaluated only with eval micro-batches"
         loss_sum, n_tokens = 0.0, 0
         for mb in self.evals:
             s, n = eng.eval_loss([mb])
@@ -439,7 +440,7 @@ class _Job:
         with atomic_path(final, self._commit("writing final/")) as tmp:
             eng.save_pretrained(str(tmp))  # with LoRA: the adapter
             dirs = [tmp]
-            if self.spec.method == "lora" and self.spec.lora.merge:
+            if self.spec.method == "lora" and self.spec.lora is not None and self.spec.lora.merge:
                 dirs.append(eng.save_merged(str(tmp / "merged")))
             for d in dirs:
                 for name in TOKENIZER_FILES:

@@ -115,6 +115,22 @@ def _lint_imports(root: Path) -> subprocess.CompletedProcess:
                           env={**env, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=300)
 
 
+def test_the_test_command_type_checks_before_the_tests():
+    """scripts/test.sh (the README's test command, run by CI) fails on a mypy error before pytest starts, and
+    the dev extras that CI installs bring mypy."""
+    import tomllib
+
+    lines = [ln.split("#")[0].strip() for ln in (ROOT / "scripts" / "test.sh").read_text().splitlines()]
+    assert "set -euo pipefail" in lines
+    steps = [ln for ln in lines if ln.startswith(".venv/bin/")]
+    assert ".venv/bin/python -m mypy" in steps, steps
+    assert steps.index(".venv/bin/python -m mypy") < next(i for i, s in enumerate(steps) if " -m pytest" in s)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert any(d.startswith("mypy") for d in project["project"]["optional-dependencies"]["dev"])
+    assert project["tool"]["mypy"]["packages"] == ["horizon_ray", "api"]
+    assert "ignore_errors" not in str(project["tool"]["mypy"])  # no module is exempt
+
+
 def test_every_import_keeps_to_its_layer():
     """The import contracts of pyproject.toml hold: the engine takes nothing of Ray, the web or the service;
     the job and the planner nothing of Ray or the web; the cluster nothing of the API, the API nothing of the
