@@ -343,8 +343,9 @@ class Generator:
                                f"exceed the model's context of {limit} positions; shorten the prompt or lower "
                                "max_tokens", field="max_tokens")
 
-    def _device_kv_layers(self, B: int, S: int, T0: int) -> int:
-        """Layers whose KV cache fits on the device beside the weights and the prompts' workspace."""
+    def _device_kv_layers(self, B: int, S: int, T0: int, held: int = 0) -> int:
+        """Layers whose KV cache fits on the device beside the weights and the prompts' workspace; ``held``:
+        device bytes of a cache still alive meanwhile (a batch laid out again copies from the old one)."""
         L = self.model.num_layers
         if self.device.type != "cuda":
             return L
@@ -355,7 +356,7 @@ class Generator:
         workspace = B * T0 * (4 * cfg.hidden_size + 3 * width + cfg.q_dim + 2 * cfg.kv_dim) * esize \
             + 2 * B * cfg.vocab_size * 4
         per_layer = KVCache.layer_bytes(cfg, B, S, self.dtype)
-        room = self.gpu_budget - slots - workspace - per_layer  # one layer's staging buffers
+        room = self.gpu_budget - slots - workspace - per_layer - held  # one layer's staging buffers
         return max(0, min(L, room // per_layer))
 
     def _micro_batch(self, ids_BT, pos_BS, valid_BS, cache: KVCache | _JoiningRows) -> MicroBatch:
@@ -469,7 +470,8 @@ class Session:
         need = [n2 + self.rows[b].params.max_tokens - len(self.rows[b].tokens) for b in live]
         need += [n2 + r.params.max_tokens - 1 for r in requests]
         B0, B, S = len(live), len(live) + len(requests), max(need) + 1
-        cache = KVCache(gen.model, B, S, gen.dtype, gen.device, gen._device_kv_layers(B, S, T), gen._buffers)
+        on_device = gen._device_kv_layers(B, S, T, held=self._held())
+        cache = KVCache(gen.model, B, S, gen.dtype, gen.device, on_device, gen._buffers)
         pos = torch.zeros(B, S, dtype=torch.long)
         valid = torch.zeros(B, S, dtype=torch.bool)
         if B0:
@@ -540,8 +542,8 @@ class Session:
             # the slots the rows that stay still need: what they hold, and their remaining tokens
             S = n + max(self.rows[b].params.max_tokens - len(self.rows[b].tokens) for b in live) + 1
             B = len(live)
-            self.cache = KVCache(gen.model, B, S, gen.dtype, gen.device, gen._device_kv_layers(B, S, 1),
-                                 gen._buffers)
+            on_device = gen._device_kv_layers(B, S, 1, held=self._held())
+            self.cache = KVCache(gen.model, B, S, gen.dtype, gen.device, on_device, gen._buffers)
             old.copy_rows(self.cache, keep, first, 0)
             self.cache.length = n
             pos, valid = self.pos[keep, first:], self.valid[keep, first:]
@@ -549,6 +551,13 @@ class Session:
             self.valid = torch.cat([valid, valid.new_ones(B, max(S - valid.shape[1], 0))], 1)[:, :S]
             for name in ("rows", "keys", "next_ids", "next_pos"):
                 setattr(self, name, [getattr(self, name)[b] for b in live])
+
+    def _held(self) -> int:
+        """Device bytes of the current cache (alive while the next layout copies from it)."""
+        if self.cache is None:
+            return 0
+        tensors = [*self.cache.k, *self.cache.v, *(self.cache.stage or ())]
+        return sum(t.nbytes for t in tensors if t.device.type != "cpu")
 
     def _first_used(self, live: list[int]) -> int:
         """The first cached slot holding a token of one of these rows (the batch's length if none)."""

@@ -210,8 +210,8 @@ def test_a_client_that_hangs_up_cancels_its_generation(served, stream):
     else:
         with httpx.Client(base_url=url, timeout=1.0) as http, pytest.raises(httpx.ReadTimeout):
             http.post("/v1/completions", json=body, headers=bed.auth(tenant))
+    # the rows left the session (its rows never finish by themselves: only the cancel empties it)
     assert fake.emptied.wait(10), "the generation ran on after its client left"
-    assert fake.steps < 1000
 
 
 def test_the_generation_actor_cancels_a_request_by_its_id():
