@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -19,10 +20,41 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+def _ephemeral_low() -> int:
+    """The first port of the range the kernel picks from for bind(0) and for outgoing connections."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+RAY_WORKER_PORTS_END = 19999  # Ray's workers bind ports 10002-19999 by number (ray start --max-worker-port)
+_handed_out: set[int] = set()  # ports free_port gave this process: never the same one twice
+_draw = random.SystemRandom()  # not the seeded module generator: every test process must draw its own ports
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port on 127.0.0.1 for a server another process starts (serve, Ray), which can only be told its
+    number: the port must be released before that process binds it. A port of the kernel's ephemeral range
+    (what bind(0) returns) may be given in that window to any of the machine's outgoing connections (Ray
+    opens many) or to another bind(0); so the port is drawn at random between Ray's worker ports and that
+    range, where only a process asking for that very number can take it, and checked free."""
+    first, low = RAY_WORKER_PORTS_END + 1, _ephemeral_low()
+    if low - first < 1000:
+        raise AssertionError(f"the kernel's ephemeral ports start at {low}: no room for the tests' ports above "
+                             f"Ray's worker ports (to {RAY_WORKER_PORTS_END})")
+    for _ in range(200):
+        port = _draw.randrange(first, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise AssertionError(f"no free port in {first}-{low - 1} after 200 tries")
 
 
 @dataclass
