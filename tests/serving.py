@@ -7,12 +7,13 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,22 +81,38 @@ def user_env(home: Path, **extra: str) -> dict[str, str]:
 @contextlib.contextmanager
 def serving(argv: list[str], env: dict[str, str], log: Path, *, cwd: Path = ROOT, ready: str = "API on http://",
             timeout_s: float = 300) -> Iterator[subprocess.Popen]:
-    """`argv` (a `horizon-ray serve` command, or a shell running one) until its log shows `ready`; SIGINT
-    (Ctrl-C) to its process group on the way out, then SIGKILL of what lingers."""
+    """`argv` (a `horizon-ray serve` command, or a shell running one) until its log shows `ready` and the API
+    it names takes connections; SIGINT (Ctrl-C) to its process group on the way out, then SIGKILL of what
+    lingers."""
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
-        while ready not in log.read_text(errors="replace"):
-            if proc.poll() is not None:
-                raise AssertionError(f"serve exited {proc.returncode} before it was ready:\n{log.read_text()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"serve was not ready within {timeout_s:.0f} s:\n{log.read_text()}")
-            time.sleep(0.5)
+
+        def wait(what: str, met: Callable[[], bool]) -> None:
+            while not met():
+                if proc.poll() is not None:
+                    raise AssertionError(f"serve exited {proc.returncode} before {what}:\n{log.read_text()}")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{what}: not within {timeout_s:.0f} s:\n{log.read_text()}")
+                time.sleep(0.5)
+
+        wait("it was ready", lambda: ready in log.read_text(errors="replace"))
+        # serve prints the API's URL before uvicorn binds its port: a request sent at once could be refused
+        if api := re.search(r"API on http://([^:/\s]+):(\d+)", log.read_text(errors="replace")):
+            wait("its API took connections", lambda: _accepts(api[1], int(api[2])))
         yield proc
     finally:
         stop_group(proc)
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError:
+        return False
+    return True
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 60) -> None:
