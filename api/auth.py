@@ -14,6 +14,7 @@ import hmac
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,7 @@ class AuthFailures:
     """Wrong-key requests per client address: past WRONG_KEY_BURST of them within WRONG_KEY_WINDOW_S, the
     address gets 429 with Retry-After instead of another guess."""
 
-    def __init__(self, clock=time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         self._seen: dict[str, collections.deque[float]] = {}

@@ -88,7 +88,7 @@ class CompletionRequest(_Sampling):
 class _InFlight:
     """Requests of each tenant being generated."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._n: dict[str, int] = {}
         self._lock = threading.Lock()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -231,11 +232,11 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(ApiError, _api_error)
-    app.add_exception_handler(HorizonError, _domain_error)
-    app.add_exception_handler(BadInput, _bad_input)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(ClientDisconnect, _client_disconnect)
-    app.add_exception_handler(OSError, _os_error)
-    app.add_exception_handler(Exception, _unexpected)
+    # Starlette calls each handler with an exception of its type; its signature asks for handlers of any
+    # Exception, so the table's handlers take Any
+    handlers: dict[type[Exception], Callable[[Request, Any], Awaitable[JSONResponse]]] = {
+        ApiError: _api_error, HorizonError: _domain_error, BadInput: _bad_input,
+        RequestValidationError: _validation_error, StarletteHTTPException: _http_error,
+        ClientDisconnect: _client_disconnect, OSError: _os_error, Exception: _unexpected}
+    for kind, handler in handlers.items():
+        app.add_exception_handler(kind, handler)

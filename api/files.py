@@ -306,8 +306,8 @@ async def get_file_content(file_id: SafeText,
                            tenant: Annotated[Tenant, Depends(current_tenant)]) -> StreamingResponse:
     files_dir = own_files_dir(tenant.settings, tenant.name)
     meta = read_upload_meta(files_dir, _file_id_or_404(file_id)) if files_dir is not None else None
-    opened = open_regular(_data_path(files_dir, file_id)) if meta is not None else None
-    if opened is None:
+    opened = open_regular(_data_path(files_dir, file_id)) if files_dir is not None and meta is not None else None
+    if meta is None or opened is None:
         raise ApiError(404, "not_found", f"no file {file_id!r}")
     fd, size = opened
     name = _clean_filename(str(meta.get("filename") or "data.jsonl"))
@@ -341,7 +341,7 @@ async def _live_jobs(tenant: Tenant) -> list:
 async def delete_file(file_id: SafeText, tenant: Annotated[Tenant, Depends(current_tenant)]) -> FileObject:
     files_dir = own_files_dir(tenant.settings, tenant.name)
     meta = read_upload_meta(files_dir, _file_id_or_404(file_id)) if files_dir is not None else None
-    if meta is None:
+    if files_dir is None or meta is None:
         raise ApiError(404, "not_found", f"no file {file_id!r}")
     path = str(_data_path(files_dir, file_id))
     for job in await _live_jobs(tenant):

@@ -61,10 +61,9 @@ from api.paths import FILE_ID_RE, PathPolicy, confine
 from api.settings import ENV_MODEL_CATALOGUE
 from horizon_ray.cluster.errors import JobNotFound
 from horizon_ray.cluster.messages import Checkpoint, EventType, JobEvent, JobRecord, JobStatus
-from horizon_ray.engine.model import QUANTIZE
 from horizon_ray.errors import BadInput
 from horizon_ray.job.metrics import METRICS_FILE
-from horizon_ray.jobspec import DpoSpec, JobSpec, Text, TrainingSpec, spec_error
+from horizon_ray.jobspec import DpoSpec, JobSpec, Quantize, Text, TrainingSpec, spec_error
 from horizon_ray.strings import MAX_COMPONENT_BYTES, fix, problem
 
 PREFIX = "/v1"
@@ -117,7 +116,7 @@ class Hyperparameters(_Strict):
     batch_size: Literal["auto"] | int | None = Field(None, ge=1)
     learning_rate_multiplier: Literal["auto"] | float | None = Field(None, gt=0)
     # horizon-ray's: LoRA on a quantized base (QLoRA: nf4), spec method lora + lora.quantize
-    quantize: Literal[QUANTIZE] | None = None
+    quantize: Quantize | None = None
 
 
 class Supervised(_Strict):
@@ -406,7 +405,7 @@ def job_spec(body: CreateJob, catalogue: dict) -> dict[str, Any]:
             spec["dpo"] = {**(spec.get("dpo") or {}), "beta": beta}
     if hyper.batch_size not in (None, "auto"):
         training.update(micro_batch_size=hyper.batch_size * (2 if dpo else 1), grad_accum=1, packing=False)
-    if hyper.learning_rate_multiplier not in (None, "auto"):
+    if hyper.learning_rate_multiplier is not None and hyper.learning_rate_multiplier != "auto":
         base = training.get("lr", TrainingSpec().lr)
         training["lr"] = float(base) * hyper.learning_rate_multiplier
     if hyper.quantize is not None:
@@ -615,7 +614,7 @@ def event_message(event: JobEvent) -> tuple[str, str, str]:
     words = {"validating": "Validating training file", "queued": "Job enqueued", "running": "Job started",
              "checkpointing": "Writing a checkpoint", "recovering": "Job is recovering",
              "cancelling": "Cancelling the job", "succeeded": "The job has successfully completed",
-             "failed": "The job failed", "cancelled": "The job was cancelled"}.get(to, f"Status {to}")
+             "failed": "The job failed", "cancelled": "The job was cancelled"}.get(str(to), f"Status {to}")
     reason = f": {d['reason']}" if d.get("reason") else ""
     return ("error" if to == "failed" else "info"), "message", f"{words}{reason}"
 
@@ -688,7 +687,7 @@ def _reshaping(handler: Callable) -> Callable:
         response = await handler(request, exc)
         if not request.url.path.startswith(PREFIX + "/") or not isinstance(response, JSONResponse):
             return response
-        body = json.loads(response.body)
+        body = json.loads(bytes(response.body))
         err = body.get("error") if isinstance(body, dict) else None
         if not isinstance(err, dict):
             return response

@@ -20,7 +20,7 @@ from typing import Any
 
 from api.settings import ApiSettings
 from horizon_ray.cluster.client import LocalClient
-from horizon_ray.cluster.fake import FakeAgent, make_local_client
+from horizon_ray.cluster.fake import FakeAgent, FakeCoordinator, make_local_client
 
 MODELS = ("1GiB", "8GiB", "1TiB")  # directories under the model root
 DATASET = "demo.jsonl"  # a file under the data root
@@ -45,7 +45,9 @@ class Testbed:
                 "training": {"max_steps": 5, "seq_len": 64, **training}}
 
     def agent(self, node_id: str) -> FakeAgent:
-        return self.client.coordinator.fake_agents[node_id]
+        coordinator = self.client.coordinator
+        assert isinstance(coordinator, FakeCoordinator), "make_testbed's coordinator drives FakeAgents"
+        return coordinator.fake_agents[node_id]
 
     def close(self) -> None:
         self.client.close()

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -153,20 +154,34 @@ Int = Annotated[int, BeforeValidator(_integer), Strict()]
 Float = Annotated[float, BeforeValidator(_float), Strict(), AfterValidator(_finite)]
 Text = Annotated[StrictStr, AfterValidator(_safe_text)]
 PathStr = Annotated[StrictStr, AfterValidator(_safe_path), AfterValidator(_expand_user)]
-Method = Literal[METHODS]
-Objective = Literal[OBJECTIVES]
-DpoLoss = Literal[DPO_LOSSES]
-DataFormat = Literal[DATA_FORMATS]
 ChatRole = Literal["system", "user", "assistant"]
 TemplateText = Annotated[StrictStr, AfterValidator(_safe_template)]
-Schedule = Literal[SCHEDULES]
-ComputeDtype = Literal[COMPUTE_DTYPES]
-Precision = Literal[PRECISIONS]
-Update = Literal[UPDATES]
-Kernels = Literal[KERNELS]
-# every family's LoRA targets (Phi-3's fused ones, the experts'); whether the model has one is checked at its plan
-Projection = Literal[tuple(LORA_TARGETS)]
-Quantize = Literal[QUANTIZE]
+if typing.TYPE_CHECKING:
+    # the option tables are tuples, and mypy cannot read a Literal built from one: to it these are strings
+    Method = str
+    Objective = str
+    DpoLoss = str
+    DataFormat = str
+    Schedule = str
+    ComputeDtype = str
+    Precision = str
+    Update = str
+    Kernels = str
+    Projection = str
+    Quantize = str
+else:
+    Method = Literal[METHODS]
+    Objective = Literal[OBJECTIVES]
+    DpoLoss = Literal[DPO_LOSSES]
+    DataFormat = Literal[DATA_FORMATS]
+    Schedule = Literal[SCHEDULES]
+    ComputeDtype = Literal[COMPUTE_DTYPES]
+    Precision = Literal[PRECISIONS]
+    Update = Literal[UPDATES]
+    Kernels = Literal[KERNELS]
+    # every family's LoRA targets (Phi-3's fused ones, the experts'); a model's plan checks that it has them
+    Projection = Literal[tuple(LORA_TARGETS)]
+    Quantize = Literal[QUANTIZE]
 
 
 class _Section(BaseModel):
@@ -257,11 +272,15 @@ class TrainingSpec(_Section):
 # How evaluation by generation scores an answer against the held-out reference (both stripped of surrounding
 # whitespace): the same text, or the reference found inside the answer.
 GENERATE_METRICS = ("exact_match", "contains")
+if typing.TYPE_CHECKING:
+    GenerateMetric = str  # as the option tables above
+else:
+    GenerateMetric = Literal[GENERATE_METRICS]
 
 
 class EvalGenerateSpec(_Section):
     max_tokens: Int = Field(32, ge=1, le=4096, description="new tokens per held-out prompt at most (greedy)")
-    metric: Literal[GENERATE_METRICS] = Field("exact_match", description=(
+    metric: GenerateMetric = Field("exact_match", description=(
         "exact_match (the answer is the reference) or contains (the reference occurs in the answer)"))
     max_prompts: Int = Field(64, ge=1, description="held-out examples scored per evaluation, the first ones")
     batch_size: Int = Field(16, ge=1, description="prompts generated together")
@@ -344,7 +363,8 @@ class DpoSpec(_Section):
         "sigmoid: DPO (TRL's sigmoid) | ipo: IPO, each row's log-ratio divided by its completion length (TRL's ipo) "
         "| robust: robust DPO for noisy preference labels (TRL's robust)"))
     label_smoothing: Float = Field(0.0, description=(
-        "loss robust only: the probability that a pair's preference is flipped, in [0, 0.5) (TRL's label_smoothing)"))
+        "in [0, 0.5): with loss sigmoid, conservative DPO's label smoothing; with robust, the probability that a "
+        "pair's preference is flipped (TRL's label_smoothing); ipo: none"))
     sft_weight: Float = Field(0.0, description=(
         "adds this weight x the chosen completions' mean token NLL to the loss (RPO); 0: none"))
 
@@ -569,6 +589,7 @@ class JobSpec(_Section):
                            field="training.max_grad_norm")
 
     def _check_dpo(self) -> None:
+        assert self.dpo is not None, "_lora_defaults gives objective dpo its section"
         self.dpo.config().validate()
         if self.training.micro_batch_size % 2:
             raise BadInput(f"training.micro_batch_size is {self.training.micro_batch_size}; with objective dpo it "
@@ -580,6 +601,7 @@ class JobSpec(_Section):
                            field="training.packing")
 
     def _check_lora(self) -> None:
+        assert self.lora is not None, "_lora_defaults gives method lora its section"
         self.lora.check()
         if self.engine.precision != "exact":
             raise BadInput(f"engine.precision {self.engine.precision} applies to full fine-tuning; with method "
@@ -622,7 +644,7 @@ def parse(cls: type[BaseModel], data: Any, *, prefix: str = "", context: dict | 
         raise spec_error(exc.errors()[0], cls, prefix) from None
 
 
-def spec_error(err: dict[str, Any], root: type[BaseModel] = JobSpec, prefix: str = "") -> BadInput:
+def spec_error(err: Mapping[str, Any], root: type[BaseModel] = JobSpec, prefix: str = "") -> BadInput:
     """The BadInput for one pydantic error of `root` (the API turns request-body errors into the same)."""
     loc, kind, value = tuple(err.get("loc", ())), err.get("type", ""), err.get("input")
     if kind == "extra_forbidden":

@@ -174,7 +174,7 @@ def run_probe(*, log: Callable[[str], None] | None = None) -> Probe:
 # ---- measurements --------------------------------------------------------------------------------------------
 
 
-def _best_seconds(fn: Callable[[], None], repeats: int, warmup: int = 1) -> float:
+def _best_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()
     times = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from horizon_ray.engine.model import (
     DTYPE_BYTES,
@@ -151,7 +151,7 @@ class Workload:
     layer_chunk_tokens: int = 8192  # micro-batches run through a layer in row groups of at most this many tokens
     device: str = "auto"  # engine.device; "cuda" or "cpu" once resolved
     compute_dtype: str = "auto"  # engine.compute_dtype; "float32" or "bfloat16" once resolved
-    offload_checkpoints: bool | str = "auto"  # checkpoints wait in pinned host memory; a bool once resolved
+    offload_checkpoints: bool | Literal["auto"] = "auto"  # checkpoints wait in pinned host memory; a bool once resolved
     update: str = "exact"  # training.update: when the host AdamW runs
     gpus: int = 1  # resources.gpus: ranks of the job on one node, each with grad_accum micro-batches a step
 

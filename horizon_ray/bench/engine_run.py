@@ -35,12 +35,10 @@ from horizon_ray.bench.metrics import (
     parse_updates,
     timed_summary,
 )
-from horizon_ray.bench.planning import lora_alpha, lora_settings, planned_bytes
+from horizon_ray.bench.planning import OFFLOAD, lora_alpha, lora_settings, planned_bytes
 from horizon_ray.bench.runtime import cap_gpu_memory, device_and_dtype, device_name, free_memory, profile_step
 from horizon_ray.bench.shapes import hf_config, model_flops_per_token, resolve_shape
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig
-
-OFFLOAD = {"auto": "auto", "true": True, "false": False}
 
 
 def run(args, emit: Callable[[dict], None]) -> list[dict]:

@@ -4,6 +4,7 @@ checkpointing, random batches, the step and its measurement. Imported only by th
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import statistics
 import time
@@ -99,9 +100,10 @@ def peft_lora(model, rank: int, alpha: float, targets: tuple[str, ...]):
     model.enable_input_require_grads()
     modules = [t for t in targets if t not in EXPERT_TARGETS]
     stacked = [f"mlp.{t}" for t in targets if t in EXPERT_TARGETS]
-    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
-                                             target_modules=modules, target_parameters=stacked or None,
-                                             task_type="CAUSAL_LM"))
+    # peft's stub says lora_alpha is an int; its scaling alpha / r takes a float (lora_alpha is 2.0 r)
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",  # type: ignore[arg-type]  # peft
+                        target_modules=modules, target_parameters=stacked or None, task_type="CAUSAL_LM")
+    model = get_peft_model(model, config)
     # fp32 adapters whatever the base's dtype (PEFT upcasts bf16 adapters by default; this does not rely on it)
     for p in model.parameters():
         if p.requires_grad:
@@ -149,6 +151,7 @@ def forward_backward(model, micro_batches: list[torch.Tensor], autocast: torch.d
             loss = model(input_ids=ids, labels=ids).loss / len(micro_batches)
         loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
+    assert total is not None, "a step has micro-batches"
     return total
 
 
@@ -165,7 +168,7 @@ class FallbackAdamW:
     """A fused AdamW that turns into a foreach one if its first step fails (a fused kernel that a tensor
     subclass, e.g. FSDP2's DTensor, does not support), so the peer still gets measured."""
 
-    def __init__(self, params):
+    def __init__(self, params) -> None:
         self.params = list(params)
         self.opt = adamw(self.params)
         self.fell_back: str | None = None  # why the fused optimizer was replaced
@@ -256,7 +259,7 @@ def measure(system: str, shape, model, opt, args, emit: Callable[[dict], None], 
         if rec["status"] == "ok" and device.type == "cuda" and args.profile:
             out = dict(rec)
             try:
-                out.update(profile_step(lambda b=batches[0]: step(b)))
+                out.update(profile_step(functools.partial(step, batches[0])))
             except Exception as exc:  # the split is a bonus: a profiler failure must not lose the run
                 out["split_error"] = f"{type(exc).__name__}: {exc}"[:300]
             emit(out)

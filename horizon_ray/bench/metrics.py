@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import resource
 import statistics
+from typing import Any
 
 from horizon_ray.engine.model import UPDATES as UPDATE_MODES  # the engine's table
 
@@ -203,7 +204,7 @@ def base_record(system: str, shape, *, mode: str, dtype: str, device: str, devic
     """A record with every key a run reports, before it is measured (REQUIRED_KEYS first).
     ``trainable_params``: what the optimizer updates (default: every parameter, full fine-tuning);
     ``update``: horizon-ray's update mode (UPDATE_MODES; None for the peers, whose update is synchronous)."""
-    rec = {k: None for k in REQUIRED_KEYS}
+    rec: dict[str, Any] = {k: None for k in REQUIRED_KEYS}
     rec.update(system=system, status="ok", shape=shape.name, mode=mode, seq_len=seq,
                tokens_per_step=seq * micro * accum, gpu_budget_bytes=gpu_budget_bytes)
     rec.update(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -39,8 +40,9 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
     if why:
         raise Unavailable(why)
     lora = lora_settings(args, "lora", shape)
+    assert lora is not None, "mode lora has adapters"
     lora.check()
-    extra = {"peft": hf.require_peft()}
+    extra: dict[str, Any] = {"peft": hf.require_peft()}
     if lora.quantize != "none":
         extra["bitsandbytes"] = hf.version("bitsandbytes")
         model, device, every, t0 = _prepare_quantized(args, shape, dev, dtype, lora.quantize, extra)
@@ -97,6 +99,7 @@ def _quantize_linears(module: torch.nn.Module, quantize: str, compute: torch.dty
             _quantize_linears(child, quantize, compute, device)
             continue
         bias = child.bias is not None
+        q: torch.nn.Module
         if quantize == "int8":
             q = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=bias, has_fp16_weights=False,
                                     threshold=6.0)
@@ -124,4 +127,5 @@ def _materialize(model: torch.nn.Module, device: torch.device, compute: torch.dt
     rotary = getattr(model.model, "rotary_emb", None)
     if rotary is not None:
         with device:
-            model.model.rotary_emb = type(rotary)(config=model.config)
+            # torch's stub types a module's attribute Tensor | Module
+            model.model.rotary_emb = type(rotary)(config=model.config)  # type: ignore[union-attr]  # torch stub

@@ -6,6 +6,8 @@ from __future__ import annotations
 from horizon_ray.engine.model import family_projections
 from horizon_ray.planner import Adapters, NodeSpec, max_model, plan
 
+OFFLOAD: dict[str, bool | str] = {"auto": "auto", "true": True, "false": False}  # --offload -> offload_checkpoints
+
 
 def lora_settings(args, mode: str | None, shape=None) -> Adapters | None:
     """The run's LoRA settings (--lora-r, --lora-targets, --quantize) when its mode is lora, else None. Without
@@ -72,7 +74,7 @@ def _plan(shape, mode, seq, micro, accum, checkpoint_every, dtype, device, gpu_b
                 micro_batch_size=micro, grad_accum=accum, checkpoint_every=checkpoint_every, compute_dtype=dtype,
                 device="cuda" if device.startswith("cuda") else "cpu", gpu_budget_bytes=gpu_budget_bytes,
                 loss_chunk_tokens=loss_chunk, suggest=False, lora=lora, update=update,
-                offload_checkpoints={"auto": "auto", "true": True, "false": False}[offload])
+                offload_checkpoints=OFFLOAD[offload])
 
 
 def largest_shape(ram_bytes: int, *, mode: str, seq: int, micro: int, accum: int, checkpoint_every: int,

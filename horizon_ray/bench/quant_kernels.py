@@ -72,7 +72,7 @@ def main(argv=None) -> int:
                 ms = compare(out_f, in_f, tokens, args.quant_type)
                 print(json.dumps({"shape": name, "proj": proj, "out": out_f, "in": in_f, "tokens": tokens,
                                   **{k: round(v, 3) for k, v in ms.items()},
-                                  "faster": min(ms, key=ms.get)}), flush=True)
+                                  "faster": min(ms, key=ms.__getitem__)}), flush=True)
                 torch.cuda.empty_cache()
     return 0
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,6 +186,7 @@ def child_argv(system: str, shape: str, args, device: str, dtype: str, mode: str
             "--loss-chunk", str(args.loss_chunk), "--warmup", str(args.warmup), "--steps", str(args.steps),
             "--max-grad-norm", format(args.max_grad_norm, "g")]
     if system == "horizon-ray":
+        assert mode is not None and offload is not None, "every horizon-ray variant names its mode and offload"
         argv += ["--mode", mode, "--offload", offload, "--update", ",".join(parse_updates(args.update))]
         if args.gpu_budget_gib:
             argv += ["--gpu-budget-gib", f"{args.gpu_budget_gib:g}"]
@@ -217,6 +219,7 @@ def spawn(argv: list[str], timeout_s: float, label: str) -> Child:
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
 
     def pump():
+        assert proc.stdout is not None, "stdout=PIPE"
         for line in proc.stdout:
             child.lines.append(line.rstrip("\n"))
             print(f"  [{label}] {line}", end="", flush=True)
@@ -266,7 +269,7 @@ def _accums(args) -> list[int]:
     return [int(a) for a in str(args.accum).split(",")]
 
 
-def _updates(system: str, args) -> list[str | None]:
+def _updates(system: str, args) -> Sequence[str | None]:
     """The update modes a system's child runs: each of --update for horizon-ray, none for a peer."""
     return parse_updates(args.update) if system == "horizon-ray" else [None]
 

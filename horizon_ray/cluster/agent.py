@@ -75,11 +75,10 @@ from horizon_ray.cluster.ledger import Ledger
 from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, Launch, NodeInfo, Reservation
 from horizon_ray.job import lease
 from horizon_ray.job.events import Event, decode
-from horizon_ray.job.metrics import METRICS_FILE
+from horizon_ray.job.metrics import METRICS_FILE, SPEC_FILE
 
 log = logging.getLogger("horizon_ray.cluster")
 PROBE_TIMEOUT_S = 600  # a first probe on a busy machine, with the engine's imports
-SPEC_FILE = "job.yaml"
 _MAX_LINES_PER_POLL = 2000
 _STDERR_TAIL_BYTES = 4000
 

@@ -269,7 +269,7 @@ class RayClient(_Delegating):
         self._namespace = namespace
         self._timeout_s = timeout_s
         self._retry_s = retry_s
-        self._actor = None
+        self._actor: Any = None  # the coordinator actor's Ray handle, once found
         self._lock = threading.Lock()
         self._connected = threading.Event()
         self._connector: threading.Thread | None = None

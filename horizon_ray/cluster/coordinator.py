@@ -251,6 +251,7 @@ class Coordinator:
             _check_budget(full, tenant, quota)
             mine = Path(full["output_dir"])
             for other in self.store.jobs(statuses=_LIVE):
+                assert other.output_dir is not None, "submit gives every job its output_dir"
                 theirs = Path(other.output_dir)
                 if mine == theirs or mine.is_relative_to(theirs) or theirs.is_relative_to(mine):
                     who = f"job {other.id}" if other.tenant == tenant else "another job"
@@ -403,6 +404,7 @@ class Coordinator:
                 self._node_failed(st, now, definitive=st.info is not None,
                                   why=f"the agent of node {node_id} is gone")
         for job in self.store.jobs(statuses=ACTIVE):
+            assert job.node_id is not None, "an active job was placed on a node"
             if job.node_id not in self._nodes:
                 # its agent last heard from the coordinator that ran before this one, at the latest
                 st = self._nodes[job.node_id] = _NodeState(job.node_id, failed_since=self._started,
@@ -504,6 +506,7 @@ class Coordinator:
 
     def _revoke(self, job: JobRecord) -> None:
         """Revoke the lease of the job's current start on its output directory (see horizon_ray.job.lease)."""
+        assert job.output_dir is not None, "submit gives every job its output_dir"
         try:
             lease.revoke(job.output_dir, job.id, job.attempts)
         except OSError as exc:  # storage this process cannot reach: the agent's lease stops the engine
@@ -543,6 +546,7 @@ class Coordinator:
         if out.status is JobStatus.RECOVERING and out.retry:
             job.retries += 1
             if job.retries > MAX_RETRIES:
+                assert out.code is not None, "exit_outcome names the cause of every retried exit"
                 self._fail(job, out.code, f"{out.reason}; it was started {job.retries} times in a row without "
                                           "completing a step, and is not retried again", **out.data)
                 return
@@ -550,6 +554,7 @@ class Coordinator:
         elif out.status is JobStatus.RECOVERING:
             self._lost(job, out.reason, retry_after_s=out.retry_after_s)
         elif out.status is JobStatus.FAILED:
+            assert out.code is not None, "exit_outcome names the cause of every failure"
             self._fail(job, out.code, out.reason, **out.data)
         else:
             self._move(job, out.status, reason=out.reason, data=out.data)
@@ -626,6 +631,7 @@ class Coordinator:
         agent = agents.get(best.node_id)
         if agent is None:
             return f"node {best.node_id} has no agent"
+        assert job.output_dir is not None, "submit gives every job its output_dir"
         try:
             res = agent.start(Launch(job_id=job.id, tenant=job.tenant, spec=job.spec, output_dir=job.output_dir,
                                      host_bytes=best.host_bytes, gpu_bytes=best.gpu_bytes,

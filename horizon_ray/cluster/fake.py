@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from horizon_ray.cluster import placement
 from horizon_ray.cluster.agent import engine_env
 from horizon_ray.cluster.agent_protocol import AgentUnavailable
 from horizon_ray.cluster.client import LocalClient
+from horizon_ray.cluster.coordinator import Coordinator, default_validate_spec
 from horizon_ray.cluster.ledger import Ledger
 from horizon_ray.cluster.messages import AgentJobReport, ExitInfo, Launch, NodeInfo, Reservation
 from horizon_ray.cluster.nodes import parse_node_value
@@ -248,9 +249,17 @@ def size_planner(spec: dict[str, Any], node: NodeInfo) -> dict[str, Any]:
             "reason": "fits" if fits else f"needs {host} bytes of host RAM, node has {node.ram_bytes}"}
 
 
+class FakeCoordinator(Coordinator):
+    """A Coordinator over FakeAgents, which it keeps at `fake_agents` for tests to drive by hand."""
+
+    def __init__(self, *, agents: dict[str, FakeAgent], **kwargs: Any):
+        super().__init__(agents=agents, **kwargs)
+        self.fake_agents = agents  # node id -> its FakeAgent
+
+
 def make_local_client(
     root: str | Path,
-    nodes: dict[str, int | str] | None = None,
+    nodes: Mapping[str, int | str] | None = None,
     *,
     tenants: TenantsConfig | dict | None = None,
     planner: Callable[[dict[str, Any], NodeInfo], dict[str, Any]] = size_planner,
@@ -261,11 +270,9 @@ def make_local_client(
     """A `LocalClient` over a fresh coordinator (job table in `root`) with a `FakeAgent` per node.
 
     The agents are at `client.coordinator.fake_agents` (node id -> FakeAgent)."""
-    from horizon_ray.cluster.coordinator import Coordinator, default_validate_spec
-
     root = Path(root)
     storage = FakeStorage()
-    agents = {}
+    agents: dict[str, FakeAgent] = {}
     for name, value in (nodes or {"a": "16GiB", "b": "64GiB", "c": "256GiB"}).items():
         node = parse_node_value(name, value)
         declared = {"gpu_count": node.gpu_count, "gpu_memory_bytes": node.gpu_memory_bytes} if node.gpu_count else {}
@@ -274,9 +281,8 @@ def make_local_client(
         agents[name] = FakeAgent(name, node.ram_bytes, storage=storage, **{**agent_kwargs, **declared})
     if isinstance(tenants, dict):
         tenants = TenantsConfig.from_dict(tenants)
-    coordinator = Coordinator(store_path=root / "jobs.sqlite", jobs_root=root / "jobs", agents=agents,
-                              planner=planner, validate_spec=validate_spec or default_validate_spec,
-                              tenants=tenants, clock=clock)
-    coordinator.fake_agents = agents
+    coordinator = FakeCoordinator(store_path=root / "jobs.sqlite", jobs_root=root / "jobs", agents=agents,
+                                  planner=planner, validate_spec=validate_spec or default_validate_spec,
+                                  tenants=tenants, clock=clock)
     coordinator.tick()
     return LocalClient(coordinator)

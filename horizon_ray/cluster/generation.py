@@ -17,10 +17,11 @@ import hashlib
 import logging
 import threading
 import time
+from collections.abc import Set as AbstractSet
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from horizon_ray.cluster.messages import NodeInfo
+from horizon_ray.cluster.messages import NodeInfo, Reservation
 from horizon_ray.errors import BadInput
 from horizon_ray.generation import Event, GenerationRequest, Handle, Limits, ModelPool
 
@@ -49,7 +50,7 @@ def model_host_bytes(model_dir: str | Path, dtype_bytes: int = 2) -> int:
     return params * dtype_bytes + adapter + BASELINE_BYTES
 
 
-def pick_node(nodes: list[NodeInfo], host_bytes: int, tried: set[str] = frozenset()) -> NodeInfo | None:
+def pick_node(nodes: list[NodeInfo], host_bytes: int, tried: AbstractSet[str] = frozenset()) -> NodeInfo | None:
     """The live node that holds ``host_bytes`` now with the least RAM left over, one with a free GPU before one
     without; None when none holds it."""
     fits = [n for n in nodes if n.alive and n.node_id not in tried and n.free_bytes >= host_bytes]
@@ -194,7 +195,9 @@ class RayGeneration:
                 tried.add(node.node_id)
                 agent = ray.get_actor(AGENT_PREFIX + node.node_id, namespace=NAMESPACE)
                 try:
-                    res = ray.get(agent.reserve_generation.remote(key, need, node.gpu_count > 0, self.tenant))
+                    # what NodeAgent.reserve_generation returns (ray's stubs know no actor method's result)
+                    res = cast(Reservation, ray.get(agent.reserve_generation.remote(key, need, node.gpu_count > 0,
+                                                                                    self.tenant)))
                 except Exception as exc:  # noqa: BLE001 - its ledger refused (stale view): the next node
                     log.info("node %s refused a generation reservation: %s", node.node_id, exc)
                     continue
@@ -215,9 +218,10 @@ class RayGeneration:
         from horizon_ray.cluster.ray_actors import AGENT_PREFIX
 
         with self._lock:
-            actor, node_id = self._actors.pop(key, (None, None))
-        if actor is None:
+            entry = self._actors.pop(key, None)
+        if entry is None:
             return
+        actor, node_id = entry
         ray.kill(actor)
         try:
             ray.get(ray.get_actor(AGENT_PREFIX + node_id, namespace=NAMESPACE).release_generation.remote(key))

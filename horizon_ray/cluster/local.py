@@ -19,7 +19,7 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,13 +75,13 @@ def use_ray_token(root: Path, *, create: bool) -> Path | None:
     os.environ[RAY_AUTH_MODE] = "token"
     os.environ[RAY_AUTH_TOKEN_PATH] = str(path)
     if "ray" in sys.modules:  # Ray reads its configuration once: tell it again
-        from ray._raylet import Config
+        from ray._raylet import Config  # type: ignore[attr-defined]  # ray._raylet (Cython) has no stub for it
 
         Config.initialize("")
     return path
 
 
-def start_simulated_cluster(ram_by_node: dict[str, int | SimulatedNode], *, head_cpus: int = 1,
+def start_simulated_cluster(ram_by_node: Mapping[str, int | SimulatedNode], *, head_cpus: int = 1,
                             node_cpus: int = 1, dashboard_port: int | None = None, port: int | None = None) -> Any:
     """A `ray.cluster_utils.Cluster` on this machine: a head (coordinator, API) plus one Ray node per
     simulated node, each carrying the custom resource `horizon_node_<name>` its agent is pinned by and its
@@ -146,7 +146,7 @@ class Service:
     jobs_root: Path  # default parent of job outputs
 
 
-def start_service(root: str | Path, *, ram_by_node: dict[str, int | SimulatedNode] | None = None,
+def start_service(root: str | Path, *, ram_by_node: Mapping[str, int | SimulatedNode] | None = None,
                   tenants_file: str | Path | None = None, node_dead_after_s: float = 10.0,
                   agent_env: dict[str, str] | None = None, planner: str | None = None,
                   skip_head: bool = False, jobs_root: str | Path | None = None,
@@ -203,7 +203,7 @@ def stop_service(timeout_s: float = 30.0) -> None:
 
 
 @contextmanager
-def simulated_service(root: str | Path, nodes: dict[str, int | SimulatedNode], *, logging_level: str | None = None,
+def simulated_service(root: str | Path, nodes: Mapping[str, int | SimulatedNode], *, logging_level: str | None = None,
                       **service: Any) -> Iterator[tuple[Any, Service]]:
     """A local cluster of simulated `nodes`, this process connected to it, agents and coordinator started
     (``start_service(root, ram_by_node=nodes, **service)``); everything stopped on the way out. Yields
@@ -213,7 +213,7 @@ def simulated_service(root: str | Path, nodes: dict[str, int | SimulatedNode], *
 
     cluster = start_simulated_cluster(nodes)
     try:
-        extra = {"logging_level": logging_level} if logging_level else {}
+        extra: dict[str, Any] = {"logging_level": logging_level} if logging_level else {}
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False, **extra)
         yield cluster, start_service(root, ram_by_node=nodes, **service)
     finally:

@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -241,7 +242,7 @@ def ray_reserved_bytes(node: dict[str, Any]) -> int:
     return int(node.get("Resources", {}).get("object_store_memory", 0)) + RAY_PROCESSES_BYTES
 
 
-def ensure_agents(ram_by_node: dict[str, Any] | None = None, *, command: list[str] | None = None,
+def ensure_agents(ram_by_node: Mapping[str, Any] | None = None, *, command: list[str] | None = None,
                   env: dict[str, str] | None = None, only_simulated: bool = False,
                   skip_head: bool = False, engine_lease_s: float = ENGINE_LEASE_S) -> dict[str, Any]:
     """Start a NodeAgent on every alive Ray node that has none; returns node name -> handle.
@@ -271,7 +272,7 @@ def ensure_agents(ram_by_node: dict[str, Any] | None = None, *, command: list[st
                  ray_node_id=node["NodeID"], command=command, env=env,
                  ray_reserved_bytes=0 if sim else ray_reserved_bytes(node), lease_s=engine_lease_s, probe=True)
     for handle in handles.values():
-        ray.get(handle.ping.remote(), timeout=120)
+        ray.get(handle.ping.remote(), timeout=120)  # type: ignore[attr-defined]  # ray's handle stubs lack .remote
     return handles
 
 
@@ -298,7 +299,7 @@ def start_coordinator(store_path: str | Path, jobs_root: str | Path, *, tenants_
     deadline = time.time() + 120
     while True:
         try:
-            ray.get(handle.ready.remote(), timeout=30)
+            ray.get(handle.ready.remote(), timeout=30)  # type: ignore[attr-defined]  # ray's handle stubs lack .remote
             return handle
         except RayActorError:
             if time.time() > deadline:

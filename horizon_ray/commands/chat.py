@@ -45,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_connection_arguments(parser)
 
 
-def model_dir(ref: str, args: argparse.Namespace | None = None) -> Path:
-    """The model directory a JOB|DIR argument names: DIR/final when DIR is a job's output directory."""
+def model_dir(ref: str, args: argparse.Namespace) -> Path:
+    """The model directory a JOB|DIR argument names: DIR/final when DIR is a job's output directory (``args``:
+    how to reach the service that ran a job id)."""
     path = Path(ref).expanduser()
     if path.is_dir():
         return path / "final" if (path / "final").is_dir() else path

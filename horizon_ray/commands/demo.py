@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from horizon_ray.errors import BadInput
-from horizon_ray.job.metrics import METRICS_FILE
+from horizon_ray.job.metrics import METRICS_FILE, SPEC_FILE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -191,7 +191,7 @@ def _clear_previous_run(out: Path) -> None:
     """The demo starts fresh each time; it only deletes a directory that holds a previous job run."""
     if not out.exists():
         return
-    if not any((out / name).exists() for name in (METRICS_FILE, "job.yaml")) and any(out.iterdir()):
+    if not any((out / name).exists() for name in (METRICS_FILE, SPEC_FILE)) and any(out.iterdir()):
         raise BadInput(f"{out} exists and is not a previous demo run; choose another --output-dir")
     shutil.rmtree(out)
 
@@ -238,7 +238,7 @@ def _report(console, spec, result, items, before, after, samples: int, wall_s: f
     console.print(f"  metrics                  {out / METRICS_FILE}")
     console.print(f"  loss curve               {out / 'loss_curve.png'}")
     console.print(f"  TensorBoard              {out / 'tensorboard'}  (tensorboard --logdir {out / 'tensorboard'})")
-    console.print(f"  job spec                 {out / 'job.yaml'}")
+    console.print(f"  job spec                 {out / SPEC_FILE}")
     console.print(f"  checkpoints              {out / 'checkpoints'}")
 
 

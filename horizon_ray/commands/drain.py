@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"drain: node {name} runs no agent; nothing to stop")
         return 0
-    running = ray.get(agent.drain.remote(), timeout=60)
+    running: list[str] = ray.get(agent.drain.remote(), timeout=60)
     print(f"drain: node {name} takes no new job; {len(running)} engine(s) checkpoint and stop: "
           f"{', '.join(running) or '-'}", flush=True)
     deadline = time.monotonic() + args.timeout

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from horizon_ray.errors import BadInput
 
@@ -92,7 +93,7 @@ def _node(args):
     from horizon_ray.planner import H200_NODE
 
     node = _this_machine() if args.here else H200_NODE
-    kw = {}
+    kw: dict[str, Any] = {}
     if args.node_ram is not None:
         kw["ram_bytes"] = _flag_bytes("--node-ram", args.node_ram)
     if args.gpu_mem is not None:
@@ -150,12 +151,13 @@ def run(args: argparse.Namespace) -> int:
     from horizon_ray import planner
 
     if args.list_presets:
-        rows = [{"name": s.name, "params": s.num_params, "layers": s.num_layers, "hidden": s.hidden_size,
-                 "intermediate": s.intermediate_size, "heads": s.num_heads, "kv_heads": s.num_kv_heads,
-                 "vocab": s.vocab_size, "tied": s.tie_word_embeddings, "note": s.note, "family": s.arch,
-                 "experts": s.num_experts, "experts_per_token": s.experts_per_token,
-                 "expert_intermediate": s.moe_intermediate_size}
-                for s in planner.PRESETS.values()]
+        rows: list[dict[str, Any]] = [
+            {"name": s.name, "params": s.num_params, "layers": s.num_layers, "hidden": s.hidden_size,
+             "intermediate": s.intermediate_size, "heads": s.num_heads, "kv_heads": s.num_kv_heads,
+             "vocab": s.vocab_size, "tied": s.tie_word_embeddings, "note": s.note, "family": s.arch,
+             "experts": s.num_experts, "experts_per_token": s.experts_per_token,
+             "expert_intermediate": s.moe_intermediate_size}
+            for s in planner.PRESETS.values()]
         if args.json:
             print(json.dumps(rows, indent=2))
         else:

@@ -80,9 +80,10 @@ def _overview(client, tenant: str, args) -> int:
         print(json.dumps({"nodes": [n.to_dict() for n in nodes], "jobs": [j.to_dict() for j in jobs],
                           "has_more": more, "queue": [j.to_dict() for j in queue]}, indent=2))
         return 0
-    rows = [(n.node_id, format_bytes(n.ram_bytes), format_bytes(n.reserved_bytes), format_bytes(n.free_bytes),
-             str(len(n.ledger)), "yes" if n.alive else "no",
-             f"{len(n.busy_gpus)}/{n.gpu_count}" if n.gpu_count else "-") for n in nodes]
+    rows: list[tuple[str, ...]] = [
+        (n.node_id, format_bytes(n.ram_bytes), format_bytes(n.reserved_bytes), format_bytes(n.free_bytes),
+         str(len(n.ledger)), "yes" if n.alive else "no", f"{len(n.busy_gpus)}/{n.gpu_count}" if n.gpu_count else "-")
+        for n in nodes]
     print(table(("NODE", "RAM", "RESERVED", "FREE", "JOBS", "ALIVE", "GPUS BUSY"), rows))
     print(f"\nJOBS of tenant {tenant}")
     rows = []

@@ -5,21 +5,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from horizon_ray.data.formats import PLAIN, Example, Layout, load_examples
 from horizon_ray.data.shuffle import SPLIT_STREAM, permutation
 from horizon_ray.data.tokenize import TokenizedDataset, load_tokenizer, tokenize_examples
 from horizon_ray.errors import BadInput
 
+T = TypeVar("T")  # an SFT example or a preference pair
+
 log = logging.getLogger(__name__)
 
 PathLike = str | Path | Sequence[str | Path]
 
 
-def split_examples(
-    examples: list[Example], eval_fraction: float, seed: int
-) -> tuple[list[Example], list[Example]]:
+def split_examples(examples: list[T], eval_fraction: float, seed: int) -> tuple[list[T], list[T]]:
     """Hold out ``round(eval_fraction * n)`` examples (at least one), chosen by ``seed`` alone.
 
     Both parts keep file order; the choice depends only on (seed, number of examples), so a resumed job

@@ -21,13 +21,13 @@ is spent on it.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from horizon_ray.data.preference import FORMAT as PREFERENCE
-from horizon_ray.data.preference import is_preference, parse_pair
+from horizon_ray.data.preference import PreferencePair, is_preference, parse_pair
 from horizon_ray.errors import BadInput
 from horizon_ray.jobspec import DATA_FORMATS
 
@@ -305,8 +305,10 @@ def _parse_text(record: dict[str, Any], where: str, layout: Layout = PLAIN) -> E
     return Example(None, _string(record, layout.key("text", "text"), where), where)
 
 
-_PARSERS = {"alpaca": _parse_alpaca, "messages": _parse_messages, "sharegpt": _parse_sharegpt, "text": _parse_text,
-            PREFERENCE: parse_pair}
+_SFT_PARSERS: dict[str, Callable[[dict[str, Any], str, Layout], Example]] = {
+    "alpaca": _parse_alpaca, "messages": _parse_messages, "sharegpt": _parse_sharegpt, "text": _parse_text}
+_PARSERS: dict[str, Callable[[dict[str, Any], str, Layout], Example | PreferencePair]] = {
+    **_SFT_PARSERS, PREFERENCE: parse_pair}
 
 
 class LineChecker:
@@ -319,7 +321,7 @@ class LineChecker:
         if fmt not in FORMATS:
             raise BadInput(f"unknown dataset format {fmt!r}; use one of {', '.join(FORMATS)}")
         self.auto = fmt == "auto"
-        self.fmt = None if self.auto else fmt  # the file's format, once known
+        self.fmt: str | None = None if self.auto else fmt  # the file's format, once known
         self.name = name
         self.max_line_bytes = max_line_bytes
         self.count = 0  # examples checked
@@ -352,6 +354,7 @@ class LineChecker:
         if not self.count:
             raise BadInput(f"{self.name}: holds no example; add JSONL lines in alpaca, messages, sharegpt or text "
                            "format")
+        assert self.fmt is not None, "the first example's line set it"
         return self.fmt, self.count
 
     def _line(self, raw: bytes) -> None:
@@ -367,13 +370,13 @@ class LineChecker:
         if not text.strip():
             return
         record = _record(text, where)
-        found = _detect(record, where) if self.auto else self.fmt
+        found = _detect(record, where) if self.auto or self.fmt is None else self.fmt
         if self.fmt is None:
             self.fmt = found
         elif found != self.fmt:
             raise BadInput(f"{where}: line is {found} but the file was detected as {self.fmt} from its first line; "
                            "keep one format per file")
-        _PARSERS[self.fmt](record, where)
+        _PARSERS[self.fmt](record, where, PLAIN)
         self.count += 1
 
 
@@ -393,7 +396,7 @@ def iter_file(path: str | Path, fmt: str = "auto", layout: Layout = PLAIN) -> It
     if file_fmt == PREFERENCE:
         raise BadInput(f"{p} holds preference pairs (prompt, chosen, rejected), which objective sft does not read: "
                        "set objective: dpo, or give SFT data", field="data.path")
-    parse = _PARSERS[file_fmt]
+    parse = _SFT_PARSERS[file_fmt]
     for lineno, record in _read_lines(p):
         where = f"{p}:{lineno}"
         if fmt == "auto" and (found := _detect(record, where, layout)) != file_fmt:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from array import array
 
 import numpy as np
 
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 def _prompt_ids(pair: PreferencePair, tokenizer) -> list[int]:
-    if not pair.chat:
+    if isinstance(pair.prompt, str):  # not pair.chat
         return _ids(tokenizer(pair.prompt, add_special_tokens=True))
     return _ids(tokenizer(_render(tokenizer, pair.prompt, add_generation_prompt=True), add_special_tokens=False))
 
@@ -85,7 +86,7 @@ def tokenize_pairs(pairs: list[PreferencePair], tokenizer, seq_len: int) -> Toke
         for c in done:
             labels = [IGNORE_INDEX] * len(prompt) + c
             labels[0] = IGNORE_INDEX  # nothing precedes the first token (a prompt-less pair's first token)
-            rows.append(TokenizedExample(prompt + c, labels, pair.source))
+            rows.append(TokenizedExample(array("i", prompt + c), array("i", labels), pair.source))
     if truncated:
         log.warning("%d of %d preference pairs longer than seq_len=%d were truncated (the prompt's end and the "
                     "completions' start kept)", truncated, len(pairs), seq_len)

@@ -255,7 +255,7 @@ def tokenize_example(example: Example, tokenizer: Any, train_on_inputs: bool = F
         labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)]
     if labels:
         labels[0] = IGNORE_INDEX
-    return TokenizedExample(ids, labels, example.source)
+    return TokenizedExample(array("i", ids), array("i", labels), example.source)
 
 
 def tokenize_examples(examples: list[Example], tokenizer: Any, seq_len: int,

@@ -115,8 +115,11 @@ class Engine:
             store.attach(pin=cuda)
         n_trained = len(self.store.trained)
         # the optimizer marks: a unit's update is committed (with several ranks: every rank's shard of it)
-        self._updates = SharedFence(self.store.versions, self.ranks.rank, "updates") if self.ranks.many \
-            else Fence(n_trained, "updates")
+        if self.ranks.many:
+            assert self.store.versions is not None, "a store made for several ranks holds their table of versions"
+            self._updates: Fence = SharedFence(self.store.versions, self.ranks.rank, "updates")
+        else:
+            self._updates = Fence(n_trained, "updates")
         self._grads = Fence(n_trained, "grads")  # the training thread marks: a unit's gradient is on the host
         threads = cfg.optimizer_threads or (max(1, (os.cpu_count() or 4) - 2) if cuda else 0)
         self._optimizer = HostAdamW(self.store, cfg.betas, cfg.eps, cfg.weight_decay, self._updates, self._grads,
@@ -124,6 +127,8 @@ class Engine:
         offload = cfg.offload_checkpoints if cfg.offload_checkpoints != "auto" else cuda
         lag = _LAG[cfg.update]
         self._buffers = HostBuffers(self.store.pool)
+        self._weights: HostWeights
+        self._grad_sink: HostGrads
         if cuda:
             h2d, d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
             self._weights = DeviceWeights(self.store, self.units, self._updates, lag, self.device, self._buffers, h2d)
@@ -285,7 +290,7 @@ class Engine:
         except BaseException:
             self._abandon_step(k)
             raise
-        coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6)) if self.cfg.clipping else 1.0
+        coef = min(1.0, self._max_norm() / (norm + 1e-6)) if self.cfg.clipping else 1.0
         self._last_clipped = coef < 1.0
         self._optimizer.launch(k, self.lr, coef)
         self._steps += 1
@@ -328,7 +333,7 @@ class Engine:
 
     @torch.no_grad()
     def forward_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        batch = (input_ids, torch.full_like(input_ids, -100))
+        batch: tuple[torch.Tensor, ...] = (input_ids, torch.full_like(input_ids, -100))
         if position_ids is not None:
             batch = (*batch, position_ids)
         mbs, _ = self._prepare([batch])
@@ -446,7 +451,8 @@ class Engine:
         return units.backward_order(n_trained)[:-1][:limit]
 
     def _max_norm(self) -> float:
-        return self.cfg.max_grad_norm if self.cfg.clipping else math.inf
+        max_norm = self.cfg.max_grad_norm
+        return max_norm if max_norm is not None and self.cfg.clipping else math.inf
 
     def _newest(self) -> int:
         """The step index whose reads see the newest weights (evaluation): under the delayed update the wire
@@ -549,6 +555,7 @@ class Engine:
         is on."""
         W = self._weights
         if W.host_embed:
+            assert isinstance(W, DeviceWeights), "only a device's slots take rows gathered on the host"
             W.prefetch(1, k)  # the first layer's copy overlaps the gather of the embedding rows
             hs = [W.embed_rows(i, mb.input_ids_host, k) for i, mb in enumerate(mbs)]
         else:

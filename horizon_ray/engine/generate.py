@@ -77,7 +77,7 @@ class KVCache:
                     store.append(torch.zeros(shape, dtype=dtype, device=device))
                 else:
                     store.append(buffers.pool.empty(host_shape, dtype, zero=True))
-        self.stage = None
+        self.stage: tuple[torch.Tensor, torch.Tensor] | None = None
         if on_device < cfg.num_layers:
             self.stage = (torch.zeros(host_shape, dtype=dtype, device=device),
                           torch.zeros(host_shape, dtype=dtype, device=device))
@@ -108,6 +108,7 @@ class KVCache:
             V[:, :, n:n + T] = v_BHTd
             return K[:, :, :seen], V[:, :, :seen]
         out = []
+        assert self.stage is not None, "a cache with host layers has its staging buffers"
         for host, new, stage in ((self.k[j], k_BHTd, self.stage[0]), (self.v[j], v_BHTd, self.stage[1])):
             host, stage = host[:, lo:hi], stage[:, lo:hi]
             new_TBHd = new.permute(2, 0, 1, 3)
@@ -194,6 +195,7 @@ class Generator:
             self.gpu_budget = int(gpu_budget_bytes if gpu_budget_bytes is not None else free * 0.9)
         else:
             self.gpu_budget = 0
+        self.weights: HostWeights
         if weights is not None:
             self.weights, self.units, self.template, self._step = weights
             self.resident = False
@@ -207,7 +209,7 @@ class Generator:
             self.resident = self.weight_bytes <= RESIDENT_SHARE * self.gpu_budget
             units = _Resident(L, max(L, 1)) if self.resident else Units(L, 1)
             h2d = torch.cuda.Stream(device)
-            self.weights: HostWeights = DeviceWeights(store, units, fence, 0, device, self._buffers, h2d)
+            self.weights = DeviceWeights(store, units, fence, 0, device, self._buffers, h2d)
         else:
             self.resident = True  # the host buffers are the weights
             units = Units(L, 1)
@@ -356,7 +358,7 @@ class Generator:
         room = self.gpu_budget - slots - workspace - per_layer  # one layer's staging buffers
         return max(0, min(L, room // per_layer))
 
-    def _micro_batch(self, ids_BT, pos_BS, valid_BS, cache: KVCache) -> MicroBatch:
+    def _micro_batch(self, ids_BT, pos_BS, valid_BS, cache: KVCache | _JoiningRows) -> MicroBatch:
         """This call's T tokens at cache positions n .. n + T - 1, attending to cache positions 0 .. n + T - 1
         (the mask spans the cache's visible positions; those after n + T - 1 are later positions of each row,
         masked as the future)."""
@@ -384,12 +386,13 @@ class Generator:
             targets_BT=ids_BT.new_full(ids_BT.shape, -100), cos_BTd=cos, sin_BTd=sin, mask_B1TT=mask, n_targets=0,
             sliding=tables("sliding_attention") if len(kinds) > 1 else None, cache=cache)
 
-    def _forward(self, ids_BT, pos_BS, valid_BS, cache: KVCache) -> torch.Tensor:
+    def _forward(self, ids_BT, pos_BS, valid_BS, cache: KVCache | _JoiningRows) -> torch.Tensor:
         """One pass of T tokens per row through every layer; the float32 logits of each row's last token [B, V]
         (on the device)."""
         W, units, k = self.weights, self.units, self._step()
         mb = self._micro_batch(ids_BT, pos_BS, valid_BS, cache)
         if W.host_embed:
+            assert isinstance(W, DeviceWeights), "only a device's slots take rows gathered on the host"
             W.prefetch(units.of_layer(0), k)  # the first layer's copy overlaps the gather of the rows
             h = W.embed_rows(0, mb.input_ids_host, k)
         else:
@@ -436,6 +439,10 @@ class Session:
 
     def __init__(self, gen: Generator):
         self.gen = gen
+        self._empty()
+
+    def _empty(self) -> None:
+        """No row: the cache goes."""
         self.cache: KVCache | None = None
         self.pos = torch.zeros(0, 0, dtype=torch.long)  # [B, S] each slot's position in its row
         self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [B, S] slots holding a token of the row
@@ -468,6 +475,7 @@ class Session:
         if B0:
             keep = torch.tensor(live, dtype=torch.long)
             to = n2 - (n - first)
+            assert self.cache is not None, "rows that stay are in the cache"
             self.cache.copy_rows(cache, keep, first, to)
             pos[:B0, to:n2] = self.pos[keep, first:n]
             valid[:B0, to:n2] = self.valid[keep, first:n]
@@ -498,6 +506,7 @@ class Session:
         """One decode step of every row still generating: the token each added."""
         gen = self.gen
         ids_BT = torch.tensor(self.next_ids, dtype=torch.long)[:, None]
+        assert self.cache is not None, "a step runs rows that joined"
         logits = gen._forward(ids_BT, self.pos, self.valid, self.cache)
         picked = gen._pick(logits, self.rows, all(r.params.temperature == 0 for r in self.rows))
         out = []
@@ -520,11 +529,12 @@ class Session:
     def _leave_if_finished(self) -> None:
         done = [b for b, row in enumerate(self.rows) if row.done]
         if len(done) == len(self.rows):
-            self.__init__(self.gen)  # nothing left: the cache goes
+            self._empty()  # nothing left
         elif len(done) * 4 >= len(self.rows):
             live = [b for b, row in enumerate(self.rows) if not row.done]
             keep = torch.tensor(live, dtype=torch.long)
             old, gen = self.cache, self.gen
+            assert old is not None, "the rows that stay are in the cache"
             first = self._first_used(live)
             n = old.length - first
             # the slots the rows that stay still need: what they hold, and their remaining tokens

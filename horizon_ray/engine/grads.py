@@ -124,10 +124,11 @@ class DeviceGrads(HostGrads):
             self._acc["head"] = torch.empty(pad(units_[-1].layout.numel), device=device)
         else:  # untied embedding and head share one: their gradients are never live together
             self._acc["embed"] = self._acc["head"] = torch.empty(pad(big), device=device)
-        self._acc_free = {id(b): None for b in self._acc.values()}  # buffer -> event: its D2H finished
+        # buffer -> event: its D2H finished
+        self._acc_free: dict[int, torch.cuda.Event | None] = {id(b): None for b in self._acc.values()}
         if staged:  # a layer's gradient is cast before it leaves; two casts in flight
             self._stage = [torch.empty(max_layer, dtype=dtype, device=device) for _ in range(2)]
-            self._stage_free = [None, None]
+            self._stage_free: list[torch.cuda.Event | None] = [None, None]
             self._stage_next = 0
 
     def _acc_key(self, u: int):
@@ -161,8 +162,9 @@ class DeviceGrads(HostGrads):
                 hi = min(lo + size, acc.numel())
                 i = self._stage_next
                 self._stage_next ^= 1
-                if self._stage_free[i] is not None:
-                    self.compute.wait_event(self._stage_free[i])  # staging buffer drained by its last D2H
+                free = self._stage_free[i]
+                if free is not None:
+                    self.compute.wait_event(free)  # staging buffer drained by its last D2H
                 piece = self._stage[i][: hi - lo]
                 piece.copy_(acc[lo:hi])
                 self._stage_free[i] = self._d2h(host[lo:hi], piece)

@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from horizon_ray.atomic import atomic_path
+from horizon_ray.engine.model import TensorSlot
 from horizon_ray.engine.quant import StoredTensor, stored_owner
 from horizon_ray.engine.store import HostStore
 from horizon_ray.errors import BadInput
@@ -64,7 +66,7 @@ def load_into(store: HostStore, model_dir: Path, tied: bool, device: torch.devic
     if missing:
         raise BadInput(f"{model_dir} lacks tensors the config needs, e.g. {missing[:3]} "
                          f"({len(missing)} missing): the config.json does not match the weights")
-    handles: dict[Path, object] = {}
+    handles: dict[Path, Any] = {}  # safetensors' safe_open handles
 
     def read(name: str) -> torch.Tensor:
         path = files[name]
@@ -97,7 +99,7 @@ def save_pretrained(store: HostStore, hf_config: dict, out_dir: Path, dtype: tor
     with atomic_path(out_dir) as tmp:  # the directory appears whole or not at all
         tmp.mkdir(parents=True)
         # the shards' members first (their names need the count), then one shard in memory at a time
-        plan: list[list[tuple[int, object]]] = [[]]
+        plan: list[list[tuple[int, TensorSlot]]] = [[]]
         size = 0
         for u, unit in enumerate(store.units):
             for t in unit.layout.tensors:

@@ -131,16 +131,16 @@ def attention_mask(position_ids_BT: torch.Tensor | None, T: int, sliding_window:
 
     Packed rows: a document starts wherever position_ids == 0, and no token attends across documents.
     """
-    window = sliding_window is not None and T > sliding_window
-    packed = position_ids_BT is not None and bool((position_ids_BT[:, 1:] == 0).any())
-    if not (window or packed):
+    window = sliding_window if sliding_window is not None and T > sliding_window else None
+    packed_BT = position_ids_BT if position_ids_BT is not None and bool((position_ids_BT[:, 1:] == 0).any()) else None
+    if window is None and packed_BT is None:
         return None
     q = torch.arange(T, device=device)
     mask = (q[None, :] <= q[:, None])[None]  # [1, T, T] causal
-    if window:
-        mask = mask & (q[:, None] - q[None, :] < sliding_window)[None]
-    if packed:
-        doc_BT = torch.cumsum((position_ids_BT == 0).long(), dim=1)
+    if window is not None:
+        mask = mask & (q[:, None] - q[None, :] < window)[None]
+    if packed_BT is not None:
+        doc_BT = torch.cumsum((packed_BT == 0).long(), dim=1)
         mask = mask & (doc_BT[:, :, None] == doc_BT[:, None, :])
     return mask[:, None]
 
@@ -199,6 +199,7 @@ def _lora_add(x: torch.Tensor, y: torch.Tensor, w: dict, key: str, lora: LoraCal
     a = w.get(key + ".lora_A")
     if a is None:
         return y
+    assert lora is not None, "weights with adapters come with their LoraCall"
     # each projection draws its own dropout mask (as PEFT's per-module dropout does)
     seed = mix_seed(lora.seed, _PROJECTIONS.index(key)) if lora.dropout > 0 else 0
     return _LoraAdd.apply(x, y, a, w[key + ".lora_B"], lora.scaling, lora.dropout, seed)
@@ -293,7 +294,10 @@ class Template:
         mean of its micro-batches' terms (one micro-batch: exactly HF's loss), so that the term's weight does
         not grow with gradient accumulation. d aux / d p = E f_e / R at every row (f_e does not depend on p)."""
         cfg = self.cfg
-        stats = [mb.router for mb in mbs]
+        stats: list[RouterStats] = []
+        for mb in mbs:
+            assert mb.router is not None, "the forward of a MoE model with the load-balancing loss routed it"
+            stats.append(mb.router)
         E, L, coef = cfg.num_experts, len(cfg.moe_layers), cfg.router_aux_coef / micro_batches
         groups: dict[int, list] = {}
         for st in stats:
@@ -301,14 +305,17 @@ class Template:
             p = torch.stack(list(st.probs.values())).sum(0)
             g = groups.setdefault(st.group, [0, 0, 0])
             g[0], g[1], g[2] = g[0] + c, g[1] + p, g[2] + st.tokens
-        total, grads = 0, {}
+        total: torch.Tensor | None = None
+        grads = {}
         for group, (c, p, tokens) in groups.items():
             rows = L * tokens
             f, P = c / rows, p / rows
-            total = total + E * (f * P).sum()
+            term = E * (f * P).sum()
+            total = term if total is None else total + term
             grads[group] = coef * E * f / rows
         for st in stats:
             st.grad_E = grads[st.group]
+        assert total is not None, "a step routes at least one row group"
         return total * coef
 
     # ---- the decoder layer -------------------------------------------------------------------------------
@@ -359,6 +366,7 @@ class Template:
         v = v.view(B, T, a.num_kv_heads, hd).transpose(1, 2)
         q, k = ops.rope(q, k, cos, sin)
         if mb.cache is not None:  # generation: the queries of this call see the cached positions too
+            assert j is not None, "a KV cache is kept per layer: pass the layer's index j"
             k, v = mb.cache.extend(j, k, v)
         # grouped-query attention without materialising repeated k/v heads
         if a.softcap:
@@ -371,8 +379,8 @@ class Template:
         else:
             x_BTD = x_BTD + self._proj(attn, w, "o", lora, sinks)
         h = self._norm(x_BTD, w["ln2"])
-        if spec.moe:
-            return x_BTD + self._experts(h, w, mb, lora, sinks, j, spec.moe)
+        if isinstance(spec.mlp, MoE):
+            return x_BTD + self._experts(h, w, mb, lora, sinks, j, spec.mlp)
         mlp = self._mlp(h, w, spec.mlp, lora, sinks)
         if spec.sandwich_norms:
             return x_BTD + self._norm(self._proj(mlp, w, spec.mlp.key + "down", lora, sinks), w["ln2_post"])
@@ -437,6 +445,7 @@ class Template:
         a = w.get(key + ".lora_A")
         if a is None:
             return y
+        assert lora is not None, "weights with adapters come with their LoraCall"
         E = w[key].shape[0]
         r = a.shape[0] // E
         b = w[key + ".lora_B"]

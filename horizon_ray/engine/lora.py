@@ -64,6 +64,7 @@ from horizon_ray.engine.model import (
     quantize_for,
 )
 from horizon_ray.errors import BadInput
+from horizon_ray.models.blocks import Entry
 from horizon_ray.workload import Adapters, check_lora_scaling
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -131,7 +132,7 @@ def adapter_layouts(cfg: ModelConfig, lora: LoraConfig) -> list[UnitLayout]:
     H = cfg.hidden_size
     units = []
     for i in range(cfg.num_layers):
-        entries = []
+        entries: list[Entry] = []
         table, have = cfg.layers[i].norms(), layer_targets(cfg, i)
         # a layer without a target (a dense layer's experts, a MoE layer's MLP) has no adapter there, as in PEFT
         for t in (t for t in lora.ordered_targets if t in have):
@@ -201,11 +202,13 @@ def mix_seed(*parts: int) -> int:
     return x & 0x7FFFFFFFFFFFFFFF
 
 
-def merge_fn(adapters, lora: LoraConfig, cfg: ModelConfig | None = None):
+def merge_fn(adapters, lora: LoraConfig, cfg: ModelConfig):
     """For saving a merged model: HF base tensor name, tensor -> W + scaling x B A in fp32 (each expert's
     W + scaling x B_e A_e, split into its gate and up rows where the checkpoint keeps them apart), a trained
     norm in place of the base's (others as is)."""
-    where, norms, experts = {}, {}, {}
+    # HF name -> (adapter unit, key) or, for an expert, (adapter unit, stacked key, expert, first row, rows)
+    where: dict[str, tuple] = {}
+    norms, experts = {}, {}
     for unit in adapters:
         for t in unit.layout.tensors:
             if t.key.startswith("experts.") and t.key.endswith(".lora_A"):
@@ -215,9 +218,9 @@ def merge_fn(adapters, lora: LoraConfig, cfg: ModelConfig | None = None):
                 where[_base_tensor(t.name).replace(".lora_A.", ".")] = (unit, t.key.removesuffix(".lora_A"))
             elif not t.key.endswith(".lora_B"):
                 norms[_base_tensor(t.name)] = (unit, t.key)
-    # each expert's base tensor -> (adapter unit, stacked key, expert, first row, rows)
     for (layer, key), unit in experts.items():
         moe = cfg.layers[layer].moe
+        assert moe is not None, f"expert adapters on layer {layer}, which has no MoE"
         (gate, up, down), W = moe.expert_names, moe.width
         for e in range(moe.num_experts):
             p = f"model.layers.{layer}.{moe.module}.experts.{e}."

@@ -20,7 +20,7 @@ from functools import cached_property
 
 from horizon_ray.errors import BadInput
 from horizon_ray.models import ARCHITECTURES
-from horizon_ray.models.blocks import EXPERT_TARGETS, LAYER_TYPES
+from horizon_ray.models.blocks import EXPERT_TARGETS, LAYER_TYPES, Entry
 from horizon_ray.models.config import ModelConfig
 
 __all__ = ["ARCHITECTURES", "EXPERT_TARGETS", "LAYER_TYPES", "ModelConfig"]
@@ -82,9 +82,10 @@ class UnitLayout:
             return out
         by_key = {t.key: t for t in self._unstacked}
         for name, members in FUSED.items():
-            ts = [by_key.get(m) for m in members]
-            if None in ts or any(a.offset + a.numel != b.offset or a.shape[1:] != b.shape[1:]
-                                 for a, b in zip(ts, ts[1:])):
+            if any(m not in by_key for m in members):
+                continue
+            ts = [by_key[m] for m in members]
+            if any(a.offset + a.numel != b.offset or a.shape[1:] != b.shape[1:] for a, b in zip(ts, ts[1:])):
                 continue
             rows = sum(t.shape[0] for t in ts)
             out[name] = flat[ts[0].offset:ts[-1].offset + ts[-1].numel].view(rows, *ts[0].shape[1:])
@@ -127,7 +128,7 @@ def unit_layouts(cfg: ModelConfig) -> list[UnitLayout]:
     H, V = cfg.hidden_size, cfg.vocab_size
     units = [_unit("embed", [("model.embed_tokens.weight", "embed", (V, H))])]
     units += [_unit(f"layer.{i}", layer_entries(cfg, i)) for i in range(cfg.num_layers)]
-    head = [("model.norm.weight", "norm", (H,))]
+    head: list[Entry] = [("model.norm.weight", "norm", (H,))]
     if not cfg.tie_word_embeddings:
         head.append(("lm_head.weight", "lm_head", (V, H)))
     units.append(_unit("head", head))

@@ -18,8 +18,10 @@ METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "
 @dataclass(frozen=True)
 class DpoConfig:
     beta: float = 0.1  # strength of the KL penalty against the reference (IPO: its regulariser tau)
-    loss: str = "sigmoid"  # "sigmoid" (DPO) | "ipo" | "robust" (robust DPO: noisy preference labels)
-    label_smoothing: float = 0.0  # robust only: the probability that a pair's preference is flipped, in [0, 0.5)
+    loss: str = "sigmoid"  # "sigmoid" (DPO; conservative DPO with label_smoothing) | "ipo" | "robust" (robust DPO)
+    # sigmoid: conservative DPO's smoothing of the preference labels; robust: the probability that a pair's
+    # preference is flipped (TRL's meaning); in [0, 0.5)
+    label_smoothing: float = 0.0
     sft_weight: float = 0.0  # weight of the chosen completions' mean token NLL added to the loss (RPO)
 
     def validate(self) -> None:
@@ -30,11 +32,9 @@ class DpoConfig:
         if not 0.0 <= self.label_smoothing < 0.5:
             raise BadInput(f"dpo.label_smoothing must lie in [0, 0.5), got {self.label_smoothing}",
                            field="dpo.label_smoothing")
-        if self.label_smoothing and self.loss != "robust":
-            # TRL >= 1.0's sigmoid has no label smoothing (it would be ignored there): refused, not ignored
-            raise BadInput(f"dpo.label_smoothing applies to loss robust (robust DPO, TRL's label_smoothing: the "
-                           f"probability that a pair's preference is flipped); loss {self.loss} has none: use loss: "
-                           f"robust, or set label_smoothing to 0", field="dpo.label_smoothing")
+        if self.label_smoothing and self.loss == "ipo":
+            raise BadInput("dpo.label_smoothing applies to loss sigmoid (conservative DPO) and robust (robust DPO); "
+                           "IPO has none: set it to 0", field="dpo.label_smoothing")
         if not (self.sft_weight >= 0 and math.isfinite(self.sft_weight)):
             raise BadInput(f"dpo.sft_weight must be >= 0, got {self.sft_weight}", field="dpo.sft_weight")
 

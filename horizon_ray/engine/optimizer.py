@@ -28,6 +28,7 @@ import math
 import threading
 import time
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -237,8 +238,8 @@ class HostAdamW:
         narrowing of its weights for the wire."""
         unit.step += 1
         grad, wire = unit.grad_of(k), unit.wire_of(k)
-        kw = dict(lr=lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, step=float(unit.step),
-                  clip=min(clip_coef, 1.0))
+        kw: dict[str, Any] = dict(lr=lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                                  step=float(unit.step), clip=min(clip_coef, 1.0))
         if self.one_pass and grad.dtype == torch.bfloat16:
             if unit.master.dtype == torch.float32 and wire.dtype == torch.bfloat16:
                 if cpu_adam.adamw_f32(unit.master, unit.exp_avg, unit.exp_avg_sq, grad, wire, **kw):

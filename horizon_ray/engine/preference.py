@@ -12,8 +12,9 @@ mean over the step's pairs: sigmoid -log sigmoid(beta x delta), where delta = (c
 (rejected - ref rejected); ipo (delta / completion tokens of each row - 1 / (2 beta))^2 with each row's
 log-ratio divided by its completion length first, as TRL does; robust, the unbiased loss of robust DPO
 (Chowdhury et al. 2024) for labels flipped with probability e = label_smoothing, (-(1 - e) log sigmoid(beta
-delta) + e log sigmoid(-beta delta)) / (1 - 2e) (e = 0 is DPO). TRL's sigmoid has no label smoothing (the
-conservative DPO of TRL < 1.0 is gone), so label_smoothing is robust's alone (DpoConfig.validate).
+delta) + e log sigmoid(-beta delta)) / (1 - 2e) (e = 0 is DPO). sigmoid with label_smoothing e is the
+conservative DPO of Mitchell (2023), -(1 - e) log sigmoid(beta delta) - e log sigmoid(-beta delta): TRL < 1.0's
+sigmoid (TRL 1.16's sigmoid ignores label_smoothing; its "aot" loss computes this formula for one pair).
 ``sft_weight`` w adds w x the mean NLL over the chosen completions' tokens of the step (RPO; TRL's
 ``loss_type=["sigmoid", "sft"], loss_weights=[1, w]``).
 """
@@ -48,7 +49,8 @@ def objective(cfg: DpoConfig, logps_R: torch.Tensor, ref_R: torch.Tensor, counts
     rejected_ratio = rejected - ref_R[1::2]
     delta = chosen_ratio - rejected_ratio
     if cfg.loss == "sigmoid":
-        per_pair = -F.logsigmoid(cfg.beta * delta)
+        e = cfg.label_smoothing
+        per_pair = -F.logsigmoid(cfg.beta * delta) * (1 - e) - F.logsigmoid(-cfg.beta * delta) * e
     elif cfg.loss == "robust":
         e = cfg.label_smoothing
         per_pair = (-(1 - e) * F.logsigmoid(cfg.beta * delta) + e * F.logsigmoid(-cfg.beta * delta)) / (1 - 2 * e)

@@ -143,10 +143,12 @@ class PackedLayout:
         if src.kind == "none" or src.kind != kind or not self._same_layout(src):
             self.pack(flat, key, src.dequantized(self.dtype), device)
         elif kind == "int8":
+            assert src.scb is not None, "an int8 weight comes with its row scales"
             self._part(flat, key, "cb", torch.int8).copy_(src.data.reshape(-1))
             self._part(flat, key, "scb", torch.float32).copy_(src.scb)
         else:
             st = src.state
+            assert st is not None, "a 4-bit weight comes with its quant state"
             self._part(flat, key, "codes", torch.uint8).copy_(src.data.reshape(-1).view(torch.uint8))
             if self.nested:
                 self._part(flat, key, "absmax", torch.uint8).copy_(st.absmax)
@@ -288,6 +290,7 @@ class StoredTensor:
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weights in ``dtype``, as bitsandbytes multiplies by them (quant.py's dequantize)."""
         if self.kind == "int8":
+            assert self.scb is not None, "an int8 weight comes with its row scales"
             return self.data.to(dtype).mul_(self.scb.unsqueeze(1).mul(1.0 / 127.0))
         if self.state is not None:
             # straight into ``dtype``, as the forward of bitsandbytes' MatMul4Bit dequantizes into the activations'

@@ -84,10 +84,6 @@ class SharedFence(Fence):
         self.table = table  # int64 [world, units], shared memory
         self.rank = rank
 
-    @staticmethod
-    def table(world: int, units: int) -> torch.Tensor:
-        return torch.zeros(world, units, dtype=torch.int64).share_memory_()
-
     def version(self, u: int) -> int:
         return int(self.table[:, u].min())
 

@@ -104,17 +104,20 @@ class DeviceWeights(HostWeights):
         layer_dtype = torch.uint8 if store.quantize != "none" else dtype
         max_layer = max((u.wire.numel() for u in layers), default=1)
         # slot key -> flat device buffer. Layer slots are ints, the embedding and head slots are named.
-        self._slots = {s: torch.empty(max_layer, dtype=layer_dtype, device=device) for s in range(units.layer_slots)}
+        self._slots: dict[int | str, torch.Tensor] = {
+            s: torch.empty(max_layer, dtype=layer_dtype, device=device) for s in range(units.layer_slots)}
         if not self.host_embed:
             self._slots["embed"] = torch.empty(store.units[0].layout.numel, dtype=dtype, device=device)
         self._slots["head"] = torch.empty(store.units[-1].layout.numel, dtype=dtype, device=device)
-        self._adapter_slots = {}
+        self._adapter_slots: dict[int | str, torch.Tensor] = {}
         if self.lora:
             max_adapter = max((a.layout.numel for a in store.adapters), default=1)
             self._adapter_slots = {s: torch.empty(max_adapter, device=device) for s in self._slots}
         self._held: dict = {}  # slot -> (unit, wire key, adapter wire key) it holds or is receiving
-        self._copied = dict.fromkeys(self._slots)  # slot -> event: its H2D copies finished
-        self._read = dict.fromkeys(self._slots)  # slot -> event: its last reader finished
+        # slot -> event: its H2D copies finished
+        self._copied: dict[int | str, torch.cuda.Event | None] = dict.fromkeys(self._slots)
+        # slot -> event: its last reader finished
+        self._read: dict[int | str, torch.cuda.Event | None] = dict.fromkeys(self._slots)
         self._gathered: dict = {}  # micro-batch index -> event: the H2D of its gathered rows finished
 
     def prefetch(self, u: int, k: int) -> None:
@@ -129,9 +132,10 @@ class DeviceWeights(HostWeights):
             return
         self._held[slot] = want
         with torch.cuda.stream(self.h2d):
-            if self._read[slot] is not None:
+            read = self._read[slot]
+            if read is not None:
                 # write-after-read: the slot's previous unit may still be in use by queued compute
-                self.h2d.wait_event(self._read[slot])
+                self.h2d.wait_event(read)
             # non_blocking from pinned memory: the copy engine runs while the compute stream works. The wire
             # is rewritten only by an update that the fence orders after this step's last read of it.
             if held is None or held[:2] != want[:2]:
@@ -146,8 +150,10 @@ class DeviceWeights(HostWeights):
         self.prefetch(u, k)
         unit = self.store.units[u]
         slot = self.units.slot(u)
+        copied = self._copied[slot]
+        assert copied is not None, "prefetch started the slot's copy"
         # read-after-write: compute must not read the slot before its copy has landed
-        self.compute.wait_event(self._copied[slot])
+        self.compute.wait_event(copied)
         w = self._views(u, self._slots[slot][:unit.wire.numel()])
         a = self.units.adapter_of(u, self.head_adapter) if self.lora else None
         if a is not None:

@@ -13,7 +13,7 @@ from horizon_ray.engine.pinned import HostBuffers
 
 
 class KeptStash:
-    def __init__(self):
+    def __init__(self) -> None:
         self._kept: dict = {}
 
     def stash(self, key, tensors: list[torch.Tensor]) -> None:

@@ -82,7 +82,7 @@ def latest_checkpoint(root: Path) -> Checkpoint | None:
 
 def remove_incomplete(root: Path) -> list[Path]:
     """Delete temporary directories and checkpoints without COMPLETE (leftovers of a killed run)."""
-    removed = []
+    removed: list[Path] = []
     if not root.is_dir():
         return removed
     for entry in sorted(root.iterdir()):

@@ -42,6 +42,7 @@ class Preference:
     def __init__(self, spec: JobSpec, out: Path, train_ds: Any, eval_ds: Any, sampler: Any, evals: list | None):
         from horizon_ray.data.pairs import data_hash
 
+        assert spec.dpo is not None, "JobSpec gives objective dpo its section"
         self.config = spec.dpo.config()
         self.out = out
         self.sampler = sampler
@@ -82,6 +83,7 @@ class Preference:
     def train_step(self, eng: Any, step: int, batches: list, rank: int = 0, world: int = 1) -> float:
         """Rank ``rank``'s share of the step (its ``batches``, as ranks.my_batches cut them): the reference
         log-probs of its rows."""
+        assert self.logps is not None, "prepare() or wait_for_reference() comes first"
         rows = self.sampler.rows_for_step(step)
         per = len(rows) // world
         ref = self.logps["train"][rows[rank * per:(rank + 1) * per]]
@@ -89,6 +91,7 @@ class Preference:
 
     def evaluate(self, eng: Any) -> Any:
         """The metrics' sums over the eval pairs (DpoMetrics)."""
+        assert self.logps is not None, "prepare() or wait_for_reference() comes first"
         total, lo = None, 0
         for mb in self.evals:
             rows = int(mb[0].shape[0])

@@ -13,6 +13,7 @@ from horizon_ray.atomic import Commit, atomic_path
 from horizon_ray.job.events import Eval, Event, Metrics, decode, encode, read_events
 
 METRICS_FILE = "metrics.jsonl"  # a job's events in its output directory: what the runner writes and the agent tails
+SPEC_FILE = "job.yaml"  # the spec a job runs with, in its output directory: written by the agent and the runner
 
 
 class MetricsWriter:
@@ -109,7 +110,7 @@ def plot_loss_curve(metrics_path: str | os.PathLike, png_path: str | os.PathLike
     train, evals = curves(read_events(metrics_path))
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     steps = [s for s, m in train.items() if m.loss is not None]
-    losses = [train[s].loss for s in steps]
+    losses = [m.loss for m in train.values() if m.loss is not None]
     if steps:
         ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=1, label="train loss")
         ax.plot(steps, _ema(losses, 0.8), color="tab:blue", linewidth=1.5, label="train loss (EMA)")

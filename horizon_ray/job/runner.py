@@ -32,7 +32,7 @@ from horizon_ray.job import dpo, lease, ranks
 from horizon_ray.job.events import Checkpoint, CheckpointBegin, Done, Error, Eval, Metrics, Start
 from horizon_ray.job.inputs import load_data
 from horizon_ray.job.lease import Fence, Fenced
-from horizon_ray.job.metrics import METRICS_FILE, MetricsWriter, plot_loss_curve
+from horizon_ray.job.metrics import METRICS_FILE, SPEC_FILE, MetricsWriter, plot_loss_curve
 from horizon_ray.job.progress import Progress
 from horizon_ray.job.schedule import lr_at
 from horizon_ray.job.trackers import Trackers
@@ -213,7 +213,7 @@ class _Job:
         if finished is not None:
             return finished
         latest = self._checkpoint_to_resume(resume)
-        write_atomic(self.out / "job.yaml", self.spec.to_yaml().encode(), self._commit("writing job.yaml"))
+        write_atomic(self.out / SPEC_FILE, self.spec.to_yaml().encode(), self._commit(f"writing {SPEC_FILE}"))
         self._load_data()
         cfg = engine_config(self.spec)
         model_dir = Path(self.spec.model.path).expanduser()
@@ -403,6 +403,7 @@ class _Job:
             self.metrics.write(Eval(step=self.step, eval_loss=means["loss"], eval_tokens=m.pairs,
                                     eval_preference=means))
             return means["loss"]
+        assert self.evals is not None, "evaluated only with eval micro-batches"
         loss_sum, n_tokens = 0.0, 0
         for mb in self.evals:
             s, n = eng.eval_loss([mb])
@@ -439,7 +440,7 @@ class _Job:
         with atomic_path(final, self._commit("writing final/")) as tmp:
             eng.save_pretrained(str(tmp))  # with LoRA: the adapter
             dirs = [tmp]
-            if self.spec.method == "lora" and self.spec.lora.merge:
+            if self.spec.method == "lora" and self.spec.lora is not None and self.spec.lora.merge:
                 dirs.append(eng.save_merged(str(tmp / "merged")))
             for d in dirs:
                 for name in TOKENIZER_FILES:

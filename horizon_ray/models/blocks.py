@@ -47,6 +47,7 @@ class Attention:
 
     def entries(self, p: str, H: int) -> list[Entry]:
         q, kv, hd = self.q_dim, self.kv_dim, self.head_dim
+        out: list[Entry]
         if self.fused_qkv:
             out = [(p + "self_attn.qkv_proj.weight", "qkv", (q + 2 * kv, H))]
         else:
@@ -126,7 +127,7 @@ class MoE:
         E, W = self.num_experts, self.width
         gate, up, down = self.expert_names
         m = f"{p}{self.module}."
-        out = [(m + "gate.weight", "router", (E, H))]
+        out: list[Entry] = [(m + "gate.weight", "router", (E, H))]
         # each expert's gate then up rows, expert after expert: one [E, 2W, H] stack; then the downs: [E, H, W]
         for e in range(E):
             out += [(m + f"experts.{e}.{gate}.weight", f"experts.{e}.gate", (W, H)),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from horizon_ray.models.blocks import Layer
+from horizon_ray.models.blocks import DenseMLP, Layer
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class ModelConfig:
 
     @property
     def fused_gate_up(self) -> bool:
-        return any(not layer.moe and layer.mlp.fused_gate_up for layer in self.layers)
+        return any(isinstance(layer.mlp, DenseMLP) and layer.mlp.fused_gate_up for layer in self.layers)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

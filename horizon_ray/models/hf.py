@@ -73,7 +73,7 @@ def rope_entry(rope: dict, where: str) -> dict:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise BadInput(f"{where}: partial_rotary_factor != 1 is not supported")
-    out = {"theta": float(rope["rope_theta"]), "llama3": None, "linear": 1.0}
+    out: dict = {"theta": float(rope["rope_theta"]), "llama3": None, "linear": 1.0}
     if rope_type == "llama3":
         out["llama3"] = {k: float(rope[k]) for k in ("factor", "low_freq_factor", "high_freq_factor",
                                                      "original_max_position_embeddings")}

@@ -172,7 +172,7 @@ def host_breakdown(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: 
             pin(nbytes)
         else:
             add(n, kinds[0])
-    if mode.method == "lora":
+    if lora is not None:
         for n in adapter_unit_params(lora, shape):
             add(n, mode.adapter())
             kinds.append(mode.adapter())
@@ -234,7 +234,7 @@ def device_items(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Ad
     T, m = job.tokens_per_step, job.group_tokens
     layer = shape.layer_params
     full = mode.method == "full"
-    trained_layer = layer if full else max(adapter_unit_params(lora, shape))
+    trained_layer = layer if lora is None else max(adapter_unit_params(lora, shape))
     out: dict[str, int] = {}
     packed = max(packed_layers(shape, lora, mode, c), default=0)
     if cuda:
@@ -251,6 +251,7 @@ def device_items(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Ad
         else:
             # the frozen base has no gradient; each weight slot has an fp32 adapter slot beside it (engine
             # slots.py), and a layer's adapter gradients accumulate in one of two pooled fp32 buffers (grads.py)
+            assert lora is not None, "method lora has adapters"
             per_unit = max(adapter_unit_params(lora, shape))
             slots = 2 * K + 1 + (1 if shape.tie_word_embeddings else 0)
             out["adapter_slots"] = 4 * per_unit * slots
@@ -273,7 +274,7 @@ def device_items(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Ad
         # the soft-capped attention's blocks of fp32 scores: scores, tanh, probabilities and two gradients
         transient += 5 * 4 * SOFTCAP_BLOCK_ELEMENTS
     out["layer_workspace"] = saved + transient + trained_layer * (c if full else 4) + (layer * c if packed else 0)
-    if not full:
+    if lora is not None:
         # an adapter's backward (layers._LoraAdd) rebuilds its dropped-out input and returns dL/dx, each
         # [tokens, in] in the compute dtype, beside the incoming [tokens, out]: the widest target, transient (an
         # expert target's rows are the k copies of each token)

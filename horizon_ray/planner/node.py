@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from horizon_ray.errors import BadInput
 
@@ -150,7 +150,7 @@ class NodeSpec:
         """From anything with the cluster's NodeInfo fields (ram_bytes, gpu_count, gpu_memory_bytes and, once its
         agent probed the node, ceilings: {"values": {field: rate}, "source": str})."""
         gpus = int(getattr(info, "gpu_count", 0) or 0)
-        kw = {"ram_bytes": int(info.ram_bytes), "gpus": gpus,
+        kw: dict[str, Any] = {"ram_bytes": int(info.ram_bytes), "gpus": gpus,
               "gpu_mem_bytes": int(getattr(info, "gpu_memory_bytes", 0) or 0) if gpus else 0,
               "name": str(getattr(info, "node_id", "node"))}
         probed = getattr(info, "ceilings", None)

@@ -121,7 +121,7 @@ def plan(model, *, method: str | None = None, mode: str | None = None, seq_len: 
                              concurrent_engines=concurrent_engines)
     shape = load_model_shape(model)
     method = method or ("lora" if mode == "lora" else "full")
-    given = {"seq_len": seq_len, "micro_batch_size": micro_batch_size, "grad_accum": grad_accum,
+    given: dict[str, Any] = {"seq_len": seq_len, "micro_batch_size": micro_batch_size, "grad_accum": grad_accum,
              "checkpoint_every": checkpoint_every, "loss_chunk_tokens": loss_chunk_tokens,
              "layer_chunk_tokens": layer_chunk_tokens, "offload_checkpoints": offload_checkpoints, "update": update,
              "gpus": gpus}
@@ -248,6 +248,7 @@ def _concurrent(n: int, device: str, node: NodeSpec) -> None:
 
 def _plan(shape: ModelShape, pm: PrecisionMode, job: Workload, node: NodeSpec, gpu_budget_bytes: int | None,
           lora: Adapters | None, suggest: bool, pinned_pow2: bool, concurrent_engines: int = 1) -> Plan:
+    assert (lora is None) == (pm.method == "full"), "adapters go with method lora, and only with it"
     host, pinned = host_breakdown(shape, pm, job, lora, pinned_pow2)
     cuda = job.device == "cuda"
     spec_units, spec_params = _update_buffers(shape, pm, job, host, node.usable_ram_bytes)
@@ -256,7 +257,7 @@ def _plan(shape: ModelShape, pm: PrecisionMode, job: Workload, node: NodeSpec, g
     gpu = device_items(shape, pm, job, lora) if cuda else {}
     host_bytes, gpu_bytes = sum(host.values()), sum(gpu.values())
     t = step_time(shape, pm, job, lora, node.ceilings, concurrent_engines, speculated_params=spec_params)
-    trainable = shape.num_params if pm.method == "full" else adapter_params(lora, shape)
+    trainable = shape.num_params if lora is None else adapter_params(lora, shape)
     state = host["weights"] + host["master"] + host["moments"] + host["grads"]
     # a budget caps what the job may take of the GPU; it cannot add memory the GPU does not have
     gpu_limit = node.gpu_mem_bytes if gpu_budget_bytes is None else min(gpu_budget_bytes, node.gpu_mem_bytes)

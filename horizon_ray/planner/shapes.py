@@ -19,6 +19,7 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 from horizon_ray.engine.model import (
     ARCHITECTURES,
@@ -92,7 +93,7 @@ def _qwen3_moe(name, H, L, heads, width):
 
 
 def _gemma3(name, H, I, L, heads, kv, hd, V, window, scaling):
-    rope = {"rope_scaling": {"rope_type": "linear", "factor": 8.0}} if scaling else {}
+    rope: dict[str, Any] = {"rope_scaling": {"rope_type": "linear", "factor": 8.0}} if scaling else {}
     return _from_config(name, model_type="gemma3_text", hidden_size=H, intermediate_size=I, num_hidden_layers=L,
                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, vocab_size=V,
                         tie_word_embeddings=True, query_pre_attn_scalar=hd if name.endswith("27b") else 256,

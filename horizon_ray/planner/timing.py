@@ -57,6 +57,8 @@ exceeding it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from horizon_ray.engine.model import DTYPE_BYTES
 from horizon_ray.errors import BadInput
 from horizon_ray.planner.modes import PrecisionMode
@@ -98,7 +100,7 @@ def host_share(ceil: Ceilings, concurrent_engines: int = 1) -> dict[str, float]:
 
 
 def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapters | None, ceil: Ceilings,
-              concurrent_engines: int = 1, speculated_params: int = 0) -> dict[str, float]:
+              concurrent_engines: int = 1, speculated_params: int = 0) -> dict[str, Any]:
     """Seconds of each term and the predicted step of one engine while `concurrent_engines` engines share
     the host, plus the name of the bound. ``speculated_params``: parameters the speculative update may update
     during the backward (Plan.speculate_units' units)."""
@@ -112,13 +114,13 @@ def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapt
     tokens, seq_len = job.tokens_per_step, job.seq_len
     full = mode.method == "full"
     # the adapters of all layers (layers may differ: a dense layer has no expert adapter)
-    adapters = 0 if full else sum(adapter_layer_params(lora, shape, i) for i in range(L))
+    adapters = 0 if lora is None else sum(adapter_layer_params(lora, shape, i) for i in range(L))
 
     # a token's matmuls, per layer on average: a MoE layer's router and top-k experts (and their adapters), not
     # every expert
     f_mm = 2.0 * shape.active_matmul_params / L
     f_attn = 2.0 * shape.q_dim * seq_len
-    f_adapter = 0.0 if full else 2.0 * sum(adapter_active_layer_params(lora, shape, i) for i in range(L)) / L
+    f_adapter = 0.0 if lora is None else 2.0 * sum(adapter_active_layer_params(lora, shape, i) for i in range(L)) / L
     f = f_mm + f_attn + f_adapter
     backward = (2 * f_mm if full else f_mm) + 2 * f_attn + 2 * f_adapter
     fwd_flops = tokens * L * f
@@ -127,15 +129,15 @@ def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapt
     # bytes over PCIe and through the optimizer, unit by unit
     pb = mode.base(compute_dtype)
     wire = {name: n * c for name, n in shape.units()}
-    grads_down = shape.num_params * pb.grad_bytes
-    opt_work = shape.num_params * pb.optimizer_bytes
+    grads_down: float = shape.num_params * pb.grad_bytes
+    opt_work: float = shape.num_params * pb.optimizer_bytes
     if not full:
         adapter = mode.adapter()
         grads_down += adapters * adapter.grad_bytes
         opt_work += adapters * adapter.optimizer_bytes
     adapter_wire = adapters * 4
-    embed_opt_work = shape.embed_params * pb.optimizer_bytes
-    embed_grad_down = shape.embed_params * pb.grad_bytes
+    embed_opt_work: float = shape.embed_params * pb.optimizer_bytes
+    embed_grad_down: float = shape.embed_params * pb.grad_bytes
     grads_down, opt_work = grads_down / job.gpus, opt_work / job.gpus
     embed_opt_work, embed_grad_down = embed_opt_work / job.gpus, embed_grad_down / job.gpus
     checkpoints = ceil_div(L, K) * tokens * H * c if job.offload_checkpoints else 0
@@ -146,9 +148,10 @@ def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapt
 
     bw_alone, bw_copies = share["adam_bytes_per_s"], share["adam_bytes_per_s_with_copies"]
     h2d_bw, d2h_bw, duplex_bw = share["h2d_bytes_per_s"], share["d2h_bytes_per_s"], share["duplex_bytes_per_s"]
-    out = {"fwd_flops": fwd_flops, "bwd_flops": bwd_flops, "model_flops": model_flops(shape, seq_len, tokens),
-           "h2d_bytes": h2d_fwd + wire["embed"] + h2d_bwd, "d2h_bytes": grads_down + checkpoints,
-           "optimizer_bytes": opt_work, "concurrent_engines": concurrent_engines, "host_share": share}
+    out: dict[str, Any] = {
+        "fwd_flops": fwd_flops, "bwd_flops": bwd_flops, "model_flops": model_flops(shape, seq_len, tokens),
+        "h2d_bytes": h2d_fwd + wire["embed"] + h2d_bwd, "d2h_bytes": grads_down + checkpoints,
+        "optimizer_bytes": opt_work, "concurrent_engines": concurrent_engines, "host_share": share}
     if job.device == "cpu":
         cpu_flops = share["cpu_flops"]
         compute = (fwd_flops + bwd_flops) / cpu_flops

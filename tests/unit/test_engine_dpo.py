@@ -213,10 +213,33 @@ def test_label_smoothing_is_trls_robust_loss(tmp_path, e):
     smoothed.label_smoothing = 0.2
     assert float(DPOTrainer._compute_loss(smoothed, model, _trl_inputs(mbs[0][0], mbs[0][2], ref),
                                           return_outputs=False)) == pytest.approx(float(plain), rel=1e-7)
-    for loss_type in ("sigmoid", "ipo"):
-        with pytest.raises(BadInput, match="loss robust") as info:
-            DpoConfig(loss=loss_type, label_smoothing=0.1).validate()
-        assert info.value.field == "dpo.label_smoothing"
+    with pytest.raises(BadInput, match="IPO has none") as info:
+        DpoConfig(loss="ipo", label_smoothing=0.1).validate()
+    assert info.value.field == "dpo.label_smoothing"
+
+
+@pytest.mark.parametrize("e", [0.0, 0.1, 0.3])
+def test_sigmoid_with_label_smoothing_is_conservative_dpo(tmp_path, e):
+    """loss sigmoid with label_smoothing e is conservative DPO, -(1 - e) log s(beta d) - e log s(-beta d) (TRL
+    < 1.0's sigmoid; what the spec's label_smoothing has meant since it was added). TRL 1.16's sigmoid ignores
+    e, but its "aot" loss computes exactly this for a batch of one pair (sorting one log-ratio changes nothing):
+    the engine's loss equals the mean over the pairs of TRL's aot loss of each pair alone."""
+    path, cls = tiny_llama(tmp_path)
+    model = cls.from_pretrained(path).float()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    eng = Engine.from_pretrained(path, EngineConfig(**HP, device="cpu", compute_dtype="float32"))
+    mbs = preference_batches(1, micro=1, pairs=3)[0]
+    ref = eng.sequence_logps(_engine_batches(mbs)) + torch.tensor([0.3, -0.2, 0.1, 0.4, -0.5, 0.0])
+    dpo = DpoConfig(beta=0.5, loss="sigmoid", label_smoothing=e)
+    aot = _trl(model, DpoConfig(beta=0.5, loss="sigmoid"))
+    aot.loss_types, aot.label_smoothing = ["aot"], e
+    ids, mask = mbs[0][0], mbs[0][2]
+    want = sum(float(DPOTrainer._compute_loss(aot, model, _trl_inputs(ids[2 * i:2 * i + 2], mask[2 * i:2 * i + 2],
+                                                                      ref[2 * i:2 * i + 2]), return_outputs=False))
+               for i in range(3)) / 3
+    loss = eng.train_step(_engine_batches(mbs), dpo=dpo, ref_logps=ref)
+    assert loss == pytest.approx(want, rel=1e-5)
+    eng.close()
 
 
 def test_pairs_stay_in_one_row_group_and_chunks_change_nothing(tmp_path):

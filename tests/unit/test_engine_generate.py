@@ -299,3 +299,62 @@ def test_a_session_under_steady_traffic_keeps_only_the_slots_its_rows_use(tmp_pa
     assert max(capacities) <= 10 + 2 * 6 + 1, capacities
     for i, prompt in enumerate(prompts):
         assert got[i] == _hf_greedy(ref, prompt, 6), i
+
+
+@pytest.mark.parametrize("quantize", ["nf4", "int8"])
+def test_an_adapter_on_a_pre_quantized_base_generates_as_peft_over_bitsandbytes(tmp_path, quantize):
+    """A QLoRA adapter whose base is a pre-quantized checkpoint (transformers + bitsandbytes): the generator
+    dequantizes the base as bitsandbytes does and applies the adapter; greedy tokens equal PEFT's over the
+    bitsandbytes model (its forward, step by step: bitsandbytes 0.50's CPU inference path refuses these tiny
+    shapes in generate)."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.unit.test_engine_qlora_prequant import _loaded, _saved_quantized
+
+    qdir, cls = _saved_quantized(tmp_path, quantize, quantize != "int8")
+    peft = get_peft_model(_loaded(cls, qdir), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    peft.save_pretrained(tmp_path / "adapter")
+    gen = Generator.from_pretrained(tmp_path / "adapter", device="cpu", tokenizer=None)
+    gen.eos_ids = frozenset()
+    got = gen.generate([Request(tuple(p), SamplingParams(max_tokens=10)) for p in PROMPTS])
+    peft.train()  # no dropout anywhere: the training-mode forward is the model's function
+    for prompt, c in zip(PROMPTS, got):
+        seq = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(10):
+                seq = torch.cat([seq, peft(input_ids=seq).logits[0, -1].argmax().view(1, 1)], 1)
+        assert c.token_ids == seq[0, len(prompt):].tolist(), prompt
+
+
+def test_a_decode_steps_grouped_query_attention_repeats_no_keys(monkeypatch):
+    """One query a row with grouped heads (a decode step): the query heads of each key/value head are folded
+    into its queries, so SDPA runs without grouped-query support (its math path repeats every cached key and
+    value per query head) and gives what the grouped-query call gives."""
+    import torch.nn.functional as F
+
+    from horizon_ray.engine import kernels as kernels_mod
+
+    ops = kernels_mod.Kernels("torch")
+    g = torch.Generator().manual_seed(0)
+    B, H, kvH, S, d = 3, 8, 2, 37, 16
+    q = torch.randn(B, H, 1, d, generator=g)
+    k, v = torch.randn(B, kvH, S, d, generator=g), torch.randn(B, kvH, S, d, generator=g)
+    mask = torch.rand(B, 1, 1, S, generator=g) < 0.7
+    mask[..., -1] = True
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q_, k_, v_, **kw):
+        calls.append((tuple(q_.shape), kw.get("enable_gqa")))
+        return sdpa(q_, k_, v_, **kw)
+
+    monkeypatch.setattr(kernels_mod.F, "scaled_dot_product_attention", spy)
+    got = ops.attention(q, k, v, mask, 0.25)
+    assert calls == [((B, kvH, H // kvH, d), False)]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

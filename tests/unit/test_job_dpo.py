@@ -129,9 +129,11 @@ def test_dpo_specs_are_checked(assets, tmp_path):
         JobSpec.from_dict({**base, "objective": "sft"})
     with pytest.raises(BadInput, match="did you mean|valid"):
         JobSpec.from_dict({**base, "dpo": {"betta": 0.1}})
-    with pytest.raises(BadInput, match="loss robust") as info:  # TRL's sigmoid has no label smoothing
-        JobSpec.from_dict({**base, "dpo": {"loss": "sigmoid", "label_smoothing": 0.1}})
+    with pytest.raises(BadInput, match="IPO has none") as info:
+        JobSpec.from_dict({**base, "dpo": {"loss": "ipo", "label_smoothing": 0.1}})
     assert info.value.field == "dpo.label_smoothing"
+    conservative = JobSpec.from_dict({**base, "dpo": {"label_smoothing": 0.1}}).dpo.config()
+    assert (conservative.loss, conservative.label_smoothing) == ("sigmoid", 0.1)
     robust = JobSpec.from_dict({**base, "dpo": {"loss": "robust", "label_smoothing": 0.1}}).dpo.config()
     assert (robust.loss, robust.label_smoothing) == ("robust", 0.1)
     with pytest.raises(BadInput, match=r"\[0, 0.5\)"):

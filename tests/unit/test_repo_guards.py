@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -88,20 +90,22 @@ def test_no_run_output_is_tracked():
         assert ignored.returncode == 0, f"git would add {run_dir}/: add it to .gitignore"
 
 
-def test_the_metrics_file_is_named_in_one_place():
-    """The name of a job's metrics file is METRICS_FILE (horizon_ray/job/metrics.py) everywhere it is opened or
-    served: a second literal would drift from it."""
+@pytest.mark.parametrize("constant", ["METRICS_FILE", "SPEC_FILE"])
+def test_a_jobs_file_names_are_named_in_one_place(constant):
+    """The names of a job's files (horizon_ray/job/metrics.py: METRICS_FILE, SPEC_FILE) everywhere they are
+    opened or served: a second literal would drift from it."""
     import re
 
-    from horizon_ray.job.metrics import METRICS_FILE
+    from horizon_ray.job import metrics
 
+    name = getattr(metrics, constant)
     files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True,
                            check=True).stdout.split()
-    literal = re.compile(r"""["']""" + re.escape(METRICS_FILE) + r"""["']""")
-    found = [f"{name}:{n}" for name in files if not name.startswith("tests/") and (ROOT / name).is_file()
-             for n, line in enumerate((ROOT / name).read_text().splitlines(), 1)
-             if literal.search(line) and not line.startswith("METRICS_FILE = ")]
-    assert not found, f"use METRICS_FILE from horizon_ray.job.metrics: {found}"
+    literal = re.compile(r"""["']""" + re.escape(name) + r"""["']""")
+    found = [f"{path}:{n}" for path in files if not path.startswith("tests/") and (ROOT / path).is_file()
+             for n, line in enumerate((ROOT / path).read_text().splitlines(), 1)
+             if literal.search(line) and not line.startswith(f"{constant} = ")]
+    assert not found, f"use {constant} from horizon_ray.job.metrics: {found}"
 
 
 def _lint_imports(root: Path) -> subprocess.CompletedProcess:
@@ -109,6 +113,22 @@ def _lint_imports(root: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
     return subprocess.run([str(Path(sys.executable).with_name("lint-imports")), "--no-cache"], cwd=root,
                           env={**env, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=300)
+
+
+def test_the_test_command_type_checks_before_the_tests():
+    """scripts/test.sh (the README's test command, run by CI) fails on a mypy error before pytest starts, and
+    the dev extras that CI installs bring mypy."""
+    import tomllib
+
+    lines = [ln.split("#")[0].strip() for ln in (ROOT / "scripts" / "test.sh").read_text().splitlines()]
+    assert "set -euo pipefail" in lines
+    steps = [ln for ln in lines if ln.startswith(".venv/bin/")]
+    assert ".venv/bin/python -m mypy" in steps, steps
+    assert steps.index(".venv/bin/python -m mypy") < next(i for i, s in enumerate(steps) if " -m pytest" in s)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert any(d.startswith("mypy") for d in project["project"]["optional-dependencies"]["dev"])
+    assert project["tool"]["mypy"]["packages"] == ["horizon_ray", "api"]
+    assert "ignore_errors" not in str(project["tool"]["mypy"])  # no module is exempt
 
 
 def test_every_import_keeps_to_its_layer():
