@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,10 +21,41 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+def _ephemeral_low() -> int:
+    """The first port of the range the kernel picks from for bind(0) and for outgoing connections."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+RAY_WORKER_PORTS_END = 19999  # Ray's workers bind ports 10002-19999 by number (ray start --max-worker-port)
+_handed_out: set[int] = set()  # ports free_port gave this process: never the same one twice
+_draw = random.SystemRandom()  # not the seeded module generator: every test process must draw its own ports
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port on 127.0.0.1 for a server another process starts (serve, Ray), which can only be told its
+    number: the port must be released before that process binds it. A port of the kernel's ephemeral range
+    (what bind(0) returns) may be given in that window to any of the machine's outgoing connections (Ray
+    opens many) or to another bind(0); so the port is drawn at random between Ray's worker ports and that
+    range, where only a process asking for that very number can take it, and checked free."""
+    first, low = RAY_WORKER_PORTS_END + 1, _ephemeral_low()
+    if low - first < 1000:
+        raise AssertionError(f"the kernel's ephemeral ports start at {low}: no room for the tests' ports above "
+                             f"Ray's worker ports (to {RAY_WORKER_PORTS_END})")
+    for _ in range(200):
+        port = _draw.randrange(first, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise AssertionError(f"no free port in {first}-{low - 1} after 200 tries")
 
 
 @dataclass
@@ -48,22 +81,38 @@ def user_env(home: Path, **extra: str) -> dict[str, str]:
 @contextlib.contextmanager
 def serving(argv: list[str], env: dict[str, str], log: Path, *, cwd: Path = ROOT, ready: str = "API on http://",
             timeout_s: float = 300) -> Iterator[subprocess.Popen]:
-    """`argv` (a `horizon-ray serve` command, or a shell running one) until its log shows `ready`; SIGINT
-    (Ctrl-C) to its process group on the way out, then SIGKILL of what lingers."""
+    """`argv` (a `horizon-ray serve` command, or a shell running one) until its log shows `ready` and the API
+    it names takes connections; SIGINT (Ctrl-C) to its process group on the way out, then SIGKILL of what
+    lingers."""
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
-        while ready not in log.read_text(errors="replace"):
-            if proc.poll() is not None:
-                raise AssertionError(f"serve exited {proc.returncode} before it was ready:\n{log.read_text()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"serve was not ready within {timeout_s:.0f} s:\n{log.read_text()}")
-            time.sleep(0.5)
+
+        def wait(what: str, met: Callable[[], bool]) -> None:
+            while not met():
+                if proc.poll() is not None:
+                    raise AssertionError(f"serve exited {proc.returncode} before {what}:\n{log.read_text()}")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{what}: not within {timeout_s:.0f} s:\n{log.read_text()}")
+                time.sleep(0.5)
+
+        wait("it was ready", lambda: ready in log.read_text(errors="replace"))
+        # serve prints the API's URL before uvicorn binds its port: a request sent at once could be refused
+        if api := re.search(r"API on http://([^:/\s]+):(\d+)", log.read_text(errors="replace")):
+            wait("its API took connections", lambda: _accepts(api[1], int(api[2])))
         yield proc
     finally:
         stop_group(proc)
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError:
+        return False
+    return True
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 60) -> None:

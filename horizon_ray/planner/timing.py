@@ -49,7 +49,7 @@ AdamW measured 3.15 s a step at 16,384 tokens and 6.64 s at 65,536 (host update 
 s); with 0.72 the plan says 3.14 s (-0.3 %) and 6.88 s (+3.6 %). With the earlier 0.55 it said 3.52 s and
 8.69 s (+12 % and +31 %). On device "cpu" the rate is the node's own: ``horizon-ray probe`` times the engine
 on a small reference model and divides this module's FLOP count by the seconds (``horizon_ray.probe``);
-the demo's predicted and measured steps agree within 25 % (tests/integration/test_probe.py). Whatever a
+the demo's predicted and measured steps agree within 25 % (benchmarks/plan_vs_run.py). Whatever a
 plan takes from the defaults rather than from its node's probe is listed as assumed
 (``Ceilings.assumed``). The plan is what the ceilings allow; a slower engine shows as the measured step
 exceeding it.

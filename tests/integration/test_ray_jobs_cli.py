@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.serving import free_port
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,18 +30,6 @@ BIN = Path(sys.executable).parent
 PORT_FLAGS = ("--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-grpc-port",
               "--dashboard-agent-listen-port", "--metrics-export-port", "--runtime-env-agent-port",
               "--node-manager-port", "--object-manager-port")
-
-
-def free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 def stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
@@ -65,7 +54,7 @@ KEY = "rayjobs-k-0d5e2b97f4a1"  # tenant rayjobs's API key: a Ray job declares i
 @pytest.fixture(scope="module")
 def ray_head(job_files):
     temp = Path(tempfile.mkdtemp(prefix="hr-ray-", dir="/tmp"))  # short: Ray's socket paths must fit
-    ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
+    ports = dict(zip(PORT_FLAGS, (free_port() for _ in PORT_FLAGS)))
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
