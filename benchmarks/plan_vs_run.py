@@ -48,6 +48,7 @@ def main() -> None:
 
     from horizon_ray.job.demo import prepare_demo_assets
     from horizon_ray.job.events import Metrics, read_events
+    from horizon_ray.job.metrics import METRICS_FILE
     from horizon_ray.jobspec import JobSpec
     from horizon_ray.planner import NodeSpec, plan_for_spec
     from horizon_ray.probe import Probe
@@ -65,7 +66,7 @@ def main() -> None:
         planned = plan_for_spec(JobSpec.from_yaml(spec_path, [steps]), node)
         out = Path(tmp) / "run"
         horizon_ray(env, "finetune", "--config", str(spec_path), steps, f"output_dir={out}", "--no-progress")
-        times = [e.time for e in read_events(out / "metrics.jsonl") if isinstance(e, Metrics)]
+        times = [e.time for e in read_events(out / METRICS_FILE) if isinstance(e, Metrics)]
         measured = statistics.median(b - a for a, b in zip(times[5:], times[6:]))
     print(f"planned {planned.step_time_s:.3f} s/step ({planned.bound} bound), measured {measured:.3f} s/step "
           f"(median of {len(times) - 6} steps), planned/measured {planned.step_time_s / measured:.2f}; "
