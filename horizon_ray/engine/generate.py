@@ -190,6 +190,9 @@ class Generator:
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self._buffers = HostBuffers(store.pool)
         self.weight_bytes = sum(u.master.nbytes for u in store.units) + sum(a.master.nbytes for a in store.adapters)
+        # layers whose KV cache stays on the device: None, as the budget leaves room (``_device_kv_layers``);
+        # a number caps it (0: every layer's cache in pinned host memory), for tests and measurements
+        self.kv_layers_on_device: int | None = None
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             self.gpu_budget = int(gpu_budget_bytes if gpu_budget_bytes is not None else free * 0.9)
@@ -347,8 +350,9 @@ class Generator:
         """Layers whose KV cache fits on the device beside the weights and the prompts' workspace; ``held``:
         device bytes of a cache still alive meanwhile (a batch laid out again copies from the old one)."""
         L = self.model.num_layers
+        cap = L if self.kv_layers_on_device is None else max(0, min(L, self.kv_layers_on_device))
         if self.device.type != "cuda":
-            return L
+            return cap
         cfg, esize = self.model, torch.empty(0, dtype=self.dtype).element_size()
         slots = self.weights.device_bytes()["weight_slots"] + self.weights.device_bytes().get("adapter_slots", 0)
         width = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(cfg.experts_per_token, 1))
@@ -357,7 +361,7 @@ class Generator:
             + 2 * B * cfg.vocab_size * 4
         per_layer = KVCache.layer_bytes(cfg, B, S, self.dtype)
         room = self.gpu_budget - slots - workspace - per_layer - held  # one layer's staging buffers
-        return max(0, min(L, room // per_layer))
+        return max(0, min(cap, room // per_layer))
 
     def _micro_batch(self, ids_BT, pos_BS, valid_BS, cache: KVCache | _JoiningRows) -> MicroBatch:
         """This call's T tokens at cache positions n .. n + T - 1, attending to cache positions 0 .. n + T - 1

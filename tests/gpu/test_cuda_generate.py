@@ -60,5 +60,5 @@ def test_resident_streamed_and_host_kv_agree_in_bf16(hf):
                                       gpu_budget_bytes=int(4 * layer_bytes))
     assert not streamed.resident
     assert [c.token_ids for c in streamed.generate(reqs)] == want
-    streamed._device_kv_layers = lambda B, S, T0: 1  # the second layer's cache in pinned host memory
+    streamed.kv_layers_on_device = 1  # the second layer's cache in pinned host memory
     assert [c.token_ids for c in streamed.generate(reqs)] == want

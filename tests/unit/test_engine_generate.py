@@ -174,7 +174,7 @@ def test_a_kv_cache_kept_in_host_memory_gives_the_same_tokens(tmp_path):
     gen.eos_ids = frozenset()
     want = [c.token_ids for c in gen.generate([Request(tuple(p), SamplingParams(max_tokens=8)) for p in PROMPTS])]
     for on_device in (0, 2):
-        gen._device_kv_layers = lambda B, S, T0, held=0, n=on_device: n
+        gen.kv_layers_on_device = on_device
         got = [c.token_ids for c in gen.generate([Request(tuple(p), SamplingParams(max_tokens=8)) for p in PROMPTS])]
         assert got == want, on_device
 
@@ -213,7 +213,7 @@ def test_attention_shapes_change_once_per_bucket_and_tokens_stay_hf_s(tmp_path, 
     T0, new = max(map(len, PROMPTS)), 12
     for on_device in (None, 0, 1):
         if on_device is not None:
-            gen._device_kv_layers = lambda B, S, T0, held=0, n=on_device: n
+            gen.kv_layers_on_device = on_device
         lengths.clear()
         got = [c.token_ids for c in gen.generate([Request(tuple(p), SamplingParams(max_tokens=new)) for p in PROMPTS])]
         assert got == want, on_device
@@ -236,7 +236,7 @@ def test_rows_that_join_and_leave_a_running_batch_make_the_tokens_they_make_alon
     gen = Generator.from_pretrained(path, device="cpu", tokenizer=None)
     gen.eos_ids = frozenset()
     if on_device is not None:
-        gen._device_kv_layers = lambda B, S, T0, held=0, n=on_device: n
+        gen.kv_layers_on_device = on_device
     prompts = {"a": PROMPTS[0], "b": PROMPTS[1], "c": PROMPTS[2], "d": list(range(20, 45)), "e": [7, 7, 8]}
     max_tokens = {"a": 14, "b": 3, "c": 9, "d": 6, "e": 10}
     got: dict = {k: [] for k in prompts}
