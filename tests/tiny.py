@@ -177,6 +177,28 @@ def llama_config(layers, hidden=64, inter=96, vocab=V, heads=4, kv=2, tied=False
             "num_key_value_heads": kv, "vocab_size": vocab, "tie_word_embeddings": tied, "rms_norm_eps": 1e-6}
 
 
+def llama_checkpoint(path, config: dict):
+    """An HF Llama of ``config`` (llama_config's dict) with HF's random initialisation (seed 0), saved in fp32 at
+    ``path``; returns ``path``."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig.from_dict(config)).save_pretrained(path)
+    return path
+
+
+def bnb_prequantized(model_dir, out_dir, quantize: str, device: str):
+    """``model_dir`` (fp32) quantized by transformers + BitsAndBytesConfig on ``device`` (bitsandbytes' kernels
+    there; QLoRA's nf4 or fp4 with double quantization, or LLM.int8) and saved pre-quantized (bitsandbytes' HF
+    serialization) at ``out_dir``, from fp32 so that its quant state is fp32; returns ``out_dir``."""
+    from transformers import BitsAndBytesConfig
+
+    q = BitsAndBytesConfig(load_in_8bit=True) if quantize == "int8" else BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=quantize, bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32)
+    LlamaForCausalLM.from_pretrained(model_dir, quantization_config=q, device_map=device,
+                                     dtype=torch.float32).save_pretrained(out_dir)
+    return out_dir
+
+
 def random_batches(steps, micro, B=2, T=12, seed=1, prompt=3, vocab=V):
     """`steps` lists of `micro` (input_ids, labels) pairs; the first `prompt` labels of a row are ignored."""
     g = torch.Generator().manual_seed(seed)
