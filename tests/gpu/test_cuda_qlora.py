@@ -31,7 +31,7 @@ if not torch.cuda.is_available():  # collected on CPU machines only to be desele
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WIDE = dict(hidden=2048, inter=5632, vocab=512, heads=16, kv=4)
-GPU = "cuda"
+GPU = "cuda"  # the device whose quantization and training are compared with the CPU's
 
 
 def _packed(eng):
