@@ -13,11 +13,12 @@ by transformers + bitsandbytes on CUDA and saved pre-quantized. Then:
    against on CUDA (the same bytes: what remains is the dequantize kernels'); for 4-bit, how many block-scale
    codes of each side are not the nearest code to what they quantize (the CPU's quantize_blockwise, a binary
    search, lands off the nearest for ~0.2 % of them; CUDA's kernel compares against the midpoints);
-2. training (r 4 on every projection, fp32 compute, TF32 off) on the CPU and on CUDA, each ``--bases``:
-   "shared" both engines over the pre-quantized checkpoint's bytes (the test's setting), "own" each over its own
-   device's quantization of the fp32 weights; after each step, per adapter tensor, the largest gradient
-   difference against the tensor's RMS gradient and the largest weight difference (in units of lr), with the
-   element that holds it.
+2. training (the test's: r 4 on every projection, fp32 compute, TF32 off, AdamW eps 1e-6) on the CPU and on
+   CUDA, each ``--bases``: "shared" both engines over the pre-quantized checkpoint's bytes (the test's
+   setting), "own" each over its own device's quantization of the fp32 weights; after each step, per adapter
+   tensor, the largest gradient difference against the tensor's RMS gradient, the norm of the gradients'
+   difference against the gradient's and of the weights' against how far they moved (the test's measures),
+   and the largest weight difference (in units of lr), with the element that holds it.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def engine(model_dir, device: str, quantize: str):
     """The test's engine (tests/gpu/test_cuda_qlora.py's _engine) over ``model_dir``."""
     torch.backends.cuda.matmul.allow_tf32 = False
     lora = LoraConfig(r=4, alpha=8, targets=ALL, quantize=quantize)
-    return Engine.from_pretrained(model_dir, EngineConfig(lr=LR, weight_decay=0.1, max_grad_norm=0.5, device=device,
-                                                          compute_dtype="float32", seed=0, lora=lora))
+    return Engine.from_pretrained(model_dir, EngineConfig(lr=LR, eps=1e-6, weight_decay=0.1, max_grad_norm=0.5,
+                                                          device=device, compute_dtype="float32", seed=0, lora=lora))
 
 
 def off_nearest(w: torch.Tensor, parts: dict[str, torch.Tensor]) -> int:
@@ -140,7 +141,10 @@ def compare_training(cpu, cuda, steps: int, lr: float) -> None:
             dg = (gc - gg).abs()
             dw = (wc - wg).abs()
             i = int(dw.argmax())
+            gnorm = max(gc.norm().item(), 1e-30)
             print(f"{name:48s} rms_g {rms:9.3g} max|dg|/rms {dg.max().item() / max(rms, 1e-30):9.3g} "
+                  f"|dg|/|g| {dg.norm().item() / gnorm:9.3g} |dw|/|w - w0| "
+                  f"{dw.norm().item() / max((wc - cpu[0][lo:lo + n].double()).norm().item(), 1e-30):9.3g} "
                   f"zeros cpu {int((gc == 0).sum())} cuda {int((gg == 0).sum())} max|dw|/lr "
                   f"{dw.max().item() / lr:7.3f} at {i} (g cpu {gc[i].item():.3g} cuda {gg[i].item():.3g})")
 

@@ -16,7 +16,6 @@ import torch
 
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig
 from tests.tiny import (
-    assert_close_but_adam_roundoff,
     bnb_prequantized,
     llama_checkpoint,
     llama_config,
@@ -90,22 +89,46 @@ def wide(tmp_path_factory):
 
 
 def _engine(model_dir, device, quantize, **kw):
+    """r 4 on every projection, fp32 compute (TF32 off), AdamW with eps 1e-6 (torch's default is 1e-8). Why that
+    eps: AdamW steps an element by about lr whatever its gradient's size, so one whose gradient is within
+    roundoff of zero (B starts at zero: at step 1 every lora_B element has a gradient, some tiny) may step +lr
+    on one device and -lr on the other, and each such B element moves the next step's lora_A gradients of its
+    rank. Measured on the CPU, the same engine on 1 thread against 2: with eps 1e-8 step 2's gradients already
+    differ by 1.4e-2 of their norm and the adapters after 3 steps by 6.3e-2 of how far they moved; with 1e-6
+    (above such gradients, under every tensor's RMS gradient here, 1e-5 to 5e-3) by 8e-4 and 4.8e-3: the
+    comparison stays one of the gradients, not of AdamW's sign at roundoff."""
     torch.backends.cuda.matmul.allow_tf32 = False
     lora = LoraConfig(r=4, alpha=8, targets=ALL, quantize=quantize)
-    return Engine.from_pretrained(model_dir, EngineConfig(lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, device=device,
-                                                          compute_dtype="float32", seed=0, lora=lora, **kw))
+    return Engine.from_pretrained(model_dir, EngineConfig(lr=1e-3, eps=1e-6, weight_decay=0.1, max_grad_norm=0.5,
+                                                          device=device, compute_dtype="float32", seed=0, lora=lora,
+                                                          **kw))
 
 
 def _run(eng, steps=3):
-    """Trains ``eng`` ``steps`` steps; (losses, the adapters after the last update, the last gradient norm, the
-    engine, whose ``step_grads`` holds each step's adapter gradients on the CPU: the reference's)."""
-    losses, eng.step_grads = [], []
+    """Trains ``eng`` ``steps`` steps; (losses, the initial adapters, the adapters after the last update, the
+    last gradient norm, the first step's adapter gradients, the engine). Waiting for the first step's gradients
+    costs CUDA the overlap of that one update with the next step; the later ones overlap as in training."""
+    init = torch.cat([u.master for u in eng.store.adapters]).clone()
+    losses, first = [], None
     for mbs in random_batches(steps, 2, B=2, T=64, prompt=4, vocab=WIDE["vocab"]):
         losses.append(eng.train_step(mbs))
-        if eng.device.type == "cpu":
-            eng.step_grads.append(step_grads(eng))
+        first = step_grads(eng) if first is None else first
     eng.close()
-    return losses, torch.cat([u.master for u in eng.store.adapters]), eng.last_grad_norm, eng
+    return losses, init, torch.cat([u.master for u in eng.store.adapters]), eng.last_grad_norm, first, eng
+
+
+def _worst(got, want, units, base=None):
+    """The largest, over the adapter tensors, of |got - want| / |want - base| (norms over each tensor; base
+    None: zero), with its tensor's name."""
+    worst, off = (0.0, ""), 0
+    for unit in units:
+        for t in unit.layout.tensors:
+            g, w = (x[off + t.offset: off + t.offset + t.numel].double() for x in (got, want))
+            ref = w - (0 if base is None else base[off + t.offset: off + t.offset + t.numel].double())
+            if ref.norm() > 0:  # (lora_A's first gradient is zero on both: B starts at zero)
+                worst = max(worst, (((g - w).norm() / ref.norm()).item(), t.name))
+        off += unit.layout.numel
+    return worst
 
 
 def _share(a, b):
@@ -172,20 +195,35 @@ def test_how_far_the_cpu_and_cuda_quantizers_part_on_the_same_weights(wide, quan
 def test_cuda_qlora_matches_cpu_at_a_real_width(wide, quantize, K):
     """Training numerics on CUDA, apart from how each device quantizes: both engines load the same pre-quantized
     checkpoint (quantized on CUDA by transformers, the user's way; its CUDA load is what this also pins) and train
-    on its bytes, so they differ only by fp32 sums in another order (TF32 off), as in test_cuda_lora.py."""
+    on its bytes, so they differ only by fp32 sums in another order (TF32 off).
+
+    Tolerances, per adapter tensor in norm, not element by element: at this width the order of fp32 sums alone
+    moves step 1's adapter gradients by a median 2.4e-5 and at most 2.2e-3 of their RMS (measured on the CPU:
+    the same engine on 1 thread against 2), and AdamW turns an element's gradient into about +-lr whatever its
+    size, so elements near zero take other steps and carry them into the next gradients:
+    assert_close_but_adam_roundoff (elementwise) fails between those two CPU runs at any roundoff. In norm,
+    those runs measure: step 1's gradients 5.7e-5 of their tensor's norm, the adapters after 3 steps 4.8e-3 of
+    how far they moved (eps 1e-6, _engine says why), losses 3e-7, gradient norm 1.4e-5. The bounds below leave
+    ~5x for the GPU's sums; two bases quantized apart (the CPU's and CUDA's block scales, emulated on the CPU)
+    measure 1.5e-3 and 6.7e-2 and fail them."""
     _, qdir = wide(quantize)
     cpu = _run(_engine(qdir, "cpu", quantize, checkpoint_every=K))
     cuda = _run(_engine(qdir, GPU, quantize, checkpoint_every=K))
-    a, b = _packed(cpu[3]), _packed(cuda[3])
+    a, b = _packed(cpu[5]), _packed(cuda[5])
     assert a.keys() == b.keys() and len(a) == 3 * len(ALL)
     for name in a:  # one base, byte for byte (a checkpoint not taken as stored would be quantized again here)
         assert all(torch.equal(a[name][part], b[name][part]) for part in a[name]), name
+    assert torch.equal(cuda[1], cpu[1])  # the same initial adapters (the seed's)
     assert cuda[0] == pytest.approx(cpu[0], rel=1e-5)
-    assert cuda[2] == pytest.approx(cpu[2], rel=1e-4)
-    assert_close_but_adam_roundoff(cuda[1], cpu[1], cpu[3].store.adapters, cpu[3].step_grads, lr=1e-3, rtol=1e-4)
+    assert cuda[3] == pytest.approx(cpu[3], rel=1e-4)
+    units = cpu[5].store.adapters
+    grads = _worst(cuda[4], cpu[4], units)
+    assert grads[0] <= 3e-4, grads
+    moved = _worst(cuda[2], cpu[2], units, base=cpu[1])
+    assert moved[0] <= 2e-2, moved
     # the slots hold packed layers: under a fifth of the fp32 layer's bytes in nf4, a third in int8
-    slots = cuda[3].memory_report()["device"]["weight_slots"]
-    dense = cuda[3].units.layer_slots * 4 * cuda[3].store.units[1].layout.numel
+    slots = cuda[5].memory_report()["device"]["weight_slots"]
+    dense = cuda[5].units.layer_slots * 4 * cuda[5].store.units[1].layout.numel
     assert slots < (0.2 if quantize == "nf4" else 0.3) * dense
 
 
