@@ -5,7 +5,9 @@
 
 One random-init model of the shape (bf16, nothing downloaded) feeds both sides. Four measurements:
 1. HF: ``model.generate`` with the whole model on the GPU (greedy, exactly --new-tokens new tokens).
-2. resident: the engine's generator with the model on the GPU (it fits the budget), the same prompts.
+2. resident: the engine's generator with the model on the GPU (it fits the budget), the same prompts, its decode
+   steps as CUDA graphs (engine/decode_graphs.py); then ``resident_eager``: the same steps launched kernel by
+   kernel (what the graphs take off the host).
 3. streamed: the engine under a GPU budget of --stream-budget (the weights stream layer by layer once for the
    prompts and once per decode step; the KV cache on the GPU as far as the budget leaves room, in pinned
    host memory beyond), with its PCIe bound: bytes that cross per decode step / the H2D bandwidth measured
@@ -141,9 +143,17 @@ def throughput(shape_name: str, B: int, T: int, new: int, stream_budget: int) ->
     gen = Generator.from_tensors(cfg, tensors, device="cuda", dtype="bfloat16")
     assert gen.resident, "the model does not fit this GPU: no resident measurement"
     toks, total, first = _ours(gen, prompts, new)
+    graphs = gen._graphs
     out["resident"] = {**_rates(B, new, total, first), "vs_hf": (B * new / total) / out["hf"]["output_tokens_per_s"],
-                       "rows_equal_to_hf": _match(toks, hf_tokens)}
+                       "rows_equal_to_hf": _match(toks, hf_tokens),
+                       "decode_graphs": bool(graphs is not None and not graphs.failed and graphs.replays)}
     _report("resident", out["resident"])
+    gen.decode_graphs = False  # the same steps launched kernel by kernel: what the graphs take off the host
+    eager_toks, total, first = _ours(gen, prompts, new)
+    out["resident_eager"] = {**_rates(B, new, total, first),
+                             "vs_hf": (B * new / total) / out["hf"]["output_tokens_per_s"],
+                             "rows_equal_to_graphs": _match(eager_toks, torch.tensor(toks))}
+    _report("resident_eager", out["resident_eager"])
     del gen
     gc.collect()
     torch.cuda.empty_cache()

@@ -33,12 +33,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from horizon_ray.engine import io
+from horizon_ray.engine import decode_graphs, io
 from horizon_ray.engine import lora as lora_io
 from horizon_ray.engine.config import resolve_device
 from horizon_ray.engine.fence import Fence
 from horizon_ray.engine.kernels import Kernels, resolve_kernels
-from horizon_ray.engine.layers import LoraCall, MicroBatch, Template, rope_tables
+from horizon_ray.engine.layers import LoraCall, MicroBatch, Template
 from horizon_ray.engine.model import ModelConfig, unit_layouts
 from horizon_ray.engine.pinned import HostBuffers
 from horizon_ray.engine.sampling import Completion, Delta, Request, SamplingParams
@@ -193,6 +193,10 @@ class Generator:
         # layers whose KV cache stays on the device: None, as the budget leaves room (``_device_kv_layers``);
         # a number caps it (0: every layer's cache in pinned host memory), for tests and measurements
         self.kv_layers_on_device: int | None = None
+        # decode steps as CUDA graphs (decode_graphs.py): None, where they apply; False: never; True: also the
+        # static-buffer step without a graph on the CPU (tests)
+        self.decode_graphs: bool | None = None
+        self._graphs: decode_graphs.DecodeGraphs | None = None
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             self.gpu_budget = int(gpu_budget_bytes if gpu_budget_bytes is not None else free * 0.9)
@@ -372,16 +376,12 @@ class Generator:
         n, seen = cache.length, cache.visible(T)
         q_pos_BT = pos_BS[:, n:n + T]
         k_pos_BS, k_valid_BS = pos_BS[:, :seen], valid_BS[:, :seen]
-        # each query attends to itself whatever else is masked: a padding row must not be empty (NaN)
         self_TS = torch.arange(seen)[None, :] == (n + torch.arange(T))[:, None]
 
         def tables(kind: str) -> tuple:
-            cos, sin = rope_tables(self.template.inv_freq[kind], q_pos_BT, dt)
-            allowed = k_valid_BS[:, None, :] & (k_pos_BS[:, None, :] <= q_pos_BT[:, :, None])
-            if kind == "sliding_attention" and cfg.sliding_window is not None:
-                allowed &= q_pos_BT[:, :, None] - k_pos_BS[:, None, :] < cfg.sliding_window
-            mask = (allowed | self_TS[None])[:, None]
-            return cos.to(dev, non_blocking=True), sin.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
+            tabs = decode_graphs.step_tables(cfg, self.template.inv_freq, kind, q_pos_BT, k_pos_BS, k_valid_BS,
+                                             self_TS, dt)
+            return tuple(t.to(dev, non_blocking=True) for t in tabs)
 
         kinds = set(cfg.layer_types)
         main = "full_attention" if "full_attention" in kinds else "sliding_attention"
@@ -395,17 +395,16 @@ class Generator:
         """One pass of T tokens per row through every layer; the float32 logits of each row's last token [B, V]
         (on the device)."""
         W, units, k = self.weights, self.units, self._step()
+        graphs = self._decode_graphs() if ids_BT.shape[1] == 1 and isinstance(cache, KVCache) else None
+        if graphs is not None:
+            logits = graphs.run(cache, self._embed(ids_BT, ids_BT.to(self.device, non_blocking=True), k),
+                                pos_BS, valid_BS)
+            if logits is not None:
+                cache.advance(1)
+                return logits
         mb = self._micro_batch(ids_BT, pos_BS, valid_BS, cache)
-        if W.host_embed:
-            assert isinstance(W, DeviceWeights), "only a device's slots take rows gathered on the host"
-            W.prefetch(units.of_layer(0), k)  # the first layer's copy overlaps the gather of the rows
-            h = W.embed_rows(0, mb.input_ids_host, k)
-        else:
-            embed = W.weights(units.embed, k)["embed"]
-            W.prefetch(units.of_layer(0), k)
-            h = F.embedding(mb.input_ids_BT, embed)
-            W.release(units.embed)
-        lora = LoraCall(self.lora.scaling, 0.0) if self.lora is not None else None
+        h = self._embed(mb.input_ids_host, mb.input_ids_BT, k)
+        lora = self._lora_call()
         for j in range(self.model.num_layers):
             u = units.of_layer(j)
             w = W.weights(u, k)
@@ -416,6 +415,32 @@ class Generator:
         logits = self.template.logits(h[:, -1], W.head_weights(k))
         W.release_head()
         return logits
+
+    def _embed(self, ids_host_BT: torch.Tensor, ids_BT: torch.Tensor, k: int) -> torch.Tensor:
+        """The rows' embeddings [B, T, D] on the device (an untied table's rows gathered on the host), with the
+        first layer's copy started behind them."""
+        W, units = self.weights, self.units
+        if W.host_embed:
+            assert isinstance(W, DeviceWeights), "only a device's slots take rows gathered on the host"
+            W.prefetch(units.of_layer(0), k)  # the first layer's copy overlaps the gather of the rows
+            return W.embed_rows(0, ids_host_BT, k)
+        embed = W.weights(units.embed, k)["embed"]
+        W.prefetch(units.of_layer(0), k)
+        h = F.embedding(ids_BT, embed)
+        W.release(units.embed)
+        return h
+
+    def _lora_call(self) -> LoraCall | None:
+        return LoraCall(self.lora.scaling, 0.0) if self.lora is not None else None
+
+    def _decode_graphs(self) -> decode_graphs.DecodeGraphs | None:
+        """Where decode steps run through decode_graphs.py (``decode_graphs``), its steps; else None."""
+        want = self.decode_graphs if self.decode_graphs is not None else decode_graphs.applies(self)
+        if not want:
+            return None
+        if self._graphs is None:
+            self._graphs = decode_graphs.DecodeGraphs(self, capture=self.device.type == "cuda")
+        return self._graphs
 
     @staticmethod
     def _pick(logits_BV: torch.Tensor, rows: list[_Row], greedy: bool) -> list[int]:

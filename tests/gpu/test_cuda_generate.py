@@ -3,7 +3,8 @@
 A 2-layer model of Llama-7B's layer shape (hidden 4096, 32 heads, 8 kv heads, MLP 11008), random init: in
 float32 (TF32 off) the engine's greedy tokens on CUDA equal HF generate's on the CPU, for a left-padded batch of
 prompts of different lengths; in bfloat16 the model resident, streamed layer by layer under a small budget and
-with its KV cache in pinned host memory give the same tokens (the same kernels on the same bytes)."""
+with its KV cache in pinned host memory give the same tokens (the same kernels on the same bytes), and so do a
+resident model's decode steps as CUDA graphs (decode_graphs.py) and as eager steps."""
 
 import pytest
 import torch
@@ -46,6 +47,9 @@ def test_greedy_on_cuda_equals_hf_on_the_cpu_in_fp32(hf):
         want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert c.token_ids == want
+    # the decode steps ran as captured CUDA graphs (decode_graphs.py), not the eager fallback
+    assert gen._graphs is not None and not gen._graphs.failed and gen._graphs.replays == 15
+    assert all(step.graph is not None for step in gen._graphs.steps.values())
 
 
 def test_resident_streamed_and_host_kv_agree_in_bf16(hf):
@@ -54,6 +58,9 @@ def test_resident_streamed_and_host_kv_agree_in_bf16(hf):
     resident = Generator.from_tensors(CFG, tensors, device="cuda", dtype="bfloat16")
     assert resident.resident
     want = [c.token_ids for c in resident.generate(reqs)]
+    assert resident._graphs is not None and not resident._graphs.failed and resident._graphs.replays == 15
+    resident.decode_graphs = False  # the eager steps: the same kernels, launched one by one
+    assert [c.token_ids for c in resident.generate(reqs)] == want
     del resident
     layer_bytes = sum(t.numel() for k, t in tensors.items() if k.startswith("model.layers.0.")) * 2
     streamed = Generator.from_tensors(CFG, tensors, device="cuda", dtype="bfloat16",

@@ -38,17 +38,23 @@ def _reference(cls, path):
     return cls.from_pretrained(path, **kw).float().eval()
 
 
+@pytest.mark.parametrize("graphs", [None, True], ids=["eager", "static-step"])
 @pytest.mark.parametrize("family", list(BUILDERS))
-def test_greedy_equals_hf_generate_on_every_family(tmp_path, family):
+def test_greedy_equals_hf_generate_on_every_family(tmp_path, family, graphs):
+    """``static-step``: the decode steps run as decode_graphs.py's DecodeStep (the CUDA graph's body, reading
+    static buffers, KV written by index), here without a graph: its arithmetic is the eager step's."""
     path, cls = BUILDERS[family](tmp_path)
     ref = _reference(cls, path)
     gen = Generator.from_pretrained(path, device="cpu", tokenizer=None)
     gen.eos_ids = frozenset()  # run to max_tokens on both sides: tokens past a random eos are compared too
+    gen.decode_graphs = graphs
     params = SamplingParams(max_tokens=12)
     got = gen.generate([Request(tuple(p), params) for p in PROMPTS])
     for p, c in zip(PROMPTS, got):
         assert c.token_ids == _hf_greedy(ref, p, 12), (family, p)
         assert c.finish_reason == "length" and c.prompt_tokens == len(p)
+    # the prompts' pass is eager; each of the 11 decode steps went through the static step, or none did
+    assert (gen._graphs.replays if gen._graphs is not None else 0) == (11 if graphs else 0)
 
 
 def test_eos_ends_a_row_as_hf_does(tmp_path):
@@ -113,6 +119,10 @@ def test_lora_adapter_matches_peft_generate(tmp_path):
     gen = Generator.from_pretrained(tmp_path / "adapter", device="cpu", tokenizer=None)
     gen.eos_ids = frozenset()
     got = gen.generate([Request(tuple(p), SamplingParams(max_tokens=10)) for p in PROMPTS])
+    gen.decode_graphs = True  # the static decode step applies the adapters as the eager one does
+    assert [c.token_ids for c in gen.generate([Request(tuple(p), SamplingParams(max_tokens=10))
+                                               for p in PROMPTS])] == [c.token_ids for c in got]
+    assert gen._graphs is not None and gen._graphs.replays == 9
     base = Generator.from_pretrained(path, device="cpu", tokenizer=None)
     base.eos_ids = frozenset()
     plain = base.generate([Request(tuple(p), SamplingParams(max_tokens=10)) for p in PROMPTS])
@@ -223,8 +233,10 @@ def test_attention_shapes_change_once_per_bucket_and_tokens_stay_hf_s(tmp_path, 
     assert T0 == 10
 
 
-@pytest.mark.parametrize("on_device", [None, 0, 1], ids=["device-kv", "host-kv", "split-kv"])
-def test_rows_that_join_and_leave_a_running_batch_make_the_tokens_they_make_alone(tmp_path, monkeypatch, on_device):
+@pytest.mark.parametrize("on_device,graphs", [(None, None), (None, True), (0, None), (1, None), (1, True)],
+                         ids=["device-kv", "device-kv-static-step", "host-kv", "split-kv", "split-kv-static-step"])
+def test_rows_that_join_and_leave_a_running_batch_make_the_tokens_they_make_alone(tmp_path, monkeypatch, on_device,
+                                                                                 graphs):
     """Continuous batching (Session): requests join between decode steps (a prompt shorter than the cached
     slots, and one longer, which shifts the batch), rows finish at different steps and leave (the cache laid
     out again), one is cancelled; every row's tokens equal HF generate's of its prompt alone."""
@@ -237,6 +249,7 @@ def test_rows_that_join_and_leave_a_running_batch_make_the_tokens_they_make_alon
     gen.eos_ids = frozenset()
     if on_device is not None:
         gen.kv_layers_on_device = on_device
+    gen.decode_graphs = graphs
     prompts = {"a": PROMPTS[0], "b": PROMPTS[1], "c": PROMPTS[2], "d": list(range(20, 45)), "e": [7, 7, 8]}
     max_tokens = {"a": 14, "b": 3, "c": 9, "d": 6, "e": 10}
     got: dict = {k: [] for k in prompts}
@@ -271,6 +284,9 @@ def test_rows_that_join_and_leave_a_running_batch_make_the_tokens_they_make_alon
             assert got[key] == want[:cancelled_at] and cancelled_at < max_tokens[key]
         else:
             assert got[key] == want, key
+    # the static step serves a cache whose every layer is on the device (split-kv: the eager step, always)
+    replays = gen._graphs.replays if gen._graphs is not None else 0
+    assert (replays > 0) == (graphs is True and on_device is None)
 
 
 def test_a_session_under_steady_traffic_keeps_only_the_slots_its_rows_use(tmp_path):
