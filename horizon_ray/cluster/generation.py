@@ -33,21 +33,27 @@ POLL_S = 0.05
 
 def model_host_bytes(model_dir: str | Path, dtype_bytes: int = 2) -> int:
     """Host RAM a generation actor of this model holds: its parameters in the compute dtype (bfloat16 on a GPU
-    node), an adapter's in fp32, plus BASELINE_BYTES."""
-    from horizon_ray.engine.model import ModelConfig, unit_layouts
+    node; the decoder layers packed as the generator keeps them where the base is quantized: an adapter trained
+    on a quantized base, a pre-quantized checkpoint), an adapter's in fp32, plus BASELINE_BYTES."""
+    import torch
+
+    from horizon_ray.engine import lora as lora_io
+    from horizon_ray.engine.model import ModelConfig, quantize_for, stored_nested, unit_layouts
+    from horizon_ray.engine.store import packed_layouts
 
     path = Path(model_dir)
-    adapter = 0
-    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-        import json
-
-        raw = json.loads((path / "adapter_config.json").read_text())
-        weights = path / "adapter_model.safetensors"
-        adapter = weights.stat().st_size if weights.is_file() else 0
-        path = Path(raw.get("base_model_name_or_path") or "")
+    lora, quantize = None, "none"
+    if lora_io.is_adapter_dir(path):
+        lora, base = lora_io.read_adapter_config(path)
+        quantize = lora_io.trained_base_quantize(path)
+        path = Path(base or "")
     model = ModelConfig.load(path)
-    params = sum(u.numel for u in unit_layouts(model))
-    return params * dtype_bytes + adapter + BASELINE_BYTES
+    adapter = 4 * sum(a.numel for a in lora_io.adapter_layouts(model, lora)) if lora is not None else 0  # fp32
+    layouts = unit_layouts(model)
+    dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
+    packed = packed_layouts(layouts, quantize_for(model.hf, quantize), dtype, stored_nested(model.hf))
+    weights_bytes = sum(p.nbytes if p is not None else u.numel * dtype_bytes for u, p in zip(layouts, packed))
+    return weights_bytes + adapter + BASELINE_BYTES
 
 
 def pick_node(nodes: list[NodeInfo], host_bytes: int, tried: AbstractSet[str] = frozenset()) -> NodeInfo | None:

@@ -349,7 +349,8 @@ class Engine:
         adapter_model.safetensors, fp32), which peft.PeftModel.from_pretrained loads onto the base."""
         self.synchronize()
         if self.lora is not None:
-            return lora_io.save_adapter(self.store.adapters, self.lora, self.base_model_path, Path(out_dir))
+            return lora_io.save_adapter(self.store.adapters, self.lora, self.base_model_path, Path(out_dir),
+                                        base_quantize=self.store.quantize)
         return io.save_pretrained(self.store, self.model.hf, Path(out_dir), DTYPES[self.cfg.save_dtype or "float32"],
                                   self.cfg.max_shard_bytes, self.model.tie_word_embeddings)
 

@@ -39,7 +39,7 @@ from horizon_ray.engine.config import resolve_device
 from horizon_ray.engine.fence import Fence
 from horizon_ray.engine.kernels import Kernels, resolve_kernels
 from horizon_ray.engine.layers import LoraCall, MicroBatch, Template
-from horizon_ray.engine.model import ModelConfig, unit_layouts
+from horizon_ray.engine.model import QUANTIZE, ModelConfig, quantize_for, stored_nested, unit_layouts
 from horizon_ray.engine.pinned import HostBuffers
 from horizon_ray.engine.sampling import Completion, Delta, Request, SamplingParams
 from horizon_ray.engine.slots import DeviceWeights, HostWeights
@@ -228,10 +228,13 @@ class Generator:
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "auto", dtype: str | None = None,
                         gpu_budget_bytes: int | None = None, kernels: str = "auto",
-                        tokenizer: Any = "auto") -> Generator:
+                        tokenizer: Any = "auto", quantize: str | None = None) -> Generator:
         """An HF model directory (a base, or a full fine-tune's final/) or a PEFT adapter directory. ``dtype``
         None: bfloat16 on CUDA, float32 on the CPU. ``tokenizer``: "auto" loads the one saved beside the model
-        (the adapter's, else its base's), None: none (token ids in, token ids out)."""
+        (the adapter's, else its base's), None: none (token ids in, token ids out). ``quantize``: how the
+        frozen layers are kept (model.QUANTIZE, bitsandbytes' quantization on ``device``, as training packs
+        them); None: as the adapter was trained (its quantized_base.json), a pre-quantized checkpoint as it is
+        stored, else in the compute dtype."""
         path = Path(path)
         dev = resolve_device(device)
         dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -248,8 +251,14 @@ class Generator:
             raise BadInput(f"{path} is not a directory: point at an HF model directory or a PEFT adapter directory")
         model = ModelConfig.load(base)
         adapters = lora_io.adapter_layouts(model, lora) if lora is not None else []
-        store = HostStore(unit_layouts(model), dt, dt, pin=dev.type == "cuda", adapter_layouts=adapters)
-        io.load_into(store, base, model.tie_word_embeddings)
+        if quantize is None:
+            quantize = lora_io.trained_base_quantize(path) if lora is not None else "none"
+        if quantize not in QUANTIZE:
+            raise BadInput(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+        quantize = quantize_for(model.hf, quantize)
+        store = HostStore(unit_layouts(model), dt, dt, pin=dev.type == "cuda", adapter_layouts=adapters,
+                          quantize=quantize, nested=stored_nested(model.hf))
+        io.load_into(store, base, model.tie_word_embeddings, device=dev)
         if lora is not None:
             lora_io.copy_base_norms(store)  # norms the adapter did not train are the base's
             lora_io.load_adapter(store.adapters, path)

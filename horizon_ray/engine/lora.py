@@ -53,6 +53,7 @@ from horizon_ray.atomic import atomic_path
 from horizon_ray.engine.model import (
     EXPERT_TARGETS,
     LORA_TARGETS,
+    QUANTIZE,
     ModelConfig,
     UnitLayout,
     _unit,
@@ -68,6 +69,9 @@ from horizon_ray.models.blocks import Entry
 from horizon_ray.workload import Adapters, check_lora_scaling
 
 ADAPTER_CONFIG = "adapter_config.json"
+# Beside an adapter trained on a quantized base (lora.quantize): how that base was quantized, so that generation
+# runs the adapter over the base it learned on (PEFT's adapter_config.json has no field for it).
+QUANTIZED_BASE = "quantized_base.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 _MASK64 = (1 << 64) - 1
@@ -279,8 +283,10 @@ def adapter_config_json(lora: LoraConfig, base_model: str | None) -> dict:
     }
 
 
-def save_adapter(adapters, lora: LoraConfig, base_model: str | None, out_dir: Path) -> Path:
-    """adapter_config.json + adapter_model.safetensors (fp32) into out_dir, atomically."""
+def save_adapter(adapters, lora: LoraConfig, base_model: str | None, out_dir: Path,
+                 base_quantize: str = "none") -> Path:
+    """adapter_config.json + adapter_model.safetensors (fp32) into out_dir, atomically; ``base_quantize``: the
+    quantization of the base it was trained on (model.QUANTIZE), recorded in QUANTIZED_BASE unless "none"."""
     out_dir = Path(out_dir)
     with atomic_path(out_dir) as tmp:
         tmp.mkdir(parents=True)
@@ -292,7 +298,23 @@ def save_adapter(adapters, lora: LoraConfig, base_model: str | None, out_dir: Pa
         save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
         with open(tmp / ADAPTER_CONFIG, "w") as f:
             json.dump(adapter_config_json(lora, base_model), f, indent=2)
+        if base_quantize != "none":
+            (tmp / QUANTIZED_BASE).write_text(json.dumps({"quantize": base_quantize}) + "\n")
     return out_dir
+
+
+def trained_base_quantize(adapter_dir: Path) -> str:
+    """The quantization of the base an adapter was trained on ("none": a float base, or not recorded)."""
+    path = Path(adapter_dir) / QUANTIZED_BASE
+    if not path.is_file():
+        return "none"
+    try:
+        q = json.loads(path.read_text()).get("quantize", "none")
+    except (OSError, json.JSONDecodeError, AttributeError) as exc:
+        raise BadInput(f"cannot read {path}: {exc}; delete it to run the adapter over the float base") from None
+    if q not in QUANTIZE:
+        raise BadInput(f"{path} names quantization {q!r}; it must be one of {', '.join(QUANTIZE)}")
+    return q
 
 
 def is_adapter_dir(path: Path) -> bool:

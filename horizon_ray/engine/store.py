@@ -76,6 +76,14 @@ class UnitState:
         self.wire_ids[k % len(self.wires)] += 1
 
 
+def packed_layouts(layouts: list[UnitLayout], quantize: str, compute_dtype: torch.dtype,
+                   nested: bool = True) -> list[PackedLayout | None]:
+    """Where each unit's packed tensors sit under ``quantize``: the decoder layers are packed, the embedding and
+    the head (the first and last units) never; None for a unit kept in the compute dtype."""
+    return [PackedLayout(layout, quantize, compute_dtype, nested) if quantize != "none" and 0 < u < len(layouts) - 1
+            else None for u, layout in enumerate(layouts)]
+
+
 class HostStore:
     def __init__(self, layouts: list[UnitLayout], compute_dtype: torch.dtype, master_dtype: torch.dtype,
                  pin: bool, adapter_layouts: list[UnitLayout] | None = None, wires: int = 1,
@@ -96,9 +104,7 @@ class HostStore:
         assert self.frozen or quantize == "none", "only a frozen base is quantized"
         self.quantize = quantize
         # unit -> where its packed tensors sit (None: a flat buffer in the compute dtype, UnitLayout's views)
-        self.packed: list[PackedLayout | None] = [
-            PackedLayout(layout, quantize, compute_dtype, nested)
-            if quantize != "none" and 0 < u < len(layouts) - 1 else None for u, layout in enumerate(layouts)]
+        self.packed = packed_layouts(layouts, quantize, compute_dtype, nested)
         if self.frozen:
             self.units = [self._frozen_unit(layout, compute_dtype, self.packed[u]) for u, layout in enumerate(layouts)]
         else:

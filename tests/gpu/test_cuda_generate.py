@@ -69,3 +69,47 @@ def test_resident_streamed_and_host_kv_agree_in_bf16(hf):
     assert [c.token_ids for c in streamed.generate(reqs)] == want
     streamed.kv_layers_on_device = 1  # the second layer's cache in pinned host memory
     assert [c.token_ids for c in streamed.generate(reqs)] == want
+
+
+@pytest.mark.parametrize("quantize", ["nf4", "fp4"])
+def test_an_adapter_trained_on_a_quantized_base_generates_over_it_on_cuda(tmp_path, quantize):
+    """A LoRA trained on CUDA with lora.quantize generates on CUDA over its base quantized the same way (the
+    bitsandbytes CUDA kernels, the packed layers resident): the tokens of PEFT over transformers +
+    BitsAndBytesConfig on CUDA, in float32 with TF32 off, at hidden 2048. PEFT's side runs the whole sequence
+    each step (bitsandbytes then dequantizes and multiplies, as the engine does; one token a row would take its
+    gemv kernel). Not int8: on CUDA bitsandbytes' Linear8bitLt multiplies in int8 with outlier columns apart
+    (LLM.int8), a different function from the dequantized weights the engine trains and generates with."""
+    from peft import PeftModel
+    from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    from horizon_ray.engine import Engine, EngineConfig, LoraConfig
+    from tests.tiny import random_batches
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=2, num_attention_heads=16,
+                      num_key_value_heads=4, vocab_size=512, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    lora = LoraConfig(r=4, alpha=8, targets=("q_proj", "v_proj", "down_proj"), quantize=quantize)
+    eng = Engine.from_pretrained(tmp_path / "base", EngineConfig(lr=1e-2, device="cuda", compute_dtype="float32",
+                                                                 lora=lora))
+    for mbs in random_batches(2, 1, B=2, T=32, prompt=2, vocab=512):
+        eng.train_step(mbs)
+    eng.save_pretrained(tmp_path / "adapter")
+    eng.close()
+    gen = Generator.from_pretrained(tmp_path / "adapter", device="cuda", dtype="float32", tokenizer=None)
+    assert gen.store.quantize == quantize and gen.resident
+    gen.eos_ids = frozenset()
+    prompts = [list(range(5, 5 + n)) for n in (12, 3)]
+    got = gen.generate([Request(tuple(p), SamplingParams(max_tokens=8)) for p in prompts])
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantize, bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.float32)
+    base = LlamaForCausalLM.from_pretrained(tmp_path / "base", quantization_config=bnb, device_map="cuda",
+                                            dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    for p, c in zip(prompts, got):
+        seq = torch.tensor([p], device="cuda")
+        with torch.no_grad():
+            for _ in range(8):
+                seq = torch.cat([seq, peft(input_ids=seq).logits[0, -1].argmax().view(1, 1)], 1)
+        assert c.token_ids == seq[0, len(p):].tolist()

@@ -33,6 +33,25 @@ def test_a_model_is_sized_by_its_parameters_in_the_compute_dtype(tmp_path):
     assert model_host_bytes(tmp_path / "m") == 2 * params + BASELINE_BYTES
 
 
+def test_an_adapter_on_a_quantized_base_is_sized_by_the_packed_base_it_runs_on(tmp_path):
+    """An adapter trained with lora.quantize runs over its base quantized (quantized_base.json): the actor holds
+    the packed layers (nf4: about half a byte a weight plus scales), not the bf16 ones."""
+    from horizon_ray.engine import Engine, EngineConfig, LoraConfig
+    from horizon_ray.engine.generate import Generator
+
+    base = Engine.from_config(JOB_LLAMA, EngineConfig(device="cpu"))
+    base.save_pretrained(tmp_path / "base")
+    base.close()
+    lora = LoraConfig(r=4, alpha=8, targets=("q_proj", "v_proj"), quantize="nf4")
+    eng = Engine.from_pretrained(tmp_path / "base", EngineConfig(device="cpu", compute_dtype="bfloat16", lora=lora))
+    eng.save_pretrained(tmp_path / "adapter")
+    eng.close()
+    gen = Generator.from_pretrained(tmp_path / "adapter", device="cpu", dtype="bfloat16", tokenizer=None)
+    held = sum(u.master.nbytes for u in gen.store.units) + sum(a.master.nbytes for a in gen.store.adapters)
+    assert model_host_bytes(tmp_path / "adapter") == held + BASELINE_BYTES
+    assert model_host_bytes(tmp_path / "adapter") < model_host_bytes(tmp_path / "base")
+
+
 def test_a_generation_reservation_shares_the_agents_ledger_with_jobs(tmp_path):
     import sys
 

@@ -348,6 +348,47 @@ def _greedy_forward(model, prompt, n):
     return seq[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("quantize", ["nf4", "int8"])
+def test_an_adapter_trained_on_a_quantized_base_generates_over_that_base(tmp_path, quantize):
+    """A job with lora.quantize quantizes a float base while loading; its adapter records that
+    (quantized_base.json), and generation runs the adapter over the base quantized the same way, as PEFT over
+    transformers + bitsandbytes does (greedy, step by step as above); quantize="none" runs it over the float base."""
+    from peft import PeftModel
+    from transformers import BitsAndBytesConfig
+
+    from horizon_ray.engine import Engine, EngineConfig, LoraConfig
+    from tests.tiny import random_batches
+
+    path, cls = tiny_llama(tmp_path)
+    lora = LoraConfig(r=4, alpha=8, targets=("q_proj", "v_proj", "down_proj"), quantize=quantize)
+    eng = Engine.from_pretrained(path, EngineConfig(lr=1e-2, device="cpu", compute_dtype="float32", lora=lora))
+    for mbs in random_batches(2, 1, B=2, T=16, prompt=2, vocab=V):
+        eng.train_step(mbs)
+    eng.save_pretrained(tmp_path / "adapter")
+    eng.close()
+    gen = Generator.from_pretrained(tmp_path / "adapter", device="cpu", tokenizer=None)
+    assert gen.store.quantize == quantize
+    gen.eos_ids = frozenset()
+    got = gen.generate([Request(tuple(p), SamplingParams(max_tokens=8)) for p in PROMPTS])
+    bnb = BitsAndBytesConfig(load_in_8bit=True) if quantize == "int8" else BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=quantize, bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32)
+    base = cls.from_pretrained(path, quantization_config=bnb, device_map="cpu", dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    peft.train()  # no dropout anywhere: the training-mode forward is the model's function
+    for prompt, c in zip(PROMPTS, got):
+        seq = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(8):
+                seq = torch.cat([seq, peft(input_ids=seq).logits[0, -1].argmax().view(1, 1)], 1)
+        assert c.token_ids == seq[0, len(prompt):].tolist(), prompt
+    assert Generator.from_pretrained(tmp_path / "adapter", device="cpu", tokenizer=None,
+                                     quantize="none").store.quantize == "none"
+    (tmp_path / "adapter" / "quantized_base.json").write_text("{not json")
+    with pytest.raises(BadInput, match="quantized_base.json"):
+        Generator.from_pretrained(tmp_path / "adapter", device="cpu", tokenizer=None)
+
+
 def test_a_decode_steps_grouped_query_attention_repeats_no_keys(monkeypatch):
     """One query a row with grouped heads (a decode step): the query heads of each key/value head are folded
     into its queries, so SDPA runs without grouped-query support (its math path repeats every cached key and
