@@ -22,6 +22,8 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from horizon_ray.errors import BadInput
+
 log = logging.getLogger("horizon_ray.api")
 HEAD_TIMEOUT_S = 20.0  # from a connection's start (or its previous response) to its next request's whole head
 KEEP_ALIVE_S = 5.0  # an idle keep-alive connection closes after this
@@ -95,9 +97,22 @@ def bound_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return sock
 
 
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve `app` until interrupted (`horizon-ray serve`)."""
-    uvicorn.Server(server_config(app, host, port, log_level=log_level)).run()
+def listening_socket(host: str, port: int) -> socket.socket:
+    """`bound_socket` listening already (connections wait in its backlog until the server accepts them), so
+    that a port printed from it takes connections at once; a port in use is refused with the fix."""
+    try:
+        sock = bound_socket(host, port)
+    except OSError as exc:
+        raise BadInput(f"the API cannot listen on {host}:{port} ({exc.strerror}): pass another --port, or --port 0 "
+                       "for a free one (serve prints it and writes it to <root>/api_port)") from exc
+    sock.listen(2048)  # uvicorn's default backlog
+    return sock
+
+
+def serve(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
+    """Serve `app` on the listening `sock` until interrupted (`horizon-ray serve`)."""
+    host, port = sock.getsockname()[:2]
+    uvicorn.Server(server_config(app, host, port, log_level=log_level)).run(sockets=[sock])
 
 
 @contextlib.contextmanager

@@ -35,11 +35,12 @@ _draw = random.SystemRandom()  # not the seeded module generator: every test pro
 
 
 def free_port() -> int:
-    """A free port on 127.0.0.1 for a server another process starts (serve, Ray), which can only be told its
-    number: the port must be released before that process binds it. A port of the kernel's ephemeral range
-    (what bind(0) returns) may be given in that window to any of the machine's outgoing connections (Ray
-    opens many) or to another bind(0); so the port is drawn at random between Ray's worker ports and that
-    range, where only a process asking for that very number can take it, and checked free."""
+    """A free port on 127.0.0.1 for a server another process starts that can only be told its number (Ray's
+    GCS and dashboard; serve's API takes --port 0 and prints the port it bound): the port must be released
+    before that process binds it. A port of the kernel's ephemeral range (what bind(0) returns) may be given in
+    that window to any of the machine's outgoing connections (Ray opens many) or to another bind(0); so the
+    port is drawn at random between Ray's worker ports and that range, where only a process asking for that
+    very number can take it, and checked free."""
     first, low = RAY_WORKER_PORTS_END + 1, _ephemeral_low()
     if low - first < 1000:
         raise AssertionError(f"the kernel's ephemeral ports start at {low}: no room for the tests' ports above "
@@ -60,13 +61,9 @@ def free_port() -> int:
 
 @dataclass
 class Served:
-    url: str  # the API's base URL
+    proc: subprocess.Popen  # serve (or the shell running it), the leader of its own process group
+    url: str | None  # the base URL of the API, from serve's "API on http://" line (None: serve runs no API)
     log: Path  # serve's stdout and stderr
-    env: dict[str, str]  # the environment serve runs in (a client shell's, for `ray job submit`)
-    home: Path  # $HORIZON_RAY_HOME
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
 
 
 def user_env(home: Path, **extra: str) -> dict[str, str]:
@@ -80,10 +77,11 @@ def user_env(home: Path, **extra: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def serving(argv: list[str], env: dict[str, str], log: Path, *, cwd: Path = ROOT, ready: str = "API on http://",
-            timeout_s: float = 300) -> Iterator[subprocess.Popen]:
+            timeout_s: float = 300) -> Iterator[Served]:
     """`argv` (a `horizon-ray serve` command, or a shell running one) until its log shows `ready` and the API
     it names takes connections; SIGINT (Ctrl-C) to its process group on the way out, then SIGKILL of what
-    lingers."""
+    lingers. Give serve `--port 0`: it binds a port the OS picks and prints it, which is read back here (a port
+    picked free beforehand may be taken by another process before serve binds it)."""
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -99,12 +97,15 @@ def serving(argv: list[str], env: dict[str, str], log: Path, *, cwd: Path = ROOT
                 time.sleep(0.5)
 
         wait("it was ready", lambda: ready in log.read_text(errors="replace"))
-        # serve prints the API's URL before uvicorn binds its port: a request sent at once could be refused
-        if api := re.search(r"API on http://([^:/\s]+):(\d+)", log.read_text(errors="replace")):
-            wait("its API took connections", lambda: _accepts(api[1], int(api[2])))
-        yield proc
+        api = API_LINE.search(log.read_text(errors="replace"))
+        if api:
+            wait("its API took connections", lambda: _accepts(api["host"], int(api["port"])))
+        yield Served(proc=proc, url=f"http://{api['host']}:{api['port']}" if api else None, log=log)
     finally:
         stop_group(proc)
+
+
+API_LINE = re.compile(r"API on http://(?P<host>[^:/\s]+):(?P<port>\d+)")  # serve's line naming its bound port
 
 
 def _accepts(host: str, port: int) -> bool:

@@ -371,10 +371,11 @@ def named_tensors(units, kind: str = "master") -> dict:
     return out
 
 
-def peft_reference(base, lora, tmp_path, random_b: bool = True, expert_targets=()):
+def peft_reference(base, lora, tmp_path, random_b: bool = True, expert_targets=(), b_scale: float = 0.05):
     """The reference PEFT model over ``base`` for the engine's ``lora`` (targets among ``expert_targets`` through
     PEFT's target_parameters, as mlp.<name>), and its initial adapter saved for the engine to load; with a
-    random B (``random_b``) A has a gradient from the first step. Returns (model, adapter dir)."""
+    random B (``random_b``, normal times ``b_scale``) A has a gradient from the first step. Returns (model,
+    adapter dir)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -389,7 +390,7 @@ def peft_reference(base, lora, tmp_path, random_b: bool = True, expert_targets=(
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+                    p.copy_(torch.randn(p.shape, generator=g) * b_scale)
     model.save_pretrained(tmp_path / "init")
     model.train()
     return model, tmp_path / "init"

@@ -8,7 +8,8 @@
 Starts (or joins) the cluster, a NodeAgent on every node, the detached coordinator, then the API
 (`api.app:create_app`) on --host/--port; Ctrl-C stops what serve started. On a joined cluster the
 coordinator and agents are detached actors: they keep running after serve exits (use --stop-on-exit to
-remove them). The cluster's address is written to <root>/ray_address for `horizon-ray submit/status`.
+remove them). The cluster's address is written to <root>/ray_address for `horizon-ray submit/status`, and
+the port the API listens on (--port 0: one the OS picks) to <root>/api_port and serve's "API on http://" line.
 
 A cluster serve starts runs Ray's dashboard and job server (--dashboard-port), so that `ray job submit --
 horizon-ray finetune --config job.yaml` hands its spec to this service. The API needs keys
@@ -28,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+from horizon_ray.atomic import write_atomic
 from horizon_ray.cluster.agent_protocol import ENGINE_LEASE_S
 from horizon_ray.cluster.engine_env import SECRET_ENV_PREFIX
 from horizon_ray.errors import BadInput
@@ -50,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenants", type=Path, default=None, metavar="TENANTS.yaml",
                         help="tenant quotas (default: every tenant gets the default quotas)")
     parser.add_argument("--host", default="127.0.0.1", help="API host (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="API port (default 8000)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help=f"API port (default 8000; 0: a free one, printed and written to <root>/{API_PORT_FILE})")
     parser.add_argument("--no-api", action="store_true", help="start the coordinator and agents only")
     parser.add_argument("--no-head-agent", action="store_true",
                         help="start no node agent on the Ray head node, so that jobs run on worker nodes only (a "
@@ -81,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 SECRETS_FD = "HORIZON_SERVE_SECRETS_FD"  # the memory file a re-executed serve reads its secrets from
 RAY_TOKEN_VAR = "RAY_AUTH_TOKEN"  # Ray's token, when an operator gives it in the environment (a k8s Secret)
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+API_PORT_FILE = "api_port"  # under the service root: the port the API of the serve running there listens on
 
 
 def secret_names(environ: dict[str, str] | os._Environ) -> list[str]:
@@ -216,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         if args.no_api:
             _wait()
         else:
-            _serve_api(client, settings, args.host, args.port)
+            _serve_api(client, settings, args.host, args.port, root)
     except KeyboardInterrupt:
         pass
     finally:
@@ -269,12 +273,18 @@ def _rescan_nodes(skip_head: bool, engine_lease_s: float) -> None:
             print(f"warning: starting agents on new nodes: {exc}", file=sys.stderr)
 
 
-def _serve_api(client, settings, host: str, port: int) -> None:
+def _serve_api(client, settings, host: str, port: int, root: Path) -> None:
     from api.app import create_app
+    from api.server import listening_socket
     from api.server import serve as serve_app
     from api.settings import ENV_DATA_ROOTS, ENV_KEYS, ENV_MODEL_CATALOGUE, ENV_MODEL_ROOTS
 
     app = create_app(client, settings)
+    # bound and listening before the port is told (printed, written): with --port 0 only the socket knows it,
+    # and a client that reads it connects at once, its connection held in the backlog until uvicorn accepts
+    sock = listening_socket(host, port)
+    port = sock.getsockname()[1]
+    write_atomic(root / API_PORT_FILE, f"{port}\n".encode())
     if settings.insecure_no_auth:
         print(f"warning: the API takes no key (--insecure-no-auth): anyone who reaches {host}:{port} acts as "
               f"tenant 'default'; set {ENV_KEYS} to require keys", file=sys.stderr)
@@ -289,4 +299,7 @@ def _serve_api(client, settings, host: str, port: int) -> None:
               + (", ".join(str(r) for r in roots) or "none"))
     print(f"API on http://{host}:{port}  (dashboard http://{host}:{port}/, OpenAI-compatible at "
           f"http://{host}:{port}/v1)", flush=True)
-    serve_app(app, host, port)  # with the API's limits on slow clients (api.server.server_config)
+    try:
+        serve_app(app, sock)  # with the API's limits on slow clients (api.server.server_config)
+    finally:
+        (root / API_PORT_FILE).unlink(missing_ok=True)  # no API listens there any more

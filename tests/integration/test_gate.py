@@ -33,15 +33,15 @@ def served(tmp_path_factory):
     home = tmp_path_factory.mktemp("gate")
     demo, _ = prepare_demo_assets(home / "assets")
     assets = demo.model_dir.parent
-    port, dash = free_port(), free_port()
+    dash = free_port()  # Ray's dashboard takes no 0; the API's port is the one serve binds for --port 0
     root = home / "service"
     env = user_env(home, HORIZON_API_KEYS=f"{ALICE}=alice,{BOB}=bob", HORIZON_MODEL_ROOTS=str(assets),
                    HORIZON_DATA_ROOTS=str(assets), HOME=str(home))  # no ~/.ray/auth_token of another cluster
     argv = [sys.executable, "-m", "horizon_ray", "serve", "--simulate-nodes", "a=2GiB", "--root", str(root),
-            "--port", str(port), "--dashboard-port", str(dash)]
-    with serving(argv, env, home / "serve.log") as proc:
-        yield {"url": f"http://127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dash}", "root": root,
-               "env": env, "proc": proc, "assets": assets, "home": home}
+            "--port", "0", "--dashboard-port", str(dash)]
+    with serving(argv, env, home / "serve.log") as serve:
+        yield {"url": serve.url, "dashboard": f"http://127.0.0.1:{dash}", "root": root,
+               "env": env, "proc": serve.proc, "assets": assets, "home": home}
 
 
 def bearer(key: str) -> dict[str, str]:

@@ -31,11 +31,11 @@ def service(tmp_path_factory):
     assets, _ = prepare_demo_assets(home)
     env = user_env(home, HORIZON_API_KEYS=f"{KEY}={TENANT}", HORIZON_MODEL_ROOTS=str(assets.root),
                    HORIZON_MODEL_CATALOGUE=f"tiny-demo={assets.model_dir}", HORIZON_DATA_ROOTS=str(assets.root))
-    port, ray_port, dashboard_port = free_port(), free_port(), free_port()
-    args = ["horizon-ray", "serve", "--simulate-nodes", "a=8GiB", "--port", str(port), "--ray-port", str(ray_port),
+    ray_port, dashboard_port = free_port(), free_port()  # Ray's ports: Ray takes no 0 for them
+    args = ["horizon-ray", "serve", "--simulate-nodes", "a=8GiB", "--port", "0", "--ray-port", str(ray_port),
             "--dashboard-port", str(dashboard_port)]
-    with serving(args, env, home / "serve.log"):
-        yield {"url": f"http://127.0.0.1:{port}", "env": env, "home": home, "assets": assets,
+    with serving(args, env, home / "serve.log") as served:
+        yield {"url": served.url, "env": env, "home": home, "assets": assets,
                "log": home / "serve.log", "ray_port": ray_port, "dashboard_port": dashboard_port}
 
 
@@ -120,16 +120,25 @@ def test_serve_refuses_to_start_an_api_without_keys(tmp_path):
 
 def test_sigterm_stops_serve_as_ctrl_c_does(tmp_path):
     """`kill PID` (systemd, docker stop): serve stops its service and cluster and exits 0, without a traceback
-    or Ray's stack dump."""
+    or Ray's stack dump. Its API was on the port the OS picked for --port 0, which serve printed and wrote to
+    <root>/api_port until it stopped."""
     import os
     import signal
 
+    from horizon_ray.commands.serve import API_PORT_FILE
+
     env = user_env(tmp_path, HORIZON_API_KEYS=f"{KEY}={TENANT}")
-    args = ["horizon-ray", "serve", "--simulate-nodes", "a=4GiB", "--port", str(free_port()), "--dashboard-port", "0",
+    args = ["horizon-ray", "serve", "--simulate-nodes", "a=4GiB", "--port", "0", "--dashboard-port", "0",
             "--no-demo-model"]
-    log = tmp_path / "serve.log"
-    with serving(args, env, log) as proc:
-        os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=120) == 0, log.read_text()
+    log, port_file = tmp_path / "serve.log", tmp_path / "service" / API_PORT_FILE
+    with serving(args, env, log) as served:
+        port = int(port_file.read_text())
+        assert port > 0 and served.url == f"http://127.0.0.1:{port}", (port, served.url)
+        assert f"OpenAI-compatible at http://127.0.0.1:{port}/v1" in log.read_text()
+        ready = httpx.get(f"{served.url}/readyz", timeout=30)
+        assert ready.status_code == 200, ready.text
+        os.kill(served.proc.pid, signal.SIGTERM)
+        assert served.proc.wait(timeout=120) == 0, log.read_text()
     text = log.read_text()
     assert "serve: stopping" in text and "Traceback" not in text and "Stack (most recent call first)" not in text, text
+    assert not port_file.exists()  # no API listens on it any more

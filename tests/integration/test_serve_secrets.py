@@ -7,8 +7,6 @@ job's engine has any HORIZON_API_* variable, a key, the key file's path or Ray's
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.serving import free_port
+from tests.serving import free_port, serving
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,27 +32,19 @@ def test_engines_and_ray_workers_get_no_api_secret(tmp_path):
     assets = demo.model_dir.parent
     keys = tmp_path / "keys.yaml"
     keys.write_text("sk-from-the-file-9f3a: globex\n")
-    port = free_port()
     env = {**os.environ, "HORIZON_API_KEYS": "sk-from-the-env-c41d=acme", "HORIZON_API_KEYS_FILE": str(keys),
            "HORIZON_MODEL_ROOTS": str(assets), "HORIZON_DATA_ROOTS": str(assets),
            "HORIZON_UPLOADS_DIR": str(tmp_path / "uploads"), "OMP_NUM_THREADS": "1",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    serve = subprocess.Popen([sys.executable, "-m", "horizon_ray", "serve", "--simulate-nodes", "a=2GiB",
-                              "--root", str(tmp_path / "service"), "--port", str(port)],
-                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     auth = {"Authorization": "Bearer sk-from-the-env-c41d"}
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert serve.poll() is None, serve.stdout.read()
-            assert time.monotonic() < deadline, "serve did not come up within 240 s"
-            try:
-                if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+    # the API on a port the OS picks (--port 0, read back from serve's log); Ray's dashboard takes no 0
+    argv = [sys.executable, "-m", "horizon_ray", "serve", "--simulate-nodes", "a=2GiB", "--root",
+            str(tmp_path / "service"), "--port", "0", "--dashboard-port", str(free_port())]
+    with serving(argv, env, tmp_path / "serve.log", cwd=ROOT, timeout_s=240) as served:
+        serve, url = served.proc, served.url
+        deadline = time.monotonic() + 60
+        while (ready := httpx.get(f"{url}/readyz", timeout=5)).status_code != 200:
+            assert time.monotonic() < deadline, f"serve not ready within 60 s: {ready.text}"
             time.sleep(1)
         spec = {"model": {"path": "model"}, "data": {"path": "train.jsonl", "format": "messages", "eval_fraction": 0},
                 "training": {"max_steps": 100000, "micro_batch_size": 2, "seq_len": 64},
@@ -94,10 +84,3 @@ def test_engines_and_ray_workers_get_no_api_secret(tmp_path):
                            token):
                 assert secret not in environ, f"{secret!r} in the environment of {name}"
         assert httpx.post(f"{url}/finetune/{job['id']}/cancel", headers=auth, timeout=60).status_code == 200
-    finally:
-        serve.send_signal(signal.SIGINT)  # serve stops the service and the cluster it started
-        try:
-            serve.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(serve.pid, signal.SIGKILL)
-            serve.wait()

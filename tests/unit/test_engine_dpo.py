@@ -189,17 +189,26 @@ def test_lora_matches_trl_dpo_with_peft(tmp_path, dpo):
     _against_trl(eng, model, peft_trainable(model), dpo, max_norm, lambda e: named_tensors(e.store.adapters))
 
 
-@pytest.mark.parametrize("e", [0.0, 0.1, 0.3, 0.45])
-def test_label_smoothing_is_trls_robust_loss(tmp_path, e):
-    """label_smoothing means what it means in TRL 1.16: robust DPO's flip probability (loss robust), and nothing
-    for sigmoid, whose TRL loss ignores it (there it is refused, not ignored). The engine's loss on a reference
-    apart from the policy equals TRL's _compute_loss on the same log-probs, for each e."""
+@pytest.fixture
+def smoothing(tmp_path):
+    """What the label-smoothing tests compare on: a tiny Llama as HF (TRL's fused head) and as the engine, one
+    micro-batch of 3 pairs, and references apart from the policy (so that every pair's log-ratio differs)."""
     path, cls = tiny_llama(tmp_path)
     model = cls.from_pretrained(path).float()
     add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
     eng = Engine.from_pretrained(path, EngineConfig(**HP, device="cpu", compute_dtype="float32"))
     mbs = preference_batches(1, micro=1, pairs=3)[0]
     ref = eng.sequence_logps(_engine_batches(mbs)) + torch.tensor([0.3, -0.2, 0.1, 0.4, -0.5, 0.0])
+    yield SimpleNamespace(model=model, eng=eng, mbs=mbs, ref=ref)
+    eng.close()
+
+
+@pytest.mark.parametrize("e", [0.0, 0.1, 0.3, 0.45])
+def test_label_smoothing_is_trls_robust_loss(smoothing, e):
+    """label_smoothing means what it means in TRL 1.16: robust DPO's flip probability (loss robust), and nothing
+    for sigmoid, whose TRL loss ignores it (there it is refused, not ignored). The engine's loss on a reference
+    apart from the policy equals TRL's _compute_loss on the same log-probs, for each e."""
+    model, eng, mbs, ref = smoothing.model, smoothing.eng, smoothing.mbs, smoothing.ref
     dpo = DpoConfig(beta=0.5, loss="robust", label_smoothing=e)
     want = DPOTrainer._compute_loss(_trl(model, dpo), model, _trl_inputs(mbs[0][0], mbs[0][2], ref),
                                     return_outputs=False).detach()
@@ -208,7 +217,6 @@ def test_label_smoothing_is_trls_robust_loss(tmp_path, e):
     assert (float(want) == pytest.approx(float(plain), rel=1e-6)) == (e == 0.0)  # e changes TRL's robust loss
     loss = eng.train_step(_engine_batches(mbs), dpo=dpo, ref_logps=ref)
     assert loss == pytest.approx(float(want), rel=1e-5)
-    eng.close()
     smoothed = _trl(model, DpoConfig(beta=0.5))
     smoothed.label_smoothing = 0.2
     assert float(DPOTrainer._compute_loss(smoothed, model, _trl_inputs(mbs[0][0], mbs[0][2], ref),
@@ -219,17 +227,12 @@ def test_label_smoothing_is_trls_robust_loss(tmp_path, e):
 
 
 @pytest.mark.parametrize("e", [0.0, 0.1, 0.3])
-def test_sigmoid_with_label_smoothing_is_conservative_dpo(tmp_path, e):
+def test_sigmoid_with_label_smoothing_is_conservative_dpo(smoothing, e):
     """loss sigmoid with label_smoothing e is conservative DPO, -(1 - e) log s(beta d) - e log s(-beta d) (TRL
     < 1.0's sigmoid; what the spec's label_smoothing has meant since it was added). TRL 1.16's sigmoid ignores
     e, but its "aot" loss computes exactly this for a batch of one pair (sorting one log-ratio changes nothing):
     the engine's loss equals the mean over the pairs of TRL's aot loss of each pair alone."""
-    path, cls = tiny_llama(tmp_path)
-    model = cls.from_pretrained(path).float()
-    add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
-    eng = Engine.from_pretrained(path, EngineConfig(**HP, device="cpu", compute_dtype="float32"))
-    mbs = preference_batches(1, micro=1, pairs=3)[0]
-    ref = eng.sequence_logps(_engine_batches(mbs)) + torch.tensor([0.3, -0.2, 0.1, 0.4, -0.5, 0.0])
+    model, eng, mbs, ref = smoothing.model, smoothing.eng, smoothing.mbs, smoothing.ref
     dpo = DpoConfig(beta=0.5, loss="sigmoid", label_smoothing=e)
     aot = _trl(model, DpoConfig(beta=0.5, loss="sigmoid"))
     aot.loss_types, aot.label_smoothing = ["aot"], e
@@ -239,7 +242,6 @@ def test_sigmoid_with_label_smoothing_is_conservative_dpo(tmp_path, e):
                for i in range(3)) / 3
     loss = eng.train_step(_engine_batches(mbs), dpo=dpo, ref_logps=ref)
     assert loss == pytest.approx(want, rel=1e-5)
-    eng.close()
 
 
 def test_pairs_stay_in_one_row_group_and_chunks_change_nothing(tmp_path):

@@ -323,28 +323,29 @@ def test_an_adapter_on_a_pre_quantized_base_generates_as_peft_over_bitsandbytes(
     dequantizes the base as bitsandbytes does and applies the adapter; greedy tokens equal PEFT's over the
     bitsandbytes model (its forward, step by step: bitsandbytes 0.50's CPU inference path refuses these tiny
     shapes in generate)."""
-    from peft import LoraConfig, get_peft_model
-
+    from horizon_ray.engine import LoraConfig
     from tests.unit.test_engine_qlora_prequant import _loaded, _saved_quantized
 
     qdir, cls = _saved_quantized(tmp_path, quantize, quantize != "int8")
-    peft = get_peft_model(_loaded(cls, qdir), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    peft.save_pretrained(tmp_path / "adapter")
-    gen = Generator.from_pretrained(tmp_path / "adapter", device="cpu", tokenizer=None)
+    # a B large enough that the adapter moves the greedy tokens of these tiny models
+    lora = LoraConfig(r=4, alpha=8, targets=("q_proj", "v_proj"))
+    peft, adapter = peft_reference(_loaded(cls, qdir), lora, tmp_path, b_scale=0.5)
+    gen = Generator.from_pretrained(adapter, device="cpu", tokenizer=None)
     gen.eos_ids = frozenset()
     got = gen.generate([Request(tuple(p), SamplingParams(max_tokens=10)) for p in PROMPTS])
-    peft.train()  # no dropout anywhere: the training-mode forward is the model's function
-    for prompt, c in zip(PROMPTS, got):
-        seq = torch.tensor([prompt])
-        with torch.no_grad():
-            for _ in range(10):
-                seq = torch.cat([seq, peft(input_ids=seq).logits[0, -1].argmax().view(1, 1)], 1)
-        assert c.token_ids == seq[0, len(prompt):].tolist(), prompt
+    # peft_reference leaves the model in training mode; no dropout anywhere: its forward is the model's function
+    assert [c.token_ids for c in got] == [_greedy_forward(peft, p, 10) for p in PROMPTS]
+    with peft.disable_adapter():  # the adapter was applied: the base alone says otherwise for every prompt
+        assert all(c.token_ids != _greedy_forward(peft, p, 10) for c, p in zip(got, PROMPTS))
+
+
+def _greedy_forward(model, prompt, n):
+    """`n` greedy tokens after `prompt` from `model`'s forward, one step at a time."""
+    seq = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            seq = torch.cat([seq, model(input_ids=seq).logits[0, -1].argmax().view(1, 1)], 1)
+    return seq[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("quantize", ["nf4", "int8"])

@@ -102,16 +102,29 @@ def test_requests_waiting_together_run_as_one_batch(tmp_path):
 
 
 def test_an_idle_model_is_unloaded_and_loaded_again_on_use():
-    loads = []
-    pool = ModelPool(idle_s=0.3, load=lambda d: loads.append(d) or _Recording())
-    list(pool.submit(_req()))
-    assert pool.loaded() and len(loads) == 1
-    deadline = time.monotonic() + 5
+    """Loaded while a request runs (asserted then: after the request, a short idle time could run out before
+    the assertion on a loaded machine), unloaded once idle (waited for), loaded again by the next request."""
+    loads, fakes = [], [_Recording(tokens=None), _Recording()]  # the first model's rows run until cancelled
+
+    def load(model_dir):
+        loads.append(model_dir)
+        return fakes[len(loads) - 1]
+
+    pool = ModelPool(idle_s=0.3, load=load)
+    running = pool.submit(_req(max_tokens=1000))
+    events = iter(running)
+    while not next(events).deltas:  # until it runs: a model with a request running is not idle
+        pass
+    assert pool.loaded() == ["/m"] and loads == ["/m"]
+    running.cancel()
+    assert fakes[0].emptied.wait(10)
+    assert list(events)[-1].done
+    deadline = time.monotonic() + 10
     while pool.loaded() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not pool.loaded()
-    list(pool.submit(_req()))
-    assert len(loads) == 2
+    assert list(pool.submit(_req()))[-1].done
+    assert loads == ["/m", "/m"]
     pool.close()
 
 
