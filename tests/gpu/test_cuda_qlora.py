@@ -3,12 +3,13 @@
 At a real layer width (hidden 2048, the widths where bitsandbytes' CUDA kernels take their real paths), the
 engine on CUDA packs each projection on the GPU, streams the packed bytes through its slots and dequantizes
 there. Pinned here: its packed bytes equal what transformers + BitsAndBytesConfig builds on the GPU; how far
-bitsandbytes' CPU and CUDA quantizers part on the same fp32 weights (codes at rounding ties: a few in 10^5);
-and, over one pre-quantized checkpoint (quantized on CUDA, loaded by both), its training equals the CPU path's
-(which test_engine_qlora.py pins against PEFT + bitsandbytes) at the tolerance of a GPU against a CPU in fp32
-(TF32 off); its weight slots hold packed bytes. Why the training test shares one base: each device's own
-quantization differs in those few codes, which at this width moves the adapters' gradients by 0.5-2 % of their
-RMS and flips the Adam steps of small ones (benchmarks/probes/qlora_cuda_vs_cpu.py prints both).
+bitsandbytes' CPU and CUDA quantizers part on the same fp32 weights (codes at rounding ties, a few in 10^5;
+~0.2 % of nf4's block scales, where the CPU backend's binary search misses the nearest code); and, over one
+pre-quantized checkpoint (quantized on CUDA, loaded by both), its training equals the CPU path's (which
+test_engine_qlora.py pins against PEFT + bitsandbytes) at the tolerance of a GPU against a CPU in fp32 (TF32
+off); its weight slots hold packed bytes. Why the training test shares one base: each device's own
+quantization moved the adapters' step-1 gradients by 0.5-2 % of their RMS on the H200 at 023113e and flipped
+the Adam steps of small ones (benchmarks/probes/qlora_cuda_vs_cpu.py prints both settings).
 """
 
 import pytest
