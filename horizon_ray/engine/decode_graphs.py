@@ -66,7 +66,7 @@ class DecodeStep:
     """The decode step of one batch layout: B rows of ``cache`` attending to ``seen`` slots. ``capture``:
     record it as a CUDA graph (replayed by ``run``); otherwise ``run`` executes the same step directly."""
 
-    def __init__(self, gen: Any, cache: Any, seen: int, capture: bool, pool: Any = None):
+    def __init__(self, gen: Any, cache: Any, seen: int, capture: bool):
         cfg, dev = gen.model, gen.device
         B = cache.rows
         self.gen, self.cache, self.seen, self.cfg = gen, cache, seen, cfg
@@ -82,7 +82,7 @@ class DecodeStep:
         self.head_weights = W.head_weights(k)
         self.lora = gen._lora_call()
         self.logits_BV: torch.Tensor | None = None
-        self.capture, self.pool = capture, pool
+        self.capture = capture
         self.graph: Any = None
 
     def _capture(self) -> None:
@@ -94,7 +94,10 @@ class DecodeStep:
             self._body()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        # a private memory pool of its own: a pool handle shared by graphs is released with the last of them,
+        # and a capture into a released pool fails an allocator assert (seen on the H200 once a re-laid-out cache
+        # dropped the old graphs); a step's intermediates are a few rows of activations and the logits
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._body()
         self.graph = graph
 
@@ -146,7 +149,6 @@ class DecodeGraphs:
         self.gen, self.capture = gen, capture
         self.cache: Any = None
         self.steps: dict[int, DecodeStep] = {}
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.failed = False
         self.replays = 0  # steps run through a DecodeStep (counted for tests and the bench)
 
@@ -160,7 +162,7 @@ class DecodeGraphs:
         seen = cache.visible(1)
         step = self.steps.get(seen)
         if step is None:
-            step = self.steps[seen] = DecodeStep(self.gen, cache, seen, self.capture, self.pool)
+            step = self.steps[seen] = DecodeStep(self.gen, cache, seen, self.capture)
         try:
             logits = step.run(h_B1D, pos_BS, valid_BS, cache.length)
         except Exception as exc:

@@ -59,6 +59,9 @@ def test_resident_streamed_and_host_kv_agree_in_bf16(hf):
     assert resident.resident
     want = [c.token_ids for c in resident.generate(reqs)]
     assert resident._graphs is not None and not resident._graphs.failed and resident._graphs.replays == 15
+    # a second call lays out a new cache: its steps are captured anew (the first call's graphs released)
+    assert [c.token_ids for c in resident.generate(reqs)] == want
+    assert not resident._graphs.failed and resident._graphs.replays == 30
     resident.decode_graphs = False  # the eager steps: the same kernels, launched one by one
     assert [c.token_ids for c in resident.generate(reqs)] == want
     del resident
