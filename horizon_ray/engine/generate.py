@@ -508,26 +508,14 @@ class Session:
         need = [n2 + self.rows[b].params.max_tokens - len(self.rows[b].tokens) for b in live]
         need += [n2 + r.params.max_tokens - 1 for r in requests]
         B0, B, S = len(live), len(live) + len(requests), max(need) + 1
-        on_device = gen._device_kv_layers(B, S, T, held=self._held())
-        cache = KVCache(gen.model, B, S, gen.dtype, gen.device, on_device, gen._buffers)
-        pos = torch.zeros(B, S, dtype=torch.long)
-        valid = torch.zeros(B, S, dtype=torch.bool)
-        if B0:
-            keep = torch.tensor(live, dtype=torch.long)
-            to = n2 - (n - first)
-            assert self.cache is not None, "rows that stay are in the cache"
-            self.cache.copy_rows(cache, keep, first, to)
-            pos[:B0, to:n2] = self.pos[keep, first:n]
-            valid[:B0, to:n2] = self.valid[keep, first:n]
+        next_pos = [self.next_pos[b] for b in live] + [len(r.prompt_ids) for r in requests]
+        cache, pos, valid = self._laid_out(live, B, S, n2, first, T, next_pos)
         ids_BT = torch.zeros(len(requests), T, dtype=torch.long)
         for i, r in enumerate(requests):
             p = len(r.prompt_ids)
             ids_BT[i, T - p:] = torch.tensor(r.prompt_ids, dtype=torch.long)
             pos[B0 + i, n2 - p:n2] = torch.arange(p)
             valid[B0 + i, n2 - p:n2] = True
-        next_pos = [self.next_pos[b] for b in live] + [len(r.prompt_ids) for r in requests]
-        pos[:, n2:] = torch.tensor(next_pos)[:, None] + torch.arange(S - n2)[None, :]
-        valid[:, n2:] = True  # every generated position is a real token
         joining = [_Row(r.params, gen.tokenizer) for r in requests]
         logits = gen._forward(ids_BT, pos[B0:], valid[B0:], _JoiningRows(cache, B0, B, n2 - T))
         cache.length = n2
@@ -572,23 +560,39 @@ class Session:
             self._empty()  # nothing left
         elif len(done) * 4 >= len(self.rows):
             live = [b for b, row in enumerate(self.rows) if not row.done]
-            keep = torch.tensor(live, dtype=torch.long)
-            old, gen = self.cache, self.gen
-            assert old is not None, "the rows that stay are in the cache"
+            assert self.cache is not None, "the rows that stay are in the cache"
             first = self._first_used(live)
-            n = old.length - first
+            n2 = self.cache.length - first
             # the slots the rows that stay still need: what they hold, and their remaining tokens
-            S = n + max(self.rows[b].params.max_tokens - len(self.rows[b].tokens) for b in live) + 1
-            B = len(live)
-            on_device = gen._device_kv_layers(B, S, 1, held=self._held())
-            self.cache = KVCache(gen.model, B, S, gen.dtype, gen.device, on_device, gen._buffers)
-            old.copy_rows(self.cache, keep, first, 0)
-            self.cache.length = n
-            pos, valid = self.pos[keep, first:], self.valid[keep, first:]
-            self.pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, S - pos.shape[1] + 1)[None]], 1)[:, :S]
-            self.valid = torch.cat([valid, valid.new_ones(B, max(S - valid.shape[1], 0))], 1)[:, :S]
+            S = n2 + max(self.rows[b].params.max_tokens - len(self.rows[b].tokens) for b in live) + 1
+            next_pos = [self.next_pos[b] for b in live]
+            self.cache, self.pos, self.valid = self._laid_out(live, len(live), S, n2, first, 1, next_pos)
+            self.cache.length = n2
             for name in ("rows", "keys", "next_ids", "next_pos"):
                 setattr(self, name, [getattr(self, name)[b] for b in live])
+
+    def _laid_out(self, live: list[int], B: int, S: int, n2: int, first: int, T: int,
+                  next_pos: list[int]) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+        """A cache of B rows and S slots (sized for a pass of T tokens), its positions and validity: its first
+        len(live) rows the cached slots of these rows from ``first`` on, moved to end at slot n2; every row's
+        slots from n2 on its next tokens (at positions ``next_pos`` on). Rows past len(live) are the caller's
+        to fill below n2 (the prompts of rows that join)."""
+        gen = self.gen
+        on_device = gen._device_kv_layers(B, S, T, held=self._held())
+        cache = KVCache(gen.model, B, S, gen.dtype, gen.device, on_device, gen._buffers)
+        pos = torch.zeros(B, S, dtype=torch.long)
+        valid = torch.zeros(B, S, dtype=torch.bool)
+        if live:
+            assert self.cache is not None, "rows that stay are in the cache"
+            n = self.cache.length
+            keep = torch.tensor(live, dtype=torch.long)
+            to = n2 - (n - first)
+            self.cache.copy_rows(cache, keep, first, to)
+            pos[:len(live), to:n2] = self.pos[keep, first:n]
+            valid[:len(live), to:n2] = self.valid[keep, first:n]
+        pos[:, n2:] = torch.tensor(next_pos)[:, None] + torch.arange(S - n2)[None, :]
+        valid[:, n2:] = True  # every generated position is a real token
+        return cache, pos, valid
 
     def _held(self) -> int:
         """Device bytes of the current cache (alive while the next layout copies from it)."""
