@@ -47,7 +47,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from horizon_ray.engine.hyper import ADAMW
-from horizon_ray.engine.model import DTYPE_BYTES, KERNELS, LORA_TARGETS, PRECISIONS, QUANTIZE, UPDATES
+from horizon_ray.engine.model import DTYPE_BYTES, KERNELS, LORA_TARGETS, PRECISIONS, QUANTIZE, UPDATES, quantize_for
 from horizon_ray.engine.objective import LOSSES as DPO_LOSSES
 from horizon_ray.engine.objective import OBJECTIVES, DpoConfig
 from horizon_ray.errors import BadInput
@@ -461,6 +461,20 @@ class JobSpec(_Section):
     def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
         """Load a YAML file, apply ``key.sub=value`` overrides (values parsed as YAML), check."""
         return cls.from_dict(read_yaml(path, overrides))
+
+    def with_checkpoint_settings(self) -> JobSpec:
+        """This spec with what its checkpoint decides written in, where this machine sees the model directory:
+        a pre-quantized base's lora.quantize (model.quantize_for: the checkpoint's own, or a refusal naming the
+        conflict), so that the job's record, and everything that shows it, says what trains."""
+        config = Path(self.model.path).expanduser() / "config.json"
+        if self.method != "lora" or self.lora is None or not config.is_file():
+            return self
+        from horizon_ray.planner.shapes import load_model_shape
+
+        quantize = quantize_for(load_model_shape(config.parent).hf, self.lora.quantize)
+        if quantize == self.lora.quantize:
+            return self
+        return self.model_copy(update={"lora": self.lora.model_copy(update={"quantize": quantize})})
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()

@@ -101,10 +101,11 @@ _RUN_OUTPUTS = (lease.LEASE_FILE, METRICS_FILE, "checkpoints", "final")
 
 
 def default_validate_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """The job helper's strict JobSpec loader; returns the normalised spec (every default filled in)."""
+    """The job helper's strict JobSpec loader; returns the normalised spec (every default filled in, and what
+    the checkpoint decides: JobSpec.with_checkpoint_settings)."""
     from horizon_ray.jobspec import JobSpec
 
-    return JobSpec.from_dict(spec).to_dict()
+    return JobSpec.from_dict(spec).with_checkpoint_settings().to_dict()
 
 
 @dataclass

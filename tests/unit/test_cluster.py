@@ -26,6 +26,7 @@ from horizon_ray.cluster.fake import FakeAgent, FakeStorage, size_planner
 from horizon_ray.cluster.follow import format_event, should_submit_to_coordinator, submit_and_follow
 from horizon_ray.cluster.messages import TERMINAL_STATES, TRANSITIONS, EventType, JobEvent, Launch, can_transition
 from horizon_ray.cluster.tenants import TenantsConfig, fair_order, parse_bytes
+from horizon_ray.errors import BadInput
 
 GiB = 2**30
 
@@ -787,6 +788,20 @@ def test_default_spec_validation_uses_the_strict_job_spec():
     assert out["training"]["max_steps"] == 3 and out["engine"]["precision"] == "exact"
     with pytest.raises(ValueError):
         default_validate_spec({**spec(), "output_dir": "/tmp/x", "nope": 1})
+
+
+def test_a_lora_spec_on_a_pre_quantized_checkpoint_records_the_checkpoints_quantize(tmp_path):
+    """lora.quantize left out on a bitsandbytes checkpoint: the record says what trains (nf4), so REST, /v1's
+    hyperparameters, the CLI and the dashboard show it; a conflicting value is refused at submit, naming both."""
+    from tests.unit.test_engine_qlora_prequant import _saved_quantized
+
+    qdir, _ = _saved_quantized(tmp_path, "nf4", True)
+    lora_spec = {**spec(), "model": {"path": str(qdir)}, "method": "lora", "output_dir": "/tmp/x"}
+    assert default_validate_spec(lora_spec)["lora"]["quantize"] == "nf4"
+    with pytest.raises(BadInput, match="pre-quantized nf4 checkpoint"):
+        default_validate_spec({**lora_spec, "lora": {"quantize": "int8"}})
+    # a float checkpoint (or one this machine does not see) keeps the spec's own
+    assert default_validate_spec({**spec(), "method": "lora", "output_dir": "/tmp/x"})["lora"]["quantize"] == "none"
 
 
 def test_given_output_dir_is_kept_and_two_live_jobs_cannot_share_one(client, tmp_path):
