@@ -28,6 +28,11 @@ from horizon_ray.engine.layers import MicroBatch, rope_tables
 
 log = logging.getLogger(__name__)
 
+# Decode steps a batch layout runs eagerly before it is captured. A service's batch that requests join or leave
+# at every step is laid out anew each time, and capturing each layout (a warm-up step and the capture) would
+# cost more than its replays save; a layout that lasts this long is likely to last (one bucket is 256 steps).
+CAPTURE_AFTER_STEPS = 4
+
 
 def step_tables(cfg: Any, inv_freq: dict[str, torch.Tensor], kind: str, q_pos_BT: torch.Tensor,
                 k_pos_BS: torch.Tensor, k_valid_BS: torch.Tensor, self_TS: torch.Tensor, dtype: torch.dtype):
@@ -149,19 +154,24 @@ class DecodeGraphs:
         self.gen, self.capture = gen, capture
         self.cache: Any = None
         self.steps: dict[int, DecodeStep] = {}
+        self.eager_steps: dict[int, int] = {}  # bucket -> steps of the current cache run eagerly before capture
         self.failed = False
         self.replays = 0  # steps run through a DecodeStep (counted for tests and the bench)
 
     def run(self, cache: Any, h_B1D: torch.Tensor, pos_BS: torch.Tensor, valid_BS: torch.Tensor) -> torch.Tensor | None:
         """The logits of the decode step writing the cache's next slot, through the step of its current layout
-        (captured on first use); None where the eager step must run (host layers; a capture that failed)."""
+        (captured once the layout has run CAPTURE_AFTER_STEPS eager steps); None where the eager step runs (a
+        layout not yet captured, host layers, a capture that failed)."""
         if self.failed or cache.on_device < self.gen.model.num_layers:
             return None
         if cache is not self.cache:
-            self.cache, self.steps = cache, {}
+            self.cache, self.steps, self.eager_steps = cache, {}, {}
         seen = cache.visible(1)
         step = self.steps.get(seen)
         if step is None:
+            waited = self.eager_steps[seen] = self.eager_steps.get(seen, 0) + 1
+            if waited <= CAPTURE_AFTER_STEPS:
+                return None
             step = self.steps[seen] = DecodeStep(self.gen, cache, seen, self.capture)
         try:
             logits = step.run(h_B1D, pos_BS, valid_BS, cache.length)

@@ -9,6 +9,7 @@ resident model's decode steps as CUDA graphs (decode_graphs.py) and as eager ste
 import pytest
 import torch
 
+from horizon_ray.engine.decode_graphs import CAPTURE_AFTER_STEPS
 from horizon_ray.engine.generate import Generator
 from horizon_ray.engine.sampling import Request, SamplingParams
 
@@ -48,7 +49,8 @@ def test_greedy_on_cuda_equals_hf_on_the_cpu_in_fp32(hf):
                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert c.token_ids == want
     # the decode steps ran as captured CUDA graphs (decode_graphs.py), not the eager fallback
-    assert gen._graphs is not None and not gen._graphs.failed and gen._graphs.replays == 15
+    # (the first CAPTURE_AFTER_STEPS eagerly)
+    assert gen._graphs is not None and not gen._graphs.failed and gen._graphs.replays == 15 - CAPTURE_AFTER_STEPS
     assert all(step.graph is not None for step in gen._graphs.steps.values())
 
 
@@ -58,10 +60,11 @@ def test_resident_streamed_and_host_kv_agree_in_bf16(hf):
     resident = Generator.from_tensors(CFG, tensors, device="cuda", dtype="bfloat16")
     assert resident.resident
     want = [c.token_ids for c in resident.generate(reqs)]
-    assert resident._graphs is not None and not resident._graphs.failed and resident._graphs.replays == 15
+    assert resident._graphs is not None and not resident._graphs.failed
+    assert resident._graphs.replays == 15 - CAPTURE_AFTER_STEPS
     # a second call lays out a new cache: its steps are captured anew (the first call's graphs released)
     assert [c.token_ids for c in resident.generate(reqs)] == want
-    assert not resident._graphs.failed and resident._graphs.replays == 30
+    assert not resident._graphs.failed and resident._graphs.replays == 2 * (15 - CAPTURE_AFTER_STEPS)
     resident.decode_graphs = False  # the eager steps: the same kernels, launched one by one
     assert [c.token_ids for c in resident.generate(reqs)] == want
     del resident
