@@ -466,8 +466,10 @@ class JobSpec(_Section):
         """This spec with what its checkpoint decides written in, where this machine sees the model directory:
         a pre-quantized base's lora.quantize (model.quantize_for: the checkpoint's own, or a refusal naming the
         conflict), so that the job's record, and everything that shows it, says what trains."""
-        config = Path(self.model.path).expanduser() / "config.json"
-        if self.method != "lora" or self.lora is None or not config.is_file():
+        path = Path(self.model.path).expanduser()
+        config = path / "config.json"
+        # an absolute path only: a relative one means the directory the job runs in, not this process's
+        if self.method != "lora" or self.lora is None or not path.is_absolute() or not config.is_file():
             return self
         from horizon_ray.planner.shapes import load_model_shape
 

@@ -38,20 +38,20 @@ def model_host_bytes(model_dir: str | Path, dtype_bytes: int = 2) -> int:
     import torch
 
     from horizon_ray.engine import lora as lora_io
-    from horizon_ray.engine.model import ModelConfig, quantize_for, stored_nested, unit_layouts
+    from horizon_ray.engine.model import ModelConfig, stored_nested, unit_layouts
     from horizon_ray.engine.store import packed_layouts
 
-    path = Path(model_dir)
-    lora, quantize = None, "none"
+    path = base = Path(model_dir)
+    lora = None
     if lora_io.is_adapter_dir(path):
-        lora, base = lora_io.read_adapter_config(path)
-        quantize = lora_io.trained_base_quantize(path)
-        path = Path(base or "")
-    model = ModelConfig.load(path)
+        lora, named = lora_io.read_adapter_config(path)
+        base = Path(named or "")
+    model = ModelConfig.load(base)
     adapter = 4 * sum(a.numel for a in lora_io.adapter_layouts(model, lora)) if lora is not None else 0  # fp32
     layouts = unit_layouts(model)
     dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
-    packed = packed_layouts(layouts, quantize_for(model.hf, quantize), dtype, stored_nested(model.hf))
+    quantize = lora_io.generation_quantize(model.hf, path if lora is not None else None)
+    packed = packed_layouts(layouts, quantize, dtype, stored_nested(model.hf))
     weights_bytes = sum(p.nbytes if p is not None else u.numel * dtype_bytes for u, p in zip(layouts, packed))
     return weights_bytes + adapter + BASELINE_BYTES
 

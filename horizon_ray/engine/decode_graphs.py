@@ -20,6 +20,8 @@ step's and HF's.
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -32,6 +34,9 @@ log = logging.getLogger(__name__)
 # at every step is laid out anew each time, and capturing each layout (a warm-up step and the capture) would
 # cost more than its replays save; a layout that lasts this long is likely to last (one bucket is 256 steps).
 CAPTURE_AFTER_STEPS = 4
+# One capture at a time in a process: the pool's worker threads (one per model) may reach a capture together,
+# and a capture's entry synchronises the device and collects garbage.
+_CAPTURE = threading.Lock()
 
 
 def step_tables(cfg: Any, inv_freq: dict[str, torch.Tensor], kind: str, q_pos_BT: torch.Tensor,
@@ -48,10 +53,9 @@ def step_tables(cfg: Any, inv_freq: dict[str, torch.Tensor], kind: str, q_pos_BT
 
 
 def applies(gen: Any) -> bool:
-    """Whether this generator's decode steps can be graphs (the module doc's conditions, but the cache's)."""
-    cfg = gen.model
-    return (gen.resident and gen.device.type == "cuda" and not cfg.num_experts and gen.store.quantize == "none"
-            and hasattr(torch.cuda, "CUDAGraph"))
+    """Whether this generator's decode steps can run as static steps (the module doc's conditions, but the
+    cache's and the device's): resident weights, no mixture of experts, no quantized base."""
+    return gen.resident and not gen.model.num_experts and gen.store.quantize == "none"
 
 
 class _GraphCache:
@@ -72,6 +76,8 @@ class DecodeStep:
     record it as a CUDA graph (replayed by ``run``); otherwise ``run`` executes the same step directly."""
 
     def __init__(self, gen: Any, cache: Any, seen: int, capture: bool):
+        """``gen``: a weak proxy of the generator (the generator holds its steps; they must not keep it alive:
+        the pool frees an unloaded model's GPU memory by dropping it)."""
         cfg, dev = gen.model, gen.device
         B = cache.rows
         self.gen, self.cache, self.seen, self.cfg = gen, cache, seen, cfg
@@ -101,8 +107,9 @@ class DecodeStep:
         graph = torch.cuda.CUDAGraph()
         # a private memory pool of its own: a pool handle shared by graphs is released with the last of them,
         # and a capture into a released pool fails an allocator assert (seen on the H200 once a re-laid-out cache
-        # dropped the old graphs); a step's intermediates are a few rows of activations and the logits
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        # dropped the old graphs); a step's intermediates are a few rows of activations and the logits. A
+        # stream of its own too (torch's default capture stream is one per process).
+        with _CAPTURE, torch.cuda.graph(graph, stream=torch.cuda.Stream(dev), capture_error_mode="thread_local"):
             self._body()
         self.graph = graph
 
@@ -147,42 +154,59 @@ class DecodeStep:
 
 
 class DecodeGraphs:
-    """A generator's decode steps by batch layout, for the cache in use (a cache laid out again drops the steps
-    of the old one, whose buffers they hold)."""
+    """A generator's decode steps by batch layout, for the cache in use: the steps of one cache and its newest
+    bucket (a cache's length only grows; a cache laid out again, or a session that ended, ``release``s them and
+    the buffers they hold)."""
 
     def __init__(self, gen: Any, capture: bool):
-        self.gen, self.capture = gen, capture
+        self.gen = weakref.proxy(gen)  # the generator holds this; this must not keep it alive (DecodeStep)
+        self.capture = capture
         self.cache: Any = None
         self.steps: dict[int, DecodeStep] = {}
         self.eager_steps: dict[int, int] = {}  # bucket -> steps of the current cache run eagerly before capture
         self.failed = False
         self.replays = 0  # steps run through a DecodeStep (counted for tests and the bench)
+        self.captured = 0  # CUDA graphs captured
 
-    def run(self, cache: Any, h_B1D: torch.Tensor, pos_BS: torch.Tensor, valid_BS: torch.Tensor) -> torch.Tensor | None:
-        """The logits of the decode step writing the cache's next slot, through the step of its current layout
-        (captured once the layout has run CAPTURE_AFTER_STEPS eager steps); None where the eager step runs (a
-        layout not yet captured, host layers, a capture that failed)."""
+    def release(self) -> None:
+        """Drop the steps (their graphs, memory pools and hold on the cache): the cache is about to go."""
+        self.cache, self.steps, self.eager_steps = None, {}, {}
+
+    def step_for(self, cache: Any) -> DecodeStep | None:
+        """The step of the cache's current layout, made once the layout has run CAPTURE_AFTER_STEPS eager steps;
+        None where the eager step runs (a layout not yet captured, host layers, a capture that failed)."""
         if self.failed or cache.on_device < self.gen.model.num_layers:
             return None
         if cache is not self.cache:
-            self.cache, self.steps, self.eager_steps = cache, {}, {}
+            self.release()
+            self.cache = cache
         seen = cache.visible(1)
         step = self.steps.get(seen)
         if step is None:
             waited = self.eager_steps[seen] = self.eager_steps.get(seen, 0) + 1
             if waited <= CAPTURE_AFTER_STEPS:
                 return None
-            step = self.steps[seen] = DecodeStep(self.gen, cache, seen, self.capture)
+            # the smaller buckets' steps never run again: the cache's length only grows
+            self.steps = {seen: DecodeStep(self.gen, cache, seen, self.capture)}
+            step = self.steps[seen]
+        return step
+
+    def run(self, step: DecodeStep, h_B1D: torch.Tensor, pos_BS: torch.Tensor,
+            valid_BS: torch.Tensor) -> torch.Tensor | None:
+        """The logits of ``step`` (step_for's) writing its cache's next slot; None when its capture failed (the
+        eager step then runs, from now on: the warm-up wrote this step's keys and values, the eager step
+        writes the same)."""
+        fresh = step.capture and step.graph is None
         try:
-            logits = step.run(h_B1D, pos_BS, valid_BS, cache.length)
+            logits = step.run(h_B1D, pos_BS, valid_BS, step.cache.length)
         except Exception as exc:
             if not step.capture or step.graph is not None:
                 raise
-            # a kernel that cannot be captured: the eager step, from now on (the warm-up wrote this step's keys
-            # and values; the eager step writes the same)
             log.warning("the decode step was not captured as a CUDA graph (%s: %s); it runs eagerly",
                         type(exc).__name__, exc)
-            self.failed, self.steps, self.cache = True, {}, None
+            self.release()
+            self.failed = True
             return None
         self.replays += 1
+        self.captured += fresh
         return logits

@@ -39,7 +39,7 @@ from horizon_ray.engine.config import resolve_device
 from horizon_ray.engine.fence import Fence
 from horizon_ray.engine.kernels import Kernels, resolve_kernels
 from horizon_ray.engine.layers import LoraCall, MicroBatch, Template
-from horizon_ray.engine.model import QUANTIZE, ModelConfig, quantize_for, stored_nested, unit_layouts
+from horizon_ray.engine.model import ModelConfig, stored_nested, unit_layouts
 from horizon_ray.engine.pinned import HostBuffers
 from horizon_ray.engine.sampling import Completion, Delta, Request, SamplingParams
 from horizon_ray.engine.slots import DeviceWeights, HostWeights
@@ -193,8 +193,8 @@ class Generator:
         # layers whose KV cache stays on the device: None, as the budget leaves room (``_device_kv_layers``);
         # a number caps it (0: every layer's cache in pinned host memory), for tests and measurements
         self.kv_layers_on_device: int | None = None
-        # decode steps as CUDA graphs (decode_graphs.py): None, where they apply; False: never; True: also the
-        # static-buffer step without a graph on the CPU (tests)
+        # decode steps as CUDA graphs (decode_graphs.py): None, where they apply; False: never; True: on the CPU
+        # too, as the static-buffer step without a graph (tests)
         self.decode_graphs: bool | None = None
         self._graphs: decode_graphs.DecodeGraphs | None = None
         if device.type == "cuda":
@@ -251,11 +251,7 @@ class Generator:
             raise BadInput(f"{path} is not a directory: point at an HF model directory or a PEFT adapter directory")
         model = ModelConfig.load(base)
         adapters = lora_io.adapter_layouts(model, lora) if lora is not None else []
-        if quantize is None:
-            quantize = lora_io.trained_base_quantize(path) if lora is not None else "none"
-        if quantize not in QUANTIZE:
-            raise BadInput(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
-        quantize = quantize_for(model.hf, quantize)
+        quantize = lora_io.generation_quantize(model.hf, path if lora is not None else None, quantize)
         store = HostStore(unit_layouts(model), dt, dt, pin=dev.type == "cuda", adapter_layouts=adapters,
                           quantize=quantize, nested=stored_nested(model.hf))
         io.load_into(store, base, model.tie_word_embeddings, device=dev)
@@ -405,9 +401,10 @@ class Generator:
         (on the device)."""
         W, units, k = self.weights, self.units, self._step()
         graphs = self._decode_graphs() if ids_BT.shape[1] == 1 and isinstance(cache, KVCache) else None
-        if graphs is not None:
-            logits = graphs.run(cache, self._embed(ids_BT, ids_BT.to(self.device, non_blocking=True), k),
-                                pos_BS, valid_BS)
+        step = graphs.step_for(cache) if graphs is not None else None
+        if graphs is not None and step is not None:
+            h = self._embed(ids_BT, ids_BT.to(self.device, non_blocking=True), k)
+            logits = graphs.run(step, h, pos_BS, valid_BS)
             if logits is not None:
                 cache.advance(1)
                 return logits
@@ -444,8 +441,10 @@ class Generator:
 
     def _decode_graphs(self) -> decode_graphs.DecodeGraphs | None:
         """Where decode steps run through decode_graphs.py (``decode_graphs``), its steps; else None."""
-        want = self.decode_graphs if self.decode_graphs is not None else decode_graphs.applies(self)
-        if not want:
+        # True lifts only the device's condition (the static step runs on the CPU without a graph)
+        if self.decode_graphs is False or not decode_graphs.applies(self):
+            return None
+        if self.decode_graphs is None and not (self.device.type == "cuda" and hasattr(torch.cuda, "CUDAGraph")):
             return None
         if self._graphs is None:
             self._graphs = decode_graphs.DecodeGraphs(self, capture=self.device.type == "cuda")
@@ -481,7 +480,9 @@ class Session:
         self._empty()
 
     def _empty(self) -> None:
-        """No row: the cache goes."""
+        """No row: the cache goes (and the decode steps that hold it)."""
+        if self.gen._graphs is not None:
+            self.gen._graphs.release()
         self.cache: KVCache | None = None
         self.pos = torch.zeros(0, 0, dtype=torch.long)  # [B, S] each slot's position in its row
         self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [B, S] slots holding a token of the row
@@ -578,6 +579,8 @@ class Session:
         slots from n2 on its next tokens (at positions ``next_pos`` on). Rows past len(live) are the caller's
         to fill below n2 (the prompts of rows that join)."""
         gen = self.gen
+        if gen._graphs is not None:  # the old cache's steps go before the new cache takes their room
+            gen._graphs.release()
         on_device = gen._device_kv_layers(B, S, T, held=self._held())
         cache = KVCache(gen.model, B, S, gen.dtype, gen.device, on_device, gen._buffers)
         pos = torch.zeros(B, S, dtype=torch.long)

@@ -303,6 +303,16 @@ def save_adapter(adapters, lora: LoraConfig, base_model: str | None, out_dir: Pa
     return out_dir
 
 
+def generation_quantize(hf: dict, adapter_dir: Path | None, requested: str | None = None) -> str:
+    """How generation keeps a base (model.QUANTIZE): ``requested``, else as the adapter in ``adapter_dir`` was
+    trained (its QUANTIZED_BASE), else in the compute dtype; a pre-quantized checkpoint as it is stored."""
+    if requested is None:
+        requested = trained_base_quantize(adapter_dir) if adapter_dir is not None else "none"
+    if requested not in QUANTIZE:
+        raise BadInput(f"quantize must be one of {', '.join(QUANTIZE)}, got {requested!r}")
+    return quantize_for(hf, requested)
+
+
 def trained_base_quantize(adapter_dir: Path) -> str:
     """The quantization of the base an adapter was trained on ("none": a float base, or not recorded)."""
     path = Path(adapter_dir) / QUANTIZED_BASE

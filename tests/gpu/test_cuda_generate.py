@@ -51,7 +51,8 @@ def test_greedy_on_cuda_equals_hf_on_the_cpu_in_fp32(hf):
     # the decode steps ran as captured CUDA graphs (decode_graphs.py), not the eager fallback
     # (the first CAPTURE_AFTER_STEPS eagerly)
     assert gen._graphs is not None and not gen._graphs.failed and gen._graphs.replays == 15 - CAPTURE_AFTER_STEPS
-    assert all(step.graph is not None for step in gen._graphs.steps.values())
+    assert gen._graphs.captured == 1  # one layout, one bucket
+    assert gen._graphs.cache is None and not gen._graphs.steps  # released with the session
 
 
 def test_resident_streamed_and_host_kv_agree_in_bf16(hf):
@@ -65,6 +66,7 @@ def test_resident_streamed_and_host_kv_agree_in_bf16(hf):
     # a second call lays out a new cache: its steps are captured anew (the first call's graphs released)
     assert [c.token_ids for c in resident.generate(reqs)] == want
     assert not resident._graphs.failed and resident._graphs.replays == 2 * (15 - CAPTURE_AFTER_STEPS)
+    assert resident._graphs.captured == 2
     resident.decode_graphs = False  # the eager steps: the same kernels, launched one by one
     assert [c.token_ids for c in resident.generate(reqs)] == want
     del resident
