@@ -37,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from horizon_ray.bench.metrics import host_peak_rss, host_rss  # noqa: E402
 from horizon_ray.bench.shapes import hf_config, resolve_shape  # noqa: E402
 
 SYSTEMS = ("horizon-ray", "trl")
@@ -84,8 +85,28 @@ def run_ours(args, tokens: int) -> dict:
     sync()
     timed = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() if eng.device.type == "cuda" else 0
+    rss = host_rss()  # with every buffer of the step still resident, as the bench measures it
     eng.close()
-    return {"losses": losses, "reference_s": reference_s, "timed_s": timed, "peak_gpu_bytes": peak}
+    planned = _planned_host_bytes(args, shape, len(steps[0]))
+    return {"losses": losses, "reference_s": reference_s, "timed_s": timed, "peak_gpu_bytes": peak,
+            "host_rss_bytes": rss, "host_peak_rss_bytes": host_peak_rss(), **planned,
+            "rss_vs_plan": round(rss / planned["planned_host_bytes"], 4) if planned.get("planned_host_bytes") else None}
+
+
+def _planned_host_bytes(args, shape, accum: int) -> dict:
+    """The planner's host bytes for this engine (a DPO job's are SFT's with the same settings, plus 4 bytes a row
+    of reference log-probs: planner.planning._with_preference), with its error where it cannot plan."""
+    from horizon_ray.bench.planning import planned_bytes
+    from horizon_ray.engine import EngineConfig
+    from horizon_ray.workload import Adapters
+
+    lora = Adapters(r=args.lora_r, targets=LORA_TARGETS) if args.method == "lora" else None
+    plan = planned_bytes(shape, mode="lora" if lora else "exact", seq=args.seq, micro=args.micro, accum=accum,
+                         checkpoint_every=args.checkpoint_every,
+                         dtype="bfloat16" if args.device != "cpu" else "float32", device=args.device,
+                         gpu_budget_bytes=None, loss_chunk=EngineConfig().loss_chunk_tokens, offload="auto",
+                         lora=lora)
+    return {k: plan[k] for k in ("planned_host_bytes", "plan_error") if k in plan}
 
 
 def _trl_stub(model, beta: float):

@@ -1,0 +1,34 @@
+"""benchmarks/dpo.py, the DPO comparison the GPU box runs, on the CPU at the tiny shape: both systems run in
+their child processes (the repository first on their path), on the same pairs, and their records carry what
+the issue's targets read (tokens/s and the ratio to TRL, the reference pass apart, host RSS against the plan)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_dpo_bench_runs_both_systems_and_records_rss_against_the_plan(tmp_path):
+    out = tmp_path / "dpo.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dpo.py"), "--shape", "tiny", "--device", "cpu",
+                           "--steps", "1", "--method", "lora", "--tokens-per-step", "512", "--seq", "64",
+                           "--micro", "4", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours, trl = json.loads(out.read_text())
+    assert (ours["system"], trl["system"]) == ("horizon-ray", "trl")
+    assert ours["status"] == trl["status"] == "ok"
+    # the first timed step's loss: one step of lr 1e-6 from the reference, so ln 2 for every pair, on both sides
+    # (each side its own random init)
+    assert ours["losses"][0] == pytest.approx(math.log(2), abs=1e-3)
+    assert trl["losses"][0] == pytest.approx(math.log(2), abs=1e-3)
+    assert ours["ratio_trl"] == round(ours["tokens_per_s"] / trl["tokens_per_s"], 3)
+    assert ours["reference_s"] > 0 and ours["total_s"] > ours["timed_s"]
+    assert ours["planned_host_bytes"] > 0 and "plan_error" not in ours
+    assert ours["rss_vs_plan"] == round(ours["host_rss_bytes"] / ours["planned_host_bytes"], 4)
+    assert 0.1 < ours["rss_vs_plan"] < 1.5  # the plan counts a process's baseline; a tiny model is mostly that
