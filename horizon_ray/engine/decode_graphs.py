@@ -52,6 +52,24 @@ def step_tables(cfg: Any, inv_freq: dict[str, torch.Tensor], kind: str, q_pos_BT
     return cos, sin, (allowed | self_TS[None])[:, None]
 
 
+def step_microbatch(cfg: Any, inv_freq: dict[str, torch.Tensor], q_pos_BT: torch.Tensor, k_pos_BS: torch.Tensor,
+                    k_valid_BS: torch.Tensor, self_TS: torch.Tensor, dtype: torch.dtype, ids_host_BT: torch.Tensor,
+                    ids_BT: torch.Tensor, cache: Any, to: Any = None) -> MicroBatch:
+    """A generation call's MicroBatch: the tables (``step_tables``) of its layers' kinds, each through ``to``
+    (the eager step's copy to the device; none for the static step, whose tables are built there)."""
+    kinds = set(cfg.layer_types)
+    main = "full_attention" if "full_attention" in kinds else "sliding_attention"
+
+    def tables(kind: str) -> tuple:
+        tabs = step_tables(cfg, inv_freq, kind, q_pos_BT, k_pos_BS, k_valid_BS, self_TS, dtype)
+        return tuple(to(t) for t in tabs) if to is not None else tabs
+
+    cos, sin, mask = tables(main)
+    return MicroBatch(input_ids_host=ids_host_BT, input_ids_BT=ids_BT, targets_BT=ids_BT.new_full(ids_BT.shape, -100),
+                      cos_BTd=cos, sin_BTd=sin, mask_B1TT=mask, n_targets=0,
+                      sliding=tables("sliding_attention") if len(kinds) > 1 else None, cache=cache)
+
+
 def applies(gen: Any) -> bool:
     """Whether this generator's decode steps can run as static steps (the module doc's conditions, but the
     cache's and the device's): resident weights, no mixture of experts, no quantized base."""
@@ -118,18 +136,8 @@ class DecodeStep:
         once more than the replay: the same values into the same slot)."""
         cfg, gen = self.cfg, self.gen
         self_1S = (self.slots_S == self.n_1)[None, :]
-
-        def tables(kind: str) -> tuple:
-            return step_tables(cfg, self.inv_freq, kind, self.q_pos_B1, self.k_pos_BS, self.k_valid_BS, self_1S,
-                               gen.dtype)
-
-        kinds = set(cfg.layer_types)
-        main = "full_attention" if "full_attention" in kinds else "sliding_attention"
-        cos, sin, mask = tables(main)
-        mb = MicroBatch(input_ids_host=self.q_pos_B1, input_ids_BT=self.q_pos_B1, targets_BT=self.q_pos_B1,
-                        cos_BTd=cos, sin_BTd=sin, mask_B1TT=mask, n_targets=0,
-                        sliding=tables("sliding_attention") if len(kinds) > 1 else None,
-                        cache=_GraphCache(self.cache, self.n_1, self.seen))
+        mb = step_microbatch(cfg, self.inv_freq, self.q_pos_B1, self.k_pos_BS, self.k_valid_BS, self_1S, gen.dtype,
+                             self.q_pos_B1, self.q_pos_B1, _GraphCache(self.cache, self.n_1, self.seen))
         h = self.h_B1D
         for j in range(cfg.num_layers):
             h = gen.template.layer(h, self.layer_weights[j], mb, self.lora, j=j)

@@ -382,19 +382,9 @@ class Generator:
         q_pos_BT = pos_BS[:, n:n + T]
         k_pos_BS, k_valid_BS = pos_BS[:, :seen], valid_BS[:, :seen]
         self_TS = torch.arange(seen)[None, :] == (n + torch.arange(T))[:, None]
-
-        def tables(kind: str) -> tuple:
-            tabs = decode_graphs.step_tables(cfg, self.template.inv_freq, kind, q_pos_BT, k_pos_BS, k_valid_BS,
-                                             self_TS, dt)
-            return tuple(t.to(dev, non_blocking=True) for t in tabs)
-
-        kinds = set(cfg.layer_types)
-        main = "full_attention" if "full_attention" in kinds else "sliding_attention"
-        cos, sin, mask = tables(main)
-        return MicroBatch(
-            input_ids_host=ids_BT, input_ids_BT=ids_BT.to(dev, non_blocking=True),
-            targets_BT=ids_BT.new_full(ids_BT.shape, -100), cos_BTd=cos, sin_BTd=sin, mask_B1TT=mask, n_targets=0,
-            sliding=tables("sliding_attention") if len(kinds) > 1 else None, cache=cache)
+        return decode_graphs.step_microbatch(cfg, self.template.inv_freq, q_pos_BT, k_pos_BS, k_valid_BS, self_TS,
+                                             dt, ids_BT, ids_BT.to(dev, non_blocking=True), cache,
+                                             to=lambda t: t.to(dev, non_blocking=True))
 
     def _forward(self, ids_BT, pos_BS, valid_BS, cache: KVCache | _JoiningRows) -> torch.Tensor:
         """One pass of T tokens per row through every layer; the float32 logits of each row's last token [B, V]
