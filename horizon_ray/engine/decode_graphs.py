@@ -37,6 +37,12 @@ CAPTURE_AFTER_STEPS = 4
 # One capture at a time in a process: the pool's worker threads (one per model) may reach a capture together,
 # and a capture's entry synchronises the device and collects garbage.
 _CAPTURE = threading.Lock()
+# The stream each device's warm-ups and captures run on, made once (under _CAPTURE). cuBLAS keeps a workspace
+# for every stream it runs on (32 MiB on the H200) in the caching allocator until the process ends: a new
+# stream for each capture (one for each generate call's cache layout) grew a serving process's allocated GPU
+# memory by the workspaces of up to torch's pool of 32 streams, memory no plan counts (on the H200, after the
+# generation tests' six captures, a training run's peak stood 173 MiB above its plan: about five workspaces).
+_STREAMS: dict[torch.device, Any] = {}
 
 
 def step_tables(cfg: Any, inv_freq: dict[str, torch.Tensor], kind: str, q_pos_BT: torch.Tensor,
@@ -117,18 +123,22 @@ class DecodeStep:
     def _capture(self) -> None:
         """Warm up (on this step's real inputs: the warm-up is a step) and record the graph."""
         dev = self.gen.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up outside the capture: Triton builds, cuDNN plans, cuBLAS workspace
-            self._body()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # a private memory pool of its own: a pool handle shared by graphs is released with the last of them,
-        # and a capture into a released pool fails an allocator assert (seen on the H200 once a re-laid-out cache
-        # dropped the old graphs); a step's intermediates are a few rows of activations and the logits. A
-        # stream of its own too (torch's default capture stream is one per process).
-        with _CAPTURE, torch.cuda.graph(graph, stream=torch.cuda.Stream(dev), capture_error_mode="thread_local"):
-            self._body()
+        with _CAPTURE:
+            stream = _STREAMS.get(dev)
+            if stream is None:
+                stream = _STREAMS[dev] = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):  # warm-up outside the capture: Triton builds, cuDNN plans, cuBLAS
+                self._body()
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # a private memory pool of its own: a pool handle shared by graphs is released with the last of them,
+            # and a capture into a released pool fails an allocator assert (seen on the H200 once a re-laid-out
+            # cache dropped the old graphs); a step's intermediates are a few rows of activations and the logits.
+            # The module's stream, not torch's default capture stream (one per process, whose workspace the
+            # warm-up would not have made).
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                self._body()
         self.graph = graph
 
     def _body(self) -> None:

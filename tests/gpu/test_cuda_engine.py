@@ -1,11 +1,12 @@
 """The CUDA pipeline against the CPU path (run on the GPU box: pytest -m gpu tests/gpu)."""
 
-import gc
+from functools import partial
 
 import pytest
 import torch
 
 from horizon_ray.engine import Engine, EngineConfig
+from tests.gpu.memory import peak_added
 from tests.tiny import assert_close_but_adam_roundoff, llama_config, random_batches, step_grads
 
 pytestmark = pytest.mark.gpu
@@ -120,12 +121,8 @@ def test_host_buffers_are_pinned_at_their_exact_size():
 def test_peak_gpu_memory_flat_when_layers_double():
     peaks = []
     for layers in (8, 16):
-        gc.collect()  # the previous engine's device buffers must not count
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
         cfg = llama_config(layers, hidden=1024, inter=2816, vocab=8192, heads=16, kv=4)
-        _run("cuda", cfg, steps=2, micro=2, dtype="bfloat16", checkpoint_every=1)
-        peaks.append(torch.cuda.max_memory_allocated())
+        peaks.append(peak_added(partial(_run, "cuda", cfg, steps=2, micro=2, dtype="bfloat16", checkpoint_every=1)))
     # checkpoints are offloaded to the host; weights slots, accumulators and workspace do not depend on L
     print("peak GPU bytes at 8 and 16 layers:", peaks)
     assert peaks[1] <= peaks[0] * 1.05, peaks

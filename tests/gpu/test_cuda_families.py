@@ -7,12 +7,12 @@ Gemma RMSNorm (offset 1, "gemma" casting) and its soft-capped cross-entropy, tor
 experts in bf16, and the blockwise soft-capped attention on the device.
 """
 
-import gc
 
 import pytest
 import torch
 
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig
+from tests.gpu.memory import peak_added
 from tests.tiny import assert_close_but_adam_roundoff, random_batches, step_grads
 
 pytestmark = pytest.mark.gpu
@@ -174,16 +174,16 @@ def test_moe_peak_gpu_memory_within_the_plan():
     cfg = {**FAMILIES["qwen3_moe"], "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4,
            "head_dim": 64, "moe_intermediate_size": 256, "num_experts": 32, "num_experts_per_tok": 4,
            "num_hidden_layers": 6, "vocab_size": 4096}
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
     micro, T, B = 2, 512, 4
     torch.backends.cuda.matmul.allow_tf32 = False
-    eng = Engine.from_config(cfg, EngineConfig(device="cuda", compute_dtype="bfloat16", checkpoint_every=2))
-    for mbs in random_batches(2, micro, B=B, T=T, prompt=4, vocab=cfg["vocab_size"]):
-        eng.train_step(mbs)
-    eng.close()
-    peak = torch.cuda.max_memory_allocated()
+
+    def train():
+        eng = Engine.from_config(cfg, EngineConfig(device="cuda", compute_dtype="bfloat16", checkpoint_every=2))
+        for mbs in random_batches(2, micro, B=B, T=T, prompt=4, vocab=cfg["vocab_size"]):
+            eng.train_step(mbs)
+        eng.close()
+
+    peak = peak_added(train)
     p = plan(cfg, compute_dtype="bfloat16", device="cuda", seq_len=T, micro_batch_size=B, grad_accum=micro,
              checkpoint_every=2)
     planned = p.gpu_bytes - CUDA_CONTEXT_BYTES

@@ -7,12 +7,14 @@ changes the numbers), its numerics against the CPU (which test_engine_lora.py pi
 memory: flat in the layer count, within the plan.
 """
 
-import gc
+
+from functools import partial
 
 import pytest
 import torch
 
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig
+from tests.gpu.memory import peak_added
 from tests.tiny import assert_close_but_adam_roundoff, llama_config, random_batches, step_grads
 
 pytestmark = pytest.mark.gpu
@@ -144,13 +146,9 @@ def test_host_and_device_buffers():
 def test_peak_gpu_memory_flat_when_layers_double():
     peaks = []
     for layers in (8, 16):
-        gc.collect()  # the previous engine's device buffers must not count
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
         cfg = llama_config(layers, hidden=1024, inter=2816, vocab=8192, heads=16, kv=4)
-        _run("cuda", cfg, steps=2, micro=2, dtype="bfloat16", lora=LoraConfig(r=16, targets=ALL),
-             checkpoint_every=1)
-        peaks.append(torch.cuda.max_memory_allocated())
+        peaks.append(peak_added(partial(_run, "cuda", cfg, steps=2, micro=2, dtype="bfloat16",
+                                        lora=LoraConfig(r=16, targets=ALL), checkpoint_every=1)))
     # checkpoints are offloaded and adapters travel with their layer: nothing on the device grows with L
     print("peak GPU bytes at 8 and 16 layers (LoRA):", peaks)
     assert peaks[1] <= peaks[0] * 1.05, peaks
@@ -160,13 +158,9 @@ def test_peak_gpu_memory_within_the_plan():
     from horizon_ray.planner import CUDA_CONTEXT_BYTES, Adapters, plan
 
     cfg = llama_config(8, hidden=1024, inter=2816, vocab=8192, heads=16, kv=4)
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
     micro, T, B = 2, 512, 4  # 4096 tokens a step: the activations, not the cuBLAS workspace, dominate
-    _run("cuda", cfg, steps=2, micro=micro, dtype="bfloat16", lora=LoraConfig(r=16, targets=ALL), B=B, T=T,
-         checkpoint_every=2)
-    peak = torch.cuda.max_memory_allocated()
+    peak = peak_added(lambda: _run("cuda", cfg, steps=2, micro=micro, dtype="bfloat16",
+                                   lora=LoraConfig(r=16, targets=ALL), B=B, T=T, checkpoint_every=2))
     p = plan(cfg, method="lora", lora=Adapters(r=16, targets=ALL), compute_dtype="bfloat16", device="cuda",
              seq_len=T, micro_batch_size=B, grad_accum=micro, checkpoint_every=2)
     planned = p.gpu_bytes - CUDA_CONTEXT_BYTES
