@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from horizon_ray.bench.shapes import resolve_shape
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -29,6 +31,11 @@ def test_the_dpo_bench_runs_both_systems_and_records_rss_against_the_plan(tmp_pa
     assert trl["losses"][0] == pytest.approx(math.log(2), abs=1e-3)
     assert ours["ratio_trl"] == round(ours["tokens_per_s"] / trl["tokens_per_s"], 3)
     assert ours["reference_s"] > 0 and ours["total_s"] > ours["timed_s"]
+    # the engine runs every layer again in the backward; transformers, checkpointing every 4th layer of the
+    # tiny shape's, only the first of them
+    layers = resolve_shape("tiny").num_layers
+    assert ours["recomputed_layers"] == 1.0
+    assert trl["recomputed_layers"] == round(len(range(0, layers, 4)) / layers, 4) < 1
     assert ours["planned_host_bytes"] > 0 and "plan_error" not in ours
     assert ours["rss_vs_plan"] == round(ours["host_rss_bytes"] / ours["planned_host_bytes"], 4)
     assert 0.1 < ours["rss_vs_plan"] < 1.5  # the plan counts a process's baseline; a tiny model is mostly that
