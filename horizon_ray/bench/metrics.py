@@ -233,3 +233,10 @@ def base_record(system: str, shape, *, mode: str, dtype: str, device: str, devic
         rollbacks=None,  # horizon-ray, speculative update: rollbacks during the timed steps
     )
     return rec
+
+
+def bound_line(b: dict) -> str:
+    """The bound's arithmetic in one line (printed beside each benchmark row)."""
+    return (f"PCIe {b['h2d_bytes'] / 1e9:.1f} GB in + {b['d2h_bytes'] / 1e9:.1f} GB out = {b.get('pcie_s', 0):.2f} s; "
+            f"host update {b['host_update_bytes'] / 1e9:.1f} GB = {b.get('optimizer_s', 0):.2f} s; "
+            f"GPU {b['gpu_flops'] / 1e12:.0f} TFLOP = {b.get('compute_s', 0):.2f} s; bound: {b['bound']}")

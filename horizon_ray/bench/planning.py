@@ -61,13 +61,6 @@ def bound_arithmetic(t: dict) -> dict:
     return out
 
 
-def bound_line(b: dict) -> str:
-    """The bound's arithmetic in one line (printed beside each benchmark row)."""
-    return (f"PCIe {b['h2d_bytes'] / 1e9:.1f} GB in + {b['d2h_bytes'] / 1e9:.1f} GB out = {b.get('pcie_s', 0):.2f} s; "
-            f"host update {b['host_update_bytes'] / 1e9:.1f} GB = {b.get('optimizer_s', 0):.2f} s; "
-            f"GPU {b['gpu_flops'] / 1e12:.0f} TFLOP = {b.get('compute_s', 0):.2f} s; bound: {b['bound']}")
-
-
 def _plan(shape, mode, seq, micro, accum, checkpoint_every, dtype, device, gpu_budget_bytes, loss_chunk, offload,
           lora=None, update="exact"):
     return plan(shape, method="lora" if mode == "lora" else "full", mode=mode, seq_len=seq,

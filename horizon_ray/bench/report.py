@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from horizon_ray.bench.metrics import IN_GPU, PEERS, REQUIRED_KEYS, SYSTEMS, UPDATE_MODES, kind
+from horizon_ray.bench.metrics import IN_GPU, PEERS, REQUIRED_KEYS, SYSTEMS, UPDATE_MODES, bound_line, kind
 
 GiB = 2**30
 MEASURED_TFLOPS = 786.5
@@ -236,8 +236,13 @@ def _bound(r: dict, base: dict | None) -> str:
                      f"{r['planned_gpu_bytes'] / GiB:.1f} GiB planned")
     if r.get("device") == "cpu":
         bound = "the CPU"
-    # a diagnosis the fields cannot show (e.g. found after the run) is recorded with the run itself
-    bound = r.get("bound") or bound
+    recorded = r.get("bound")
+    if isinstance(recorded, dict):  # the planner's roofline for the run (bench/planning.bound_arithmetic)
+        parts.append(f"the plan's arithmetic: {bound_line(recorded)}")
+        if bound == "GPU compute" and r.get("gpu_compute_s") is None and recorded.get("bound"):
+            bound = f"{recorded['bound']}, by the plan's roofline (no profiled step)"  # measured nothing better
+    elif recorded:  # a diagnosis the fields cannot show (e.g. found after the run), recorded with the run itself
+        bound = recorded
     if r.get("note"):
         parts.append(r["note"])
     return f"Bound by {bound}: " + "; ".join(parts) + "."

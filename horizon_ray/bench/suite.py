@@ -30,11 +30,12 @@ from horizon_ray.bench.metrics import (
     PEFT,
     SYSTEMS,
     base_record,
+    bound_line,
     host_ram_bytes,
     parse_updates,
     unavailable,
 )
-from horizon_ray.bench.planning import bound_line, largest_shape, lora_settings, planned_bytes
+from horizon_ray.bench.planning import largest_shape, lora_settings, planned_bytes
 from horizon_ray.bench.report import compute_ratios, write_json, write_report
 from horizon_ray.bench.shapes import FIND_LARGEST_SHAPES, model_flops_per_token, resolve_shape
 from horizon_ray.planner.shapes import adapter_params

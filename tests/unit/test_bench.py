@@ -371,6 +371,25 @@ def test_what_bounds_a_lora_row_counts_the_adapters():
     assert full["trainable_params"] == full["params"] == 7_615_616_512
 
 
+def test_a_rows_planned_bound_is_written_as_its_arithmetic():
+    """A record's ``bound`` is the planner's roofline (a dict, since the records of 2026-12-01) or a diagnosis
+    recorded with the run (a string): the first is written as bytes, FLOPs and seconds, not as a dict."""
+    from horizon_ray.bench.report import _bound
+
+    rec = _run("horizon-ray", 6818.6, tokens=16384)
+    rec.update(step_s=2.403, optimizer_update_s=0.25, exposed_optimizer_s=0.0,
+               bound={"h2d_bytes": 124182629376, "d2h_bytes": 5791285248, "host_update_bytes": 17990418432,
+                      "gpu_flops": 322105367330816.0, "bound": "pcie", "pcie_s": 2.23, "optimizer_s": 0.238,
+                      "compute_s": 0.569, "exposed_s": 0.011, "step_s": 2.242})
+    text = _bound(rec, None)
+    # no profiled step split the measured time: what bounds it is the plan's word
+    assert text.startswith("Bound by pcie, by the plan's roofline (no profiled step): ") and "{" not in text
+    assert ("the plan's arithmetic: PCIe 124.2 GB in + 5.8 GB out = 2.23 s; host update 18.0 GB = 0.24 s; "
+            "GPU 322 TFLOP = 0.57 s; bound: pcie") in text
+    rec["bound"] = "the optimizer kernel holding the GIL"
+    assert _bound(rec, None).startswith("Bound by the optimizer kernel holding the GIL: ")
+
+
 def test_host_rss_is_compared_with_the_largest_plan_the_process_ran():
     from horizon_ray.bench.engine_run import accumulations, rss_plan
     from horizon_ray.bench.report import _bound
