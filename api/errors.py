@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -35,7 +36,7 @@ from horizon_ray.cluster.errors import (
     Unauthorized,
 )
 from horizon_ray.errors import BadInput
-from horizon_ray.jobspec import spec_error
+from horizon_ray.jobspec import JobSpec, spec_error
 
 log = logging.getLogger("api")
 
@@ -179,9 +180,10 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     errors = exc.errors()
     inside = [e for e in errors if tuple(e.get("loc", ()))[:1] == ("body",) and len(e.get("loc", ())) > 1
               and e.get("type") != "json_invalid"]
-    if inside:  # within the JSON object of a body: the only such bodies are job specs
-        bad = spec_error({**inside[0], "loc": tuple(inside[0]["loc"])[1:]})
-        return error_response(422, InvalidSpec.code, bad.message, field=bad.field)
+    if inside:  # within the JSON object of a body: a job spec, or another model (a generation request)
+        root = _body_model(request)
+        bad = spec_error({**inside[0], "loc": tuple(inside[0]["loc"])[1:]}, root)
+        return error_response(422, InvalidSpec.code if root is JobSpec else "bad_input", bad.message, field=bad.field)
     details = [
         {"field": _loc_to_field(e.get("loc", ()), e.get("type", "")), "message": e.get("msg", ""),
          "type": e.get("type", "")}
@@ -190,6 +192,14 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     first = details[0] if details else {"field": "", "message": "invalid request"}
     message = f"{first['field']}: {first['message']}" if first["field"] else first["message"]
     return error_response(422, "validation_error", message, field=first["field"] or None, details=details)
+
+
+def _body_model(request: Request) -> type[BaseModel]:
+    """The pydantic model the route reads its JSON body into (the job spec unless the route says otherwise), so
+    that a refusal names the request's own parameters."""
+    field = getattr(request.scope.get("route"), "body_field", None)
+    model = getattr(getattr(field, "field_info", None), "annotation", None)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else JobSpec
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -666,7 +666,7 @@ def spec_error(err: Mapping[str, Any], root: type[BaseModel] = JobSpec, prefix: 
     if kind == "extra_forbidden":
         where = _walk(root, loc[:-1])
         section_prefix = prefix + (f"{where.key}." if where.key else "")
-        return BadInput(_unknown_key_message(str(loc[-1]), section_prefix, list(where.model.model_fields)),
+        return BadInput(_unknown_key_message(str(loc[-1]), section_prefix, list(where.model.model_fields), root),
                         field=section_prefix + str(loc[-1]))
     where = _walk(root, loc)
     key = prefix + where.key
@@ -759,13 +759,15 @@ _ALIASES = {
 }
 
 
-def _unknown_key_message(key: str, prefix: str, valid: list[str]) -> str:
+def _unknown_key_message(key: str, prefix: str, valid: list[str], root: type[BaseModel] = JobSpec) -> str:
     where = f"in {prefix.rstrip('.')}" if prefix else "at the top level"
     msg = f"unknown key {prefix + key!r}"
-    # Misspellings of another trainer's name count too ("lerning_rate" -> learning_rate -> lr).
-    near_alias = difflib.get_close_matches(key, list(_ALIASES), n=1, cutoff=0.8)
-    alias = _ALIASES.get(key) or (_ALIASES[near_alias[0]] if near_alias else None)
-    keys = _all_keys()
+    # Misspellings of another trainer's name count too ("lerning_rate" -> learning_rate -> lr); the aliases are
+    # the job spec's, and so are the hints for a key of another section
+    aliases = _ALIASES if root is JobSpec else {}
+    near_alias = difflib.get_close_matches(key, list(aliases), n=1, cutoff=0.8)
+    alias = aliases.get(key) or (aliases[near_alias[0]] if near_alias else None)
+    keys = _all_keys(root)
     elsewhere = keys.get(key) or keys.get(alias or "")
     if alias in valid:
         close = [alias]

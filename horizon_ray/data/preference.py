@@ -21,6 +21,8 @@ from horizon_ray.errors import BadInput
 
 FORMAT = "preference"  # the data.format value of preference files
 COMPLETION_ROLES = ("assistant",)
+# the two completions of each layout: a record with either one of a couple is a pair (missing its partner)
+PAIRED_KEYS = (("chosen", "rejected"), ("preferred_output", "non_preferred_output"))
 
 
 @dataclass
@@ -38,21 +40,26 @@ class PreferencePair:
 
 
 def is_preference(record: dict[str, Any]) -> bool:
-    """Whether a JSONL record is a preference pair (either layout)."""
-    return ("chosen" in record and "rejected" in record) or "preferred_output" in record
+    """Whether a JSONL record is a preference pair (either layout), or meant as one: a record with only one of its
+    two completions is a pair that ``parse_pair`` refuses by name, not a record of unknown format."""
+    return any(key in record for keys in PAIRED_KEYS for key in keys)
 
 
 def parse_pair(record: dict[str, Any], where: str, layout: Any = None) -> PreferencePair:
     """The pair of one record; BadInput naming ``where`` and the fix otherwise (``layout``: the SFT formats'
     column names, which preference data does not rename)."""
+    for keys in PAIRED_KEYS:
+        given = [k for k in keys if k in record]
+        if len(given) == 1:
+            missing = next(k for k in keys if k not in record)
+            raise BadInput(f"{where}: {given[0]!r} without {missing!r}; a preference pair needs both completions "
+                           f"({' and '.join(map(repr, keys))}): add {missing!r} or remove the line")
     if "preferred_output" in record:
         inp = record.get("input")
         if not isinstance(inp, dict) or "messages" not in inp:
             raise BadInput(f"{where}: 'input' must be an object with 'messages' (OpenAI's preference format: "
                            "{\"input\": {\"messages\": [...]}, \"preferred_output\": [...], "
                            "\"non_preferred_output\": [...]})")
-        if "non_preferred_output" not in record:
-            raise BadInput(f"{where}: 'preferred_output' without 'non_preferred_output'; give both completions")
         prompt = message_list(inp["messages"], where, "input.messages")
         chosen = _completion(record["preferred_output"], where, "preferred_output")
         rejected = _completion(record["non_preferred_output"], where, "non_preferred_output")

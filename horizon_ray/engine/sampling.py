@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 
 from horizon_ray.errors import BadInput
 
+# seeds are 64-bit signed integers, as OpenAI's API takes them; torch's generator overflows beyond 2**64 - 1, so a
+# larger one would fail the whole batch it joined, everyone's rows with it (the n-th choice is seeded seed + n)
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -31,8 +35,10 @@ class SamplingParams:
             raise BadInput(f"top_p must lie in (0, 1], got {self.top_p!r}", field="top_p")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise BadInput(f"top_k must be an integer >= 0 (0: no limit), got {self.top_k!r}", field="top_k")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise BadInput(f"seed must be an integer, got {self.seed!r}", field="seed")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise BadInput(f"seed must be a 64-bit integer, in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}",
+                           field="seed")
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop) or len(self.stop) > 4:
             raise BadInput(f"stop must be a list of at most 4 non-empty strings, got {self.stop!r}", field="stop")
 

@@ -55,14 +55,20 @@ def test_plain_text_pairs_append_eos(tmp_path, tok):
 
 
 @pytest.mark.parametrize("record, message", [
-    ({"prompt": "p", "chosen": "c"}, "cannot tell the format"),
+    # half a pair is a pair missing its partner (before: "cannot tell the format", as if it were SFT data)
+    ({"prompt": "p", "chosen": "c"}, "'chosen' without 'rejected'.*add 'rejected'"),
+    ({"prompt": [{"role": "user", "content": "x"}], "rejected": [{"role": "assistant", "content": "r"}]},
+     "'rejected' without 'chosen'.*add 'chosen'"),
+    ({k: v for k, v in OPENAI.items() if k != "preferred_output"},
+     "'non_preferred_output' without 'preferred_output'.*add 'preferred_output'"),
     ({"prompt": "p", "chosen": "c", "rejected": 3}, "'rejected' must be a string"),
     ({"prompt": "p", "chosen": " ", "rejected": "r"}, "'chosen' is empty"),
     ({"chosen": "c", "rejected": "r"}, "no 'prompt'"),
     ({**TRL_CHAT, "chosen": [{"role": "user", "content": "x"}]}, "assistant's turns only"),
     ({**TRL_CHAT, "rejected": "ABC"}, "'rejected' must be a list of assistant messages"),
     ({**OPENAI, "input": {"msgs": []}}, "'input' must be an object with 'messages'"),
-    ({k: v for k, v in OPENAI.items() if k != "non_preferred_output"}, "non_preferred_output"),
+    ({k: v for k, v in OPENAI.items() if k != "non_preferred_output"},
+     "'preferred_output' without 'non_preferred_output'"),
 ])
 def test_malformed_pairs_are_refused_with_their_line(tmp_path, record, message):
     path = _write(tmp_path / "bad.jsonl", [TRL_CHAT, record])
@@ -70,9 +76,12 @@ def test_malformed_pairs_are_refused_with_their_line(tmp_path, record, message):
         load_pairs(path)
     assert f"{path}:2" in str(err.value)
     checker = LineChecker("auto", "upload.jsonl", 1 << 20)  # an upload is refused at the same line
-    with pytest.raises(BadInput, match="upload.jsonl:2"):
+    with pytest.raises(BadInput, match=f"upload.jsonl:2: .*{message}"):
         checker.feed(path.read_bytes())
         checker.finish()
+    alone = _write(tmp_path / "alone.jsonl", [record])  # as the first line too, where the format is detected
+    with pytest.raises(BadInput, match=f"alone.jsonl:1: .*{message}"):
+        load_pairs(alone)
 
 
 def test_objectives_refuse_each_others_data(tmp_path):
