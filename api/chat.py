@@ -36,7 +36,7 @@ from starlette.concurrency import run_in_threadpool
 from api.auth import Tenant, current_tenant
 from api.errors import ApiError
 from api.openai import ERRORS, PREFIX, resolve_model
-from horizon_ray.engine.sampling import SamplingParams
+from horizon_ray.engine.sampling import SamplingParams, stop_sequences
 from horizon_ray.generation import Event, GenerationRequest, Handle
 
 DISCONNECT_CHECK_S = 0.5  # how often a request without a stream checks that its client is still there
@@ -71,9 +71,8 @@ class _Sampling(_Strict):
     user: str | None = None
 
     def params(self, max_tokens: int | None) -> SamplingParams:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens=max_tokens or 16, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=stop)
+                              top_k=self.top_k, seed=self.seed, stop=stop_sequences(self.stop))
 
 
 class ChatRequest(_Sampling):

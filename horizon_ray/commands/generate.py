@@ -3,8 +3,10 @@
     horizon-ray generate ./runs/support-bot --prompts prompts.jsonl [--out answers.jsonl] [--batch-size 16]
 
 Each input line is a JSON object with ``messages`` (a chat, rendered by the tokenizer's chat template) or
-``prompt`` (plain text), and optionally its own ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
-``seed``, ``stop``; the command line gives the defaults. Each output line is the input object with ``output``
+``prompt`` (plain text), and optionally its own ``max_tokens`` (or ``max_completion_tokens``), ``temperature``,
+``top_p``, ``top_k``, ``seed``, ``stop`` (a string or a list); the command line gives the defaults (and a null
+value). Other keys are copied to the answer; ``n`` and the other OpenAI parameters this command does not honour
+are refused. Each output line is the input object with ``output``
 (the generated text), ``finish_reason`` ("stop" or "length"), ``prompt_tokens`` and ``completion_tokens``,
 in the input's order.
 """
@@ -12,6 +14,7 @@ in the input's order.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
 from dataclasses import replace
@@ -20,6 +23,10 @@ from pathlib import Path
 from horizon_ray.errors import BadInput
 
 _PER_LINE = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+# the OpenAI names a line may use as the API takes them
+_ALIASES = {"max_completion_tokens": "max_tokens"}
+# OpenAI parameters this command does not honour: refused, so that none is dropped without a word
+_NOT_TAKEN = ("n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +61,26 @@ def _rows(path: Path) -> list[dict]:
     return rows
 
 
+def _own_params(row: dict) -> dict:
+    """The sampling parameters a line sets (null: the command line's); BadInput for one this command does not
+    take or a misspelt one, which would otherwise be copied to the answer and not used."""
+    from horizon_ray.engine.sampling import stop_sequences
+
+    own = {}
+    for key, value in row.items():
+        name = _ALIASES.get(key, key)
+        if name in _PER_LINE:
+            if value is not None:
+                own[name] = stop_sequences(value) if name == "stop" else value
+        elif key in _NOT_TAKEN:
+            raise BadInput(f"{key!r} is not taken by generate (one answer a line, its text only); remove it, or "
+                           "repeat the line with another seed for more answers")
+        elif close := difflib.get_close_matches(key, [*_PER_LINE, *_ALIASES], n=1, cutoff=0.8):
+            raise BadInput(f"unknown parameter {key!r}; did you mean {close[0]!r}? (a line's own parameters: "
+                           f"{', '.join(_PER_LINE)})")
+    return own
+
+
 def run(args: argparse.Namespace) -> int:
     from horizon_ray.commands.chat import load, sampling
     from horizon_ray.engine.sampling import Request
@@ -65,9 +92,8 @@ def run(args: argparse.Namespace) -> int:
     default = sampling(args)
     requests = []
     for n, row in enumerate(rows, 1):
-        own = {k: (tuple(row[k]) if k == "stop" else row[k]) for k in _PER_LINE if k in row}
-        params = replace(default, **own)
         try:
+            params = replace(default, **_own_params(row))
             params.validate()
             ids = gen.chat_prompt(row["messages"]) if "messages" in row else gen.text_prompt(row["prompt"])
         except BadInput as exc:

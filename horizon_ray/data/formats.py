@@ -28,11 +28,12 @@ from typing import Any
 
 from horizon_ray.data.preference import FORMAT as PREFERENCE
 from horizon_ray.data.preference import PreferencePair, is_preference, parse_pair
+from horizon_ray.engine.sampling import CHAT_ROLES
 from horizon_ray.errors import BadInput
 from horizon_ray.jobspec import DATA_FORMATS
 
 FORMATS = DATA_FORMATS  # the job spec's data.format values
-ROLES = ("system", "user", "assistant")
+ROLES = CHAT_ROLES
 # ShareGPT's role values (LLaMA-Factory's default tags) and the chat roles they are
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 # the keys each format reads, by their canonical names (the spec's data.columns renames them)

@@ -41,7 +41,7 @@ from horizon_ray.engine.kernels import Kernels, resolve_kernels
 from horizon_ray.engine.layers import LoraCall, MicroBatch, Template
 from horizon_ray.engine.model import ModelConfig, stored_nested, unit_layouts
 from horizon_ray.engine.pinned import HostBuffers
-from horizon_ray.engine.sampling import Completion, Delta, Request, SamplingParams
+from horizon_ray.engine.sampling import Completion, Delta, Request, SamplingParams, chat_turns
 from horizon_ray.engine.slots import DeviceWeights, HostWeights
 from horizon_ray.engine.store import HostStore
 from horizon_ray.engine.units import Units
@@ -293,13 +293,22 @@ class Generator:
     def chat_prompt(self, messages: list[dict]) -> tuple[int, ...]:
         """The token ids of a conversation rendered by the tokenizer's chat template, with the generation
         prompt of the assistant's turn."""
+        from jinja2 import TemplateError
+
+        turns = chat_turns(messages)
         tok = self._need_tokenizer("a chat")
         if getattr(tok, "chat_template", None) is None:
             raise BadInput("this model's tokenizer has no chat template: send a plain prompt to /v1/completions")
-        encoded = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        try:
+            encoded = tok.apply_chat_template(turns, tokenize=True, add_generation_prompt=True)
+        except TemplateError as exc:  # the template's own refusal: roles that must alternate, no system role ...
+            raise BadInput(f"the model's chat template refuses these messages: {exc}; change the messages to what "
+                           "it takes", field="messages") from None
         return tuple(encoded if isinstance(encoded, list) else encoded["input_ids"])
 
     def text_prompt(self, text: str) -> tuple[int, ...]:
+        if not isinstance(text, str):
+            raise BadInput(f"prompt must be a string, got {text!r}", field="prompt")
         tok = self._need_tokenizer("a text prompt")
         encoded = tok(text)
         return tuple(encoded["input_ids"] if not isinstance(encoded, list) else encoded)

@@ -43,6 +43,39 @@ class SamplingParams:
             raise BadInput(f"stop must be a list of at most 4 non-empty strings, got {self.stop!r}", field="stop")
 
 
+# the roles of a chat's turns (data files' chat formats take the same)
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def stop_sequences(stop: object) -> tuple[str, ...]:
+    """OpenAI's ``stop``: one string, a list of them, or null (none); a string is one sequence, not its letters."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, (list, tuple)):
+        return tuple(stop)
+    raise BadInput(f"stop must be a string or a list of strings, got {stop!r}", field="stop")
+
+
+def chat_turns(messages: object) -> list[dict[str, str]]:
+    """A chat's turns, checked: a non-empty list of {role, content} with a role of CHAT_ROLES and string content."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise BadInput("messages must be a non-empty list of {role, content} objects", field="messages")
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadInput(f"messages[{i}] must be an object with 'role' and 'content'", field=f"messages[{i}]")
+        if m.get("role") not in CHAT_ROLES:
+            raise BadInput(f"messages[{i}] has role {m.get('role')!r}; use one of {', '.join(CHAT_ROLES)}",
+                           field=f"messages[{i}].role")
+        if not isinstance(m.get("content"), str):
+            raise BadInput(f"messages[{i}].content must be a string, got {m.get('content')!r}",
+                           field=f"messages[{i}].content")
+        turns.append({"role": m["role"], "content": m["content"]})
+    return turns
+
+
 @dataclass(frozen=True)
 class Request:
     """One sequence to continue."""
