@@ -22,6 +22,7 @@ from typing import Any
 
 from api.errors import ApiError
 from api.settings import ENV_DATA_ROOTS, ENV_MODEL_CATALOGUE, ENV_MODEL_ROOTS, ApiSettings
+from horizon_ray.data.preference import FORMAT as PREFERENCE
 from horizon_ray.strings import MAX_PATH_BYTES, OUTPUT_ROOM_BYTES, problem
 
 FILE_ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
@@ -259,7 +260,7 @@ def confine_spec(spec: dict[str, Any], policy: PathPolicy) -> dict[str, Any]:
     out = dict(spec)
     model = _section(out, "model")
     data = _section(out, "data")
-    _check_uploads(data, policy)
+    _check_uploads(data, policy, out.get("objective") or "sft")
     for section, key, resolve, required in (
         (model, "path", policy.model, True),
         (model, "tokenizer_path", policy.model, False),
@@ -285,9 +286,10 @@ def confine_spec(spec: dict[str, Any], policy: PathPolicy) -> dict[str, Any]:
     return out
 
 
-def _check_uploads(data: dict[str, Any], policy: PathPolicy) -> None:
+def _check_uploads(data: dict[str, Any], policy: PathPolicy, objective: str) -> None:
     """An uploaded dataset was checked in one format when it came: the job reads it in that format (auto
-    takes it; another is refused), and a held-out eval split must leave examples to train on."""
+    takes it; another is refused), in the objective that format is for, and a held-out eval split must leave
+    examples to train on."""
     from horizon_ray.jobspec import DataSpec
 
     train = policy.upload(data.get("path"))
@@ -300,6 +302,13 @@ def _check_uploads(data: dict[str, Any], policy: PathPolicy) -> None:
         raise ApiError(422, "validation_error", f"data.format is {fmt!r} but file {data['path']} was checked as "
                        f"{train['format']!r} when it was uploaded; set data.format to {train['format']!r} or auto",
                        field="data.format")
+    if (objective == "dpo") != (fmt == PREFERENCE):
+        want = "preference pairs ({\"prompt\", \"chosen\", \"rejected\"} or OpenAI's preference format)" \
+            if objective == "dpo" else "demonstrations (messages, alpaca, sharegpt or text)"
+        other = "sft (method supervised)" if objective == "dpo" else "dpo (method dpo)"
+        raise ApiError(422, "validation_error", f"file {data['path']} holds {fmt!r} data (checked when it was "
+                       f"uploaded), but objective {objective} trains on {want}; upload such a file, or train this "
+                       f"one with objective {other}", field="data.path")
     held = policy.upload(data.get("eval_path"))
     if held is not None and held["format"] != fmt:
         raise ApiError(422, "validation_error", f"data.eval_path {data['eval_path']} holds {held['format']!r} "

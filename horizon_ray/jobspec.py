@@ -569,6 +569,14 @@ class JobSpec(_Section):
                            "bfloat16 (or auto), or use precision exact", field="engine.compute_dtype")
 
         d = self.data
+        # the objective and the data's format name each other: a mismatch would fail on the node, after the queue
+        if self.objective == "dpo" and d.format not in ("auto", "preference"):
+            raise BadInput(f"objective dpo trains on preference pairs but data.format is {d.format!r}; give a file of "
+                           "{\"prompt\", \"chosen\", \"rejected\"} pairs with data.format preference (or auto), or "
+                           "set objective: sft", field="data.format")
+        if self.objective == "sft" and d.format == "preference":
+            raise BadInput("data.format is preference but objective is sft, which trains on demonstrations; set "
+                           "objective: dpo to train on the pairs, or give SFT data", field="data.format")
         if not 0.0 <= d.eval_fraction < 1.0:
             raise BadInput(f"data.eval_fraction is {d.eval_fraction}; set it in [0, 1) (e.g. 0.05), or give "
                            "data.eval_path", field="data.eval_fraction")

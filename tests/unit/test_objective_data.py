@@ -1,0 +1,69 @@
+"""The objective and the data's format name each other, and a job whose data is for the other objective is
+refused when it is submitted (by the job spec, and by the API from what an upload was checked as), never after
+it waited in the queue and failed on its node."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.testing import make_testbed
+from horizon_ray.errors import BadInput
+from horizon_ray.jobspec import JobSpec
+
+PAIRS = [{"prompt": f"copy a{i}", "chosen": f"a{i}", "rejected": f"A{i}"} for i in range(8)]
+CHATS = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+         for i in range(8)]
+DPO = {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1}}}
+
+
+@pytest.mark.parametrize(("objective", "fmt", "words"), [
+    ("dpo", "messages", "objective dpo trains on preference pairs but data.format is 'messages'"),
+    ("dpo", "alpaca", "data.format is 'alpaca'"),
+    ("sft", "preference", "data.format is preference but objective is sft"),
+])
+def test_the_job_spec_refuses_data_of_the_other_objective(objective, fmt, words):
+    spec = {"model": {"path": "/m"}, "data": {"path": "/d.jsonl", "format": fmt}, "objective": objective,
+            "training": {"micro_batch_size": 2, "max_steps": 1}, "output_dir": "/o"}
+    with pytest.raises(BadInput, match=words) as exc:
+        JobSpec.from_dict(spec)
+    assert exc.value.field == "data.format"
+    JobSpec.from_dict({**spec, "data": {"path": "/d.jsonl", "format": "auto"}})  # detected from the file instead
+
+
+@pytest.fixture
+def api(tmp_path):
+    bed = make_testbed(tmp_path, quotas={"default": {"max_concurrent_jobs": 8}})
+    bed.settings.model_catalogue = {"tiny-1g": bed.root / "models" / "1GiB"}
+    with TestClient(create_app(bed.client, bed.settings)) as http:
+        def upload(rows):
+            r = http.post("/v1/files", headers=bed.auth("acme"), data={"purpose": "fine-tune"},
+                          files={"file": ("t.jsonl", "".join(json.dumps(x) + "\n" for x in rows).encode())})
+            assert r.status_code == 200, r.text
+            return r.json()["id"]
+
+        yield http, bed, upload
+    bed.close()
+
+
+@pytest.mark.parametrize(("rows", "method", "words"), [
+    (CHATS, DPO, "holds 'messages' data (checked when it was uploaded), but objective dpo trains on preference"),
+    (PAIRS, None, "holds 'preference' data (checked when it was uploaded), but objective sft trains on demo"),
+])
+def test_an_upload_for_the_other_objective_is_refused_at_create(api, rows, method, words):
+    # before: both were created (running, holding a slot) and failed on the node when it read the file
+    http, bed, upload = api
+    body = {"model": "tiny-1g", "training_file": upload(rows), **({"method": method} if method else {})}
+    r = http.post("/v1/fine_tuning/jobs", headers=bed.auth("acme"), json=body)
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"] and r.json()["error"]["param"] == "data.path"
+    spec = {"model": {"path": "tiny-1g"}, "data": {"path": body["training_file"]}, "output_dir": "o",
+            "training": {"micro_batch_size": 2, "max_steps": 1}, **({"objective": "dpo"} if method else {})}
+    r = http.post("/finetune", headers=bed.auth("acme"), json=spec)
+    assert r.status_code == 422 and words in r.json()["error"]["message"]
+    assert bed.client.list("acme", limit=10)[0] == []  # no job was made
+    ok = {**body, "method": DPO} if not method else {**body, "training_file": upload(PAIRS)}
+    assert http.post("/v1/fine_tuning/jobs", headers=bed.auth("acme"), json=ok).status_code == 200
