@@ -439,11 +439,9 @@ async def create_job(raw: Annotated[dict[str, Any], Body(description=(
                      ) -> dict[str, Any]:
     try:
         body = CreateJob.model_validate(raw)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ()))
-        raise ApiError(400, "invalid_request", f"{param}: {err.get('msg')}" if param else err.get("msg", ""),
-                       field=param or None) from None
+    except ValidationError as exc:  # named by OpenAI's parameter, as the job spec's errors are by its keys
+        bad = spec_error(exc.errors()[0], CreateJob)
+        raise ApiError(400, "invalid_request", bad.message, field=bad.field) from None
     spec = job_spec(body, tenant.settings.model_catalogue)
     try:
         parsed = JobSpec.parse(spec)

@@ -679,6 +679,10 @@ def spec_error(err: Mapping[str, Any], root: type[BaseModel] = JobSpec, prefix: 
     where = _walk(root, loc)
     key = prefix + where.key
     if kind == "literal_error":
+        kinds = _other_kinds(where.annotation)  # a number or "auto": the number is as valid as the names
+        if kinds:
+            names = ", ".join(str(a) for a in _literal_values(where.annotation))
+            return BadInput(f"{key} is {shown(value)}; give {' or '.join(kinds)}, or {names}", field=key)
         return BadInput(_one_of_message(key, value, _literal_values(where.annotation)), field=key)
     if kind == "unsafe_string":
         return BadInput(f"{key} {err.get('msg')}", field=key)
@@ -729,6 +733,14 @@ def _section_type(tp: Any) -> type[BaseModel] | None:
         if found is not None:
             return found
     return None
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
+
+
+def _other_kinds(tp: Any) -> list[str]:
+    """What a union of a Literal with plain types (``float | Literal["auto"]``) takes besides the Literal's values."""
+    return [_KIND_NAMES[arg] for arg in typing.get_args(tp) if arg in _KIND_NAMES]
 
 
 def _literal_values(tp: Any) -> tuple:

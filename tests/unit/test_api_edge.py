@@ -437,7 +437,7 @@ def test_openai_create_checks_every_string(http, bed, catalogue, field, value):
     upload_id = upload(http, bed, "acme")["id"]
     body = {"model": catalogue, "training_file": upload_id, field: value}
     r = post_json(http, "/v1/fine_tuning/jobs", body, bed.auth("acme"))
-    err = assert_400_param(r, {"integrations": "integrations.0.wandb.project", "spec": "name"}.get(field, field))
+    err = assert_400_param(r, {"integrations": "integrations[0].wandb.project", "spec": "name"}.get(field, field))
     assert "\x00" not in err["message"] and "\n" not in err["message"]
     ok = post_json(http, "/v1/fine_tuning/jobs", {"model": catalogue, "training_file": upload_id}, bed.auth("acme"))
     assert ok.status_code == 200, ok.text

@@ -67,3 +67,22 @@ def test_an_upload_for_the_other_objective_is_refused_at_create(api, rows, metho
     assert bed.client.list("acme", limit=10)[0] == []  # no job was made
     ok = {**body, "method": DPO} if not method else {**body, "training_file": upload(PAIRS)}
     assert http.post("/v1/fine_tuning/jobs", headers=bed.auth("acme"), json=ok).status_code == 200
+
+
+@pytest.mark.parametrize(("hyper", "param", "words"), [
+    # before: "method.dpo.hyperparameters.beta.literal['auto']: Input should be 'auto'", as if only auto were valid
+    ({"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": "high"}}}}, "method.dpo.hyperparameters.beta",
+     "method.dpo.hyperparameters.beta is 'high'; give a number, or auto"),
+    ({"hyperparameters": {"n_epochs": "many"}}, "hyperparameters.n_epochs",
+     "hyperparameters.n_epochs is 'many'; give an integer, or auto"),
+    ({"method": {"type": "dpo", "dpo": {"hyperparameters": {"betta": 0.2}}}}, "method.dpo.hyperparameters.betta",
+     "did you mean 'method.dpo.hyperparameters.beta'?"),
+    ({"hyperparameters": {"quantize": "q4"}}, "hyperparameters.quantize", "use one of none, nf4, fp4, int8"),
+])
+def test_openai_create_names_a_bad_hyperparameter_and_what_it_takes(api, hyper, param, words):
+    http, bed, upload = api
+    r = http.post("/v1/fine_tuning/jobs", headers=bed.auth("acme"),
+                  json={"model": "tiny-1g", "training_file": upload(PAIRS), **hyper})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"] and "literal[" not in err["message"]
