@@ -29,6 +29,7 @@ from typing import Any, TextIO
 from horizon_ray.cluster.client import CoordinatorClient
 from horizon_ray.cluster.errors import CoordinatorUnavailable, HorizonError
 from horizon_ray.cluster.messages import EventType, JobEvent, JobRecord, JobStatus
+from horizon_ray.job.progress import format_rewards
 
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray Jobs for the entrypoint process only
 
@@ -231,15 +232,6 @@ def format_progress(d: dict[str, Any]) -> str:
     if d.get("eta_s") is not None:
         parts.append(f"ETA {format_eta(d['eta_s'])}")
     return ", ".join(parts)
-
-
-def format_rewards(preference: Any) -> str | None:
-    """ "reward accuracy 87.5 %, margin 0.412" from a preference job's metrics (TRL's names), else None."""
-    if not isinstance(preference, dict) or not isinstance(preference.get("rewards/accuracies"), int | float):
-        return None
-    margin = preference.get("rewards/margins")
-    return (f"reward accuracy {100 * preference['rewards/accuracies']:.1f} %"
-            + (f", margin {margin:.3f}" if isinstance(margin, int | float) else ""))
 
 
 def format_memory(d: dict[str, Any]) -> str:

@@ -33,7 +33,7 @@ from horizon_ray.job.events import Checkpoint, CheckpointBegin, Done, Error, Eva
 from horizon_ray.job.inputs import load_data
 from horizon_ray.job.lease import Fence, Fenced
 from horizon_ray.job.metrics import METRICS_FILE, SPEC_FILE, MetricsWriter, plot_loss_curve
-from horizon_ray.job.progress import Progress
+from horizon_ray.job.progress import Progress, format_rewards
 from horizon_ray.job.schedule import lr_at
 from horizon_ray.job.trackers import Trackers
 from horizon_ray.jobspec import JobSpec
@@ -204,6 +204,7 @@ class _Job:
         self.ckpt_root = out / "checkpoints"
         self.tokenizer_dir = Path(spec.model.tokenizer_path or spec.model.path).expanduser()
         self.step = 0  # optimizer steps done
+        self._last_eval_preference: dict[str, float] | None = None  # a preference job's latest eval metrics
 
     def run(self, resume: bool) -> JobResult:
         from horizon_ray.engine import Engine
@@ -338,7 +339,7 @@ class _Job:
         try:
             if self.evals and self.step == 0:
                 first_eval = self._evaluate(eng)
-                bar.note(f"eval loss before training: {first_eval:.4f}")
+                bar.note(f"eval loss before training: {first_eval:.4f}{self._eval_rewards()}")
             for step in range(self.step, total):
                 self._check(f"step {step + 1}")  # a stale engine does not even compute
                 tick = time.monotonic()
@@ -365,7 +366,8 @@ class _Job:
                                            rollbacks=eng.stats().rollbacks if t.update == "speculative" else None,
                                            tokens_seen=seen,
                                            preference=eng.last_dpo.mean() if self.preference else None))
-                bar.update(done, last_loss, tps, eta)
+                bar.update(done, last_loss, tps, eta,
+                           rewards=format_rewards(eng.last_dpo.mean()) if self.preference else None)
 
                 checkpointed = _due(spec.checkpoint.every_steps, done, total)
                 if checkpointed:
@@ -373,7 +375,7 @@ class _Job:
                 if self.evals and _due(spec.eval.every_steps, done, total):
                     loss = self._evaluate(eng)
                     first_eval = loss if first_eval is None else first_eval
-                    bar.note(f"step {done}: eval loss {loss:.4f}")
+                    bar.note(f"step {done}: eval loss {loss:.4f}{self._eval_rewards()}")
                 if STOP_AFTER_STEP.is_set() and done < total:
                     if not checkpointed:
                         self._checkpoint(eng, done)
@@ -381,7 +383,7 @@ class _Job:
                                         "that step is written: rerun with --resume to continue from it")
             final_eval = self._evaluate(eng) if self.evals else None
             if final_eval is not None:
-                bar.note(f"eval loss after training: {final_eval:.4f}")
+                bar.note(f"eval loss after training: {final_eval:.4f}{self._eval_rewards()}")
         finally:
             bar.close()
         return first_eval, final_eval, last_loss
@@ -396,10 +398,15 @@ class _Job:
         with self.guard("pruning checkpoints"):
             ckpt_io.prune(self.ckpt_root, spec.checkpoint.keep)
 
+    def _eval_rewards(self) -> str:
+        """", reward accuracy 87.5 %, margin 0.412" of the latest eval of a preference job, for its eval lines."""
+        shown = format_rewards(self._last_eval_preference)
+        return f", {shown}" if shown else ""
+
     def _evaluate(self, eng: Any) -> float:
         if self.preference is not None:
             m = self.preference.evaluate(eng)
-            means = m.mean()
+            means = self._last_eval_preference = m.mean()
             self.metrics.write(Eval(step=self.step, eval_loss=means["loss"], eval_tokens=m.pairs,
                                     eval_preference=means))
             return means["loss"]

@@ -181,7 +181,7 @@ def test_rest_finetune_takes_a_dpo_spec_and_uploads_say_preference(tmp_path):
         bed.close()
 
 
-def test_the_cli_runs_a_dpo_spec_file(assets, tmp_path):
+def test_the_cli_runs_a_dpo_spec_file(assets, tmp_path, capsys):
     from horizon_ray.cli import main
 
     spec = yaml.safe_load(_spec(assets, tmp_path / "cli").to_yaml())
@@ -189,6 +189,13 @@ def test_the_cli_runs_a_dpo_spec_file(assets, tmp_path):
     path = tmp_path / "dpo.yaml"
     path.write_text(yaml.safe_dump(spec))
     assert main(["finetune", "--config", str(path)]) == 0
+    # the terminal shows what a DPO run is judged by next to each loss, as `submit --follow` does (before: the
+    # losses alone)
+    out = capsys.readouterr().out
+    assert "eval loss before training: 0.6931, reward accuracy 0.0 %, margin 0.000" in out
+    step2 = next(line for line in out.splitlines() if line.startswith("step 2/2 "))
+    assert ", reward accuracy " in step2 and ", margin " in step2
+    assert "eval loss after training: " in out and out.count("reward accuracy") == 4
     assert (tmp_path / "cli" / "DONE").is_file() and (tmp_path / "cli" / "reference" / reference.FINAL).is_file()
     evals = [e for e in read_events(tmp_path / "cli" / "metrics.jsonl") if e.TYPE == "eval"]
     assert len(evals) == 2 and evals[0].eval_loss == pytest.approx(math.log(2), rel=1e-6)
