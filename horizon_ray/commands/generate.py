@@ -45,8 +45,12 @@ def _rows(path: Path) -> list[dict]:
     if not path.is_file():
         raise BadInput(f"--prompts {path} is not a file; give a JSONL file of {{\"messages\": [...]}} or "
                        "{\"prompt\": \"...\"} lines")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise BadInput(f"--prompts {path} is not UTF-8 text; give a UTF-8 JSONL file") from None
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -88,6 +92,11 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise BadInput(f"--batch-size must be >= 1, got {args.batch_size}")
     rows = _rows(Path(args.prompts))
+    if args.out != "-":  # checked before the model loads, not after it ran
+        out_path = Path(args.out)
+        if out_path.is_dir() or not out_path.parent.is_dir():
+            raise BadInput(f"--out {args.out} is {'a directory' if out_path.is_dir() else 'in no existing directory'}"
+                           "; give a file path in an existing directory (or - for stdout)")
     gen = load(args, args.model)
     default = sampling(args)
     requests = []

@@ -153,3 +153,25 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400_naming_messages(job_
     assert err["param"] == "messages" and "chat template refuses these messages" in err["message"]
     assert "roles must alternate" in err["message"]
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize(("where", "words"), [
+    ("nodir/answers.jsonl", "is in no existing directory"), (".", "is a directory")])
+def test_an_out_path_that_cannot_be_written_is_refused_before_the_model_loads(job_dir, capsys, monkeypatch, where,
+                                                                               words):
+    # before: a FileNotFoundError / IsADirectoryError traceback once the model had loaded
+    from horizon_ray.commands import chat
+
+    monkeypatch.setattr(chat, "load", lambda *a: pytest.fail("the model loaded"))
+    code, _, err = _generate_in_process(capsys, job_dir / "final", [{"prompt": "x"}], "--out",
+                                        str(job_dir / where))
+    assert code == 2 and f"--out {job_dir / where} {words}" in err and "Traceback" not in err
+
+
+def test_prompts_that_are_not_utf8_are_refused_by_name(job_dir, capsys):
+    prompts = job_dir / "latin1.jsonl"
+    prompts.write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    from horizon_ray.cli import main
+
+    assert main(["generate", str(job_dir / "final"), "--prompts", str(prompts), "--device", "cpu"]) == 2
+    assert "is not UTF-8 text" in capsys.readouterr().err
