@@ -18,10 +18,15 @@ Both see the same pairs: rows of ``--seq`` tokens (a prompt of a quarter of them
 completions filling the rest), ``--micro`` rows a micro-batch, as many micro-batches as make the tokens a
 step. tokens/s counts chosen + rejected non-pad tokens (every token of a row here); the reference pass's time
 is reported apart (``reference_s``) and in total (``total_s``: reference + the timed steps). Plain torch,
-transformers, peft (no pydantic): it runs with the GPU box's packages. ``recomputed_layers`` records the share
-of decoder layers each system runs again in the backward: transformers checkpoints only every
-``--checkpoint-every``-th layer (the rest keep their activations on the GPU), the engine recomputes every layer
-from its checkpoints, so at 4 the peer does 3.25 forward-equivalents of work a token to the engine's 4.
+transformers, peft (no pydantic): it runs with the GPU box's packages.
+
+Each system checkpoints as it runs best: the engine keeps every layer's input (``--checkpoint-every 1``, its
+default; the checkpoints go to host memory when the GPU budget asks) and runs each layer forward once more in
+the backward; a block of K layers would cost K - 1 more forwards to rebuild its inputs. TRL checkpoints only
+every ``--peer-checkpoint-every``-th decoder layer (transformers' ``every_n_layers``; 4 by default): the rest
+keep their activations on the GPU and are not run again. ``recomputed_layers`` records each system's layer
+forwards in the backward per layer: 1.0 for the engine at 1 (1.75 at 4 on 28 layers), 0.25 for TRL at 4, so
+a token costs the engine 4 forward-equivalents (forward, backward 2, recompute 1) and TRL 3.25.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from horizon_ray.bench.metrics import host_peak_rss, host_rss  # noqa: E402
+from horizon_ray.bench.runtime import cap_gpu_memory  # noqa: E402
 from horizon_ray.bench.shapes import hf_config, resolve_shape  # noqa: E402
 
 SYSTEMS = ("horizon-ray", "trl")
@@ -72,6 +78,7 @@ def run_ours(args, tokens: int) -> dict:
     eng = Engine.from_config(hf_config(shape), EngineConfig(
         lr=1e-6, max_grad_norm=1.0, checkpoint_every=args.checkpoint_every, device=args.device,
         compute_dtype="bfloat16" if args.device != "cpu" else "float32", lora=lora))
+    cap_gpu_memory(_budget(args), eng.device)  # an allocation past the budget fails as on a GPU of that size
     steps = [step_batches(args, shape.vocab_size, tokens, s) for s in range(args.steps + 1)]
     sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
@@ -91,9 +98,17 @@ def run_ours(args, tokens: int) -> dict:
     rss = host_rss()  # with every buffer of the step still resident, as the bench measures it
     eng.close()
     planned = _planned_host_bytes(args, shape, len(steps[0]))
+    L, K = shape.num_layers, args.checkpoint_every
+    recomputed = 1 + (L - -(-L // K)) / L  # every layer once with grad, and the blocks' other inputs rebuilt
     return {"losses": losses, "reference_s": reference_s, "timed_s": timed, "peak_gpu_bytes": peak,
-            "recomputed_layers": 1.0, "host_rss_bytes": rss, "host_peak_rss_bytes": host_peak_rss(), **planned,
+            "gpu_budget_bytes": _budget(args), "checkpoint_every": K, "recomputed_layers": round(recomputed, 4),
+            "host_rss_bytes": rss,
+            "host_peak_rss_bytes": host_peak_rss(), **planned,
             "rss_vs_plan": round(rss / planned["planned_host_bytes"], 4) if planned.get("planned_host_bytes") else None}
+
+
+def _budget(args) -> int | None:
+    return int(args.gpu_budget_gib * 2**30) if args.gpu_budget_gib else None
 
 
 def _planned_host_bytes(args, shape, accum: int) -> dict:
@@ -107,7 +122,7 @@ def _planned_host_bytes(args, shape, accum: int) -> dict:
     plan = planned_bytes(shape, mode="lora" if lora else "exact", seq=args.seq, micro=args.micro, accum=accum,
                          checkpoint_every=args.checkpoint_every,
                          dtype="bfloat16" if args.device != "cpu" else "float32", device=args.device,
-                         gpu_budget_bytes=None, loss_chunk=EngineConfig().loss_chunk_tokens, offload="auto",
+                         gpu_budget_bytes=_budget(args), loss_chunk=EngineConfig().loss_chunk_tokens, offload="auto",
                          lora=lora)
     return {k: plan[k] for k in ("planned_host_bytes", "plan_error") if k in plan}
 
@@ -147,9 +162,9 @@ def run_trl(args, tokens: int) -> dict:
     torch.manual_seed(0)
     with device:
         model = hf.build_model(shape, dtype)
-    hf.enable_checkpointing(model, args.checkpoint_every)
-    # transformers checkpoints only every checkpoint_every-th decoder layer; the rest keep their activations and
-    # are not run again in the backward (the engine runs every layer again, from its checkpoints)
+    hf.enable_checkpointing(model, args.peer_checkpoint_every)
+    # transformers checkpoints only every peer_checkpoint_every-th decoder layer; the rest keep their activations
+    # and are not run again in the backward
     layers = model.get_decoder().layers
     recompute = sum(bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers) / len(layers)
     # TRL's fused head (the outputs its loss reads), added before PEFT wraps the model as TRL's docs ask
@@ -199,7 +214,7 @@ def run_trl(args, tokens: int) -> dict:
     timed = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     return {"losses": losses, "reference_s": reference_s, "timed_s": timed, "peak_gpu_bytes": peak,
-            "recomputed_layers": round(recompute, 4)}
+            "checkpoint_every": args.peer_checkpoint_every, "recomputed_layers": round(recompute, 4)}
 
 
 def child(args) -> None:
@@ -228,7 +243,12 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=1024, help="tokens a row (a pair is two rows)")
     p.add_argument("--micro", type=int, default=16, help="rows a micro-batch (even: whole pairs)")
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
-    p.add_argument("--checkpoint-every", type=int, default=4)
+    p.add_argument("--checkpoint-every", type=int, default=1,
+                   help="horizon-ray: keep one layer input every K layers (1: every layer's, the engine's default)")
+    p.add_argument("--gpu-budget-gib", type=float, default=None,
+                   help="horizon-ray: the GPU memory it may allocate (the in-GPU peer has the whole GPU)")
+    p.add_argument("--peer-checkpoint-every", type=int, default=4,
+                   help="TRL: checkpoint every K-th decoder layer, the others keep their activations on the GPU")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--systems", default=",".join(SYSTEMS))
@@ -250,6 +270,8 @@ def main(argv=None) -> int:
                 cmd = [sys.executable, __file__, "--system", system, "--shape", args.shape, "--method", method,
                        "--tokens-per-step", str(tokens), "--seq", str(args.seq), "--micro", str(args.micro),
                        "--steps", str(args.steps), "--checkpoint-every", str(args.checkpoint_every),
+                       "--peer-checkpoint-every", str(args.peer_checkpoint_every),
+                       *(["--gpu-budget-gib", str(args.gpu_budget_gib)] if args.gpu_budget_gib else []),
                        "--lora-r", str(args.lora_r), "--device", args.device]
                 # the repo first, then what the caller had on its path (carried wheels: TRL on the GPU box)
                 path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)

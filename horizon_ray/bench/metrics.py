@@ -181,7 +181,45 @@ def split_from_trace(events: list[dict], step_s: float) -> dict:
     exposed_copy_s = (length(m) - overlap(c, m)) / 1e6
     return {"profiled_step_s": round(step_s, 4), "gpu_compute_s": round(compute_s, 4),
             "exposed_copy_s": round(exposed_copy_s, 4),
-            "gpu_idle_s": round(max(0.0, step_s - compute_s - exposed_copy_s), 4)}
+            "gpu_idle_s": round(max(0.0, step_s - compute_s - exposed_copy_s), 4), **kernel_tables(events)}
+
+
+# What a kernel does, by the words of its name (the first that matches): torch's, cuBLAS', CUTLASS', FlashAttention's
+# and Liger-Kernel's Triton kernels all name their work.
+KERNEL_CLASSES = (
+    ("cross-entropy", ("cross_entropy", "crossentropy", "nll_loss", "log_softmax")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "attn")),
+    ("norm", ("rms_norm", "rmsnorm", "layer_norm", "layernorm")),
+    ("RoPE", ("rope", "rotary")),
+    ("activation", ("swiglu", "geglu", "silu", "gelu")),
+    ("GEMM", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "grouped_mm")),
+    ("optimizer", ("adam",)),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for cls, words in KERNEL_CLASSES:
+        if any(w in low for w in words):
+            return cls
+    return "elementwise and other"
+
+
+def kernel_tables(events: list[dict], top: int = 12) -> dict:
+    """The GPU kernels' summed seconds by class (KERNEL_CLASSES) and the ``top`` kernels by summed time
+    ([name, seconds, launches]): where two systems' kernel time differs, by what work."""
+    by_name: dict[str, list] = {}
+    for ev in events:
+        if ev.get("ph") == "X" and "dur" in ev and str(ev.get("cat", "")).lower() == "kernel":
+            entry = by_name.setdefault(str(ev.get("name", "?")), [0.0, 0])
+            entry[0] += float(ev["dur"]) / 1e6
+            entry[1] += 1
+    by_class: dict[str, float] = {}
+    for name, (secs, _) in by_name.items():
+        by_class[kernel_class(name)] = by_class.get(kernel_class(name), 0.0) + secs
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"kernel_s_by_class": {k: round(v, 4) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
+            "top_kernels": [[name[:120], round(secs, 4), n] for name, (secs, n) in ranked]}
 
 
 def error_reason(exc: BaseException) -> str:

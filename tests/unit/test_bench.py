@@ -94,6 +94,23 @@ def test_split_from_trace_counts_only_copies_not_under_compute():
     assert s["profiled_step_s"] == 2.0
 
 
+def test_a_profiled_step_tables_its_kernels_by_class_and_name():
+    """The kernel time of a profiled step by what the kernels do, and its heaviest kernels by name: what the
+    closing notes compare between the engine and HF + Liger."""
+    us = 1e6
+    k = [("sm90_xmma_gemm_bf16bf16_bf16f32", 0.5), ("sm90_xmma_gemm_bf16bf16_bf16f32", 0.25),
+         ("_rms_norm_forward_kernel", 0.1), ("flash_fwd_kernel", 0.2), ("_triton_rope", 0.05),
+         ("_swiglu_backward_kernel", 0.07), ("liger_cross_entropy_kernel", 0.03),
+         ("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>", 0.04)]
+    events = [{"ph": "X", "cat": "kernel", "name": n, "ts": 0, "dur": d * us} for n, d in k]
+    events.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 0, "dur": us})  # not a kernel
+    s = split_from_trace(events, step_s=2.0)
+    assert s["kernel_s_by_class"] == {"GEMM": 0.75, "attention": 0.2, "norm": 0.1, "activation": 0.07,
+                                      "RoPE": 0.05, "elementwise and other": 0.04, "cross-entropy": 0.03}
+    assert s["top_kernels"][0] == ["sm90_xmma_gemm_bf16bf16_bf16f32", 0.75, 2]
+    assert [t[0] for t in s["top_kernels"][1:3]] == ["flash_fwd_kernel", "_rms_norm_forward_kernel"]
+
+
 # ---- records, ratios, files ----------------------------------------------------------------------------------
 
 
