@@ -623,6 +623,18 @@ class JobSpec(_Section):
             raise BadInput("training.packing packs examples into rows; objective dpo keeps each completion in a row "
                            "of its own (its log-probability is that row's sum): set training.packing false",
                            field="training.packing")
+        # settings of SFT data that preference pairs have no use for: refused, not ignored without a word
+        d = self.data
+        for key, given, why in (
+                ("data.columns", d.columns is not None, "pairs are read by their own keys (prompt, chosen, rejected, "
+                                                        "or OpenAI's input, preferred_output, non_preferred_output)"),
+                ("data.roles", d.roles is not None, "a pair's messages take the roles system, user and assistant"),
+                ("data.train_on_inputs", d.train_on_inputs, "DPO scores the completions only, never the prompt"),
+                ("eval.generate", self.eval.generate is not None,
+                 "a DPO eval reports the held-out reward accuracy and margin instead")):
+            if given:
+                raise BadInput(f"{key} applies to SFT data, and objective dpo has no use for it: {why}; remove "
+                               f"{key}", field=key)
 
     def _check_lora(self) -> None:
         assert self.lora is not None, "_lora_defaults gives method lora its section"

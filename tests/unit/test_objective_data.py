@@ -86,3 +86,20 @@ def test_openai_create_names_a_bad_hyperparameter_and_what_it_takes(api, hyper, 
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"] and "literal[" not in err["message"]
+
+
+@pytest.mark.parametrize(("extra", "key"), [
+    ({"data": {"path": "/d.jsonl", "columns": {"messages": "dialog"}}}, "data.columns"),
+    ({"data": {"path": "/d.jsonl", "roles": {"bot": "assistant"}}}, "data.roles"),
+    ({"data": {"path": "/d.jsonl", "train_on_inputs": True}}, "data.train_on_inputs"),
+    ({"eval": {"every_steps": 5, "generate": {"max_tokens": 8}}}, "eval.generate"),
+])
+def test_sft_only_settings_on_a_dpo_job_are_refused_not_ignored(extra, key):
+    # before: accepted, and the DPO job ran as if they were not there
+    spec = {"model": {"path": "/m"}, "data": {"path": "/d.jsonl"}, "objective": "dpo",
+            "training": {"micro_batch_size": 2, "max_steps": 1}, "output_dir": "/o"}
+    with pytest.raises(BadInput, match=f"{key} applies to SFT data, and objective dpo has no use for it") as exc:
+        JobSpec.from_dict({**spec, **extra})
+    assert exc.value.field == key
+    JobSpec.from_dict({**spec, **extra, "objective": "sft"})  # SFT takes each
+    JobSpec.from_dict({**spec, "data": {"path": "/d.jsonl", "chat_template": "chatml"}})  # the pairs' messages use it
