@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scan-depth", action="store_true",
                         help="with --max-model: also stack the next larger preset's layer as deep as fits")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="with --config: job spec overrides, as `finetune` takes them (e.g. model.path=qwen2.5-7b "
+                             "plans an example's job on a preset's shape, without its weights)")
 
 
 def planner_families() -> list[str]:
@@ -150,6 +153,9 @@ def _method_and_mode(args) -> tuple[str, str]:
 def run(args: argparse.Namespace) -> int:
     from horizon_ray import planner
 
+    if args.overrides and not args.config:
+        raise BadInput(f"key=value overrides ({args.overrides[0]}) change a job spec: give it with --config, or use "
+                       "the job options (--seq-len, --method ...) with --model")
     if args.list_presets:
         rows: list[dict[str, Any]] = [
             {"name": s.name, "params": s.num_params, "layers": s.num_layers, "hidden": s.hidden_size,
@@ -213,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     if args.config:
         from horizon_ray.jobspec import JobSpec
 
-        spec = JobSpec.from_yaml(args.config)
+        spec = JobSpec.from_yaml(args.config, overrides=args.overrides)
         p = planner.plan_for_spec(spec, node, gpu_budget_bytes=budget)
     else:
         p = planner.plan(args.model, method=method, mode=mode, node=node, **job)

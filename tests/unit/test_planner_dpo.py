@@ -30,3 +30,21 @@ def test_the_dpo_recipe_loads_strictly_and_plans():
     assert spec.objective == "dpo" and spec.method == "lora" and spec.dpo.beta == 0.1
     p = plan_for_spec(spec)
     assert p.fits and p.objective == "dpo" and p.micro_batch_size == 16
+
+
+def test_the_plan_commands_in_the_examples_run_as_written(capsys):
+    """Each `horizon-ray plan` an example's header shows plans on this machine as written (before: the DPO
+    recipe's named its /models path, which only its real weights satisfy, and plan took no key=value)."""
+    import shlex
+    from pathlib import Path
+
+    from horizon_ray.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    commands = [line.lstrip("# ").split("  #")[0] for path in sorted((root / "examples").glob("*.yaml"))
+                for line in path.read_text().splitlines() if line.lstrip("# ").startswith("horizon-ray plan ")]
+    assert any("qwen2.5-7b-dpo-lora.yaml" in c for c in commands)
+    for command in commands:
+        argv = [a.replace("examples/", f"{root}/examples/") for a in shlex.split(command)[1:]]
+        assert main(argv) == 0, command
+        assert "FITS" in capsys.readouterr().out
