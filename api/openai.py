@@ -63,6 +63,7 @@ from horizon_ray.cluster.errors import JobNotFound
 from horizon_ray.cluster.messages import Checkpoint, EventType, JobEvent, JobRecord, JobStatus
 from horizon_ray.errors import BadInput
 from horizon_ray.job.metrics import METRICS_FILE
+from horizon_ray.job.progress import format_rewards
 from horizon_ray.jobspec import DpoSpec, JobSpec, Quantize, Text, TrainingSpec, spec_error
 from horizon_ray.strings import MAX_COMPONENT_BYTES, fix, problem
 
@@ -548,9 +549,7 @@ def _method(spec: dict[str, Any], hyper: dict[str, Any]) -> dict[str, Any]:
     """OpenAI's method object of a job: supervised, or dpo with beta (a batch counts pairs)."""
     if spec.get("objective") != "dpo":
         return {"type": "supervised", "supervised": {"hyperparameters": hyper}}
-    batch = hyper["batch_size"]
-    dpo = {**hyper, "batch_size": batch // 2 if isinstance(batch, int) else batch,
-           "beta": (spec.get("dpo") or {}).get("beta", DpoSpec().beta)}
+    dpo = {**hyper, "beta": (spec.get("dpo") or {}).get("beta", DpoSpec().beta)}
     return {"type": "dpo", "dpo": {"hyperparameters": dpo}}
 
 
@@ -563,6 +562,8 @@ def job_object(record: JobRecord, tenant: Tenant) -> dict[str, Any]:
              "batch_size": (training.get("micro_batch_size", 1) * training.get("grad_accum", 1)
                             if training.get("packing") is False else "auto"),
              "learning_rate_multiplier": round(float(training.get("lr", TrainingSpec().lr)) / TrainingSpec().lr, 6)}
+    if spec.get("objective") == "dpo" and isinstance(hyper["batch_size"], int):
+        hyper["batch_size"] //= 2  # pairs, as the create request's counts them: a pair is two rows
     quantize = (spec.get("lora") or {}).get("quantize", "none") if spec.get("method") == "lora" else "none"
     if quantize != "none":
         hyper["quantize"] = quantize
@@ -598,9 +599,13 @@ def event_message(event: JobEvent) -> tuple[str, str, str]:
     d = event.data
     if event.type is EventType.METRICS:
         if "eval_loss" in d:
-            return "info", "metrics", f"Step {d.get('step')}: validation loss={_num(d['eval_loss'])}"
+            rewards = format_rewards(d.get("eval_preference"))  # a DPO job's: what it is judged by
+            return "info", "metrics", (f"Step {d.get('step')}: validation loss={_num(d['eval_loss'])}"
+                                       + (f", {rewards}" if rewards else ""))
         total = f"/{d['total_steps']}" if d.get("total_steps") else ""
-        return "info", "metrics", f"Step {d.get('step')}{total}: training loss={_num(d.get('loss'))}"
+        rewards = format_rewards(d.get("preference"))
+        return "info", "metrics", (f"Step {d.get('step')}{total}: training loss={_num(d.get('loss'))}"
+                                   + (f", {rewards}" if rewards else ""))
     if event.type is EventType.CHECKPOINT:
         return "info", "message", f"Checkpoint created at step {d.get('step')}"
     if event.type is EventType.ERROR:

@@ -103,3 +103,27 @@ def test_sft_only_settings_on_a_dpo_job_are_refused_not_ignored(extra, key):
     assert exc.value.field == key
     JobSpec.from_dict({**spec, **extra, "objective": "sft"})  # SFT takes each
     JobSpec.from_dict({**spec, "data": {"path": "/d.jsonl", "chat_template": "chatml"}})  # the pairs' messages use it
+
+
+def test_a_dpo_job_object_counts_pairs_everywhere_and_its_events_carry_the_rewards(api):
+    """The job object gives one batch size, in pairs as the create request counts them (before: the top-level
+    hyperparameters said 6 rows where method.dpo's said 3 pairs), and its metrics events say the reward accuracy
+    and margin in words, as the terminal does (before: the loss alone)."""
+    import time
+
+    http, bed, upload = api
+    body = {"model": "tiny-1g", "training_file": upload(PAIRS),
+            "method": {"type": "dpo", "dpo": {"hyperparameters": {"batch_size": 3, "n_epochs": 1}}}}
+    r = http.post("/v1/fine_tuning/jobs", headers=bed.auth("acme"), json=body)
+    assert r.status_code == 200, r.text
+    job = r.json()
+    assert job["hyperparameters"]["batch_size"] == job["method"]["dpo"]["hyperparameters"]["batch_size"] == 3
+    assert bed.client.get("acme", job["id"]).spec["training"]["micro_batch_size"] == 6
+    deadline = time.monotonic() + 30
+    while http.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=bed.auth("acme")).json()["status"] != "succeeded":
+        assert time.monotonic() < deadline, "the job did not finish"
+        time.sleep(0.1)
+    events = http.get(f"/v1/fine_tuning/jobs/{job['id']}/events", headers=bed.auth("acme")).json()["data"]
+    metrics = [e["message"] for e in events if e["type"] == "metrics"]
+    assert metrics and all(", reward accuracy " in m and ", margin " in m for m in metrics)
+    assert any(m.startswith("Step ") and "validation loss=" in m for m in metrics)
