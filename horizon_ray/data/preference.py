@@ -3,7 +3,9 @@
 Two layouts, both the format ``preference`` (``auto`` detects them):
 - TRL's and LLaMA-Factory's: ``{"prompt": ..., "chosen": ..., "rejected": ...}``, all three strings (plain
   text: the completions follow the prompt directly, eos appended), or all three message lists (chat: the prompt's
-  turns, then the completion's assistant turns, rendered with the tokenizer's chat template as SFT data is).
+  turns, then the completion's assistant turns, rendered with the tokenizer's chat template as SFT data is);
+  or two conversations that repeat the prompt as their first turns (TRL's implicit prompt; UltraFeedback's
+  layout adds ``prompt``, their last user turn), the shared turns being the prompt.
 - OpenAI's: ``{"input": {"messages": [...]}, "preferred_output": [...], "non_preferred_output": [...]}``, the
   outputs lists of assistant messages (chat).
 
@@ -64,9 +66,14 @@ def parse_pair(record: dict[str, Any], where: str, layout: Any = None) -> Prefer
         chosen = _completion(record["preferred_output"], where, "preferred_output")
         rejected = _completion(record["non_preferred_output"], where, "non_preferred_output")
         return PreferencePair(prompt, chosen, rejected, where)
+    if isinstance(record.get("chosen"), list) and isinstance(record.get("rejected"), list):
+        implicit = _implicit_prompt(record, where)
+        if implicit is not None:
+            return implicit
     if "prompt" not in record:
-        raise BadInput(f"{where}: no 'prompt'; give the prompt apart from 'chosen' and 'rejected' (conversations "
-                       "that hold their prompt inside each completion are not read)")
+        raise BadInput(f"{where}: no 'prompt'; give the prompt apart from 'chosen' and 'rejected', or as the "
+                       "message lists' common first turns (plain-text conversations that hold their prompt are not "
+                       "read)")
     prompt = record["prompt"]
     if isinstance(prompt, str):
         for key in ("prompt", "chosen", "rejected"):
@@ -76,6 +83,39 @@ def parse_pair(record: dict[str, Any], where: str, layout: Any = None) -> Prefer
         return PreferencePair(message_list(prompt, where, "prompt"), _completion(record["chosen"], where, "chosen"),
                               _completion(record["rejected"], where, "rejected"), where)
     raise BadInput(f"{where}: 'prompt' must be a string or a list of messages, got {type(prompt).__name__}")
+
+
+def _implicit_prompt(record: dict[str, Any], where: str) -> PreferencePair | None:
+    """A pair whose two conversations repeat the prompt as their first turns (TRL's implicit prompt; the
+    UltraFeedback layout, whose 'prompt' is that conversation's last user turn): the turns both share are the
+    prompt, the rest each completion. None when they share no first turn (the completions only)."""
+    chosen = message_list(record["chosen"], where, "chosen")
+    rejected = message_list(record["rejected"], where, "rejected")
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    if chosen[0]["role"] in COMPLETION_ROLES or rejected[0]["role"] in COMPLETION_ROLES:
+        return None  # an answer first: the completions alone, their prompt in 'prompt'
+    if chosen == rejected:
+        raise BadInput(f"{where}: 'chosen' and 'rejected' are the same conversation; a pair needs two different "
+                       "answers to its prompt")
+    parted = [m for m in (chosen[shared:shared + 1] + rejected[shared:shared + 1])
+              if m["role"] not in COMPLETION_ROLES]
+    if parted or shared in (len(chosen), len(rejected)):
+        what = (f"they part at message {shared}, a {parted[0]['role']} turn" if parted else
+                "one ends where the other goes on")
+        raise BadInput(f"{where}: 'chosen' and 'rejected' hold different prompts ({what}); a pair's two "
+                       "completions answer one prompt: give it as their common first turns, or in 'prompt'")
+    prompt, turns = chosen[:shared], "the conversations' common first turns"
+    given = record.get("prompt")
+    if isinstance(given, list) and message_list(given, where, "prompt") not in (prompt, []):
+        raise BadInput(f"{where}: 'prompt' differs from {turns}; give the prompt once, or the same in both")
+    users = [m["content"] for m in prompt if m["role"] == "user"]
+    if isinstance(given, str) and given.strip() and (not users or users[-1].strip() != given.strip()):
+        raise BadInput(f"{where}: 'prompt' is not the last user turn of {turns}; give the prompt once, or the "
+                       "same in both")
+    return PreferencePair(prompt, _completion(chosen[shared:], where, "chosen"),
+                          _completion(rejected[shared:], where, "rejected"), where)
 
 
 def _text(value: Any, where: str, key: str) -> str:

@@ -135,3 +135,38 @@ def test_pair_sampler_keeps_pairs_adjacent_and_is_a_function_of_the_step(tmp_pat
     assert sampler.tokens_for_step(0) == sum(len(ds.examples[r]) for r in rows)
     with pytest.raises(BadInput, match="even number"):
         PairSampler(ds, micro_batch_size=3)
+
+
+U = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "copy abc"}]
+
+
+@pytest.mark.parametrize("record", [
+    # TRL's implicit prompt: both conversations start with it
+    {"chosen": U + TRL_CHAT["chosen"], "rejected": U + TRL_CHAT["rejected"]},
+    # UltraFeedback's layout: 'prompt' is the last user turn the conversations repeat
+    {"prompt": "copy abc", "chosen": U + TRL_CHAT["chosen"], "rejected": U + TRL_CHAT["rejected"]},
+    {"prompt": U, "chosen": U + TRL_CHAT["chosen"], "rejected": U + TRL_CHAT["rejected"]},
+])
+def test_conversations_that_repeat_their_prompt_give_the_pair_of_the_prompt_apart(tmp_path, tok, record):
+    # before: refused ("no 'prompt'", or "'chosen' must be a string like 'prompt'" for UltraFeedback's)
+    apart = {"prompt": U, "chosen": TRL_CHAT["chosen"], "rejected": TRL_CHAT["rejected"]}
+    got = tokenize_pairs(load_pairs(_write(tmp_path / "a.jsonl", [record])), tok, 64)
+    want = tokenize_pairs(load_pairs(_write(tmp_path / "b.jsonl", [apart])), tok, 64)
+    assert [(e.input_ids.tolist(), e.labels.tolist()) for e in got.examples] == \
+        [(e.input_ids.tolist(), e.labels.tolist()) for e in want.examples]
+
+
+@pytest.mark.parametrize(("record", "words"), [
+    ({"chosen": [{"role": "user", "content": "copy abc"}, *TRL_CHAT["chosen"]],
+      "rejected": [{"role": "user", "content": "copy xyz"}, *TRL_CHAT["rejected"]]},
+     "'chosen' and 'rejected' hold different prompts (they part at message 0, a user turn)"),
+    ({"prompt": "sort 312", "chosen": U + TRL_CHAT["chosen"], "rejected": U + TRL_CHAT["rejected"]},
+     "'prompt' is not the last user turn of the conversations' common first turns"),
+    ({"chosen": U + TRL_CHAT["chosen"], "rejected": U + TRL_CHAT["chosen"]},
+     "'chosen' and 'rejected' are the same conversation"),
+])
+def test_pairs_whose_prompts_differ_are_refused_with_their_line(tmp_path, record, words):
+    path = _write(tmp_path / "bad.jsonl", [TRL_CHAT, record])
+    with pytest.raises(BadInput, match="bad.jsonl:2: ") as exc:
+        load_pairs(path)
+    assert words in str(exc.value)
