@@ -108,9 +108,16 @@ def run(args: argparse.Namespace) -> int:
             messages = list(start)
             continue
         messages.append({"role": "user", "content": text})
+        try:
+            request = Request(gen.chat_prompt(messages), params)
+            gen.check([request])
+        except BadInput as exc:  # this turn cannot run (the template refuses it, the context is full): say why and
+            messages.pop()      # go on with the conversation so far, which the user need not type again
+            print(f"error: {exc.message}", file=sys.stderr, flush=True)
+            continue
         print("model> ", end="", flush=True)
         answer = []
-        for step in gen.stream([Request(gen.chat_prompt(messages), params)]):
+        for step in gen.stream([request]):
             for d in step:
                 answer.append(d.text)
                 print(d.text, end="", flush=True)

@@ -175,3 +175,18 @@ def test_prompts_that_are_not_utf8_are_refused_by_name(job_dir, capsys):
 
     assert main(["generate", str(job_dir / "final"), "--prompts", str(prompts), "--device", "cpu"]) == 2
     assert "is not UTF-8 text" in capsys.readouterr().err
+
+
+def test_chat_says_why_a_turn_cannot_run_and_goes_on_with_the_conversation(job_dir, capsys, monkeypatch):
+    """A turn the model cannot take (here: past its 256 positions with --max-tokens 200) is refused with the
+    reason, and the next turn is answered on the conversation without it (before: the session ended)."""
+    import io
+
+    from horizon_ray.cli import main
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("copy " + "x" * 100 + "\ncopy abc\n\n"))
+    assert main(["chat", str(job_dir), "--max-tokens", "200", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert "exceed the model's context of 256 positions" in err
+    assert out.count("model> ") == 1  # one answer: the second turn's, on a conversation of it alone
+    assert f"model> {_answer(job_dir, [{'role': 'user', 'content': 'copy abc'}], 200)}\n" in out
