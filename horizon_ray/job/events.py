@@ -45,7 +45,7 @@ class Start(Event):
     method: str = "full"  # full | lora
     num_params: int = 0  # parameters of the model
     trainable_params: int = 0  # parameters the optimizer updates (the adapters with LoRA)
-    train_examples: int = 0
+    train_examples: int = 0  # examples of the data as written: a preference job's pairs
     eval_examples: int = 0
     steps_per_epoch: int = 0
     training_hash: str = ""  # JobSpec.training_hash: which checkpoints this run may resume

@@ -8,8 +8,9 @@ Layout under ``<output_dir>/reference/``::
                              micro-batch and their count): written as the pass goes (each atomic), so that a
                              job killed during it resumes where it stopped
 
-``hash`` names what the log-probs are valid for: the model (its directory, config.json and the sizes of its
-weight files), the starting adapters (method and lora section, seed) and every row's tokens and labels
+``hash`` names what the log-probs are valid for: the model (its directory, config.json, and each weight file's
+size and bytes sampled at its start, middle and end: another checkpoint of the same shape copied over it has
+other values there), the starting adapters (method and lora section, seed) and every row's tokens and labels
 (``pairs.data_hash``: data and tokenization). A file of another hash is never used: the pass starts over while
 the job is at step 0, and a job past it (its weights are no longer the starting ones) is refused.
 """
@@ -35,11 +36,27 @@ FINAL = "logps.safetensors"
 PART_EVERY_S = 60.0
 
 
+# bytes of each weight file read at its start, middle and end for the reference's hash: a few MiB of I/O for any
+# model, where hashing every byte of a 70B base would read 140 GB before each job's start
+SAMPLE_BYTES = 1 << 20
+
+
+def weights_fingerprint(path: Path) -> tuple[str, int, str]:
+    """A weight file's name, size and a digest of three samples of its bytes."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for at in sorted({0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)}):
+            f.seek(at)
+            h.update(f.read(SAMPLE_BYTES))
+    return path.name, size, h.hexdigest()[:16]
+
+
 def reference_hash(spec: Any, data_hashes: list[str]) -> str:
     """What a reference is valid for: the model, the starting adapters, the rows (``data_hashes``)."""
     model = Path(spec.model.path).expanduser()
     config = model / "config.json"
-    weights = sorted((p.name, p.stat().st_size) for p in model.glob("*.safetensors"))
+    weights = sorted(weights_fingerprint(p) for p in model.glob("*.safetensors"))
     start = {"method": spec.method, "lora": spec.lora.model_dump(exclude={"merge"}) if spec.lora else None,
              "seed": spec.training.seed}
     blob = json.dumps({"model": str(model.resolve()), "config": config.read_text() if config.is_file() else "",

@@ -252,8 +252,8 @@ class _Job:
                 step=start, total_steps=self.total, resumed_from=start if latest else None,
                 name=self.spec.name, device=cfg.device, compute_dtype=cfg.compute_dtype,
                 num_params=eng.num_params, trainable_params=eng.trainable_params, method=self.spec.method,
-                train_examples=len(self.train_ds.examples),
-                eval_examples=len(self.eval_ds.examples) if self.eval_ds is not None else 0,
+                train_examples=self._examples(self.train_ds),
+                eval_examples=self._examples(self.eval_ds),
                 steps_per_epoch=self.sampler.steps_per_epoch, training_hash=self.spec.training_hash(),
                 update=cfg.update, gpus=self.world,
             ))
@@ -397,6 +397,12 @@ class _Job:
         self.metrics.write(Checkpoint(step=done, path=str(saved.path), pruned=[c.step for c in stale]))
         with self.guard("pruning checkpoints"):
             ckpt_io.prune(self.ckpt_root, spec.checkpoint.keep)
+
+    def _examples(self, ds) -> int:
+        """A dataset's examples as the user counts them: a preference job's rows are pairs, two rows each."""
+        if ds is None:
+            return 0
+        return len(ds.examples) // 2 if self.preference is not None else len(ds.examples)
 
     def _eval_rewards(self) -> str:
         """", reward accuracy 87.5 %, margin 0.412" of the latest eval of a preference job, for its eval lines."""

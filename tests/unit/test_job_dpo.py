@@ -49,6 +49,8 @@ def test_held_out_reward_accuracy_rises_to_90_percent(assets, tmp_path):
     assert evals[-1].eval_loss < math.log(2)
     train = [e for e in events if e.TYPE == "metrics"]
     assert len(train) == result.total_steps == 12
+    (start,) = [e for e in events if e.TYPE == "start"]
+    assert (start.train_examples, start.eval_examples) == (128, 32)  # pairs, as the files hold them (not rows)
     assert set(train[-1].preference) == {"loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
                                          "rewards/margins", "logps/chosen", "logps/rejected"}
     assert train[-1].loss == pytest.approx(train[-1].preference["loss"])
@@ -63,6 +65,29 @@ def _preference_hash(assets, out):
     spec = _spec(assets, out)
     train, evals, sampler, ev = dpo.load_data(spec, load_tokenizer(assets / "model"))
     return dpo.Preference(spec, out, train, evals, sampler, ev).hash
+
+
+def test_a_base_of_the_same_shape_copied_over_the_model_invalidates_the_reference(assets, tmp_path, monkeypatch):
+    """The same file names and sizes but other weights (another checkpoint of the model written over it) are
+    another reference: a resumed job must not score its pairs against the old base's log-probs."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(assets / "model", model)
+    monkeypatch.setattr(reference, "SAMPLE_BYTES", 64)  # the tiny file's three samples do not cover it all
+    spec = _spec(assets, tmp_path / "run")
+    spec.model.path = str(model)
+    before = reference.reference_hash(spec, ["rows"])
+    (weights,) = model.glob("*.safetensors")
+    size = weights.stat().st_size
+    # another checkpoint of the same shape: every value other
+    tensors = {k: t + 0.5 for k, t in load_file(str(weights)).items()}
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    assert weights.stat().st_size == size
+    assert reference.reference_hash(spec, ["rows"]) != before
+    assert reference.reference_hash(spec, ["rows"]) == reference.reference_hash(spec, ["rows"])
 
 
 def test_reference_pass_resumes_after_a_kill_and_a_resumed_job_never_recomputes(assets, tmp_path, monkeypatch):
