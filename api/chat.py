@@ -30,13 +30,13 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import Tenant, current_tenant
 from api.errors import ApiError
 from api.openai import ERRORS, PREFIX, resolve_model
-from horizon_ray.engine.sampling import SamplingParams, stop_sequences
+from horizon_ray.engine.sampling import SamplingParams, message_text, stop_sequences
 from horizon_ray.generation import Event, GenerationRequest, Handle
 
 DISCONNECT_CHECK_S = 0.5  # how often a request without a stream checks that its client is still there
@@ -53,8 +53,13 @@ class _Strict(BaseModel):
 
 class Message(_Strict):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str = Field(max_length=1 << 20)
+    content: str  # a string, or text parts (sampling.message_text: joined before the model sees them)
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, content: Any) -> str:
+        return message_text(content, "content")
 
 
 class _Sampling(_Strict):

@@ -58,8 +58,35 @@ def stop_sequences(stop: object) -> tuple[str, ...]:
     raise BadInput(f"stop must be a string or a list of strings, got {stop!r}", field="stop")
 
 
+# the longest message content taken, in characters
+MAX_CONTENT_CHARS = 1 << 20
+
+
+def message_text(content: object, where: str) -> str:
+    """A message's content as text: a string, or OpenAI's content parts of type text (``[{"type": "text",
+    "text": ...}]``, as SDKs and clients send them) joined by newlines. Other parts (images, audio) are refused:
+    these models take text."""
+    if isinstance(content, (list, tuple)) and content:
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadInput(f"{where}[{j}] is a part of type {kind!r}: these models take text only; send the "
+                               "content as a string or as parts {\"type\": \"text\", \"text\": ...}",
+                               field=f"{where}[{j}]")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    if not isinstance(content, str):
+        raise BadInput(f"{where} must be a string or a list of text parts, got {content!r}", field=where)
+    if len(content) > MAX_CONTENT_CHARS:
+        raise BadInput(f"{where} has {len(content):,} characters, more than the {MAX_CONTENT_CHARS:,} taken",
+                       field=where)
+    return content
+
+
 def chat_turns(messages: object) -> list[dict[str, str]]:
-    """A chat's turns, checked: a non-empty list of {role, content} with a role of CHAT_ROLES and string content."""
+    """A chat's turns, checked: a non-empty list of {role, content} with a role of CHAT_ROLES and text content
+    (``message_text``)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise BadInput("messages must be a non-empty list of {role, content} objects", field="messages")
     turns = []
@@ -69,10 +96,7 @@ def chat_turns(messages: object) -> list[dict[str, str]]:
         if m.get("role") not in CHAT_ROLES:
             raise BadInput(f"messages[{i}] has role {m.get('role')!r}; use one of {', '.join(CHAT_ROLES)}",
                            field=f"messages[{i}].role")
-        if not isinstance(m.get("content"), str):
-            raise BadInput(f"messages[{i}].content must be a string, got {m.get('content')!r}",
-                           field=f"messages[{i}].content")
-        turns.append({"role": m["role"], "content": m["content"]})
+        turns.append({"role": m["role"], "content": message_text(m.get("content"), f"messages[{i}].content")})
     return turns
 
 

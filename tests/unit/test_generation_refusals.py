@@ -46,8 +46,10 @@ def test_a_seed_beyond_64_bits_is_refused_by_name(seed):
     ("chat/completions", {"messages": HI, "max_tokens": 0}, "max_tokens", "max_tokens is 0; set it to 1 or more"),
     ("chat/completions", {"messages": HI, "temperature": 3}, "temperature", "temperature: "),
     ("chat/completions", {"messages": HI, "top_p": 0}, "top_p", "top_p: "),
-    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
-     "messages[0].content", "messages[0].content must be a string"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content", "is a part of type 'image_url': these models take text only"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]},
+     "messages[0].content", "must be a string or a list of text parts"),
     ("completions", {"prompt": ["a", "b"]}, "prompt", "prompt must be a string"),
     ("chat/completions", {"messages": HI, "logprobs": True}, "logprobs", "unknown key 'logprobs'"),
 ])
@@ -73,3 +75,19 @@ def test_a_job_spec_body_still_gets_the_job_specs_hints(api):
     assert r.status_code == 422
     err = r.json()["error"]
     assert err["code"] == "invalid_spec" and "training.lr" in err["message"] and "objective" in err["message"]
+
+
+def test_text_parts_are_the_text_they_hold():
+    """OpenAI's content parts of type text (what SDKs and many clients send) are the text they hold, joined by
+    newlines, on /v1 and in the CLI's chat lines alike (before: refused, 'must be a string')."""
+    from api.chat import Message
+    from horizon_ray.engine.sampling import chat_turns
+
+    parts = [{"type": "text", "text": "Name a colour."}, {"type": "text", "text": "One word."}]
+    assert Message(role="user", content=parts).content == "Name a colour.\nOne word."
+    assert chat_turns([{"role": "user", "content": parts}]) == [{"role": "user",
+                                                                 "content": "Name a colour.\nOne word."}]
+    with pytest.raises(BadInput, match=r"messages\[0\]\.content\[1\] is a part of type 'input_audio'") as exc:
+        chat_turns([{"role": "user", "content": [parts[0], {"type": "input_audio", "input_audio": {}}]}])
+    assert exc.value.field == "messages[0].content[1]"
+
