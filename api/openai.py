@@ -43,6 +43,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -685,6 +686,21 @@ def openai_errors(app: FastAPI) -> None:
         app.add_exception_handler(exc_type, _reshaping(handler))
 
 
+# The job spec keys a fine-tuning request sets from OpenAI's parameters (job_spec), named back by those parameters
+# in its errors: the checks that refuse them (the upload's format, the objective) are the job spec's, shared with
+# POST /finetune, and speak its keys.
+SPEC_PARAMS = {"data.path": "training_file", "data.eval_path": "validation_file", "data.format": "training_file",
+               "objective": "method.type"}
+_SPEC_WORDS = re.compile(r"\bdata\.(eval_)?path\b")
+
+
+def _openai_param(request: Request, field: Any, message: str) -> tuple[Any, str]:
+    if not request.url.path.startswith(PREFIX + "/fine_tuning/"):
+        return field, message
+    message = _SPEC_WORDS.sub(lambda m: "validation_file" if m.group(1) else "training_file", message)
+    return SPEC_PARAMS.get(field, field), message
+
+
 def _reshaping(handler: Callable) -> Callable:
     async def reshaped(request: Request, exc: Exception):
         response = await handler(request, exc)
@@ -695,8 +711,9 @@ def _reshaping(handler: Callable) -> Callable:
         if not isinstance(err, dict):
             return response
         status = 400 if response.status_code == 422 else response.status_code
-        shaped = {"error": {"message": err.get("message", ""), "type": ERROR_TYPES.get(status, "server_error"),
-                            "param": err.get("field"), "code": err.get("code"),
+        param, message = _openai_param(request, err.get("field"), err.get("message", ""))
+        shaped = {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
+                            "param": param, "code": err.get("code"),
                             # a placement refusal's verdict of every node, as /finetune gives them
                             **({"details": err["details"]} if "nodes" in (err.get("details") or {}) else {})}}
         headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}

@@ -216,7 +216,7 @@ def test_refusals_come_in_openai_error_shape(url, bed):
     assert info.value.body["param"] == "method.type"
     with pytest.raises(openai.BadRequestError) as info:
         client.fine_tuning.jobs.create(model="tiny-1g", training_file="file-" + "0" * 24)
-    assert info.value.body["code"] == "file_not_found" and info.value.body["param"] == "data.path"
+    assert info.value.body["code"] == "file_not_found" and info.value.body["param"] == "training_file"  # OpenAI's name
     with pytest.raises(openai.BadRequestError) as info:
         client.fine_tuning.jobs.create(model="tiny-1g", training_file=train.id, hyperparameters={"n_epochs": 0})
     assert info.value.body["param"] == "hyperparameters.n_epochs"
