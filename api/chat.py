@@ -36,7 +36,7 @@ from starlette.concurrency import run_in_threadpool
 from api.auth import Tenant, current_tenant
 from api.errors import ApiError
 from api.openai import ERRORS, PREFIX, resolve_model
-from horizon_ray.engine.sampling import SamplingParams, message_text, stop_sequences
+from horizon_ray.engine.sampling import MAX_CONTENT_CHARS, SamplingParams, message_text, stop_sequences
 from horizon_ray.generation import Event, GenerationRequest, Handle
 
 DISCONNECT_CHECK_S = 0.5  # how often a request without a stream checks that its client is still there
@@ -86,7 +86,7 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str = Field(min_length=1, max_length=1 << 20)
+    prompt: str = Field(min_length=1, max_length=MAX_CONTENT_CHARS)
 
 
 class _InFlight:

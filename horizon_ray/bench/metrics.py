@@ -216,7 +216,8 @@ def kernel_tables(events: list[dict], top: int = 12) -> dict:
             entry[1] += 1
     by_class: dict[str, float] = {}
     for name, (secs, _) in by_name.items():
-        by_class[kernel_class(name)] = by_class.get(kernel_class(name), 0.0) + secs
+        cls = kernel_class(name)
+        by_class[cls] = by_class.get(cls, 0.0) + secs
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     return {"kernel_s_by_class": {k: round(v, 4) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
             "top_kernels": [[name[:120], round(secs, 4), n] for name, (secs, n) in ranked]}

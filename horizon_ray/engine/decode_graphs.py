@@ -41,7 +41,7 @@ _CAPTURE = threading.Lock()
 # for every stream it runs on (32 MiB on the H200) in the caching allocator until the process ends: a new
 # stream for each capture (one for each generate call's cache layout) grew a serving process's allocated GPU
 # memory by the workspaces of up to torch's pool of 32 streams, memory no plan counts (on the H200, after the
-# generation tests' six captures, a training run's peak stood 173 MiB above its plan: about five workspaces).
+# generation tests' six captures, a training run's peak stood 173 MiB above its plan, as five or six would).
 _STREAMS: dict[torch.device, Any] = {}
 
 
