@@ -24,9 +24,11 @@ Each system checkpoints as it runs best: the engine keeps every layer's input (`
 default; the checkpoints go to host memory when the GPU budget asks) and runs each layer forward once more in
 the backward; a block of K layers would cost K - 1 more forwards to rebuild its inputs. TRL checkpoints only
 every ``--peer-checkpoint-every``-th decoder layer (transformers' ``every_n_layers``; 4 by default): the rest
-keep their activations on the GPU and are not run again. ``recomputed_layers`` records each system's layer
-forwards in the backward per layer: 1.0 for the engine at 1 (1.75 at 4 on 28 layers), 0.25 for TRL at 4, so
-a token costs the engine 4 forward-equivalents (forward, backward 2, recompute 1) and TRL 3.25.
+keep their activations on the GPU and are not run again; a transformers without ``every_n_layers``
+checkpoints every layer, and ``checkpoint_every`` records the interval in effect, not the one asked for.
+``recomputed_layers`` records each system's layer forwards in the backward per layer: 1.0 for the engine at 1
+(1.75 at 4 on 28 layers), 0.25 for TRL at 4 (1.0 where every layer is checkpointed), so a token costs the
+engine 4 forward-equivalents (forward, backward 2, recompute 1) and TRL 3.25 to 4.
 """
 
 from __future__ import annotations
@@ -162,9 +164,10 @@ def run_trl(args, tokens: int) -> dict:
     torch.manual_seed(0)
     with device:
         model = hf.build_model(shape, dtype)
-    hf.enable_checkpointing(model, args.peer_checkpoint_every)
-    # transformers checkpoints only every peer_checkpoint_every-th decoder layer; the rest keep their activations
-    # and are not run again in the backward
+    # transformers checkpoints only every peer_checkpoint_every-th decoder layer where it can (the rest keep
+    # their activations and are not run again in the backward); an older one checkpoints every layer, and the
+    # record says the interval that ran, not the one asked for
+    every = hf.enable_checkpointing(model, args.peer_checkpoint_every)
     layers = model.get_decoder().layers
     recompute = sum(bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers) / len(layers)
     # TRL's fused head (the outputs its loss reads), added before PEFT wraps the model as TRL's docs ask
@@ -214,7 +217,7 @@ def run_trl(args, tokens: int) -> dict:
     timed = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     return {"losses": losses, "reference_s": reference_s, "timed_s": timed, "peak_gpu_bytes": peak,
-            "checkpoint_every": args.peer_checkpoint_every, "recomputed_layers": round(recompute, 4)}
+            "checkpoint_every": every, "recomputed_layers": round(recompute, 4)}
 
 
 def child(args) -> None:

@@ -37,3 +37,29 @@ def test_the_dpo_bench_runs_both_systems_and_records_rss_against_the_plan(tmp_pa
     assert ours["planned_host_bytes"] > 0 and "plan_error" not in ours
     assert ours["rss_vs_plan"] == round(ours["host_rss_bytes"] / ours["planned_host_bytes"], 4)
     assert 0.1 < ours["rss_vs_plan"] < 1.5  # the plan counts a process's baseline; a tiny model is mostly that
+
+
+def test_the_peer_record_says_the_checkpoint_interval_that_ran_not_the_one_asked_for(monkeypatch, capsys):
+    """A transformers without ``every_n_layers`` checkpoints every decoder layer whatever the script asks; the
+    record must then say 1 and 100% recomputed, the work the peer did (before: it said 4 beside 100%, and the
+    notes read a quarter recomputed into a run that recomputed every layer)."""
+    import importlib.util
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    spec = importlib.util.spec_from_file_location("dpo_bench", ROOT / "benchmarks" / "dpo.py")
+    dpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dpo)
+    original = PreTrainedModel.activation_checkpointing_enable
+    assert "every_n_layers" in inspect.signature(original).parameters
+
+    def older(self, activation_checkpointing_kwargs=None):  # the signature of a transformers without it
+        return original(self, activation_checkpointing_kwargs=activation_checkpointing_kwargs, every_n_layers=1)
+
+    monkeypatch.setattr(PreTrainedModel, "activation_checkpointing_enable", older)
+    dpo.main(["--system", "trl", "--shape", "tiny", "--device", "cpu", "--steps", "1", "--method", "lora",
+              "--tokens-per-step", "512", "--seq", "64", "--micro", "4"])
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["status"] == "ok", rec
+    assert (rec["checkpoint_every"], rec["recomputed_layers"]) == (1, 1.0)
