@@ -289,9 +289,9 @@ INSTALL_LIGER = ("python3 -m pip install -q --no-index --no-deps --target /tmp/s
 
 def test_readme_commands_parse():
     """Every command of benchmarks/README.md for the GPU box is a valid invocation that writes to $OUT; one that
-    runs a Liger-Kernel peer (named or by default) or horizon-ray (whose fused kernels are Liger-Kernel's)
-    installs the carried wheel first and puts it on PYTHONPATH; the one-call 7B comparisons of issues 14 and
-    15 are there."""
+    runs a Liger-Kernel peer (named or by default) or horizon-ray (whose fused kernels are Liger-Kernel's), or
+    quantizes a base (bitsandbytes), installs the carried wheels first and puts them on PYTHONPATH; the one-call
+    7B comparisons of issues 14 and 15 are there."""
     from horizon_ray.bench.metrics import LIGER
     from horizon_ray.bench.suite import default_systems
 
@@ -306,7 +306,7 @@ def test_readme_commands_parse():
         args = p.parse_args(words[words.index("horizon_ray.bench") + 1:])
         assert args.results_dir.startswith("/tmp/out") and args.time_limit_s <= 560, cmd
         systems = args.systems.split(",") if args.systems else default_systems(args)
-        if set(systems) & {*LIGER, "horizon-ray"}:
+        if set(systems) & {*LIGER, "horizon-ray"} or args.quantize not in (None, "none"):  # bitsandbytes too
             assert cmd.startswith(INSTALL_LIGER), cmd
         else:
             assert cmd.startswith("PYTHONPATH=$PWD python3 -m horizon_ray.bench"), cmd
