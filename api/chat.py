@@ -9,8 +9,9 @@
 directory, a full model or a LoRA adapter on its base), or a base model of the operator's catalogue. A
 tenant sees only its own jobs' models (``GET /v1/models`` lists them): another's is a 404, as a model that
 does not exist. Parameters: ``messages`` (chat; the model's chat template renders them) or ``prompt``
-(completions), ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k`` (an
-extension), ``seed``, ``stop``, ``n``, ``stream``. Streaming answers are server-sent events of
+(completions: a string, or a list of up to MAX_PROMPTS strings, whose choices come prompt by prompt: index
+``prompt x n + j``, as OpenAI numbers them), ``max_tokens`` (or ``max_completion_tokens``), ``temperature``,
+``top_p``, ``top_k`` (an extension), ``seed``, ``stop``, ``n``, ``stream``. Streaming answers are server-sent events of
 ``chat.completion.chunk`` (or ``text_completion``) objects ending with ``data: [DONE]``, as OpenAI's are.
 
 Generation runs in the app's generation backend (``app.state.generation``: an in-process ``ModelPool``, or
@@ -45,6 +46,8 @@ router = APIRouter(prefix=PREFIX, tags=["openai"], responses=ERRORS)
 
 # requests of one tenant being generated at once, at most (more: 429)
 MAX_IN_FLIGHT = 8
+# prompts of one /v1/completions request, at most (each is a generation request of n choices)
+MAX_PROMPTS = 32
 
 
 class _Strict(BaseModel):
@@ -86,7 +89,33 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str = Field(min_length=1, max_length=MAX_CONTENT_CHARS)
+    prompt: str | list[str]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompts(cls, prompt: Any) -> str | list[str]:
+        """A string or a list of strings, each non-empty and within the content limit; token-id prompts are
+        refused by name (the service tokenizes with the model's own tokenizer)."""
+        many = isinstance(prompt, list)
+        if many and prompt and all(isinstance(t, int) for t in prompt):
+            prompt = [prompt]  # one prompt of token ids: refused below as such
+        items = prompt if many else [prompt]
+        if many and not 1 <= len(items) <= MAX_PROMPTS:
+            raise ValueError(f"a list prompt holds 1 to {MAX_PROMPTS} strings, got {len(items)}; send the rest in "
+                             "another request")
+        for i, p in enumerate(items):
+            where = f"prompt[{i}]" if many else "prompt"
+            if isinstance(p, int) or (isinstance(p, list) and all(isinstance(t, int) for t in p)):
+                raise ValueError(f"{where}: token-id prompts are not taken; send the text (the service tokenizes "
+                                 "it with the model's tokenizer)")
+            if not isinstance(p, str):
+                raise ValueError(f"{where} must be a string, got {type(p).__name__}")
+            if not 1 <= len(p) <= MAX_CONTENT_CHARS:
+                raise ValueError(f"{where} must hold 1 to {MAX_CONTENT_CHARS} characters, got {len(p)}")
+        return prompt
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
 
 class _InFlight:
@@ -122,62 +151,76 @@ async def chat_completions(request: Request, body: ChatRequest, tenant: Annotate
     gen = GenerationRequest(str(model_dir), body.params(max_tokens), n=body.n,
                             messages=tuple((m.role if m.role != "developer" else "system", m.content)
                                            for m in body.messages))
-    return await _answer(request, tenant, body, gen, chat=True)
+    return await _answer(request, tenant, body, [gen], chat=True)
 
 
 @router.post("/completions", summary="Continue a prompt with a finished job's model or a catalogue model (OpenAI)")
 async def completions(request: Request, body: CompletionRequest, tenant: Annotated[Tenant, Depends(current_tenant)]):
     model_dir, _ = await resolve_model(body.model, tenant)
-    gen = GenerationRequest(str(model_dir), body.params(body.max_tokens), n=body.n, prompt=body.prompt)
-    return await _answer(request, tenant, body, gen, chat=False)
+    gens = [GenerationRequest(str(model_dir), body.params(body.max_tokens), n=body.n, prompt=p)
+            for p in body.prompts()]
+    return await _answer(request, tenant, body, gens, chat=False)
 
 
-async def _answer(request: Request, tenant: Tenant, body: _Sampling, gen: GenerationRequest, chat: bool):
+async def _answer(request: Request, tenant: Tenant, body: _Sampling, gens: list[GenerationRequest], chat: bool):
+    """One generation request per prompt (a chat: one), submitted together so that the backend batches them;
+    choice ``h x n + row`` is row ``row`` of request ``h``."""
     flight = _in_flight(request)
     flight.enter(tenant.name)
+    handles: list[Handle] = []
     try:
-        # the model is loaded (once) and the prompt tokenised here, so that a refusal comes before any stream
-        handle: Handle = await run_in_threadpool(request.app.state.generation.submit, gen)
+        # the model is loaded (once) and each prompt tokenised here, so that a refusal comes before any stream
+        for gen in gens:
+            handles.append(await run_in_threadpool(request.app.state.generation.submit, gen))
     except BaseException:
+        for submitted in handles:  # a later prompt was refused: the earlier ones stop
+            submitted.cancel()
         flight.leave(tenant.name)
         raise
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     if body.stream:
-        return StreamingResponse(_sse(handle, rid, created, body, chat, lambda: flight.leave(tenant.name)),
+        return StreamingResponse(_sse(handles, rid, created, body, chat, lambda: flight.leave(tenant.name)),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
-        events = await _events_while_connected(request, handle)
+        events = await _events_while_connected(request, handles)
     finally:
         flight.leave(tenant.name)
-    texts, finish, tokens = [""] * body.n, ["length"] * body.n, [0] * body.n
-    for ev in events:
+    choices_n = body.n * len(handles)
+    texts, finish, tokens = [""] * choices_n, ["length"] * choices_n, [0] * choices_n
+    for h, ev in events:
         if ev.error:
             raise ApiError(500, "generation_failed", ev.error)
         for d in ev.deltas:
-            texts[d.row] += d.text
-            tokens[d.row] += d.token_id is not None
+            i = h * body.n + d.row
+            texts[i] += d.text
+            tokens[i] += d.token_id is not None
             if d.finish_reason:
-                finish[d.row] = d.finish_reason
+                finish[i] = d.finish_reason
     if chat:
         choices = [{"index": i, "message": {"role": "assistant", "content": texts[i], "refusal": None},
-                    "finish_reason": finish[i], "logprobs": None} for i in range(body.n)]
+                    "finish_reason": finish[i], "logprobs": None} for i in range(choices_n)]
     else:
-        choices = [{"index": i, "text": texts[i], "finish_reason": finish[i], "logprobs": None} for i in range(body.n)]
+        choices = [{"index": i, "text": texts[i], "finish_reason": finish[i], "logprobs": None}
+                   for i in range(choices_n)]
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": body.model, "choices": choices, "system_fingerprint": None,
-            "usage": _usage(handle.prompt_tokens, sum(tokens))}
+            "usage": _usage(sum(handle.prompt_tokens for handle in handles), sum(tokens))}
 
 
-async def _events_while_connected(request: Request, handle: Handle) -> list[Event]:
-    """Every event of the request; a client that hangs up meanwhile cancels it (its rows stop, the requests
-    queued behind its batch start) and gets nothing."""
-    events: list[Event] = []
-    while not (events and events[-1].done):
-        events += await run_in_threadpool(_events_for, handle, DISCONNECT_CHECK_S)
-        if not (events and events[-1].done) and await request.is_disconnected():
-            handle.cancel()
-            raise ApiError(499, "client_closed_request", "the client closed the connection")
+async def _events_while_connected(request: Request, handles: list[Handle]) -> list[tuple[int, Event]]:
+    """Every event of the requests, with the index of its request; a client that hangs up meanwhile cancels
+    them (their rows stop, the requests queued behind their batch start) and gets nothing."""
+    events: list[tuple[int, Event]] = []
+    for h, handle in enumerate(handles):
+        mine: list[Event] = []
+        while not (mine and mine[-1].done):
+            mine += await run_in_threadpool(_events_for, handle, DISCONNECT_CHECK_S)
+            if not (mine and mine[-1].done) and await request.is_disconnected():
+                for other in handles:
+                    other.cancel()
+                raise ApiError(499, "client_closed_request", "the client closed the connection")
+        events += [(h, ev) for ev in mine]
     return events
 
 
@@ -197,7 +240,31 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _sse(handle: Handle, rid: str, created: int, body: _Sampling, chat: bool, done) -> AsyncIterator[bytes]:
+def _next_events(handles: list[Handle], finished: set[int]) -> list[tuple[int, Event]]:
+    """The events the unfinished requests have now, each with its request's index; when none has any, the next
+    event of one of them."""
+    while True:
+        out: list[tuple[int, Event]] = []
+        for h, handle in enumerate(handles):
+            while h not in finished:
+                try:
+                    ev = handle.events.get_nowait()
+                except queue.Empty:
+                    break
+                out.append((h, ev))
+                if ev.done:
+                    break
+        if out:
+            return out
+        first = min(set(range(len(handles))) - finished)
+        try:
+            return [(first, handles[first].events.get(timeout=0.05))]
+        except queue.Empty:
+            continue
+
+
+async def _sse(handles: list[Handle], rid: str, created: int, body: _Sampling, chat: bool,
+               done) -> AsyncIterator[bytes]:
     """OpenAI's stream: one chunk per choice and step (the first chat chunk of a choice carries the role), a
     last chunk per choice with its finish_reason, then [DONE]; with stream_options.include_usage a usage chunk."""
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -216,29 +283,31 @@ async def _sse(handle: Handle, rid: str, created: int, body: _Sampling, chat: bo
             delta["content"] = text
         return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
 
-    finished = False
+    ended: set[int] = set()
+    failed = False
     try:
         if chat:
             yield chunk([choice(i, "", None, first=True) for i in range(body.n)])
-        while True:
-            ev: Event = await run_in_threadpool(handle.events.get)
-            if ev.error:
-                yield f"data: {json.dumps({'error': {'message': ev.error, 'type': 'server_error'}})}\n\n".encode()
-                finished = True
-                break
-            for d in ev.deltas:
-                tokens += d.token_id is not None
-                if d.text:
-                    yield chunk([choice(d.row, d.text, None)])
-                if d.finish_reason:
-                    yield chunk([choice(d.row, None if chat else "", d.finish_reason)])
-            if ev.done:
-                finished = True
-                break
+        while len(ended) < len(handles) and not failed:
+            for h, ev in await run_in_threadpool(_next_events, handles, ended):
+                if ev.error:
+                    yield f"data: {json.dumps({'error': {'message': ev.error, 'type': 'server_error'}})}\n\n".encode()
+                    failed = True
+                    break
+                for d in ev.deltas:
+                    i = h * body.n + d.row
+                    tokens += d.token_id is not None
+                    if d.text:
+                        yield chunk([choice(i, d.text, None)])
+                    if d.finish_reason:
+                        yield chunk([choice(i, None if chat else "", d.finish_reason)])
+                if ev.done:
+                    ended.add(h)
         if (body.stream_options or {}).get("include_usage"):
-            yield chunk([], usage=_usage(handle.prompt_tokens, tokens))
+            yield chunk([], usage=_usage(sum(handle.prompt_tokens for handle in handles), tokens))
         yield b"data: [DONE]\n\n"
     finally:
-        if not finished:  # the client closed the stream: nobody reads the rest
-            handle.cancel()
+        for h, handle in enumerate(handles):
+            if h not in ended:  # the client closed the stream, or another prompt failed: nobody reads the rest
+                handle.cancel()
         done()

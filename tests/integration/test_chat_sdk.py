@@ -146,6 +146,36 @@ def test_completions_with_stop_and_seeded_sampling(url, bed, full_job):
     assert "".join(c.choices[0].text for c in streamed) == plain
 
 
+def test_a_list_of_prompts_gets_n_choices_each_numbered_prompt_by_prompt(url, bed, full_job):
+    """OpenAI's completions take a list of prompts (what batch clients and eval harnesses send): choice
+    p x n + j is the j-th of prompt p, each equal to what the engine makes of that prompt alone, streamed or
+    not (before: refused, 'prompt must be a string')."""
+    client = sdk(url, bed)
+    final = bed.client.get("acme", full_job.id).output_dir + "/final"
+    prompts = ["copy abc", "add 2 and 3", "copy xyz"]
+    expected = [_expected(final, prompt=p, max_tokens=8) for p in prompts]
+    r = client.completions.create(model=full_job.fine_tuned_model, prompt=prompts, max_tokens=8, temperature=0,
+                                  n=2)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [(c.text, c.finish_reason) for c in r.choices] == [e for e in expected for _ in range(2)]
+    alone = [client.completions.create(model=full_job.fine_tuned_model, prompt=p, max_tokens=8, temperature=0)
+             for p in prompts]
+    # every prompt's tokens counted once, every choice's completion
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert r.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    streamed = client.completions.create(model=full_job.fine_tuned_model, prompt=prompts, max_tokens=8,
+                                         temperature=0, stream=True, stream_options={"include_usage": True})
+    texts, finish, usage = [""] * 3, [None] * 3, None
+    for chunk in streamed:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert list(zip(texts, finish)) == expected
+    assert usage is not None and usage.prompt_tokens == r.usage.prompt_tokens
+
+
 def test_tenants_see_only_their_own_models(url, bed, full_job):
     other = sdk(url, bed, "globex")
     with pytest.raises(openai.NotFoundError) as info:

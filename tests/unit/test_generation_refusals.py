@@ -50,7 +50,12 @@ def test_a_seed_beyond_64_bits_is_refused_by_name(seed):
      "messages[0].content", "is a part of type 'image_url': these models take text only"),
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]},
      "messages[0].content", "must be a string or a list of text parts"),
-    ("completions", {"prompt": ["a", "b"]}, "prompt", "prompt must be a string"),
+    ("completions", {"prompt": [1, 2, 3]}, "prompt", "prompt[0]: token-id prompts are not taken; send the text"),
+    ("completions", {"prompt": ["a", [1, 2]]}, "prompt", "prompt[1]: token-id prompts are not taken"),
+    ("completions", {"prompt": ["a"] * 33}, "prompt", "a list prompt holds 1 to 32 strings, got 33"),
+    ("completions", {"prompt": []}, "prompt", "a list prompt holds 1 to 32 strings, got 0"),
+    ("completions", {"prompt": ["a", ""]}, "prompt", "prompt[1] must hold 1 to"),
+    ("completions", {"prompt": {"text": "a"}}, "prompt", "prompt must be a string, got dict"),
     ("chat/completions", {"messages": HI, "logprobs": True}, "logprobs", "unknown key 'logprobs'"),
 ])
 def test_out_of_range_parameters_get_a_400_naming_the_parameter(api, route, extra, param, words):
