@@ -129,15 +129,17 @@ def _systems(args) -> list[str]:
 
 def default_systems(args) -> list[str]:
     """horizon-ray and the in-GPU peers of what its modes train (PEERS: plain and Liger-Kernel; PEFT's for
-    mode lora); FSDP2 runs only when named. --find-largest: FSDP2 and the plain baseline."""
+    mode lora), the Liger-Kernel peer, the strongest, first: when --time-limit-s runs out before the last
+    peer, the ratio left unmeasured is the weaker one. FSDP2 runs only when named. --find-largest: FSDP2 and
+    the plain baseline."""
     if args.find_largest:
         return ["fsdp2-offload", PEERS["full"][0]]
     modes = [m.strip() for m in args.mode.split(",")]
     out = ["horizon-ray"]
     if any(m != "lora" for m in modes):
-        out += PEERS["full"]
+        out += reversed(PEERS["full"])
     if "lora" in modes:
-        out += PEERS["lora"]
+        out += reversed(PEERS["lora"])
     return out
 
 

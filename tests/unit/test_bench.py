@@ -313,10 +313,10 @@ def test_readme_commands_parse():
         parsed.append((args, systems))
     full = [(a, s) for a, s in parsed if a.shape == "qwen2.5-7b" and a.update == "exact,delayed,speculative"]
     assert [(a.accum, a.micro, a.seq, a.gpu_budget_gib, s) for a, s in full] == [
-        ("1,4", 16, 1024, 12, ["horizon-ray", "in-gpu-baseline", "in-gpu-liger"])]  # 16,384 and 65,536 tokens
+        ("1,4", 16, 1024, 12, ["horizon-ray", "in-gpu-liger", "in-gpu-baseline"])]  # 16,384 and 65,536 tokens
     lora = [(a, s) for a, s in parsed if a.shape == "qwen2.5-7b" and a.mode == "lora"]
-    assert [(a.accum, a.lora_r, s) for a, s in lora] == [("1,4", 16, ["horizon-ray", "in-gpu-peft",
-                                                                      "in-gpu-peft-liger"])]
+    assert [(a.accum, a.lora_r, s) for a, s in lora] == [("1,4", 16, ["horizon-ray", "in-gpu-peft-liger",
+                                                                      "in-gpu-peft"])]
 
 
 # ---- what the harness imports -----------------------------------------------------------------------------
