@@ -153,8 +153,14 @@ def _against_trl(eng, model, params, dpo: DpoConfig, max_norm: float, named):
     eng.close()
     assert eng.step == 3
     for name, p in named(eng).items():
-        torch.testing.assert_close(p, params[name].detach(), rtol=1e-4, atol=3e-5,
-                                   msg=lambda m, name=name: f"weight {name}: {m}")
+        # AdamW divides each gradient by its own RMS: an element whose gradient is near zero takes a step of
+        # up to lr whichever way fp32 roundoff tips it (seen: 1 of 4,096 elements 4.2e-5 apart under another
+        # package set). So: all but 0.1 % of a tensor's elements within 3e-5 (+1e-4 relative), and none as far
+        # as one step of lr (1e-3), which a real difference in the gradients would move every element by
+        want = params[name].detach()
+        off = (p - want).abs() > 3e-5 + 1e-4 * want.abs()
+        assert off.float().mean() <= 1e-3, f"weight {name}: {int(off.sum())} of {off.numel()} elements apart"
+        assert float((p - want).abs().max()) < 0.5 * HP["lr"], f"weight {name}: {(p - want).abs().max()}"
     return eng, refs
 
 
