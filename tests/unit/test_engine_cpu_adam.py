@@ -134,5 +134,10 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
     _load_kernel_in_a_child(tmp_path, timeout_s=400)  # a compile; the old loader waited here forever
     assert (tmp_path / f"{cpu_adam.build_name()}.so").is_file(), sorted(p.name for p in tmp_path.iterdir())
     assert not list(tmp_path.glob("*.build-*")), "the private build directory is removed"
-    # the next process loads the kept library without compiling (well under a compile's time)
-    assert _load_kernel_in_a_child(tmp_path, timeout_s=60) < 30
+    # the next process loads the kept library without compiling: the file is the same one, not rebuilt (a check
+    # of what happened, not of seconds: a timed bound failed on a loaded CI machine)
+    so = tmp_path / f"{cpu_adam.build_name()}.so"
+    before = (so.stat().st_ino, so.stat().st_mtime_ns)
+    _load_kernel_in_a_child(tmp_path, timeout_s=400)
+    assert (so.stat().st_ino, so.stat().st_mtime_ns) == before
+    assert not list(tmp_path.glob("*.build-*"))
