@@ -116,7 +116,9 @@ def _load_kernel_in_a_child(extensions_dir, timeout_s: float) -> float:
             "w = torch.empty(8, dtype=torch.bfloat16)\n"
             "mod.adamw_f32(p, m, v, g, w, 0.1, 0.9, 0.999, 1e-8, 0.0, 1.0, 1.0)\n"
             "assert torch.allclose(p, torch.full((8,), 0.9)), p\n")
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions_dir), "PYTHONPATH": os.getcwd()}
+    # the repository this test file belongs to, whatever the working directory an earlier test left
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions_dir), "PYTHONPATH": root}
     env.pop("HORIZON_RAY_NO_CPU_KERNEL", None)
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], env=env, timeout=timeout_s, capture_output=True, text=True)
