@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="compute dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
     job.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
     job.add_argument("--loss-chunk", type=int, default=1024, help="horizon-ray's tokens per loss chunk")
+    job.add_argument("--layer-chunk", type=int, default=8192,
+                     help="horizon-ray's tokens per row group: a micro-batch runs through a layer in row groups of "
+                          "at most this many tokens (the job spec's layer_chunk_tokens: larger groups make larger "
+                          "GEMMs and take more GPU memory)")
     job.add_argument("--max-grad-norm", type=float, default=1.0,
                      help="global-norm clipping of every system (the speculative update's benchmarks set it high "
                           "enough that clipping stays inactive)")
@@ -110,7 +114,7 @@ def canonical_argv(args) -> list[str]:
 def run(args) -> int:
     # set before anything initialises CUDA in this process (the --system path runs torch here)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    for name in ("seq", "micro", "warmup", "steps", "checkpoint_every", "loss_chunk"):
+    for name in ("seq", "micro", "warmup", "steps", "checkpoint_every", "loss_chunk", "layer_chunk"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}")
     parse_updates(args.update)

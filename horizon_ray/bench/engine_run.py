@@ -58,7 +58,7 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
         lr=1e-5, weight_decay=0.01, max_grad_norm=args.max_grad_norm, checkpoint_every=args.checkpoint_every,
         device=device,
         compute_dtype=dtype, precision="exact" if lora else args.mode, loss_chunk_tokens=args.loss_chunk,
-        offload_checkpoints=OFFLOAD[args.offload], lora=lora, update=updates[0]))
+        layer_chunk_tokens=args.layer_chunk, offload_checkpoints=OFFLOAD[args.offload], lora=lora, update=updates[0]))
     init_s = time.perf_counter() - t0
     cuda = eng.device.type == "cuda"
     budget = int(args.gpu_budget_gib * 2**30) if args.gpu_budget_gib else None
@@ -77,11 +77,12 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
             rec.update(planned_bytes(shape, mode=args.mode, seq=args.seq, micro=args.micro, accum=accum,
                                      checkpoint_every=args.checkpoint_every, dtype=dtype, device=eng.device.type,
                                      gpu_budget_bytes=budget, loss_chunk=args.loss_chunk, offload=args.offload,
-                                     lora=planned_lora, update=update))
+                                     lora=planned_lora, update=update, layer_chunk=args.layer_chunk))
             largest = rss_plan(rec, largest)
             rec.update(init_s=round(init_s, 1), params=eng.num_params,
                        offload_resolved=eng.offload_checkpoints,  # where checkpoints lived: host or device
-                       kernels=eng.template.ops.name)  # the layer template's kernels: torch or liger
+                       kernels=eng.template.ops.name,
+                       layer_chunk_tokens=args.layer_chunk)  # the layer template's kernels: torch or liger
             if lora is not None:
                 rec.update(lora_r=lora.r, lora_alpha=lora.alpha, lora_targets=list(lora.targets),
                            quantize=lora.quantize)

@@ -29,14 +29,14 @@ def lora_alpha(rank: int) -> float:
 
 def planned_bytes(shape, *, mode: str, seq: int, micro: int, accum: int, checkpoint_every: int, dtype: str,
                   device: str, gpu_budget_bytes: int | None, loss_chunk: int, offload: str,
-                  lora: Adapters | None = None, update: str = "exact") -> dict:
+                  lora: Adapters | None = None, update: str = "exact", layer_chunk: int | None = None) -> dict:
     """``planned_host_bytes``, ``planned_gpu_bytes`` and the planner's verdict for these engine settings
     (``lora``: the adapters of a mode-lora run; absent, the planner's defaults). The plan reads the job spec's
     defaults (PyYAML); without it, or when the planner refuses the settings, the run still counts, unplanned,
     with ``plan_error`` saying why."""
     try:
         p = _plan(shape, mode, seq, micro, accum, checkpoint_every, dtype, device, gpu_budget_bytes, loss_chunk,
-                  offload, lora, update)
+                  offload, lora, update, layer_chunk)
     except Exception as exc:  # a plan is context for the measurement: its failure must not lose the run
         return {"planned_host_bytes": None, "planned_gpu_bytes": None,
                 "plan_error": f"{type(exc).__name__}: {exc}"[:500]}
@@ -62,12 +62,12 @@ def bound_arithmetic(t: dict) -> dict:
 
 
 def _plan(shape, mode, seq, micro, accum, checkpoint_every, dtype, device, gpu_budget_bytes, loss_chunk, offload,
-          lora=None, update="exact"):
+          lora=None, update="exact", layer_chunk=None):
     return plan(shape, method="lora" if mode == "lora" else "full", mode=mode, seq_len=seq,
                 micro_batch_size=micro, grad_accum=accum, checkpoint_every=checkpoint_every, compute_dtype=dtype,
                 device="cuda" if device.startswith("cuda") else "cpu", gpu_budget_bytes=gpu_budget_bytes,
                 loss_chunk_tokens=loss_chunk, suggest=False, lora=lora, update=update,
-                offload_checkpoints=OFFLOAD[offload])
+                offload_checkpoints=OFFLOAD[offload], layer_chunk_tokens=layer_chunk)
 
 
 def largest_shape(ram_bytes: int, *, mode: str, seq: int, micro: int, accum: int, checkpoint_every: int,

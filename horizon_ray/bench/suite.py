@@ -190,7 +190,8 @@ def child_argv(system: str, shape: str, args, device: str, dtype: str, mode: str
             "--max-grad-norm", format(args.max_grad_norm, "g")]
     if system == "horizon-ray":
         assert mode is not None and offload is not None, "every horizon-ray variant names its mode and offload"
-        argv += ["--mode", mode, "--offload", offload, "--update", ",".join(parse_updates(args.update))]
+        argv += ["--mode", mode, "--offload", offload, "--update", ",".join(parse_updates(args.update)),
+                 "--layer-chunk", str(args.layer_chunk)]
         if args.gpu_budget_gib:
             argv += ["--gpu-budget-gib", f"{args.gpu_budget_gib:g}"]
     if mode == "lora" or system in PEFT:  # the same adapters for horizon-ray's LoRA and the PEFT peers
@@ -303,7 +304,7 @@ def _placeholders(system, shape_name, args, device, dtype, mode, offload, status
             rec.update(planned_bytes(shape, mode=mode, seq=args.seq, micro=args.micro, accum=accum,
                                      checkpoint_every=args.checkpoint_every, dtype=dtype, device=device,
                                      gpu_budget_bytes=budget, loss_chunk=args.loss_chunk, offload=offload,
-                                     lora=lora))
+                                     lora=lora, layer_chunk=args.layer_chunk))
         out.append(rec)
     return out
 

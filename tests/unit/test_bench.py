@@ -428,3 +428,19 @@ def test_run9_reuses_run8s_baseline_and_says_so():
     assert base and all(r["commit"] == "59969c9" and "reused" in r["note"] for r in base)
     small = next(r for r in runs if r["system"] == "horizon-ray" and r["accum"] == 1)
     assert "against that step's plan, 113.5 GiB, it is -0.2%" in small["note"]
+
+
+def test_the_row_group_size_reaches_horizon_ray_and_its_plan():
+    """--layer-chunk (the job spec's layer_chunk_tokens) goes to horizon-ray's child and into its plan, whose GPU
+    workspace grows with it; the peers, which run whole micro-batches, do not get it."""
+    from horizon_ray.bench.planning import planned_bytes
+
+    args = _args(shape="phi-3-mini", layer_chunk=16384)
+    hr = child_argv("horizon-ray", "phi-3-mini", args, "cuda", "bfloat16", "exact", "auto")
+    assert hr[hr.index("--layer-chunk") + 1] == "16384"
+    assert "--layer-chunk" not in child_argv("in-gpu-liger", "phi-3-mini", args, "cuda", "bfloat16", None, None)
+    shape = resolve_shape("phi-3-mini")
+    gpu = {chunk: planned_bytes(shape, mode="exact", seq=1024, micro=16, accum=4, checkpoint_every=1,
+                                dtype="bfloat16", device="cuda", gpu_budget_bytes=None, loss_chunk=2048,
+                                offload="auto", layer_chunk=chunk)["planned_gpu_bytes"] for chunk in (8192, 16384)}
+    assert gpu[16384] > gpu[8192] + 2**30  # twice the tokens in a layer's workspace (~2 GiB more at this width)
