@@ -67,6 +67,14 @@ class Ceilings:
     # 3.14 s and 6.88 s per step for 16,384 and 65,536 tokens, against 3.15 s and 6.64 s measured. Never
     # measured by the probe (it takes a whole model), so always an assumption.
     compute_efficiency: float = 0.72
+    # GPU seconds a mixture-of-experts layer spends per routed token copy (one token's one expert) beyond its
+    # FLOPs, at hidden size 2048 (scaled by hidden / 2048): gathering the copies by expert, grouped GEMMs of a few
+    # hundred to a thousand rows an expert, the routing-weight product, the scatter back to token order and the
+    # sum over k, each pass of the step. Fitted to profiled steps on the H200 box (commit df74309 and 1a3d920,
+    # olmoe-1b-7b at 65,536 tokens: GPU compute 1.87 s LoRA / 1.97 s full against 0.84 / 1.10 s of FLOPs, over
+    # 8.4 M routed copies: 123 / 104 ns); with it qwen3-30b-a3b LoRA at 65,536 plans 5.2 s against 6.11 s
+    # measured (without it 2.7 s). Never measured by the probe, so always an assumption.
+    moe_copy_s: float = 1.15e-7
     h2d_bytes_per_s: float = 55.4e9  # pinned host -> device
     d2h_bytes_per_s: float = 55.3e9  # pinned device -> host
     duplex_bytes_per_s: float = 101.7e9  # both directions at once, in total
@@ -99,16 +107,17 @@ class Ceilings:
         return cls(**kept, measured=tuple(k for k in cls.MEASURABLE if k in kept), source=source)
 
     @staticmethod
-    def used(device: str) -> tuple[str, ...]:
-        """The fields a step time on `device` depends on."""
+    def used(device: str, moe: bool = False) -> tuple[str, ...]:
+        """The fields a step time on `device` depends on (``moe``: of a model with mixture-of-experts layers)."""
         if device == "cpu":
             return ("cpu_flops", "adam_params_per_s")
-        return ("matmul_flops", "compute_efficiency", "h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_bytes_per_s",
-                "adam_params_per_s", "adam_params_per_s_with_copies", "host_copy_bytes_per_s")
+        return ("matmul_flops", "compute_efficiency", *(("moe_copy_s",) if moe else ()), "h2d_bytes_per_s",
+                "d2h_bytes_per_s", "duplex_bytes_per_s", "adam_params_per_s", "adam_params_per_s_with_copies",
+                "host_copy_bytes_per_s")
 
-    def assumed(self, device: str) -> list[str]:
+    def assumed(self, device: str, moe: bool = False) -> list[str]:
         """The fields a plan on `device` uses that were not measured on the node."""
-        return [k for k in self.used(device) if k not in self.measured]
+        return [k for k in self.used(device, moe) if k not in self.measured]
 
 
 # The box the defaults describe: these were measured on it (the rest are calibrated or taken as described).

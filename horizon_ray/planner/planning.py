@@ -275,7 +275,7 @@ def _plan(shape: ModelShape, pm: PrecisionMode, job: Workload, node: NodeSpec, g
         tokens_per_s=job.step_tokens / t["step_s"],
         mfu=t["model_flops"] / t["step_s"] / node.ceilings.matmul_flops,
         mfu_datasheet=t["model_flops"] / t["step_s"] / node.ceilings.datasheet_matmul_flops, bound=t["bound"],
-        assumed_ceilings=node.ceilings.assumed(job.device),
+        assumed_ceilings=node.ceilings.assumed(job.device, moe=t["routed_copies"] > 0),
         timing=t, gives_up=pm.gives_up, engine_supported=pm.engine_supported,
         lora=dataclasses.asdict(lora) if lora else None, node=node.to_dict(), pinned_pow2=pinned_pow2,
         concurrent_engines=concurrent_engines, speculate_units=spec_units, gpus=job.gpus,

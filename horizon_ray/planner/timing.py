@@ -43,7 +43,13 @@ copies run at min(its link's rate, host_copy_bytes_per_s / N). GPU compute is no
 "cpu", the N engines split the cores: compute and optimizer both at 1/N. The step time and tokens/s are
 those of one engine while N run; the node's throughput is N times that.
 
-Calibration. ``Ceilings.compute_efficiency`` is the one number fitted to the engine rather than measured: on
+A mixture-of-experts layer also spends GPU time its FLOPs do not show: gathering each token's k copies by
+expert, grouped GEMMs of a few hundred rows an expert, the routing weights, the scatter back and the sum over
+k. That is ``Ceilings.moe_copy_s`` seconds per routed token copy (at hidden 2048, scaled by the hidden size)
+over the whole step at K = 1, a quarter of it in the forward and the rest in the backward's passes.
+
+Calibration. ``Ceilings.compute_efficiency`` and ``Ceilings.moe_copy_s`` are the numbers fitted to the engine
+rather than measured (the second on profiled MoE steps: see its field). For the first: on
 the H200 box (commit cea6a8e, Qwen2.5-7B, seq 1024, bf16, 12 GiB GPU budget, K=1, Liger kernels) exact
 AdamW measured 3.15 s a step at 16,384 tokens and 6.64 s at 65,536 (host update of 7.6 G parameters 1.8-2.0
 s); with 0.72 the plan says 3.14 s (-0.3 %) and 6.88 s (+3.6 %). With the earlier 0.55 it said 3.52 s and
@@ -125,6 +131,8 @@ def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapt
     backward = (2 * f_mm if full else f_mm) + 2 * f_attn + 2 * f_adapter
     fwd_flops = tokens * L * f
     bwd_flops = tokens * ((L - ceil_div(L, K)) * f + L * f + L * backward + (6 if full else 4) * V * H)
+    # token copies the MoE layers route in one pass over the step's tokens (top-k of each MoE layer)
+    routed = tokens * sum(layer.moe.top_k for layer in shape.layers if layer.moe is not None)
 
     # bytes over PCIe and through the optimizer, unit by unit
     pb = mode.base(compute_dtype)
@@ -151,7 +159,8 @@ def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapt
     out: dict[str, Any] = {
         "fwd_flops": fwd_flops, "bwd_flops": bwd_flops, "model_flops": model_flops(shape, seq_len, tokens),
         "h2d_bytes": h2d_fwd + wire["embed"] + h2d_bwd, "d2h_bytes": grads_down + checkpoints,
-        "optimizer_bytes": opt_work, "concurrent_engines": concurrent_engines, "host_share": share}
+        "optimizer_bytes": opt_work, "concurrent_engines": concurrent_engines, "host_share": share,
+        "routed_copies": routed}
     if job.device == "cpu":
         cpu_flops = share["cpu_flops"]
         compute = (fwd_flops + bwd_flops) / cpu_flops
@@ -162,7 +171,12 @@ def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapt
         return out
 
     rate = ceil.matmul_flops * ceil.compute_efficiency
-    fwd_s, bwd_s = fwd_flops / rate, bwd_flops / rate
+    # the routing's GPU work beyond FLOPs (Ceilings.moe_copy_s), pass by pass as the FLOPs count them: the
+    # forward, the recompute of the blocks' other layers, each layer again under autograd and its backward (~2x)
+    copy_s = ceil.moe_copy_s * H / 2048
+    route_fwd_s = routed * copy_s / 4
+    route_bwd_s = routed * copy_s / 4 * ((L - ceil_div(L, K)) / max(L, 1) + 1 + 2)
+    fwd_s, bwd_s = fwd_flops / rate + route_fwd_s, bwd_flops / rate + route_bwd_s
     # phase A: weights in, checkpoints out; phase B: the rest of the weights and checkpoints in, gradients out
     copies_fwd_s = max(h2d_fwd / h2d_bw, checkpoints / d2h_bw, (h2d_fwd + checkpoints) / duplex_bw)
     copies_bwd_s = max(h2d_bwd / h2d_bw, grads_down / d2h_bw, (h2d_bwd + grads_down) / duplex_bw)
