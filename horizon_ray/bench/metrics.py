@@ -279,3 +279,19 @@ def bound_line(b: dict) -> str:
     return (f"PCIe {b['h2d_bytes'] / 1e9:.1f} GB in + {b['d2h_bytes'] / 1e9:.1f} GB out = {b.get('pcie_s', 0):.2f} s; "
             f"host update {b['host_update_bytes'] / 1e9:.1f} GB = {b.get('optimizer_s', 0):.2f} s; "
             f"GPU {b['gpu_flops'] / 1e12:.0f} TFLOP = {b.get('compute_s', 0):.2f} s; bound: {b['bound']}")
+
+
+def outside_plan(r: dict) -> str | None:
+    """Why a run that finished ran outside its own plan, or None. The GPU side of a plan is conservative and
+    the budget is enforced by the allocator, so the bench runs a step whose plan asks for more GPU memory than
+    the budget; such a step may run at the allocator's cap, and its time is then not the plan's to explain."""
+    if r.get("status") != "ok" or r.get("plan_fits") is not False:
+        return None
+    why = (r.get("plan_reason") or "").removeprefix("does not fit: ").rstrip(".")
+    reserved, budget = r.get("peak_gpu_reserved_bytes"), r.get("gpu_budget_bytes")
+    if not (reserved and budget):
+        return f"outside its plan ({why})"
+    held = f"it reserved {reserved / 2**30:.2f} GiB of the {budget / 2**30:.2f} GiB budget"
+    if reserved >= 0.98 * budget:  # the caching allocator freed and retried at the cap: time the plan lacks
+        return f"outside its plan ({why}); {held}, at the allocator's cap, so its step time is not the plan's"
+    return f"outside its plan ({why}); {held}: the plan overstated the GPU memory it needed"

@@ -9,7 +9,16 @@ import json
 import os
 from pathlib import Path
 
-from horizon_ray.bench.metrics import IN_GPU, PEERS, REQUIRED_KEYS, SYSTEMS, UPDATE_MODES, bound_line, kind
+from horizon_ray.bench.metrics import (
+    IN_GPU,
+    PEERS,
+    REQUIRED_KEYS,
+    SYSTEMS,
+    UPDATE_MODES,
+    bound_line,
+    kind,
+    outside_plan,
+)
 
 GiB = 2**30
 MEASURED_TFLOPS = 786.5
@@ -234,6 +243,8 @@ def _bound(r: dict, base: dict | None) -> str:
     if r.get("planned_gpu_bytes") and r.get("peak_gpu_bytes"):
         parts.append(f"peak GPU {r['peak_gpu_bytes'] / GiB:.1f} GiB allocated against "
                      f"{r['planned_gpu_bytes'] / GiB:.1f} GiB planned")
+    if outside_plan(r):
+        parts.append(f"it ran {outside_plan(r)}")
     if r.get("device") == "cpu":
         bound = "the CPU"
     recorded = r.get("bound")

@@ -137,6 +137,34 @@ def test_results_md_shows_every_system_side_by_side_with_update_and_peers(tmp_pa
     assert "**skipped**: liger_kernel is not importable (x)" in text
 
 
+def test_a_run_outside_its_plan_says_so_in_the_summary_and_results_md(tmp_path, capsys):
+    """The bench runs a step whose plan asks for more GPU memory than the budget (the GPU side of a plan is
+    conservative); such a row is marked, and at the allocator's cap its step time is not held to the plan."""
+    from horizon_ray.bench.suite import _summary
+
+    gib = 2**30
+    reason = "does not fit: GPU memory needs 14.5 GiB but 12.0 GiB are available: 2.5 GiB missing."
+    capped = _run("horizon-ray", 40.0, plan_fits=False, plan_reason=reason, gpu_budget_bytes=12 * gib,
+                  peak_gpu_reserved_bytes=int(11.99 * gib))
+    roomy = _run("horizon-ray", 45.0, update="delayed", plan_fits=False, plan_reason=reason,
+                 gpu_budget_bytes=12 * gib, peak_gpu_reserved_bytes=9 * gib)
+    inside = _run("horizon-ray", 50.0, update="speculative", plan_fits=True, plan_reason="fits: ...",
+                  gpu_budget_bytes=12 * gib, peak_gpu_reserved_bytes=int(11.99 * gib))
+    write_json(tmp_path / "2026-12-03-h200-tiny.json", [capped, roomy, inside])
+    _summary([capped, roomy, inside], tmp_path / "RESULTS.md")
+    plans = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  PLAN ")]
+    why = "outside its plan (GPU memory needs 14.5 GiB but 12.0 GiB are available: 2.5 GiB missing)"
+    assert plans == [f"  PLAN {why}; it reserved 11.99 GiB of the 12.00 GiB budget, at the allocator's cap, so "
+                     "its step time is not the plan's",
+                     f"  PLAN {why}; it reserved 9.00 GiB of the 12.00 GiB budget: the plan overstated the GPU "
+                     "memory it needed"]
+    text = render(tmp_path)
+    notes = {ln.split("**")[1]: ln for ln in text.splitlines() if ln.startswith("- **#")}
+    assert f"it ran {why}; it reserved 11.99 GiB" in notes["#1"]
+    assert "the plan overstated" in notes["#2"]
+    assert "outside its plan" not in notes["#3"]
+
+
 def test_rows_from_before_the_peers_and_update_modes_stay_readable(tmp_path):
     old = _run("horizon-ray", 50.0)
     for key in ("update", "rollbacks", "ratio_peer", "ratio_reason", "liger_tokens_per_s", "ratio_liger",
