@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--grad-accum", type=int)
     job.add_argument("--checkpoint-every", type=int, metavar="K", help="keep one layer input every K layers")
     job.add_argument("--loss-chunk-tokens", type=int)
+    job.add_argument("--layer-chunk-tokens", type=int,
+                     help="the job spec's engine.layer_chunk_tokens: a micro-batch runs through each layer in row "
+                          "groups of at most this many tokens (default 8192)")
     job.add_argument("--packed", action="store_true", help="packed rows (an attention mask per micro-batch)")
     job.add_argument("--compute-dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     job.add_argument("--device", default="auto", help="auto (cuda when the node has a GPU), cuda, cpu")
@@ -180,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     pinned = {} if args.pinned is None else {"pinned_pow2": args.pinned == "pow2"}
     job = {"seq_len": args.seq_len, "micro_batch_size": args.micro_batch_size, "grad_accum": args.grad_accum,
            "checkpoint_every": args.checkpoint_every, "loss_chunk_tokens": args.loss_chunk_tokens,
+           "layer_chunk_tokens": args.layer_chunk_tokens,
            "compute_dtype": args.compute_dtype, "device": args.device, "packed": args.packed,
            "gpu_budget_bytes": budget, **pinned}
 

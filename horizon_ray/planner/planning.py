@@ -380,12 +380,20 @@ def _reason(p: Plan, node: NodeSpec, shape, job, gpu_budget_bytes, lora, host_ok
 
 
 def _gpu_fix(shape, p: Plan, job: Workload, node, gpu_budget_bytes, lora) -> str:
-    """The first of a few job changes that fits the GPU: smaller micro-batches at the same tokens per step,
-    smaller loss chunks, another checkpoint interval, then fewer tokens per step."""
+    """The first of a few job changes that fits the GPU: smaller row groups (the same batches and step,
+    fewer rows at once through a layer), smaller micro-batches at the same tokens per step, smaller loss
+    chunks, another checkpoint interval, then fewer tokens per step."""
     def fits(j: Workload) -> bool:
         q = _plan(shape, MODES[p.mode], j, node, gpu_budget_bytes, lora, False, p.pinned_pow2, p.concurrent_engines)
         return q.gpu_bytes <= p.gpu_limit_bytes
 
+    rows = job.rows_per_group
+    while rows > 1:  # a row group holds whole rows: halving it halves the layer's activations and workspace
+        rows //= 2
+        j = replace(job, layer_chunk_tokens=rows * job.seq_len)
+        if fits(j):
+            return (f"It fits with engine.layer_chunk_tokens={j.layer_chunk_tokens} (the same batches and step, "
+                    f"{rows} row{'s' * (rows > 1)} at a time through each layer instead of {job.rows_per_group}).")
     mb, ga = job.micro_batch_size, job.grad_accum
     # only divisors of the micro-batch keep micro x accum, i.e. the tokens of a step, the same
     divisors = {d for i in range(1, math.isqrt(mb) + 1) if mb % i == 0 for d in (i, mb // i)}

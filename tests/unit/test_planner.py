@@ -251,6 +251,21 @@ def test_gpu_shortfall_names_a_job_that_fits():
     assert "It fits with" in p.reason
 
 
+def test_a_gpu_shortfall_first_names_smaller_row_groups_which_keep_the_batches():
+    """mixtral-8x7b LoRA at 65,536 tokens a step ran on the H200 at its 12 GiB budget's cap (its plan needed
+    13.4 GiB): half the rows of each row group through a layer fit, with the same micro-batches and step."""
+    job = dict(method="lora", mode="lora", seq_len=1024, micro_batch_size=16, grad_accum=4, checkpoint_every=1,
+               loss_chunk_tokens=2048, gpu_budget_bytes=12 * GiB)
+    p = plan("mixtral-8x7b", **job)
+    assert not p.fits and p.host_bytes < H200_NODE.ram_bytes
+    assert ("It fits with engine.layer_chunk_tokens=4096 (the same batches and step, 4 rows at a time through "
+            "each layer instead of 8).") in p.reason
+    q = plan("mixtral-8x7b", layer_chunk_tokens=4096, **job)
+    assert q.fits and q.tokens_per_step == p.tokens_per_step
+    assert q.breakdown["gpu"]["layer_workspace"] * 2 == pytest.approx(p.breakdown["gpu"]["layer_workspace"], rel=0.01)
+    assert q.host_bytes == p.host_bytes
+
+
 def test_step_time_roofline():
     k1 = plan("qwen2.5-7b", seq_len=1024, micro_batch_size=16, grad_accum=4, checkpoint_every=1)
     k4 = plan("qwen2.5-7b", seq_len=1024, micro_batch_size=16, grad_accum=4, checkpoint_every=4)
@@ -337,6 +352,19 @@ def test_cli_json(capsys):
                 "bytes_per_param", "params"):
         assert key in out
     assert set(out["breakdown"]) == {"host", "gpu"}
+
+
+def test_cli_plans_the_row_group_it_is_given(capsys):
+    from horizon_ray.cli import main
+
+    argv = ["plan", "--model", "mixtral-8x7b", "--method", "lora", "--micro-batch-size", "16", "--grad-accum", "4",
+            "--loss-chunk-tokens", "2048", "--gpu-budget", "12GiB", "--json"]
+    assert main(argv) == 1
+    refused = json.loads(capsys.readouterr().out)
+    assert "It fits with engine.layer_chunk_tokens=4096" in refused["reason"]
+    assert main([*argv, "--layer-chunk-tokens", "4096"]) == 0
+    fits = json.loads(capsys.readouterr().out)
+    assert fits["fits"] and fits["gpu_bytes"] < refused["gpu_bytes"] <= fits["gpu_bytes"] + 2.5 * GiB
 
 
 def test_cli_table_and_exit_codes(capsys):
@@ -490,12 +518,16 @@ def test_a_gpu_budget_cannot_exceed_the_gpu():
 
 
 def test_gpu_fix_keeps_the_tokens_per_step():
-    # 3 x 1 sequences of 4096 need 10.48 GiB of GPU, 1 x 3 need 10.29; halving (2 x 2, then 1 x 4: 10.40 GiB)
-    # would propose 4 sequences a step; only a divisor of the micro-batch keeps 3
-    p = plan("qwen2.5-7b", mode="bf16-state", seq_len=4096, micro_batch_size=3, grad_accum=1, checkpoint_every=1,
-             gpu_budget_bytes=int(10.45 * GiB), node=NODE_512G)
+    # 3 sequences of 4096 a step in row groups of 2 need 10.48 GiB of GPU; one row at a time, 10.29 (as much as
+    # micro-batches of 1 at accumulation 3); a fix that halved the micro-batch (2 x 2: 10.40 GiB) would propose
+    # 4 sequences a step
+    job = dict(mode="bf16-state", seq_len=4096, micro_batch_size=3, grad_accum=1, checkpoint_every=1,
+               gpu_budget_bytes=int(10.45 * GiB), node=NODE_512G)
+    p = plan("qwen2.5-7b", **job)
     assert not p.fits
-    assert "It fits with micro_batch_size=1 and grad_accum=3 (same tokens per step" in p.reason
+    assert "It fits with engine.layer_chunk_tokens=4096 (the same batches and step, 1 row at a time" in p.reason
+    q = plan("qwen2.5-7b", layer_chunk_tokens=4096, **job)
+    assert q.fits and q.tokens_per_step == p.tokens_per_step == 3 * 4096
 
 
 def test_lora_settings_take_the_job_specs_keys_and_defaults():
