@@ -379,6 +379,19 @@ def _reason(p: Plan, node: NodeSpec, shape, job, gpu_budget_bytes, lora, host_ok
     return "does not fit: " + " ".join(parts) + caveat
 
 
+def _row_group_fix(job: Workload, j: Workload) -> str:
+    changed = []
+    if j.rows_per_group != job.rows_per_group:
+        rows = j.rows_per_group
+        changed.append((f"engine.layer_chunk_tokens={j.layer_chunk_tokens}",
+                        f"{rows} row{'s' * (rows > 1)} at a time through each layer instead of {job.rows_per_group}"))
+    if j.loss_chunk_tokens != job.loss_chunk_tokens:
+        changed.append((f"engine.loss_chunk_tokens={j.loss_chunk_tokens}",
+                        f"logits of {j.loss_chunk_tokens} tokens at a time instead of {job.loss_chunk_tokens}"))
+    return (f"It fits with {' and '.join(c for c, _ in changed)} (the same batches and step, "
+            f"{'; '.join(w for _, w in changed)}).")
+
+
 def _gpu_fix(shape, p: Plan, job: Workload, node, gpu_budget_bytes, lora) -> str:
     """The first of a few job changes that fits the GPU: smaller row groups (the same batches and step,
     fewer rows at once through a layer), smaller micro-batches at the same tokens per step, smaller loss
@@ -387,13 +400,18 @@ def _gpu_fix(shape, p: Plan, job: Workload, node, gpu_budget_bytes, lora) -> str
         q = _plan(shape, MODES[p.mode], j, node, gpu_budget_bytes, lora, False, p.pinned_pow2, p.concurrent_engines)
         return q.gpu_bytes <= p.gpu_limit_bytes
 
+    # Row groups first, and loss chunks down to 1,024 tokens with them: neither changes the batches or the
+    # step, and both keep their GEMMs large; the largest row group that fits wins, then the largest loss chunk.
+    losses = [job.loss_chunk_tokens]
+    while losses[-1] // 2 >= 1024:
+        losses.append(losses[-1] // 2)
     rows = job.rows_per_group
-    while rows > 1:  # a row group holds whole rows: halving it halves the layer's activations and workspace
+    while rows >= 1:
+        for loss in losses:
+            j = replace(job, layer_chunk_tokens=rows * job.seq_len, loss_chunk_tokens=loss)
+            if j != job and fits(j):
+                return _row_group_fix(job, j)
         rows //= 2
-        j = replace(job, layer_chunk_tokens=rows * job.seq_len)
-        if fits(j):
-            return (f"It fits with engine.layer_chunk_tokens={j.layer_chunk_tokens} (the same batches and step, "
-                    f"{rows} row{'s' * (rows > 1)} at a time through each layer instead of {job.rows_per_group}).")
     mb, ga = job.micro_batch_size, job.grad_accum
     # only divisors of the micro-batch keep micro x accum, i.e. the tokens of a step, the same
     divisors = {d for i in range(1, math.isqrt(mb) + 1) if mb % i == 0 for d in (i, mb // i)}

@@ -251,7 +251,7 @@ def test_gpu_shortfall_names_a_job_that_fits():
     assert "It fits with" in p.reason
 
 
-def test_a_gpu_shortfall_first_names_smaller_row_groups_which_keep_the_batches():
+def test_a_gpu_shortfall_first_names_smaller_row_groups_and_loss_chunks_which_keep_the_batches():
     """mixtral-8x7b LoRA at 65,536 tokens a step ran on the H200 at its 12 GiB budget's cap (its plan needed
     13.4 GiB): half the rows of each row group through a layer fit, with the same micro-batches and step."""
     job = dict(method="lora", mode="lora", seq_len=1024, micro_batch_size=16, grad_accum=4, checkpoint_every=1,
@@ -264,6 +264,15 @@ def test_a_gpu_shortfall_first_names_smaller_row_groups_which_keep_the_batches()
     assert q.fits and q.tokens_per_step == p.tokens_per_step
     assert q.breakdown["gpu"]["layer_workspace"] * 2 == pytest.approx(p.breakdown["gpu"]["layer_workspace"], rel=0.01)
     assert q.host_bytes == p.host_bytes
+    # gemma-3-27b's 262,144-word vocabulary: its loss chunk's logits outgrow a layer's workspace, so the fix
+    # halves both (loss chunks no smaller than 1,024 tokens: the LM head's GEMM stays large)
+    g = plan("gemma-3-27b", **job)
+    assert not g.fits and ("It fits with engine.layer_chunk_tokens=4096 and engine.loss_chunk_tokens=1024 (the "
+                           "same batches and step, 4 rows at a time through each layer instead of 8; logits of "
+                           "1024 tokens at a time instead of 2048).") in g.reason
+    assert plan("gemma-3-27b", **{**job, "loss_chunk_tokens": 1024}, layer_chunk_tokens=4096).fits
+    assert not plan("gemma-3-27b", **{**job, "loss_chunk_tokens": 1024}).fits
+    assert not plan("gemma-3-27b", **job, layer_chunk_tokens=4096).fits
 
 
 def test_step_time_roofline():
