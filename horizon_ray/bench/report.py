@@ -243,8 +243,8 @@ def _bound(r: dict, base: dict | None) -> str:
     if r.get("planned_gpu_bytes") and r.get("peak_gpu_bytes"):
         parts.append(f"peak GPU {r['peak_gpu_bytes'] / GiB:.1f} GiB allocated against "
                      f"{r['planned_gpu_bytes'] / GiB:.1f} GiB planned")
-    if outside_plan(r):
-        parts.append(f"it ran {outside_plan(r)}")
+    if outside := outside_plan(r):
+        parts.append(f"it ran {outside}")
     if r.get("device") == "cpu":
         bound = "the CPU"
     recorded = r.get("bound")

@@ -377,7 +377,7 @@ def _summary(runs: list[dict], md: Path) -> None:
         mode = r["mode"] + (f"/{r['update']}" if r.get("update") else "")
         print(f"SUMMARY {r['system']:<17} {r['shape']:<16} {mode:<18} {r['tokens_per_step']:>8,} tok/step "
               f"{tps}{ratios}" + (f" ({r['reason']})" if r.get("reason") else ""), flush=True)
-        if outside_plan(r):
-            print(f"  PLAN {outside_plan(r)}", flush=True)
+        if outside := outside_plan(r):
+            print(f"  PLAN {outside}", flush=True)
         if r.get("bound"):
             print(f"  BOUND planned {r.get('planned_step_s')} s/step: {bound_line(r['bound'])}", flush=True)

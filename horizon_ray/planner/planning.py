@@ -393,9 +393,9 @@ def _row_group_fix(job: Workload, j: Workload) -> str:
 
 
 def _gpu_fix(shape, p: Plan, job: Workload, node, gpu_budget_bytes, lora) -> str:
-    """The first of a few job changes that fits the GPU: smaller row groups (the same batches and step,
-    fewer rows at once through a layer), smaller micro-batches at the same tokens per step, smaller loss
-    chunks, another checkpoint interval, then fewer tokens per step."""
+    """The first of a few job changes that fits the GPU: smaller row groups and loss chunks down to 1,024
+    tokens (the same batches and step), smaller micro-batches at the same tokens per step, loss chunks below
+    1,024 tokens, another checkpoint interval, then fewer tokens per step."""
     def fits(j: Workload) -> bool:
         q = _plan(shape, MODES[p.mode], j, node, gpu_budget_bytes, lora, False, p.pinned_pow2, p.concurrent_engines)
         return q.gpu_bytes <= p.gpu_limit_bytes
@@ -420,7 +420,7 @@ def _gpu_fix(shape, p: Plan, job: Workload, node, gpu_budget_bytes, lora) -> str
         if fits(j):
             return (f"It fits with micro_batch_size={smaller} and grad_accum={j.grad_accum} (same tokens per step, "
                     "fewer at once through a layer).")
-    chunk = job.loss_chunk_tokens
+    chunk = losses[-1]  # the larger chunks were tried with the row groups
     while chunk > 256:
         chunk //= 2
         if fits(replace(job, loss_chunk_tokens=chunk)):
