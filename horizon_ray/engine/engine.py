@@ -758,9 +758,18 @@ def _init_random(store: HostStore, model: ModelConfig, cfg: EngineConfig,
 
 
 def _draw_all(normal: list, std: float) -> None:
+    """Each chunk drawn in fp32 from its own seed, then rounded into its view's dtype: the random model is
+    the same whatever dtype holds it. torch's CPU normal_ draws a bf16 tensor by another algorithm than an fp32
+    one (a tail not a multiple of 16 elements on torch 2.13, the whole tensor on others), which made a bf16
+    LoRA base another model than the fp32 one it is compared with."""
+
     def draw(item):
         view, seed = item
-        view.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+        gen = torch.Generator().manual_seed(seed)
+        if view.dtype == torch.float32:
+            view.normal_(0.0, std, generator=gen)
+        else:
+            view.copy_(torch.empty(view.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         list(pool.map(draw, normal))

@@ -406,6 +406,15 @@ class Kernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of two GEMMs' outputs. Liger's kernel writes its gradients over the two saved inputs:
+        both must be this op's alone (a projection's output is; an on-disk fused gate_up's halves are not: swiglu)."""
+        if self.fused:
+            from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+            return LigerSiLUMulFunction.apply(gate, up)
+        return F.silu(gate) * up
+
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gelu_tanh(gate) * up of a [..., 2 x ffn] tensor holding gate then up."""
         gate, up = gate_up.chunk(2, dim=-1)

@@ -392,10 +392,10 @@ class Template:
         if key + "gate_up" in w:
             gate_up = self._proj(h, w, key + "gate_up", lora, sinks)
             return ops.swiglu(gate_up) if mlp.act == "silu" else ops.geglu(gate_up)
+        gate, up = self._proj(h, w, key + "gate", lora, sinks), self._proj(h, w, key + "up", lora, sinks)
         if mlp.act == "silu":
-            return F.silu(self._proj(h, w, key + "gate", lora, sinks)) * self._proj(h, w, key + "up", lora, sinks)
-        return F.gelu(self._proj(h, w, key + "gate", lora, sinks), approximate="tanh") * self._proj(h, w, key + "up",
-                                                                                                 lora, sinks)
+            return ops.silu_mul(gate, up)
+        return F.gelu(gate, approximate="tanh") * up
 
     def _experts(self, h_BTD, w, mb: MicroBatch, lora: LoraCall | None, sinks: dict | None, j: int | None,
                  moe: MoE):

@@ -284,6 +284,24 @@ def test_bf16_base_is_two_bytes_a_parameter_and_close_to_fp32(tmp_path):
         assert a == pytest.approx(b, rel=3e-2)
 
 
+def test_a_random_base_is_one_model_whatever_dtype_holds_it():
+    """from_config draws the same model into a bf16 base as into an fp32 one, rounded: the GPU probe's bf16 LoRA
+    runs at real widths were compared with an fp32 base that was another random model (torch's CPU normal_
+    draws bf16 by another algorithm: here the tails of chunks whose size is no multiple of 16, 100 x 36 and
+    36 x 100)."""
+    config = {"model_type": "llama", "hidden_size": 36, "intermediate_size": 100, "num_hidden_layers": 2,
+              "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 12, "vocab_size": 97,
+              "tie_word_embeddings": False}
+    lora = LoraConfig(r=4, targets=ALL)
+    bases = {}
+    for dtype in ("float32", "bfloat16"):
+        eng = Engine.from_config(config, EngineConfig(device="cpu", compute_dtype=dtype, lora=lora, seed=3))
+        bases[dtype] = [u.wire.clone() for u in eng.store.units]
+        eng.close()
+    for fp32, bf16 in zip(bases["float32"], bases["bfloat16"]):
+        assert torch.equal(fp32.bfloat16(), bf16)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_host_bytes_equal_the_plan(tied):
     from horizon_ray.planner import Adapters, plan
