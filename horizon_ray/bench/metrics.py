@@ -181,7 +181,40 @@ def split_from_trace(events: list[dict], step_s: float) -> dict:
     exposed_copy_s = (length(m) - overlap(c, m)) / 1e6
     return {"profiled_step_s": round(step_s, 4), "gpu_compute_s": round(compute_s, 4),
             "exposed_copy_s": round(exposed_copy_s, 4),
-            "gpu_idle_s": round(max(0.0, step_s - compute_s - exposed_copy_s), 4), **kernel_tables(events)}
+            "gpu_idle_s": round(max(0.0, step_s - compute_s - exposed_copy_s), 4), **kernel_tables(events),
+            "idle_gaps": idle_gaps(events, step_s)}
+
+
+# Gaps in a step's GPU activity by length, in microseconds: a launch's latency, the host running behind by a few
+# launches, the host waiting (a fence, a sync, the optimizer).
+GAP_BUCKETS = (("under 20 us", 20.0), ("20 us to 1 ms", 1e3), ("1 ms and more", float("inf")))
+
+
+def idle_gaps(events: list[dict], step_s: float, top: int = 8) -> dict:
+    """Where a step's GPU idle time goes: the gaps between its activity (kernels, memsets and copies on every
+    stream), their seconds by GAP_BUCKETS, the time before the first and after the last activity (``edges_s``:
+    the step's host work outside the GPU's), and the ``top`` longest gaps as [ms, the activity that ended it
+    began, the activity after it]: many short gaps point at launch overhead, a few long ones at a wait."""
+    spans = sorted((float(ev["ts"]), float(ev["ts"]) + float(ev["dur"]), str(ev.get("name", "?"))[:80])
+                   for ev in events if ev.get("ph") == "X" and "dur" in ev
+                   and str(ev.get("cat", "")).lower() in ("kernel", "gpu_memset", "gpu_memcpy"))
+    by_bucket = dict.fromkeys((name for name, _ in GAP_BUCKETS), 0.0)
+    if not spans:
+        return {"by_length_s": by_bucket, "edges_s": round(step_s, 4), "longest": []}
+    gaps = []
+    end, last = spans[0][1], spans[0][2]
+    for s, e, name in spans[1:]:
+        if s > end:
+            gaps.append((s - end, last, name))
+        if e > end:
+            end, last = e, name
+    for us, _, _ in gaps:
+        bucket = next(name for name, bound in GAP_BUCKETS if us < bound)
+        by_bucket[bucket] += us / 1e6
+    busy_s = (end - spans[0][0]) / 1e6
+    return {"by_length_s": {k: round(v, 6) for k, v in by_bucket.items()},
+            "edges_s": round(max(0.0, step_s - busy_s), 4),
+            "longest": [[round(us / 1e3, 3), before, after] for us, before, after in sorted(gaps, reverse=True)[:top]]}
 
 
 # What a kernel does, by the words of its name (the first that matches): torch's, cuBLAS', CUTLASS', FlashAttention's

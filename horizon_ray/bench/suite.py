@@ -381,3 +381,14 @@ def _summary(runs: list[dict], md: Path) -> None:
             print(f"  PLAN {outside}", flush=True)
         if r.get("bound"):
             print(f"  BOUND planned {r.get('planned_step_s')} s/step: {bound_line(r['bound'])}", flush=True)
+        if gaps := r.get("idle_gaps"):
+            print(f"  IDLE {idle_line(r, gaps)}", flush=True)
+
+
+def idle_line(r: dict, gaps: dict) -> str:
+    """A profiled step's GPU idle time, by where it goes (metrics.idle_gaps), on one line."""
+    buckets = ", ".join(f"{v:.3f} s in gaps {k}" for k, v in gaps["by_length_s"].items())
+    longest = "; ".join(f"{ms} ms after {before} before {after}" for ms, before, after in gaps["longest"][:3])
+    return (f"{r.get('gpu_idle_s')} s idle in the profiled step: {buckets}, {gaps['edges_s']:.3f} s before the first "
+            f"and after the last GPU work; longest: {longest or 'none'}")
+

@@ -94,6 +94,28 @@ def test_split_from_trace_counts_only_copies_not_under_compute():
     assert s["profiled_step_s"] == 2.0
 
 
+def test_a_profiled_step_says_where_its_gpu_idles():
+    """The GPU's idle time split by the length of its gaps (launch latency against host waits), the host time
+    before the first and after the last activity, and the longest gaps named by the work around them."""
+    us = 1e6
+    spans = [("gemm_a", 0.10, 0.20), ("Memcpy HtoD", 0.15, 0.30), ("norm_b", 0.30 + 10e-6, 0.40),
+             ("gemm_c", 0.40 + 500e-6, 0.60), ("adam_wait_after", 0.90, 1.00), ("gemm_d", 0.95, 0.99)]
+    events = [{"ph": "X", "cat": "gpu_memcpy" if n.startswith("Memcpy") else "kernel", "name": n, "ts": a * us,
+               "dur": (b - a) * us} for n, a, b in spans]
+    events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 2 * us})
+    gaps = split_from_trace(events, step_s=1.2)["idle_gaps"]
+    assert gaps["by_length_s"] == pytest.approx({"under 20 us": 10e-6, "20 us to 1 ms": 500e-6,
+                                                 "1 ms and more": 0.3})
+    assert gaps["edges_s"] == pytest.approx(0.3)  # 0.1 before the first activity, 0.2 after the last
+    assert [g[1:] for g in gaps["longest"]] == [["gemm_c", "adam_wait_after"], ["norm_b", "gemm_c"],
+                                                ["Memcpy HtoD", "norm_b"]]
+    assert gaps["longest"][0][0] == pytest.approx(300.0)  # ms
+    from horizon_ray.bench.suite import idle_line
+
+    line = idle_line({"gpu_idle_s": 0.5}, gaps)
+    assert "0.300 s in gaps 1 ms and more" in line and "300.0 ms after gemm_c before adam_wait_after" in line
+
+
 def test_a_profiled_step_tables_its_kernels_by_class_and_name():
     """The kernel time of a profiled step by what the kernels do, and its heaviest kernels by name: what the
     closing notes compare between the engine and HF + Liger."""
