@@ -13,7 +13,8 @@ step moves every weight by about lr with its gradient's sign, and the signs of g
 roundoff, the attention's q and k at random init, differ between the runs.) Vocabulary 65,536 (more than one
 32,768-wide block of Liger's cross-entropy): the embedding is not what these tests are about.
 
-On the H200 (2026-12-04) the units' errors were 0.007-0.029 for LoRA and 0.009-0.029 for full fine-tuning.
+On the H200 (2026-12-04) the units' errors were 0.007-0.029 for LoRA and 0.0025-0.029 for full fine-tuning
+(benchmarks/probes/results/2026-12-04-h200-real-widths-*.log).
 The mixtures of experts are in benchmarks/probes/test_real_shapes_gpu.py, which says why they are no gate yet.
 """
 
