@@ -75,12 +75,6 @@ def main(spec_path: str) -> None:
     mount("-t", "tmpfs", "-o", f"size={spec['shm_bytes']}", "shm", str(root / "dev" / "shm"))
     bind(str(scratch / "tmp"), root / "tmp", read_only=False)
     os.chmod(root / "tmp", 0o1777)
-    # a checkout or interpreter that lives under the host's /tmp (a CI clone there) stays visible through the
-    # private /tmp, read-only, as the image would carry it
-    under_tmp = sorted({p for p in spec["readable"] if p.startswith("/tmp/")})
-    for p in under_tmp:
-        if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in under_tmp) and os.path.exists(p):
-            bind(p, root / p.lstrip("/"), read_only=True)
     # what the image's Dockerfile creates
     for path, uid, gid, mode in spec["image_dirs"]:
         d = root / path.lstrip("/")
@@ -101,6 +95,13 @@ def main(spec_path: str) -> None:
     # the pod's volumes, then its hosts file
     for source, target, read_only in spec["binds"]:
         bind(source, root / target.lstrip("/"), read_only)
+    # a checkout or interpreter that lives under the host's /tmp (a CI clone there) stays visible through the
+    # private /tmp, read-only, as the image would carry it: after the pod's volumes, one of which may be mounted
+    # on /tmp itself (the api pod's emptyDir) and would hide it
+    under_tmp = sorted({p for p in spec["readable"] if p.startswith("/tmp/")})
+    for p in under_tmp:
+        if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in under_tmp) and os.path.exists(p):
+            bind(p, root / p.lstrip("/"), read_only=True)
     bind(spec["hosts"], root / "etc" / "hosts", read_only=True)
 
     os.chroot(root)
