@@ -100,13 +100,17 @@ def _quantize_linears(module: torch.nn.Module, quantize: str, compute: torch.dty
             continue
         bias = child.bias is not None
         q: torch.nn.Module
+        # Built on the meta device: bitsandbytes' constructors otherwise draw a full fp32 weight on the CPU that
+        # the line after replaces (a 70B base drew 280 GB of them, minutes of a device call's ten)
         if quantize == "int8":
-            q = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=bias, has_fp16_weights=False,
-                                    threshold=6.0)
+            with torch.device("meta"):
+                q = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=bias, has_fp16_weights=False,
+                                        threshold=6.0)
             q.weight = bnb.nn.Int8Params(child.weight.data.cpu(), requires_grad=False, has_fp16_weights=False)
         else:
-            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=bias, compute_dtype=compute,
-                                  compress_statistics=True, quant_type=quantize)
+            with torch.device("meta"):
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=bias, compute_dtype=compute,
+                                      compress_statistics=True, quant_type=quantize)
             q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, compress_statistics=True,
                                          quant_type=quantize, blocksize=64)
         if bias:

@@ -147,3 +147,31 @@ def test_quantized_peer_layers_are_bitsandbytes_linear4bit():
     kinds = {type(m) for n, m in model.named_modules() if n.endswith(("q_proj", "down_proj"))}
     assert kinds == {bnb.nn.Linear4bit} and not any(p.is_meta for p in model.parameters())
     assert type(model.lm_head) is __import__("torch").nn.Linear
+
+
+@pytest.mark.parametrize("quantize", ["nf4", "int8"])
+def test_the_quantized_peer_draws_each_base_weight_once(quantize, monkeypatch):
+    """bitsandbytes' layer constructors draw a full fp32 weight that the peer replaces at once: built off the
+    meta device they drew a second base on the CPU (minutes for a 70B, which timed the peer out on the H200)."""
+    import argparse
+
+    import torch
+
+    from horizon_ray.bench import peft_peer
+    from horizon_ray.bench.shapes import resolve_shape
+
+    drawn: dict[int, torch.Tensor] = {}  # by identity: torch's device context calls the init twice for one tensor
+    real = torch.nn.init.kaiming_uniform_
+
+    def counting(tensor, *a, **kw):
+        if not tensor.is_meta:
+            drawn[id(tensor)] = tensor
+        return real(tensor, *a, **kw)
+
+    monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", counting)
+    args = argparse.Namespace(system="in-gpu-peft", checkpoint_every=1)
+    model, _, _, _ = peft_peer._prepare_quantized(args, resolve_shape("tiny", layers=2), "cpu", "float32",
+                                                   quantize, {})
+    linears = [m for n, m in model.model.layers.named_modules() if n.endswith("_proj")]
+    assert len(linears) == 14 and len(drawn) == len(linears), [tuple(t.shape) for t in drawn.values()]
+    assert not any(p.is_meta for p in model.parameters())
