@@ -384,16 +384,18 @@ class Generator:
     def _micro_batch(self, ids_BT, pos_BS, valid_BS, cache: KVCache | _JoiningRows) -> MicroBatch:
         """This call's T tokens at cache positions n .. n + T - 1, attending to cache positions 0 .. n + T - 1
         (the mask spans the cache's visible positions; those after n + T - 1 are later positions of each row,
-        masked as the future)."""
+        masked as the future). The tables and masks are built on the device from the positions, as in training
+        and in the static decode step (a prefill's [B, 1, T, S] masks built on the host crossed as pageable
+        copies while the GPU waited)."""
         cfg, dev, dt = self.model, self.device, self.dtype
         B, T = ids_BT.shape
         n, seen = cache.length, cache.visible(T)
-        q_pos_BT = pos_BS[:, n:n + T]
-        k_pos_BS, k_valid_BS = pos_BS[:, :seen], valid_BS[:, :seen]
-        self_TS = torch.arange(seen)[None, :] == (n + torch.arange(T))[:, None]
-        return decode_graphs.step_microbatch(cfg, self.template.inv_freq, q_pos_BT, k_pos_BS, k_valid_BS, self_TS,
-                                             dt, ids_BT, ids_BT.to(dev, non_blocking=True), cache,
-                                             to=lambda t: t.to(dev, non_blocking=True))
+        pos_dev, valid_dev = pos_BS[:, :seen].to(dev, non_blocking=True), valid_BS[:, :seen].to(dev, non_blocking=True)
+        q_pos_BT = pos_dev[:, n:n + T]
+        self_TS = torch.arange(seen, device=dev)[None, :] == (n + torch.arange(T, device=dev))[:, None]
+        inv_freq = {kind: self.template.inv_freq_on(kind, dev) for kind in self.template.inv_freq}
+        return decode_graphs.step_microbatch(cfg, inv_freq, q_pos_BT, pos_dev, valid_dev, self_TS,
+                                             dt, ids_BT, ids_BT.to(dev, non_blocking=True), cache)
 
     def _forward(self, ids_BT, pos_BS, valid_BS, cache: KVCache | _JoiningRows) -> torch.Tensor:
         """One pass of T tokens per row through every layer; the float32 logits of each row's last token [B, V]

@@ -249,7 +249,7 @@ class Template:
         self._uniform = len(set(cfg.layers)) == 1 and not cfg.embed_scale
         self._inv_freq_at: dict[tuple[str, str], torch.Tensor] = {}
 
-    def _inv_freq_on(self, kind: str, device) -> torch.Tensor:
+    def inv_freq_on(self, kind: str, device) -> torch.Tensor:
         key = (kind, str(device))
         if key not in self._inv_freq_at:
             self._inv_freq_at[key] = self.inv_freq[kind].to(device)
@@ -273,7 +273,7 @@ class Template:
         positions_dev = positions_BT.to(device, non_blocking=True)
 
         def tables(kind: str) -> tuple:
-            cos, sin = rope_tables(self._inv_freq_on(kind, device), positions_dev, dtype)
+            cos, sin = rope_tables(self.inv_freq_on(kind, device), positions_dev, dtype)
             window = cfg.sliding_window if kind == "sliding_attention" else None
             return cos, sin, attention_mask(position_ids_BT, T, window, device)
 

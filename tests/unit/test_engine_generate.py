@@ -445,3 +445,29 @@ def test_a_decode_steps_grouped_query_attention_repeats_no_keys(monkeypatch):
     got = ops.attention(q, k, v, mask, 0.25)
     assert calls == [((B, kvH, H // kvH, d), False)]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_passes_tables_and_masks_are_built_on_the_device_that_reads_them(tmp_path, monkeypatch):
+    """The eager pass (a prompt's, a joining row's) builds its RoPE tables and [B, 1, T, S] masks where the
+    layers read them, as training and the static decode step do: built on the host they crossed as pageable
+    copies while the GPU waited. The meta device stands for the GPU."""
+    from types import SimpleNamespace
+
+    path, _ = FAMILY_BUILDERS["gemma2"](tmp_path)  # sliding and global layers: two tables, two masks
+    gen = Generator.from_pretrained(path, device="cpu", tokenizer=None)
+    built_on: list[str] = []
+    rope = decode_graphs.rope_tables
+
+    def recording(inv_freq, pos, dtype):
+        built_on.append(f"{pos.device.type}/{inv_freq.device.type}")
+        return rope(inv_freq, pos, dtype)
+
+    monkeypatch.setattr(decode_graphs, "rope_tables", recording)
+    gen.device = torch.device("meta")
+    B, S = 2, 8
+    pos_BS, valid_BS = torch.arange(S).expand(B, S), torch.ones(B, S, dtype=torch.bool)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    mb = gen._micro_batch(ids, pos_BS, valid_BS, SimpleNamespace(length=2, visible=lambda T: S))
+    assert built_on == ["meta/meta"] * 2
+    assert mb.cos_BTd.is_meta and mb.mask_B1TT.is_meta and mb.mask_B1TT.shape == (B, 1, 3, S)
+    assert mb.sliding is not None and mb.sliding[2].is_meta
