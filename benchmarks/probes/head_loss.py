@@ -20,10 +20,10 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from layer_gemms import SEQ, gemm_table, timed
 
 from horizon_ray.bench.shapes import hf_config, resolve_shape
 from horizon_ray.engine import Engine, EngineConfig
-from layer_gemms import SEQ, gemm_table, timed
 
 
 def ours(eng, V: int, D: int, tokens: int, rows: int, chunk: int, dev):
@@ -84,8 +84,8 @@ def main() -> None:
             if chunk > rows * SEQ:
                 continue
             step = ours(eng, V, D, args.tokens, rows, chunk, dev)
-            print(f"horizon-ray rows {rows * SEQ}, loss chunk {chunk}: head + loss {timed(step, args.reps) * 1e3:.1f} ms",
-                  flush=True)
+            t = timed(step, args.reps)
+            print(f"horizon-ray rows {rows * SEQ}, loss chunk {chunk}: head + loss {t * 1e3:.1f} ms", flush=True)
             if chunk == 2048 or chunk == 8192:
                 gemm_table(step, f"horizon-ray rows {rows * SEQ} chunk {chunk}")
             del step
