@@ -41,6 +41,40 @@ from horizon_ray.engine.model import LEAF_KEYS, ModelConfig
 from horizon_ray.models.blocks import DenseMLP, Layer, MoE
 
 
+class RoutingLog:
+    """Every routing decision of a run's MoE layers (each token's top-k experts), in the order the layers route:
+    recorded by one run (``RoutingLog()``), replayed by another (``RoutingLog(replay=recorded)``), so that two
+    runs of different precision or on different devices route every token alike and differ by roundoff alone.
+
+    A near tie between two experts flips with the last bits of the router's logits, and a flip is discrete:
+    no tolerance holds it. HF's own Mixtral + PEFT, bf16 against fp32 on the same weights, gives first adapter
+    gradients 0.22-0.25 apart through such flips (0.07 with one expert, no routing). Replayed, a token's router
+    weights are still the run's own: its softmax at the recorded experts, so their gradient is the run's too.
+    The recording copies each decision to the host (a sync per MoE layer): for comparisons, not for speed."""
+
+    def __init__(self, replay: RoutingLog | None = None):
+        self.calls: list[torch.Tensor] = []
+        self._replay = None if replay is None else replay.calls
+        self._next = 0
+
+    def top_k(self, probs_NE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, experts) [N, k] of this routing: the top k of ``probs_NE``, or the recorded run's experts."""
+        if self._replay is None:
+            top_w, top_e = torch.topk(probs_NE, k, dim=-1)
+            self.calls.append(top_e.cpu())
+            return top_w, top_e
+        if self._next == len(self._replay):
+            raise RuntimeError(f"the replayed run routed {len(self._replay)} times; this one routes more: the two "
+                               "runs must split their steps alike (micro-batches, row groups, steps)")
+        top_e = self._replay[self._next]
+        self._next += 1
+        if top_e.shape != (probs_NE.shape[0], k):
+            raise RuntimeError(f"routing {self._next} of the replayed run chose {tuple(top_e.shape)} experts, this "
+                               f"one routes {probs_NE.shape[0]} tokens to {k}: the runs must split alike")
+        top_e = top_e.to(probs_NE.device)
+        return probs_NE.gather(-1, top_e), top_e
+
+
 @dataclass
 class RouterStats:
     """The routing of one row group of a micro-batch through every MoE layer, for the load-balancing loss."""
@@ -248,6 +282,7 @@ class Template:
         self.inv_freq = {kind: inv_frequencies(cfg, kind) for kind in sorted(set(cfg.layer_types))}
         self._uniform = len(set(cfg.layers)) == 1 and not cfg.embed_scale
         self._inv_freq_at: dict[tuple[str, str], torch.Tensor] = {}
+        self.routing: RoutingLog | None = None  # set to record or replay the MoE layers' routing (RoutingLog)
 
     def inv_freq_on(self, kind: str, device) -> torch.Tensor:
         key = (kind, str(device))
@@ -422,7 +457,7 @@ class Template:
         if stats is not None and stats.grad_E is not None and torch.is_grad_enabled():
             logits_NE = _RouterAuxGrad.apply(logits_NE, stats.grad_E)
         probs_NE = torch.softmax(logits_NE.float(), dim=-1)
-        top_w, top_e = torch.topk(probs_NE, k, dim=-1)
+        top_w, top_e = torch.topk(probs_NE, k, dim=-1) if self.routing is None else self.routing.top_k(probs_NE, k)
         if moe.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         flat_e = top_e.reshape(-1)
