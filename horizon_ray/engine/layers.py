@@ -285,6 +285,7 @@ class Template:
         self.routing: RoutingLog | None = None  # set to record or replay the MoE layers' routing (RoutingLog)
 
     def inv_freq_on(self, kind: str, device) -> torch.Tensor:
+        """The RoPE frequencies of a layer kind on ``device``, copied there once."""
         key = (kind, str(device))
         if key not in self._inv_freq_at:
             self._inv_freq_at[key] = self.inv_freq[kind].to(device)
