@@ -111,7 +111,7 @@ class DecodeStep:
         self.k_valid_BS = torch.zeros(B, seen, dtype=torch.bool, device=dev)
         self.n_1 = torch.zeros(1, dtype=torch.long, device=dev)
         self.slots_S = torch.arange(seen, device=dev)
-        self.inv_freq = {kind: f.to(dev) for kind, f in gen.template.inv_freq.items()}
+        self.inv_freq = gen.template.inv_freq_on(dev)
         W, units, k = gen.weights, gen.units, 0  # resident weights: version 0 is the only one
         self.layer_weights = [W.weights(units.of_layer(j), k) for j in range(cfg.num_layers)]
         self.head_weights = W.head_weights(k)

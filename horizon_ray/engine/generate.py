@@ -393,8 +393,7 @@ class Generator:
         pos_dev, valid_dev = pos_BS[:, :seen].to(dev, non_blocking=True), valid_BS[:, :seen].to(dev, non_blocking=True)
         q_pos_BT = pos_dev[:, n:n + T]
         self_TS = torch.arange(seen, device=dev)[None, :] == (n + torch.arange(T, device=dev))[:, None]
-        inv_freq = {kind: self.template.inv_freq_on(kind, dev) for kind in self.template.inv_freq}
-        return decode_graphs.step_microbatch(cfg, inv_freq, q_pos_BT, pos_dev, valid_dev, self_TS,
+        return decode_graphs.step_microbatch(cfg, self.template.inv_freq_on(dev), q_pos_BT, pos_dev, valid_dev, self_TS,
                                              dt, ids_BT, ids_BT.to(dev, non_blocking=True), cache)
 
     def _forward(self, ids_BT, pos_BS, valid_BS, cache: KVCache | _JoiningRows) -> torch.Tensor:

@@ -281,14 +281,14 @@ class Template:
         self.ops = kernels or Kernels()
         self.inv_freq = {kind: inv_frequencies(cfg, kind) for kind in sorted(set(cfg.layer_types))}
         self._uniform = len(set(cfg.layers)) == 1 and not cfg.embed_scale
-        self._inv_freq_at: dict[tuple[str, str], torch.Tensor] = {}
+        self._inv_freq_at: dict[str, dict[str, torch.Tensor]] = {}
         self.routing: RoutingLog | None = None  # set to record or replay the MoE layers' routing (RoutingLog)
 
-    def inv_freq_on(self, kind: str, device) -> torch.Tensor:
-        """The RoPE frequencies of a layer kind on ``device``, copied there once."""
-        key = (kind, str(device))
+    def inv_freq_on(self, device) -> dict[str, torch.Tensor]:
+        """The RoPE frequencies of each layer kind on ``device``, copied there once."""
+        key = str(device)
         if key not in self._inv_freq_at:
-            self._inv_freq_at[key] = self.inv_freq[kind].to(device)
+            self._inv_freq_at[key] = {kind: f.to(device) for kind, f in self.inv_freq.items()}
         return self._inv_freq_at[key]
 
     @staticmethod
@@ -309,7 +309,7 @@ class Template:
         positions_dev = positions_BT.to(device, non_blocking=True)
 
         def tables(kind: str) -> tuple:
-            cos, sin = rope_tables(self.inv_freq_on(kind, device), positions_dev, dtype)
+            cos, sin = rope_tables(self.inv_freq_on(device)[kind], positions_dev, dtype)
             window = cfg.sliding_window if kind == "sliding_attention" else None
             return cos, sin, attention_mask(position_ids_BT, T, window, device)
 
