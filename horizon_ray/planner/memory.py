@@ -217,6 +217,14 @@ def host_breakdown(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: 
 QUANT_CHUNK, QUANT_BYTES_PER_WEIGHT = 1 << 22, 24
 
 
+def unit_wire_bytes(shape: ModelShape, lora: Adapters | None, mode: PrecisionMode, c: int) -> dict[str, int]:
+    """Bytes each unit streams to the GPU: a quantized layer's packed bytes, any other unit its parameters in the
+    compute dtype: what the step's PCIe copies move (timing.step_time), as host_items counts the host's wire."""
+    packed = packed_layers(shape, lora, mode, c)
+    return {name: packed[int(name.removeprefix("layer."))] if packed and name.startswith("layer.") else n * c
+            for name, n in shape.units()}
+
+
 def packed_layers(shape: ModelShape, lora: Adapters | None, mode: PrecisionMode, c: int) -> list[int]:
     """Bytes of each decoder layer's packed wire under LoRA's quantize; empty when the base is not quantized."""
     if mode.method != "lora" or lora is None or lora.quantize == "none":

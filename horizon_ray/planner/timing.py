@@ -12,8 +12,9 @@ Work of one optimizer step (T tokens, L layers, K checkpoint interval, S sequenc
     loss                            6 x V x H per token        LM head forward + backward, fused in chunks
     GPU time = FLOPs / (matmul_flops x compute_efficiency)
 
-    PCIe: every unit's streamed copy (compute dtype) crosses once in the forward; layers cross again in
-    the backward except the top two blocks, still resident (L - 2K layers); each unit's gradient leaves
+    PCIe: every unit's streamed copy (compute dtype; a quantized base's layers packed) crosses once in the
+    forward; layers cross again in the backward except the top two blocks, still resident (L - 2K layers);
+    each unit's gradient leaves
     once (in the compute dtype; LoRA: the fp32 adapters only, which stay resident on the device and cross
     once a step, after their update); offloaded activation checkpoints leave in the forward and come back
     in the backward. Concurrent H2D and D2H share duplex_bytes_per_s.
@@ -67,6 +68,7 @@ from typing import Any
 
 from horizon_ray.engine.model import DTYPE_BYTES
 from horizon_ray.errors import BadInput
+from horizon_ray.planner.memory import unit_wire_bytes
 from horizon_ray.planner.modes import PrecisionMode
 from horizon_ray.planner.node import Ceilings
 from horizon_ray.planner.shapes import ModelShape, adapter_active_layer_params, adapter_layer_params, ceil_div
@@ -136,7 +138,7 @@ def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapt
 
     # bytes over PCIe and through the optimizer, unit by unit
     pb = mode.base(compute_dtype)
-    wire = {name: n * c for name, n in shape.units()}
+    wire = unit_wire_bytes(shape, lora, mode, c)  # a quantized base's layers cross packed
     grads_down: float = shape.num_params * pb.grad_bytes
     opt_work: float = shape.num_params * pb.optimizer_bytes
     if not full:
