@@ -15,7 +15,9 @@ layers is bitsandbytes' Linear4bit (block 64, double-quantized scales, compute d
 (threshold 6.0, what BitsAndBytesConfig(load_in_8bit=True) builds), as transformers' BitsAndBytesConfig
 replaces them. The model is built layer by layer on the device (a 70B base in bf16 would not fit the GPU
 before it is quantized): the rest of the model first on the meta device, then each decoder layer in bf16 on
-the GPU, its projections quantized by bitsandbytes as they move there, the bf16 copy freed.
+the GPU, its projections quantized by bitsandbytes as they move there, the bf16 copy freed. A MoE block's fused
+experts (3D parameters, not nn.Linear) stay in bf16, as transformers' BitsAndBytesConfig leaves them: the record's
+``unquantized_params`` counts them, and a base whose bf16 experts alone exceed the GPU is recorded ``skipped``.
 """
 
 from __future__ import annotations
@@ -69,8 +71,6 @@ def _prepare_quantized(args, shape, dev: str, dtype: str, quantize: str, extra: 
     if args.system in LIGER:
         extra["liger"] = hf.apply_liger(shape)
     device = torch.device(dev)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     compute = getattr(torch, dtype)
@@ -78,6 +78,17 @@ def _prepare_quantized(args, shape, dev: str, dtype: str, quantize: str, extra: 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=compute, attn_implementation="sdpa")
     layers = model.model.layers
+    kept = _kept_unquantized(layers)
+    extra["unquantized_params"] = kept  # fused MoE experts: bitsandbytes replaces nn.Linear modules only
+    capacity = _device_bytes(device)
+    if capacity is not None and kept * compute.itemsize > capacity:
+        raise Unavailable(
+            f"PEFT + bitsandbytes keeps {kept / 1e9:.1f} B parameters of {shape.name} unquantized (its fused MoE "
+            f"experts are 3D parameters, not the nn.Linear modules bitsandbytes replaces, as transformers' "
+            f"BitsAndBytesConfig leaves them too): {kept * compute.itemsize / 2**30:.0f} GiB in {dtype}, more than "
+            f"the GPU's {capacity / 2**30:.0f} GiB")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     for i in range(len(layers)):
         with device:
             layer = type(layers[i])(model.config, i).to(compute)
@@ -88,6 +99,19 @@ def _prepare_quantized(args, shape, dev: str, dtype: str, quantize: str, extra: 
         model.tie_weights()
     every = hf.enable_checkpointing(model, args.checkpoint_every)
     return model, device, every, t0
+
+
+def _device_bytes(device: torch.device) -> int | None:
+    """The GPU's memory in bytes; None on the CPU."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def _kept_unquantized(layers: torch.nn.ModuleList) -> int:
+    """Parameters of the decoder layers (built on the meta device) that _quantize_linears leaves in the compute
+    dtype: the weight matrices outside nn.Linear modules (the stacked experts of transformers' MoE blocks)."""
+    return sum(p.numel() for layer in layers for module in layer.modules()
+               if not isinstance(module, torch.nn.Linear)
+               for p in module.parameters(recurse=False) if p.dim() >= 2)
 
 
 def _quantize_linears(module: torch.nn.Module, quantize: str, compute: torch.dtype, device: torch.device) -> None:

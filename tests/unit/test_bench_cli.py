@@ -175,3 +175,21 @@ def test_the_quantized_peer_draws_each_base_weight_once(quantize, monkeypatch):
     linears = [m for n, m in model.model.layers.named_modules() if n.endswith("_proj")]
     assert len(linears) == 14 and len(drawn) == len(linears), [tuple(t.shape) for t in drawn.values()]
     assert not any(p.is_meta for p in model.parameters())
+
+
+def test_the_quantized_peer_skips_a_moe_whose_bf16_experts_exceed_the_gpu(monkeypatch):
+    """bitsandbytes replaces nn.Linear modules; transformers' MoE experts are 3D parameters and stay bf16. On
+    Mixtral-8x22B that is 135 B parameters (252 GiB): the peer said so as ``skipped`` instead of running out of
+    memory minutes into a device call."""
+    import argparse
+
+    from horizon_ray.bench import peft_peer
+    from horizon_ray.bench.metrics import Unavailable
+    from horizon_ray.bench.shapes import resolve_shape
+
+    monkeypatch.setattr(peft_peer, "_device_bytes", lambda device: 139 * 2**30)
+    args = argparse.Namespace(system="in-gpu-peft", checkpoint_every=1)
+    extra: dict = {}
+    with pytest.raises(Unavailable, match=r"135\.3 B parameters of mixtral-8x22b unquantized .* 252 GiB in bfloat16"):
+        peft_peer._prepare_quantized(args, resolve_shape("mixtral-8x22b"), "cpu", "bfloat16", "nf4", extra)
+    assert extra["unquantized_params"] == 56 * 8 * (3 * 6144 * 16384 + 6144)  # the experts and the routers
