@@ -72,16 +72,31 @@ class PackedLayout:
         c = torch.empty(0, dtype=dtype).element_size()
         # key -> (kind, {part: (byte offset, bytes)})
         self.parts: dict[str, tuple[str, dict[str, tuple[int, int]]]] = {}
+        self._slots = {t.key: t for t in layout.tensors}
+        # an expert stack's members, in the stack's row order (expert by expert; gate then up)
+        names = {EXPERT_STACKS[0]: ("gate", "up"), EXPERT_STACKS[1]: ("down",)}
+        self._members = {stack: [t.key for t in layout.tensors
+                                 if _is_expert_key(t.key) and t.key.split(".")[-1] in names[stack]]
+                         for stack, _, _ in layout.stacks}
+        stack_of = {key: stack for stack, keys in self._members.items() for key in keys}
         offset = 0
         for t in layout.tensors:
-            kind = quantize if is_quantized(t.key, quantize) else "none"
-            where = {}
-            for part, nbytes in packed_parts(kind, t.shape, c, nested):
-                where[part] = (offset, nbytes)
-                offset += -(-nbytes // _PACK_ALIGN) * _PACK_ALIGN
-            self.parts[t.key] = (kind, where)
+            if t.key in self.parts:
+                continue
+            # a stack's members are laid out part by part (all their codes, then all their block scales, ...):
+            # each part of the stack is then one strided run, which stack() dequantizes in one pass
+            keys = self._members[stack_of[t.key]] if t.key in stack_of else [t.key]
+            kinds = {key: quantize if is_quantized(key, quantize) else "none" for key in keys}
+            listed = {key: packed_parts(kinds[key], self._slots[key].shape, c, nested) for key in keys}
+            where: dict[str, dict[str, tuple[int, int]]] = {key: {} for key in keys}
+            for i in range(len(listed[t.key])):
+                for key in keys:
+                    part, nbytes = listed[key][i]
+                    where[key][part] = (offset, nbytes)
+                    offset += -(-nbytes // _PACK_ALIGN) * _PACK_ALIGN
+            for key in keys:
+                self.parts[key] = (kinds[key], where[key])
         self.nbytes = offset
-        self._slots = {t.key: t for t in layout.tensors}
 
     def _part(self, flat: torch.Tensor, key: str, part: str, dtype: torch.dtype) -> torch.Tensor:
         lo, nbytes = self.parts[key][1][part]
@@ -216,16 +231,62 @@ class PackedLayout:
             if not _is_expert_key(t.key):
                 out[t.key] = self.dequantize(flat, t.key)
         for stack, _, shape in self.layout.stacks:
-            buf = torch.empty(shape, dtype=self.dtype, device=flat.device)
-            members = ("gate", "up") if stack == EXPERT_STACKS[0] else ("down",)
-            for e in range(shape[0]):
-                row = 0
-                for m in members:
-                    t = self._slots[f"experts.{e}.{m}"]
-                    self.dequantize(flat, t.key, out=buf[e, row:row + t.shape[0]])
-                    row += t.shape[0]
-            out[stack] = buf
+            out[stack] = self.stack(flat, stack, torch.empty(shape, dtype=self.dtype, device=flat.device))
         return out
+
+    def stack(self, flat: torch.Tensor, stack: str, out: torch.Tensor) -> torch.Tensor:
+        """An expert stack [E, rows, in] dequantized into ``out``: in one pass over all its members where their
+        parts form runs (the same products as member by member, bit for bit: blockwise ops over the same blocks),
+        else member by member. A layer of 128 experts was 384 dequantizations a read, each a few launches."""
+        keys = self._members[stack]
+        kind = self.parts[keys[0]][0]
+        runs = self._runs(flat, keys)
+        if runs is None or kind == "none":
+            rows = out.view(-1, out.shape[-1])
+            row = 0
+            for key in keys:
+                n = self._slots[key].shape[0]
+                self.dequantize(flat, key, out=rows[row:row + n])
+                row += n
+            return out
+        if kind == "int8":
+            # MatMul8bitFp's expression (dequantize), over every member's rows at once
+            return out.copy_(runs["cb"].view(torch.int8).to(self.dtype).view(out.shape)
+                             .mul_(runs["scb"].view(torch.float32).reshape(*out.shape[:2], 1).mul(1.0 / 127.0)))
+        if self.nested:
+            # dequantize_blockwise of each member's block scales (code[q] x its absmax2 block) plus its offset
+            absmax2 = runs["absmax2"].view(torch.float32)
+            blocks = runs["absmax"].shape[1]
+            scale = absmax2.repeat_interleave(QUANT_NESTED_BLOCK, dim=1)[:, :blocks]
+            absmax = _code(("dynamic", flat.device))[runs["absmax"].long()].mul_(scale)
+            absmax += runs["offset"].view(torch.float32)
+        else:
+            absmax = runs["absmax"].view(torch.float32)
+        args = (runs["codes"].reshape(-1), absmax.reshape(-1), QUANT_BLOCK, self.quantize, out.shape, self.dtype)
+        if out.device.type == "cuda":
+            return torch.ops.bitsandbytes.dequantize_4bit.out(*args, out=out)
+        # (bitsandbytes' CPU backend has no out= variant)
+        return out.copy_(torch.ops.bitsandbytes.dequantize_4bit.default(*args))
+
+    def _runs(self, flat: torch.Tensor, keys: list[str]) -> dict[str, torch.Tensor] | None:
+        """Each part of the members ``keys`` as one [members, bytes] view of ``flat`` (rows at a fixed stride),
+        or None where a pass over them would not be member by member's: shapes differ, a 4-bit block straddles
+        two rows or the codes are not back to back."""
+        shapes = {self._slots[key].shape for key in keys}
+        if len(shapes) != 1:
+            return None
+        shape = next(iter(shapes))
+        if self.parts[keys[0]][0] in ("nf4", "fp4") and shape[-1] % QUANT_BLOCK:
+            return None  # (bitsandbytes' CPU kernel indexes blocks by row: rows of whole blocks read the same)
+        runs = {}
+        for part, (lo, nbytes) in self.parts[keys[0]][1].items():
+            stride = -(-nbytes // _PACK_ALIGN) * _PACK_ALIGN
+            if any(self.parts[key][1][part][0] != lo + i * stride for i, key in enumerate(keys)):
+                return None
+            if part in ("codes", "cb") and stride != nbytes:
+                return None  # the kernel reads the codes as one contiguous buffer
+            runs[part] = flat.as_strided((len(keys), nbytes), (stride, 1), flat.storage_offset() + lo)
+        return runs
 
 
 _CODES: dict = {}
