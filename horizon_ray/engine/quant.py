@@ -264,7 +264,8 @@ class PackedLayout:
             absmax = runs["absmax"].view(torch.float32)
         args = (runs["codes"].reshape(-1), absmax.reshape(-1), QUANT_BLOCK, self.quantize, out.shape, self.dtype)
         if out.device.type == "cuda":
-            return torch.ops.bitsandbytes.dequantize_4bit.out(*args, out=out)
+            torch.ops.bitsandbytes.dequantize_4bit.out(*args, out=out)  # (an out= op returns nothing)
+            return out
         # (bitsandbytes' CPU backend has no out= variant)
         return out.copy_(torch.ops.bitsandbytes.dequantize_4bit.default(*args))
 

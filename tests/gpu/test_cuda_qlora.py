@@ -243,3 +243,22 @@ def test_both_ways_to_multiply_by_a_4bit_weight_agree_and_are_timed():
     torch.testing.assert_close(ours, bnb.matmul_4bit(x, packed.t(), quant_state=state), rtol=0, atol=0)
     ms = compare(5632, 2048, 4096)
     assert set(ms) == {"dequantize+gemm", "matmul_4bit"} and all(v > 0 for v in ms.values())
+
+
+@pytest.mark.parametrize("quantize", ["nf4", "int8"])
+def test_cuda_expert_stacks_dequantize_in_one_pass_as_member_by_member(quantize):
+    """A MoE layer's expert stacks dequantize in one pass on the device (quant.PackedLayout.stack: bitsandbytes'
+    out= kernel into the stack), bit for bit what each expert's own dequantization gives. The CPU tests cannot
+    reach the out= call: bitsandbytes' CPU backend has none (and at 3814f81 the CUDA path returned its None)."""
+    config = {"model_type": "mixtral", "hidden_size": 1024, "intermediate_size": 512, "num_hidden_layers": 1,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 512, "tie_word_embeddings": False,
+              "num_local_experts": 16, "num_experts_per_tok": 2}
+    eng = Engine.from_config(config, EngineConfig(device=GPU, compute_dtype="bfloat16",
+                                                  lora=LoraConfig(r=4, targets=("q_proj",), quantize=quantize)))
+    packed = eng.store.packed[1]
+    flat = eng.store.units[1].wire.to(GPU)
+    views = packed.views(flat)
+    for stack, _, shape in packed.layout.stacks:
+        want = torch.cat([packed.dequantize(flat, key) for key in packed._members[stack]]).view(shape)
+        assert views[stack].device.type == "cuda" and torch.equal(views[stack], want), stack
+    eng.close()
