@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -94,6 +95,10 @@ WAITING = (JobStatus.RECOVERING, JobStatus.QUEUED)
 ACTIVE = (JobStatus.RUNNING, JobStatus.CHECKPOINTING, JobStatus.CANCELLING)
 _NOT_TRAINING_KEYS = ("output_dir",)  # spec keys that may differ between two submits of one job
 _LIVE = tuple(s for s in JobStatus if not s.is_terminal())
+# How each status change is logged (the service's log: `serve` prints the coordinator's; INFO otherwise)
+_LEVELS = {JobStatus.RECOVERING: logging.WARNING, JobStatus.FAILED: logging.WARNING}
+_CHECKPOINT_TOGGLE = {JobStatus.RUNNING, JobStatus.CHECKPOINTING}  # every checkpoint: DEBUG
+_COUNTDOWN = re.compile(r"; retrying in -?[0-9]+ s")  # a waiting reason that only counts down is not logged again
 
 
 # What a run leaves in its output_dir (the lease, metrics.jsonl, checkpoints/, final/): a new job refuses it.
@@ -211,6 +216,7 @@ class Coordinator:
         self._nodes: dict[str, _NodeState] = {}
         self._plan_cache: dict = {}
         self._not_before: dict[str, float] = {}  # job -> earliest time to place it again (after a stop)
+        self._causes: dict[str, str] = {}  # recovering job -> why it recovers (its queue reasons start with it)
         self._memory: dict[str, MemoryMark] = {}
         self._last_created = 0.0
         self._started = clock()
@@ -431,6 +437,14 @@ class Coordinator:
         # only the jobs it was asked about: none is placed there between the question and this (one pass at a time)
         mine = [j for j in self.store.jobs(statuses=ACTIVE) if j.node_id == node_id and j.id in asked]
         restarted = st.incarnation is not None and info.incarnation != st.incarnation
+        if restarted:
+            log.warning("node %s: its agent restarted (incarnation %s, was %s)", node_id, info.incarnation,
+                        st.incarnation)
+        elif not st.alive:
+            log.info("node %s is up: %s RAM (%s free), %d GPU(s), agent incarnation %s", node_id,
+                     format_bytes(info.ram_bytes), format_bytes(info.free_bytes), info.gpu_count, info.incarnation)
+        elif st.failed_since is not None:
+            log.info("node %s answers again, after %.0f s", node_id, now - st.failed_since)
         st.info, st.alive, st.failed_since, st.incarnation = info, True, None, info.incarnation
         st.last_contact = now
         for job in mine:
@@ -491,8 +505,13 @@ class Coordinator:
     def _node_failed(self, st: _NodeState, now: float, *, definitive: bool, why: str) -> None:
         if st.failed_since is None:
             st.failed_since = now
+            if st.alive and not definitive:
+                log.warning("node %s did not answer (%s); it is lost unless it answers within %.0f s", st.node_id,
+                            why, self._node_dead_after_s)
         if not definitive and now - st.failed_since < self._node_dead_after_s:
             return
+        if st.alive or st.incarnation is not None:
+            log.warning("node %s is lost (%s); its jobs recover elsewhere", st.node_id, why)
         st.alive = False
         st.incarnation = None
         # Its agent may live on, cut off (a raylet killed under it): it stops its engines engine_lease_s after
@@ -504,6 +523,12 @@ class Coordinator:
             if job.node_id == st.node_id:
                 self._revoke(job)
                 self._lost(job, f"node {st.node_id} was lost ({why})", retry_after_s=wait)
+
+    def _cause(self, job: JobRecord) -> str:
+        """Why a recovering job recovers: what its waiting reasons start with (each pass builds them anew)."""
+        if job.id not in self._causes:  # recovering since before this coordinator started: its stored reason
+            self._causes[job.id] = _COUNTDOWN.split(job.queue_reason or "recovering")[0]
+        return self._causes[job.id]
 
     def _revoke(self, job: JobRecord) -> None:
         """Revoke the lease of the job's current start on its output directory (see horizon_ray.job.lease)."""
@@ -524,6 +549,7 @@ class Coordinator:
         ckpt = job.last_checkpoint_step
         job.queue_reason = f"{why}; resumes from " + (f"checkpoint step {ckpt}" if ckpt is not None
                                                         else "the start (no checkpoint yet)")
+        self._causes[job.id] = job.queue_reason
         self._move(job, JobStatus.RECOVERING, reason=job.queue_reason)
 
     def _apply_report(self, job: JobRecord, report: AgentJobReport) -> None:
@@ -581,6 +607,9 @@ class Coordinator:
                     u.blocked_by = job.id
         for position, (job, reason) in enumerate(still_waiting, start=1):
             if job.queue_position != position or job.queue_reason != reason:
+                if _COUNTDOWN.sub("", reason) != _COUNTDOWN.sub("", job.queue_reason or ""):
+                    log.info("job %s (tenant %s, %s) waits, position %d: %s", job.id, job.tenant, job.status.value,
+                             position, reason)
                 job.queue_position, job.queue_reason = position, reason
                 self.store.put_job(job)
 
@@ -597,7 +626,7 @@ class Coordinator:
         not_before = self._not_before.get(job.id)
         if not_before is not None:
             if self._clock() < not_before:
-                return f"{job.queue_reason or 'recovering'}; retrying in {not_before - self._clock():.0f} s"
+                return f"{self._cause(job)}; retrying in {not_before - self._clock():.0f} s"
             del self._not_before[job.id]
         try:
             cands = evaluate(job.spec, infos.values(), self._planner, self._plan_cache, job.id)
@@ -612,7 +641,7 @@ class Coordinator:
                 # queued while no node was known; now the nodes are known and none can ever hold it
                 self._fail(job, ErrorCode.REJECTED, never_fits_reason(cands), nodes=per_node_reasons(cands))
                 return None
-            return f"{job.queue_reason or 'recovering'}; no alive node can hold it now"
+            return f"{self._cause(job)}; no alive node can hold it now"
         if job.status is JobStatus.QUEUED:
             if u.jobs >= quota.max_concurrent_jobs:
                 return (f"tenant {job.tenant} is at its quota of {quota.max_concurrent_jobs} concurrent "
@@ -624,11 +653,12 @@ class Coordinator:
                         f"its quota is {format_bytes(quota.max_reserved_bytes)}")
             cands = within  # the plan on each node differs: place only where the quota still holds
         cands = [_behind_claim(c, claims.get(c.node_id)) for c in cands]
+        cands = [self._answering(c) for c in cands]
         best = best_fit(cands)
         if best is None:
             _claim(job, cands, claims)
             base = waiting_reason(cands)
-            return base if job.status is JobStatus.QUEUED else f"{job.queue_reason}; {base}"
+            return base if job.status is JobStatus.QUEUED else f"{self._cause(job)}; {base}"
         agent = agents.get(best.node_id)
         if agent is None:
             return f"node {best.node_id} has no agent"
@@ -646,6 +676,15 @@ class Coordinator:
             return None
         self._placed(job, best, u, infos, res)
         return None
+
+    def _answering(self, c: Candidate) -> Candidate:
+        """`c`, not placeable now on a node that did not answer this pass (alive still, until node_dead_after_s
+        says otherwise): a start there would fail as the pass's calls did, or land on a node about to be lost. It
+        still counts as a node that can hold the job."""
+        st = self._nodes.get(c.node_id)
+        if st is None or st.failed_since is None or not c.fits_now:
+            return c
+        return dataclasses.replace(c, fits_now=False, reason=f"node {c.node_id} did not answer its last call")
 
     def _fail(self, job: JobRecord, code: ErrorCode, message: str, **data: Any) -> None:
         """The job ends FAILED with this cause; `data` goes into its status event beside the error."""
@@ -730,6 +769,8 @@ class Coordinator:
         """Apply one state-machine transition, record its event and persist the job, atomically."""
         src = job.status
         assert can_transition(src, dst), f"{job.id}: {src.value} -> {dst.value} is not a transition"
+        log.log(_LEVELS.get(dst, logging.INFO) if {src, dst} != _CHECKPOINT_TOGGLE else logging.DEBUG,
+                "job %s (tenant %s): %s -> %s: %s", job.id, job.tenant, src.value, dst.value, reason)
         now = self._clock()
         job.status, job.updated_at = dst, now
         if dst.is_terminal():
@@ -737,6 +778,8 @@ class Coordinator:
             job.queue_reason = job.queue_position = None
             self._memory.pop(job.id, None)
             self._not_before.pop(job.id, None)
+        if dst is not JobStatus.RECOVERING:
+            self._causes.pop(job.id, None)
         with self.store.transaction():
             self.store.put_job(job)
             self.store.add_event(job.id, now, EventType.STATUS,

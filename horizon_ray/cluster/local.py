@@ -37,6 +37,7 @@ from horizon_ray.cluster.ray_actors import (
 from horizon_ray.errors import BadInput
 
 ADDRESS_FILE = "ray_address"  # under the service root: the GCS address of the cluster serve runs on
+STORE_NAME = "coordinator.sqlite"  # under the service root: the job table
 RAY_TOKEN_FILE = "ray_token"  # under the service root: the Ray token of the cluster serve starts (0600)
 RAY_AUTH_MODE, RAY_AUTH_TOKEN_PATH = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"  # Ray's token authentication
 
@@ -167,7 +168,7 @@ def start_service(root: str | Path, *, ram_by_node: Mapping[str, int | Simulated
     lease = {} if engine_lease_s is None else {"engine_lease_s": engine_lease_s}
     agents = ensure_agents(ram_by_node, env=agent_env, only_simulated=bool(ram_by_node), skip_head=skip_head,
                            command=agent_command, **lease)
-    store = root / "coordinator.sqlite"
+    store = root / STORE_NAME
     jobs = Path(jobs_root).expanduser().resolve() if jobs_root is not None else root / "jobs"
     coordinator = start_coordinator(store, jobs, tenants_file=str(tenants_file) if tenants_file else None,
                                     node_dead_after_s=node_dead_after_s, planner=planner, gate=gate)

@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Mapping
+from logging.handlers import RotatingFileHandler
 from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnschedulableError, RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from horizon_ray.cluster.agent import RAY_PROCESSES_BYTES, THREAD_VARS, NodeAgent
@@ -43,11 +45,45 @@ from horizon_ray.cluster.tenants import TenantsConfig
 
 AGENT_PREFIX = "horizon-agent:"  # + logical node name
 NODE_RESOURCE_PREFIX = "horizon_node_"  # + logical node name: custom resource of a simulated node
+COORDINATOR_LOG = "coordinator.log"  # beside the job table: the coordinator's log, which `serve` prints
+LOG_FORMAT = "%(asctime)s %(levelname)s coordinator: %(message)s"
 log = logging.getLogger("horizon_ray.cluster")
 
 
+def coordinator_log_path(store_path: str | Path) -> Path:
+    """Where the coordinator of the job table `store_path` writes its log."""
+    return Path(store_path).with_name(COORDINATOR_LOG)
+
+
+def log_to_file(path: Path, max_bytes: int = 16 << 20) -> None:
+    """Send this process's `horizon_ray.cluster` log (INFO and up: nodes lost and back, jobs placed, recovering,
+    waiting and why) to `path`, and its warnings to stderr (Ray's log of the worker). The coordinator actor runs
+    on the head, where no one reads its stderr; `serve` prints the file (it sits on the service root, which a
+    KubeRay head's horizon-control container mounts too)."""
+    if any(getattr(h, "baseFilename", None) == str(path) for h in log.handlers):
+        return
+    try:
+        handler: logging.Handler = RotatingFileHandler(path, maxBytes=max_bytes, backupCount=1, encoding="utf-8")
+    except OSError as exc:
+        print(f"coordinator: cannot write its log to {path}: {exc}; warnings go to stderr only", file=sys.stderr)
+    else:
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        handler.setLevel(logging.INFO)
+        log.addHandler(handler)
+    if not any(type(h) is logging.StreamHandler for h in log.handlers):
+        stderr = logging.StreamHandler(sys.stderr)
+        stderr.setFormatter(logging.Formatter(LOG_FORMAT))
+        stderr.setLevel(logging.WARNING)
+        log.addHandler(stderr)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 class RayAgentProxy:
-    """The coordinator's `Agent` over a NodeAgent actor handle; Ray failures become AgentUnavailable."""
+    """The coordinator's `Agent` over a NodeAgent actor handle. What the agent's own code raises comes back as it
+    is (a `RayTaskError` that is also the agent's exception: ReservationRefused, a failed launch); every failure of
+    Ray to deliver the call or its answer is AgentUnavailable, never an error of the job it was about: definitive
+    when the agent can never answer again (it died, or its node is gone and the actor is pinned there)."""
 
     def __init__(self, handle: Any, node_id: str, timeout_s: float = 5.0):
         self.handle = handle
@@ -57,12 +93,19 @@ class RayAgentProxy:
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         try:
             return ray.get(getattr(self.handle, method).remote(*args, **kwargs), timeout=self.timeout_s)
-        except ActorDiedError as exc:
+        except RayTaskError as exc:  # the agent's method raised it: its exception (the remote traceback in the log)
+            if isinstance(exc.cause, Exception):
+                log.debug("agent %s: %s raised %s", self.node_id, method, exc)
+                raise exc.cause from None
+            raise
+        except (ActorDiedError, ActorUnschedulableError) as exc:
+            # ActorUnschedulableError: the agent is pinned to its node (NodeAffinity, soft=False) and the node is
+            # gone, so Ray cannot restart it anywhere; Ray says so for a while before the actor's name goes.
             # The reason reaches tenants (a job's status event): Ray's text (actor ids, addresses) goes to the log.
-            log.warning("agent %s died: %s", self.node_id, exc)
+            log.warning("agent %s is gone (%s on %s): %s", self.node_id, type(exc).__name__, method, exc)
             raise AgentUnavailable(f"its agent died ({type(exc).__name__})", definitive=True) from None
-        except (RayActorError, GetTimeoutError) as exc:
-            log.warning("agent %s did not answer %s: %s", self.node_id, method, exc)
+        except RayError as exc:  # RayActorError (ActorUnavailableError ...), GetTimeoutError, RaySystemError, ...
+            log.warning("agent %s did not answer %s: %s: %s", self.node_id, method, type(exc).__name__, exc)
             raise AgentUnavailable(f"its agent did not answer ({type(exc).__name__})") from None
 
     def info(self) -> NodeInfo:
@@ -119,12 +162,15 @@ class CoordinatorActor:
                  gate: dict[str, Any] | None = None):
         # every client call passes the gate (None: a coordinator of tests, which trusts the tenant it is told)
         self.gate = Gate(GateConfig.from_wire(gate)) if gate is not None else None
+        log_to_file(coordinator_log_path(store_path))
         kwargs: dict[str, Any] = {}
         if planner:
             kwargs["planner"] = _import(planner)
         self.core = Coordinator(store_path=store_path, jobs_root=jobs_root, agents=AgentDirectory(),
                                 tenants=TenantsConfig.load(tenants_file), node_dead_after_s=node_dead_after_s,
                                 **kwargs)
+        log.info("coordinator started (pid %d): job table %s, node lost after %.0f s without an answer",
+                 os.getpid(), store_path, node_dead_after_s)
         self._interval = tick_interval_s
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by submit and cancel: the next pass starts now

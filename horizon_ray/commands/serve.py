@@ -174,7 +174,13 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from horizon_ray.cluster.client import NAMESPACE, RayClient, connect_ray
-    from horizon_ray.cluster.local import start_local_cluster, start_service, start_simulated_cluster, stop_service
+    from horizon_ray.cluster.local import (
+        STORE_NAME,
+        start_local_cluster,
+        start_service,
+        start_simulated_cluster,
+        stop_service,
+    )
 
     cluster = None
     if simulated:
@@ -188,6 +194,10 @@ def run(args: argparse.Namespace) -> int:
         cluster = start_local_cluster(dashboard_port=dashboard, port=args.ray_port)
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
     started_cluster = cluster is not None
+    from horizon_ray.cluster.ray_actors import coordinator_log_path
+
+    coordinator_log = coordinator_log_path(root / STORE_NAME)
+    log_from = _size(coordinator_log)  # what the coordinator logs from now on is printed here
     # SIGTERM (systemd, docker stop, kill) stops serve as Ctrl-C does, after Ray's own handler was installed by
     # ray.init (which dumps the stack); uvicorn re-raises it once the API has shut down
     signal.signal(signal.SIGTERM, _interrupt)
@@ -204,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  node {node.node_id}: {format_bytes(node.ram_bytes)} RAM, {gpus}, {node.cpu_count} cores "
                   "split among its engines")
         print(f"  job table {service.store_path}; job outputs default to {service.jobs_root}/<tenant>/<job>")
+        print(f"  coordinator log {coordinator_log} (printed here as it grows)")
         print(f"  clients: horizon-ray submit JOB.yaml --address {address}  (or --root {root}), with "
               "HORIZON_API_KEY set to a tenant's key")
         if token is not None:
@@ -214,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  Ray Jobs: ray job submit --address {jobs_url} --runtime-env-json "
                   "'{\"env_vars\": {\"HORIZON_API_KEY\": \"...\"}}' -- horizon-ray finetune --config JOB.yaml")
         print(flush=True)
+        threading.Thread(target=follow_log, args=(coordinator_log, log_from), name="coordinator-log",
+                         daemon=True).start()
         if not simulated:
             threading.Thread(target=_rescan_nodes, args=(args.no_head_agent, args.engine_lease),
                              name="agent-rescan", daemon=True).start()
@@ -259,6 +272,39 @@ def _wait() -> None:
     print("coordinator and agents running; Ctrl-C to stop", flush=True)
     while True:
         time.sleep(3600)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def follow_log(path: Path, offset: int, out=None, stop: threading.Event | None = None,
+               interval_s: float = 0.5) -> None:
+    """Print the complete lines appended to `path` from byte `offset` on, until `stop` is set (a file that
+    shrank was rotated: it is read again from its start)."""
+    stop = stop or threading.Event()
+    while True:
+        size = _size(path)
+        if size < offset:
+            offset = 0
+        if size > offset:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    data = f.read(size - offset)
+            except OSError:
+                data = b""
+            end = data.rfind(b"\n") + 1
+            if end:
+                stream = out or sys.stdout
+                stream.write(data[:end].decode("utf-8", "replace"))
+                stream.flush()
+                offset += end
+        if stop.wait(interval_s):
+            return
 
 
 def _rescan_nodes(skip_head: bool, engine_lease_s: float) -> None:

@@ -115,7 +115,9 @@ class Deployment:
 
         return httpx.post(self.api_url + path, headers=self.headers(), json=body, timeout=60)
 
-    def wait(self, what: str, predicate, timeout_s: float, interval_s: float = 1.0) -> Any:
+    def wait(self, what: str, predicate, timeout_s: float, interval_s: float = 1.0, job_id: str | None = None) -> Any:
+        """`predicate()` once it is true; on a timeout, an AssertionError with every container's log and, for
+        `job_id`, the job's story (`story`)."""
         deadline = time.monotonic() + timeout_s
         last: Any = None
         while time.monotonic() < deadline:
@@ -127,7 +129,41 @@ class Deployment:
                 return last
             time.sleep(interval_s)
         raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {last!r})\n"
-                             + self.sim.dump())
+                             + (self.story(job_id) if job_id else self.coordinator_log()) + self.sim.dump())
+
+    def coordinator_log(self, chars: int = 12000) -> str:
+        """The tail of the coordinator's log (on the state volume; horizon-control prints it too)."""
+        path = self.sim.claim_dir("horizon-ray-state") / "coordinator.log"
+        try:
+            text = path.read_text(errors="replace")[-chars:]
+        except OSError as exc:
+            text = f"(unreadable: {exc})\n"
+        return f"==== coordinator log {path} (tail) ====\n{text}\n"
+
+    def story(self, job_id: str) -> str:
+        """What the service says of a job: its record, its status events, its engines' logs, the coordinator's
+        log."""
+        out = []
+        try:
+            job = self.get(f"/finetune/{job_id}").json()
+            out.append(f"==== job {job_id} ====\n" + json.dumps(
+                {k: job.get(k) for k in ("status", "node_id", "attempts", "queue", "error", "progress",
+                                         "last_checkpoint_step")}, indent=1))
+            events, after = [], 0
+            for _ in range(50):
+                page = self.get(f"/finetune/{job_id}/events", params={"after": after, "limit": 1000}).json()
+                events += [e for e in page["data"] if e["type"] in ("status", "error", "checkpoint")]
+                after = page["last_seq"]
+                if not page["has_more"]:
+                    break
+            out.append("==== its status, error and checkpoint events ====\n" + "\n".join(
+                f"{time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['type']} {json.dumps(e['data'])[:400]}"
+                for e in events))
+        except Exception as exc:  # noqa: BLE001 - the API may be what failed
+            out.append(f"==== job {job_id}: the API did not say ({exc!r}) ====")
+        for log in sorted((self.shared / "jobs" / TENANT / job_id / "logs").glob("*.log")):
+            out.append(f"==== engine log {log.name} (tail) ====\n{log.read_text(errors='replace')[-3000:]}")
+        return "\n".join(out) + "\n" + self.coordinator_log()
 
     def ready(self) -> bool:
         import httpx
@@ -231,8 +267,8 @@ def wait_job(d: Deployment, job_id: str) -> dict[str, Any]:
         job = d.get(f"/finetune/{job_id}").json()
         return job if job["status"] in ("succeeded", "failed", "cancelled") else None
 
-    job = d.wait(f"job {job_id} to end", ended, JOB_S, interval_s=2.0)
-    assert job["status"] == "succeeded", json.dumps(job, indent=1)[:3000] + "\n" + d.sim.dump()
+    job = d.wait(f"job {job_id} to end", ended, JOB_S, interval_s=2.0, job_id=job_id)
+    assert job["status"] == "succeeded", d.story(job_id) + d.sim.dump()
     return job
 
 
@@ -391,7 +427,7 @@ def test_dev_overlay_end_to_end(pods_allowed):
         # checkpoint the step it is at and stop; the job resumes from that step on the pod that replaces it.
         long = submit_rest_job(d, "rest-drained", max_steps=100000, checkpoint_every=100000)
         d.wait("the long job to train a few steps",
-               lambda: d.get(f"/finetune/{long['id']}").json()["progress"]["step"] >= 5, JOB_S)
+               lambda: d.get(f"/finetune/{long['id']}").json()["progress"]["step"] >= 5, JOB_S, job_id=long["id"])
         hooks = d.sim.pods[d.worker].stop()
         hook = hooks["ray-worker"]
         assert hook.returncode == 0 and "every engine stopped" in hook.stdout, (hook.stdout, hook.stderr)
@@ -405,14 +441,15 @@ def test_dev_overlay_end_to_end(pods_allowed):
             starts = [x.get("resumed_from") for x in lines if x["type"] == "start"]
             return starts if len(starts) == 2 and lines[-1]["type"] == "metrics" else None
 
-        starts = d.wait("the drained job to resume on the new worker and train", resumed, JOB_S)
+        starts = d.wait("the drained job to resume on the new worker and train", resumed, JOB_S, job_id=long["id"])
         drained = [c["step"] for c in d.get(f"/finetune/{long['id']}/checkpoints").json()["data"]]
         assert drained and drained[0] >= 5 and starts == [None, drained[0]], (drained, starts)  # the drain's
         moved = d.get(f"/finetune/{long['id']}").json()
         assert moved["status"] == "running" and moved["attempts"] == 2 and moved["node_id"] != node["node_id"], \
             moved
         assert d.post(f"/finetune/{long['id']}/cancel", {}).status_code == 200
-        d.wait("the cancel", lambda: d.get(f"/finetune/{long['id']}").json()["status"] == "cancelled", JOB_S)
+        d.wait("the cancel", lambda: d.get(f"/finetune/{long['id']}").json()["status"] == "cancelled", JOB_S,
+               job_id=long["id"])
         node = alive_nodes(d)[0]
 
         # The head dies (its pod is recreated, as KubeRay does): the API notices, reconnects and is ready
