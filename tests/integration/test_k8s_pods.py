@@ -117,7 +117,8 @@ class Deployment:
 
     def wait(self, what: str, predicate, timeout_s: float, interval_s: float = 1.0, job_id: str | None = None) -> Any:
         """`predicate()` once it is true; on a timeout, an AssertionError with every container's log and, for
-        `job_id`, the job's story (`story`)."""
+        `job_id`, the job's story (`story`). A wait on a job gives up at once when the job has ended and the
+        predicate still is not true: nothing it waits for can come any more."""
         deadline = time.monotonic() + timeout_s
         last: Any = None
         while time.monotonic() < deadline:
@@ -127,9 +128,23 @@ class Deployment:
                 last = exc
             if last and not isinstance(last, Exception):
                 return last
+            ended = self._ended(job_id)
+            if ended is not None:
+                raise AssertionError(f"job {job_id} ended {ended} while waiting for {what} (last: {last!r})\n"
+                                     + self.story(job_id) + self.sim.dump())
             time.sleep(interval_s)
         raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {last!r})\n"
                              + (self.story(job_id) if job_id else self.coordinator_log()) + self.sim.dump())
+
+    def _ended(self, job_id: str | None) -> str | None:
+        """The status of ``job_id`` when it is terminal; None while it lives, or when it cannot be read now."""
+        if job_id is None:
+            return None
+        try:
+            status = self.get(f"/finetune/{job_id}").json()["status"]
+        except Exception:  # noqa: BLE001 - the API may be restarting; the wait goes on
+            return None
+        return status if status in ("succeeded", "failed", "cancelled") else None
 
     def coordinator_log(self, chars: int = 12000) -> str:
         """The tail of the coordinator's log (on the state volume; horizon-control prints it too)."""
