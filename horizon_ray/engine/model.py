@@ -36,6 +36,8 @@ NORM_KEYS = (*LEAF_KEYS, "norm")
 # The experts of a MoE layer as the layer template reads them: one [E, 2 x width, H] tensor (each expert's
 # gate rows, then its up rows) and one [E, H, width], views of the unit's per-expert tensors.
 EXPERT_STACKS = ("experts.gate_up", "experts.down")
+# Each stack's members, one expert's rows in this order ("experts.3.gate", then "experts.3.up")
+EXPERT_STACK_MEMBERS = {"experts.gate_up": ("gate", "up"), "experts.down": ("down",)}
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,11 @@ class UnitLayout:
     @cached_property
     def _unstacked(self) -> tuple[TensorSlot, ...]:
         return tuple(t for t in self.tensors if not _is_expert_key(t.key))
+
+    def stack_members(self, stack: str) -> tuple[TensorSlot, ...]:
+        """The per-expert tensors of an EXPERT_STACKS stack, in its row order (expert by expert)."""
+        return tuple(t for t in self.tensors
+                     if _is_expert_key(t.key) and t.key.split(".")[-1] in EXPERT_STACK_MEMBERS[stack])
 
     def views(self, flat, fused: bool = False):
         """Tensor views into a flat buffer of this unit, by key. With ``fused``, the members of each group of
@@ -106,11 +113,11 @@ def _unit(name: str, entries: list[tuple[str, str, tuple[int, ...]]]) -> UnitLay
         slots.append(TensorSlot(hf_name, key, shape, offset))
         offset += math.prod(shape)
     stacks = []
+    unstacked = UnitLayout(name, tuple(slots))
     for stack in EXPERT_STACKS:
-        members = [t for t in slots if _is_expert_key(t.key) and t.key.split(".")[-1] in
-                   (("gate", "up") if stack == "experts.gate_up" else ("down",))]
+        members = unstacked.stack_members(stack)
         if members:
-            n = len(members) // (2 if stack == "experts.gate_up" else 1)
+            n = len(members) // len(EXPERT_STACK_MEMBERS[stack])
             first, last = members[0], members[-1]
             assert last.offset + last.numel - first.offset == sum(t.numel for t in members), "experts not adjacent"
             rows = sum(t.shape[0] for t in members) // n

@@ -33,7 +33,6 @@ import torch
 
 from horizon_ray.engine.model import (
     _PACK_ALIGN,
-    EXPERT_STACKS,
     QUANT_BLOCK,
     QUANT_NESTED_BLOCK,
     UnitLayout,
@@ -73,11 +72,7 @@ class PackedLayout:
         # key -> (kind, {part: (byte offset, bytes)})
         self.parts: dict[str, tuple[str, dict[str, tuple[int, int]]]] = {}
         self._slots = {t.key: t for t in layout.tensors}
-        # an expert stack's members, in the stack's row order (expert by expert; gate then up)
-        names = {EXPERT_STACKS[0]: ("gate", "up"), EXPERT_STACKS[1]: ("down",)}
-        self._members = {stack: [t.key for t in layout.tensors
-                                 if _is_expert_key(t.key) and t.key.split(".")[-1] in names[stack]]
-                         for stack, _, _ in layout.stacks}
+        self._members = {stack: [t.key for t in layout.stack_members(stack)] for stack, _, _ in layout.stacks}
         stack_of = {key: stack for stack, keys in self._members.items() for key in keys}
         offset = 0
         for t in layout.tensors:
@@ -97,6 +92,7 @@ class PackedLayout:
             for key in keys:
                 self.parts[key] = (kinds[key], where[key])
         self.nbytes = offset
+        self._runs = {stack: self._run_parts(keys) for stack, keys in self._members.items()}
 
     def _part(self, flat: torch.Tensor, key: str, part: str, dtype: torch.dtype) -> torch.Tensor:
         lo, nbytes = self.parts[key][1][part]
@@ -240,8 +236,8 @@ class PackedLayout:
         else member by member. A layer of 128 experts was 384 dequantizations a read, each a few launches."""
         keys = self._members[stack]
         kind = self.parts[keys[0]][0]
-        runs = self._runs(flat, keys)
-        if runs is None or kind == "none":
+        where = self._runs[stack]
+        if where is None or kind == "none":
             rows = out.view(-1, out.shape[-1])
             row = 0
             for key in keys:
@@ -249,6 +245,8 @@ class PackedLayout:
                 self.dequantize(flat, key, out=rows[row:row + n])
                 row += n
             return out
+        runs = {part: flat.as_strided((len(keys), nbytes), (stride, 1), flat.storage_offset() + lo)
+                for part, (lo, nbytes, stride) in where.items()}
         if kind == "int8":
             # MatMul8bitFp's expression (dequantize), over every member's rows at once
             return out.copy_(runs["cb"].view(torch.int8).to(self.dtype).view(out.shape)
@@ -269,10 +267,10 @@ class PackedLayout:
         # (bitsandbytes' CPU backend has no out= variant)
         return out.copy_(torch.ops.bitsandbytes.dequantize_4bit.default(*args))
 
-    def _runs(self, flat: torch.Tensor, keys: list[str]) -> dict[str, torch.Tensor] | None:
-        """Each part of the members ``keys`` as one [members, bytes] view of ``flat`` (rows at a fixed stride),
-        or None where a pass over them would not be member by member's: shapes differ, a 4-bit block straddles
-        two rows or the codes are not back to back."""
+    def _run_parts(self, keys: list[str]) -> dict[str, tuple[int, int, int]] | None:
+        """Each part of the members ``keys`` as one run, (first byte, bytes a member, stride): a [members, bytes]
+        view of the unit's buffer; None where a pass over them would not be member by member's: shapes differ, a
+        4-bit block straddles two rows or the codes are not back to back."""
         shapes = {self._slots[key].shape for key in keys}
         if len(shapes) != 1:
             return None
@@ -286,7 +284,7 @@ class PackedLayout:
                 return None
             if part in ("codes", "cb") and stride != nbytes:
                 return None  # the kernel reads the codes as one contiguous buffer
-            runs[part] = flat.as_strided((len(keys), nbytes), (stride, 1), flat.storage_offset() + lo)
+            runs[part] = (lo, nbytes, stride)
         return runs
 
 

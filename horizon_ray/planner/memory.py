@@ -219,7 +219,7 @@ QUANT_CHUNK, QUANT_BYTES_PER_WEIGHT = 1 << 22, 24
 
 def unit_wire_bytes(shape: ModelShape, lora: Adapters | None, mode: PrecisionMode, c: int) -> dict[str, int]:
     """Bytes each unit streams to the GPU: a quantized layer's packed bytes, any other unit its parameters in the
-    compute dtype: what the step's PCIe copies move (timing.step_time), as host_items counts the host's wire."""
+    compute dtype: what the step's PCIe copies move (timing.step_time), as host_breakdown counts the host's wire."""
     packed = packed_layers(shape, lora, mode, c)
     return {name: packed[int(name.removeprefix("layer."))] if packed and name.startswith("layer.") else n * c
             for name, n in shape.units()}
