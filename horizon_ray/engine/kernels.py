@@ -162,23 +162,27 @@ def _expert_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor) 
 def _expert_wgrad(gy_MO: torch.Tensor, x_MI: torch.Tensor, counts_E: torch.Tensor,
                   w_EOI: torch.Tensor) -> torch.Tensor | None:
     """Every expert's dL/dW_e = gy_e^T x_e in one grouped GEMM ([E, out, in] in the compute dtype), where it
-    serves; None where it does not (the caller then runs one GEMM per expert)."""
+    serves; None where it does not (the caller then runs one GEMM per expert). The block of an expert without
+    rows sums over none of them and is not promised to be written: ``_zero_empty`` zeroes it."""
     if not _grouped(x_MI, w_EOI):
         return None
-    g_EOI = F.grouped_mm(_gmm_layout(gy_MO.t()), _gmm_layout(x_MI), offs=_offsets(counts_E))
-    # an expert without rows sums over none of them: its block is not promised to be written, so zero it
+    return F.grouped_mm(_gmm_layout(gy_MO.t()), _gmm_layout(x_MI), offs=_offsets(counts_E))
+
+
+def _zero_empty(g_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     return g_EOI.masked_fill_((counts_E == 0)[:, None, None], 0)
 
 
 class _ExpertLinear(torch.autograd.Function):
     """y = x W_e^T for each expert's block of rows; the backward returns dL/dx, dL/dW when W needs it (LoRA's
     stacked adapters), and adds each expert's dL/dW into the fp32 accumulator ``gw`` when one is given. On the
-    grouped path the backward is two grouped GEMMs and reads no count on the host."""
+    grouped path the backward is two grouped GEMMs and reads no count on the host; with ``fused`` on CUDA the
+    accumulation is one Triton pass that skips the experts without rows (moe_kernels)."""
 
     @staticmethod
-    def forward(ctx, x, w, counts, gw):
+    def forward(ctx, x, w, counts, gw, fused: bool):
         ctx.save_for_backward(x, w, counts)
-        ctx.gw = gw
+        ctx.gw, ctx.fused = gw, fused
         return _expert_mm(x, w, counts)
 
     @staticmethod
@@ -193,12 +197,19 @@ class _ExpertLinear(torch.autograd.Function):
             else:
                 gx = _expert_mm(gy, w.transpose(-2, -1), counts)
         if gw is None and not need_w:
-            return gx, None, None, None
+            return gx, None, None, None, None
         g_EOI = _expert_wgrad(gy, x, counts, w)
         if g_EOI is not None:
+            if (gw is not None and not need_w and ctx.fused and gw.is_cuda and gw.is_contiguous()
+                    and g_EOI.is_contiguous()):
+                from horizon_ray.engine import moe_kernels
+
+                moe_kernels.accumulate_expert_grads(gw, g_EOI, counts)
+                return gx, None, None, None, None
+            g_EOI = _zero_empty(g_EOI, counts)
             if gw is not None:
                 gw.add_(g_EOI)
-            return gx, g_EOI if need_w else None, None, None
+            return gx, g_EOI if need_w else None, None, None, None
         gw_out = torch.zeros_like(w) if need_w else None
         lo = 0
         for e, n in enumerate(counts.tolist()):  # an expert without tokens adds nothing
@@ -209,17 +220,18 @@ class _ExpertLinear(torch.autograd.Function):
                 if gw_out is not None:
                     gw_out[e] = gy_e.t() @ x_e
                 lo += n
-        return gx, gw_out, None, None
+        return gx, gw_out, None, None, None
 
 
 def expert_linear(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor,
-                  gw_EOI: torch.Tensor | None = None) -> torch.Tensor:
+                  gw_EOI: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
     """The experts' projection of rows sorted by expert (``counts_E[e]`` rows for expert e, in expert order):
     [M, in] -> [M, out] with w [E, out, in]. With gw (fp32, w's shape) the backward adds each expert's weight
-    gradient there; an expert without rows gets none (its AdamW step then sees a zero gradient)."""
+    gradient there; an expert without rows gets none (its AdamW step then sees a zero gradient). ``fused``: the
+    kernel set's Triton kernels may serve (Kernels.fused)."""
     if not torch.is_grad_enabled() or not (x_MI.requires_grad or w_EOI.requires_grad):
         return _expert_mm(x_MI, w_EOI, counts_E)
-    return _ExpertLinear.apply(x_MI, w_EOI, counts_E, gw_EOI)
+    return _ExpertLinear.apply(x_MI, w_EOI, counts_E, gw_EOI, fused)
 
 
 # ---- attention with soft-capped scores -----------------------------------------------------------------------
@@ -420,6 +432,36 @@ class Kernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
+    def moe_dispatch(self, x_ND: torch.Tensor, order_M: torch.Tensor, k: int) -> torch.Tensor:
+        """The expert-sorted copies of a MoE layer's tokens: row m is token order[m] // k (order sorts the N x k
+        token copies by expert). The fused backward sums each token's k gradients in one gather (moe_kernels);
+        torch's indexing backward sorts and accumulates."""
+        if self.fused and x_ND.is_cuda:
+            from horizon_ray.engine import moe_kernels
+
+            return moe_kernels.dispatch(x_ND, order_M, _inverse(order_M), k)
+        return x_ND[order_M // k]
+
+    def moe_combine(self, out_MD: torch.Tensor, w_Nk: torch.Tensor, order_M: torch.Tensor,
+                    fp32_product: bool) -> torch.Tensor:
+        """[N, hidden]: each token's k expert outputs (sorted rows of out_MD) times its router weights (w_Nk,
+        fp32), summed. The products are rounded to the outputs' dtype, with the weight rounded first, or in fp32
+        with ``fp32_product`` (HF's Mixtral); the sum in fp32, rounded once."""
+        N, k = w_Nk.shape
+        if self.fused and out_MD.is_cuda:
+            from horizon_ray.engine import moe_kernels
+
+            return moe_kernels.combine(out_MD, w_Nk.reshape(-1), order_M, _inverse(order_M), k,
+                                       round_w=not fp32_product)
+        weights_M = w_Nk.reshape(-1)[order_M]
+        if fp32_product:
+            out_MD = (out_MD * weights_M[:, None]).to(out_MD.dtype)
+        else:
+            out_MD = out_MD * weights_M.to(out_MD.dtype)[:, None]
+        # back to token order, then each token's k outputs summed
+        y = out_MD.new_empty(out_MD.shape).index_copy(0, order_M, out_MD)
+        return y.view(N, k, -1).sum(1)
+
     def cross_entropy_(self, logits_NV: torch.Tensor, targets_N: torch.Tensor, scale: float | torch.Tensor,
                        grad: bool, softcap: float | None = None) -> torch.Tensor:
         """Sum over the chunk of scale x CE(logits, targets) (float32 scalar, -100 ignored), computed on
@@ -453,6 +495,11 @@ class Kernels:
         if self.fused:
             return _liger_cross_entropy_(logits_NV, targets_N, 1.0, False, softcap, per_token=True).neg_()
         return -F.cross_entropy(cap_logits(logits_NV.float(), softcap), targets_N, ignore_index=-100, reduction="none")
+
+
+def _inverse(order_M: torch.Tensor) -> torch.Tensor:
+    """The permutation's inverse: inv[order[m]] = m."""
+    return torch.empty_like(order_M).scatter_(0, order_M, torch.arange(order_M.numel(), device=order_M.device))
 
 
 def cap_logits(z: torch.Tensor, softcap: float | None) -> torch.Tensor:

@@ -467,17 +467,11 @@ class Template:
             stats.counts[j] = counts_E.float()
             stats.probs[j] = probs_NE.detach().sum(0)
         order = torch.argsort(flat_e, stable=True)  # token copies grouped by expert, in token order within
-        x_MD = x_ND[order // k]
+        x_MD = ops.moe_dispatch(x_ND, order, k)
         gate_up = self._expert_proj(x_MD, w, "experts.gate_up", counts_E, lora, sinks)
         out_MD = self._expert_proj(ops.swiglu(gate_up), w, "experts.down", counts_E, lora, sinks)
-        weights_M = top_w.reshape(-1)[order]
-        if moe.fp32_combine:  # HF keeps Mixtral's routing weights in fp32 for the product
-            out_MD = (out_MD * weights_M[:, None]).to(x_ND.dtype)
-        else:
-            out_MD = out_MD * weights_M.to(x_ND.dtype)[:, None]
-        # back to token order, then each token's k outputs summed
-        y = out_MD.new_empty(out_MD.shape).index_copy(0, order, out_MD)
-        y = y.view(B, T, k, D).sum(2)
+        # HF keeps Mixtral's routing weights in fp32 for the product
+        y = ops.moe_combine(out_MD, top_w, order, moe.fp32_combine).view(B, T, D)
         if moe.shared is None:
             return y
         shared = self._proj(self._mlp(x_ND, w, moe.shared, lora, sinks), w, moe.shared.key + "down", lora, sinks)
@@ -488,7 +482,7 @@ class Template:
         """One stacked projection of the experts, with its LoRA adapter when the layer has one: PEFT's adapter of
         a stacked parameter, A [r x E, in] (expert e's rows e r .. e r + r - 1) and B [out, r x E] (expert e's
         columns e, E + e, ..., every E-th), scaling x B_e A_e added to each expert's weight."""
-        y = expert_linear(x_MI, w[key], counts_E, (sinks or {}).get(key))
+        y = expert_linear(x_MI, w[key], counts_E, (sinks or {}).get(key), fused=self.ops.fused)
         a = w.get(key + ".lora_A")
         if a is None:
             return y
