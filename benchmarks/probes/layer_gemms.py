@@ -118,7 +118,9 @@ def ours(shape, tokens: int, rows: int, fused: bool, dev):
 def hf_liger(shape, tokens: int, dev):
     from transformers import AutoModelForCausalLM
 
-    liger = apply_liger(shape)
+    extra: dict = {}
+    apply_liger(shape, extra)
+    liger = extra["liger"]
     with torch.device(dev):
         model = AutoModelForCausalLM.from_config(transformers_config(shape.with_layers(1)), dtype=torch.bfloat16,
                                                  attn_implementation="sdpa")

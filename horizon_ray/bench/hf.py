@@ -45,10 +45,16 @@ def build_model(shape, dtype: torch.dtype):
     return AutoModelForCausalLM.from_config(transformers_config(shape), dtype=dtype, attn_implementation="sdpa")
 
 
-def apply_liger(shape) -> str:
+def apply_liger(shape, extra: dict, adapted_experts: bool = False) -> None:
     """Liger-Kernel's kernels for the shape's family (RoPE, RMSNorm, SwiGLU, and the fused linear
     cross-entropy that never materialises the logits), patched into transformers' classes: call it before
-    the model is built. Returns Liger-Kernel's version. Raises Unavailable when it cannot be imported."""
+    the model is built. Records Liger-Kernel's version (``liger``) and the kernels it patched in
+    (``liger_kernels``) in ``extra``. Raises Unavailable when it cannot be imported.
+
+    ``adapted_experts``: PEFT adapts the experts' stacked parameters. Liger's SwiGLU on a MoE family replaces
+    transformers' experts module with its own fused MoE; with it the PEFT + Liger peer made no step in 200-500 s
+    on qwen3-30b-a3b and mixtral-8x7b (Liger-Kernel 0.8.5: a SIGABRT put it in its routing metadata), so the
+    experts stay transformers' own, as PEFT adapts them, and the record says so (``liger_unpatched``)."""
     try:
         import liger_kernel.transformers as liger
     except ImportError as exc:
@@ -59,11 +65,16 @@ def apply_liger(shape) -> str:
     if apply is None:
         raise Unavailable(f"this Liger-Kernel has no {name} for the {shape.arch} family of {shape.name}")
     kwargs = liger_kwargs(apply)
+    if adapted_experts and kwargs.get("swiglu"):
+        kwargs["swiglu"] = False
+        extra["liger_unpatched"] = {"swiglu": "its fused MoE experts replace the experts PEFT adapts, and made no "
+                                              "step in 200-500 s (Liger-Kernel 0.8.5)"}
     try:
         apply(**kwargs)
     except Exception as exc:  # a patch that does not fit this transformers' classes: no peer, said why
         raise Unavailable(f"{name}({', '.join(kwargs)}) failed on this transformers: {error_reason(exc)}") from exc
-    return version("liger-kernel")
+    extra["liger"] = version("liger-kernel")
+    extra["liger_kernels"] = sorted(k for k, on in kwargs.items() if on)
 
 
 # Each Liger kernel a family's patch may take, on: its gated MLP under the family's own name (swiglu for
@@ -266,11 +277,11 @@ def measure(system: str, shape, model, opt, args, emit: Callable[[dict], None], 
     return results
 
 
-def prepare_peer(args, shape, dev: str, dtype: str, extra: dict):
+def prepare_peer(args, shape, dev: str, dtype: str, extra: dict, adapted_experts: bool = False):
     """An in-GPU peer's model on its device: Liger patched in first for the Liger peers, seeded, built,
     checkpointed. Returns (model, device, checkpoint interval, build start time)."""
     if args.system in LIGER:
-        extra["liger"] = apply_liger(shape)
+        apply_liger(shape, extra, adapted_experts)
     device = torch.device(dev)
     if device.type == "cuda":
         torch.cuda.set_device(device)

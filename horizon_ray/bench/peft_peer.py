@@ -33,6 +33,7 @@ from horizon_ray.bench.metrics import LIGER, Unavailable, unavailable
 from horizon_ray.bench.planning import lora_alpha, lora_settings
 from horizon_ray.bench.runtime import device_and_dtype, sync
 from horizon_ray.bench.shapes import resolve_shape
+from horizon_ray.engine.model import EXPERT_TARGETS
 
 
 def run(args, emit: Callable[[dict], None]) -> list[dict]:
@@ -47,9 +48,10 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
     extra: dict[str, Any] = {"peft": hf.require_peft()}
     if lora.quantize != "none":
         extra["bitsandbytes"] = hf.version("bitsandbytes")
-        model, device, every, t0 = _prepare_quantized(args, shape, dev, dtype, lora.quantize, extra)
+        model, device, every, t0 = _prepare_quantized(args, shape, dev, dtype, lora.quantize, extra,
+                                                      _adapts_experts(lora.targets))
     else:
-        model, device, every, t0 = hf.prepare_peer(args, shape, dev, dtype, extra)
+        model, device, every, t0 = hf.prepare_peer(args, shape, dev, dtype, extra, _adapts_experts(lora.targets))
     model = hf.peft_lora(model, lora.r, lora_alpha(lora.r), lora.targets)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -64,12 +66,16 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
                       after=lambda: {"optimizer": f"{opt.name} ({device.type})", "optimizer_fallback": opt.fell_back})
 
 
-def _prepare_quantized(args, shape, dev: str, dtype: str, quantize: str, extra: dict):
+def _adapts_experts(targets) -> bool:
+    return any(t in EXPERT_TARGETS for t in targets)
+
+
+def _prepare_quantized(args, shape, dev: str, dtype: str, quantize: str, extra: dict, adapted_experts: bool):
     """hf.prepare_peer for a bitsandbytes-quantized base (see the module's docstring)."""
     from transformers import AutoModelForCausalLM
 
     if args.system in LIGER:
-        extra["liger"] = hf.apply_liger(shape)
+        hf.apply_liger(shape, extra, adapted_experts)
     device = torch.device(dev)
     torch.manual_seed(0)
     t0 = time.perf_counter()

@@ -281,7 +281,7 @@ def test_liger_peers_are_skipped_on_a_cpu_and_without_the_package(capsys, monkey
 
     monkeypatch.setitem(sys.modules, "liger_kernel", None)  # not importable, installed or not
     with pytest.raises(Unavailable, match="liger_kernel is not importable .*benchmarks/README.md"):
-        hf.apply_liger(TINY)
+        hf.apply_liger(TINY, {})
 
 
 def test_peft_peers_are_skipped_without_the_package(capsys, monkeypatch):

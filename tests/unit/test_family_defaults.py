@@ -93,16 +93,42 @@ def test_liger_peers_take_each_familys_arguments(monkeypatch):
     _fake_liger(monkeypatch, apply_liger_kernel_to_gemma3_text=apply_liger_kernel_to_gemma3_text,
                 apply_liger_kernel_to_qwen3=apply_liger_kernel_to_qwen3,
                 apply_liger_kernel_to_mixtral=apply_liger_kernel_to_mixtral)
-    hf.apply_liger(resolve_shape("gemma-3-4b"))
+    extra: dict = {}
+    hf.apply_liger(resolve_shape("gemma-3-4b"), extra)
     assert calls["gemma3_text"] == dict(rope=True, rms_norm=True, geglu=True, flce=True, ce=False)
-    hf.apply_liger(resolve_shape("qwen3-4b"))
+    assert extra["liger_kernels"] == ["fused_linear_cross_entropy", "geglu", "rms_norm", "rope"]
+    hf.apply_liger(resolve_shape("qwen3-4b"), {})
     assert calls["qwen3"] == dict(swiglu=True)
     with pytest.raises(Unavailable, match="apply_liger_kernel_to_mixtral.*MixtralBlockSparseTop2MLP"):
-        hf.apply_liger(resolve_shape("mixtral-8x7b"))
+        hf.apply_liger(resolve_shape("mixtral-8x7b"), {})
     with pytest.raises(Unavailable, match="no apply_liger_kernel_to_olmoe"):
-        hf.apply_liger(resolve_shape("olmoe-1b-7b"))
+        hf.apply_liger(resolve_shape("olmoe-1b-7b"), {})
     assert set(hf.liger_kwargs(apply_liger_kernel_to_gemma3_text)) <= set(
         inspect.signature(apply_liger_kernel_to_gemma3_text).parameters)
+
+
+def test_the_peft_liger_peer_keeps_transformers_experts_where_peft_adapts_them(monkeypatch):
+    """Liger's SwiGLU on a MoE family swaps the experts module for Liger's fused MoE, under which the PEFT +
+    Liger peer made no step in 200-500 s (qwen3-30b-a3b, mixtral-8x7b). Where PEFT adapts the experts, the peer
+    patches the rest and says which kernel it left out; the full fine-tuning peer keeps every kernel."""
+    from horizon_ray.bench import hf
+
+    calls = []
+
+    def apply_liger_kernel_to_qwen3_moe(rope=True, cross_entropy=False, fused_linear_cross_entropy=True,
+                                        rms_norm=True, swiglu=True, model=None):
+        calls.append(swiglu)
+
+    _fake_liger(monkeypatch, apply_liger_kernel_to_qwen3_moe=apply_liger_kernel_to_qwen3_moe)
+    shape = resolve_shape("qwen3-30b-a3b")
+    adapted: dict = {}
+    hf.apply_liger(shape, adapted, adapted_experts=True)
+    full: dict = {}
+    hf.apply_liger(shape, full)
+    assert calls == [False, True]
+    assert adapted["liger_kernels"] == ["fused_linear_cross_entropy", "rms_norm", "rope"]
+    assert "fused MoE" in adapted["liger_unpatched"]["swiglu"]
+    assert "swiglu" in full["liger_kernels"] and "liger_unpatched" not in full
 
 
 def test_peft_peer_adapts_the_experts_it_is_asked_to():
