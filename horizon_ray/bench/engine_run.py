@@ -36,7 +36,14 @@ from horizon_ray.bench.metrics import (
     timed_summary,
 )
 from horizon_ray.bench.planning import OFFLOAD, lora_alpha, lora_settings, planned_bytes
-from horizon_ray.bench.runtime import cap_gpu_memory, device_and_dtype, device_name, free_memory, profile_step
+from horizon_ray.bench.runtime import (
+    GpuTelemetry,
+    cap_gpu_memory,
+    device_and_dtype,
+    device_name,
+    free_memory,
+    profile_step,
+)
 from horizon_ray.bench.shapes import hf_config, model_flops_per_token, resolve_shape
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig
 
@@ -158,18 +165,23 @@ def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     rollbacks0 = 0
-    for step in range(args.warmup + args.steps):
-        if cuda:
-            torch.cuda.synchronize()
-        waited0, _, rollbacks = engine_stats(eng)
-        if step == args.warmup:
-            rollbacks0 = rollbacks
-        s = time.perf_counter()
-        eng.train_step(batches[step % 2])
-        times.append(time.perf_counter() - s)
-        waited, last_update, rollbacks = engine_stats(eng)
-        waits.append(waited - waited0)
-        updates.append(last_update)
+    telemetry = GpuTelemetry(eng.device)
+    try:
+        for step in range(args.warmup + args.steps):
+            if cuda:
+                torch.cuda.synchronize()
+            waited0, _, rollbacks = engine_stats(eng)
+            if step == args.warmup:
+                rollbacks0 = rollbacks
+                telemetry.start()  # the timed steps' clock, power and temperature
+            s = time.perf_counter()
+            eng.train_step(batches[step % 2])
+            times.append(time.perf_counter() - s)
+            waited, last_update, rollbacks = engine_stats(eng)
+            waits.append(waited - waited0)
+            updates.append(last_update)
+    finally:
+        telemetry.stop()
     # no wait for the last update here: a profiled step that follows must find it running, as any step does
     w = args.warmup
     mem = eng.memory_report()
@@ -184,6 +196,7 @@ def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
         host_rss_bytes=host_rss(), host_rss_growth_bytes=host_rss() - rss0, host_peak_rss_bytes=host_peak_rss(),
         store_bytes=mem["host"], device_bytes=mem["device"],
         host_checkpoint_bytes=eng.stats().host_checkpoint_bytes,
+        **telemetry.summary(),
     )
 
 

@@ -23,7 +23,7 @@ from horizon_ray.bench.metrics import (
     is_out_of_memory,
     timed_summary,
 )
-from horizon_ray.bench.runtime import device_name, free_memory, gpu_peaks, profile_step, sync
+from horizon_ray.bench.runtime import GpuTelemetry, device_name, free_memory, gpu_peaks, profile_step, sync
 from horizon_ray.bench.shapes import hf_config, model_flops_per_token
 from horizon_ray.engine.model import EXPERT_TARGETS
 
@@ -247,12 +247,19 @@ def measure(system: str, shape, model, opt, args, emit: Callable[[dict], None], 
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             times, updates = [], []
-            for i in range(args.warmup + args.steps):
-                sync(device)
-                t0 = time.perf_counter()
-                updates.append(step(batches[i % 2]))
-                times.append(time.perf_counter() - t0)
+            telemetry = GpuTelemetry(device)
+            try:
+                for i in range(args.warmup + args.steps):
+                    if i == args.warmup:
+                        telemetry.start()  # the timed steps' clock, power and temperature
+                    sync(device)
+                    t0 = time.perf_counter()
+                    updates.append(step(batches[i % 2]))
+                    times.append(time.perf_counter() - t0)
+            finally:
+                telemetry.stop()
             rec.update(timed_summary(times, args.warmup, rec["tokens_per_step"], rec["model_flops_per_token"]))
+            rec.update(telemetry.summary())
             upd = round(statistics.median(updates[args.warmup:] or updates), 4)
             rec.update(gpu_peaks(device), exposed_optimizer_s=upd, optimizer_update_s=upd, host_rss_bytes=host_rss(),
                        host_peak_rss_bytes=host_peak_rss())

@@ -5,7 +5,11 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
+import statistics
+import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -51,6 +55,79 @@ def gpu_peaks(device: torch.device) -> dict:
         return {"peak_gpu_bytes": 0, "peak_gpu_reserved_bytes": 0}
     return {"peak_gpu_bytes": torch.cuda.max_memory_allocated(device),
             "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+
+
+# Sampled every 200 ms during a system's timed steps: the SM clock the GPU held, its power and temperature. An
+# H200's matmuls run at its power cap, so the clock can differ between two systems' steps and between two calls
+# (runs of one command on two machines of this kind differed by up to 9 %); the record says which clock it ran.
+TELEMETRY_QUERY = "clocks.sm,power.draw,temperature.gpu"
+
+
+class GpuTelemetry:
+    """nvidia-smi's samples of the device between ``start()`` and ``stop()`` (or over a ``with`` block), then
+    ``summary()``: its SM clock in MHz (median and lowest), its median power in W and highest temperature in C.
+    Empty off CUDA or without nvidia-smi: telemetry never fails a run."""
+
+    def __init__(self, device: torch.device, interval_ms: int = 200):
+        self.device, self.interval_ms = device, interval_ms
+        self.samples: list[tuple[float, float, float]] = []
+        self._proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
+
+    def _gpu_id(self) -> str:
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        # nvidia-smi numbers GPUs its own way (not CUDA_VISIBLE_DEVICES'): the UUID names this one
+        return f"GPU-{uuid}" if uuid is not None else str(index)
+
+    def start(self) -> None:
+        smi = shutil.which("nvidia-smi")
+        if self.device.type != "cuda" or smi is None or self._proc is not None:
+            return
+        try:
+            self._proc = subprocess.Popen(
+                [smi, f"--query-gpu={TELEMETRY_QUERY}", "--format=csv,noheader,nounits", f"--id={self._gpu_id()}",
+                 f"-lms={self.interval_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            return
+        self._reader = threading.Thread(target=self._read, args=(self._proc,), daemon=True)
+        self._reader.start()
+
+    def __enter__(self) -> GpuTelemetry:
+        self.start()
+        return self
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            try:
+                clock, power, temp = (float(v) for v in line.split(","))
+            except ValueError:  # "[N/A]" or a partial line
+                continue
+            self.samples.append((clock, power, temp))
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self._proc is None or self._proc.returncode is not None:
+            return
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        clocks, powers, temps = zip(*self.samples, strict=True)
+        return {"gpu_sm_clock_mhz": round(statistics.median(clocks)), "gpu_sm_clock_min_mhz": round(min(clocks)),
+                "gpu_power_w": round(statistics.median(powers), 1), "gpu_temp_max_c": round(max(temps)),
+                "gpu_telemetry_samples": len(self.samples)}
 
 
 def free_memory() -> None:

@@ -403,3 +403,56 @@ def test_one_engine_runs_every_update_mode_inside_each_accumulation(monkeypatch)
                                                                              r["tokens_per_step"])
 
 
+
+
+FAKE_SMI = """#!/usr/bin/env python3
+import sys, time
+args = sys.argv[1:]
+assert "--query-gpu=clocks.sm,power.draw,temperature.gpu" in args and "--format=csv,noheader,nounits" in args, args
+assert "--id=GPU-test" in args and "-lms=200" in args, args
+rows = ["1980, 650.5, 60", "[N/A], [N/A], [N/A]", "1755, 700.0, 71", "1830, 680.0, 65"]
+for i in range(10_000):
+    print(rows[i % len(rows)], flush=True)
+    time.sleep(0.01)
+"""
+
+
+def test_gpu_telemetry_samples_the_clock_over_the_timed_steps(tmp_path, monkeypatch, capsys):
+    """nvidia-smi's samples of the run's GPU (named by UUID, its own numbering being not CUDA's) become the row's
+    clock, power and temperature, unreadable samples skipped; the summary prints them. Without nvidia-smi, or
+    off CUDA, there are none and nothing fails."""
+    import time
+
+    import torch
+
+    from horizon_ray.bench.runtime import GpuTelemetry
+    from horizon_ray.bench.suite import _summary
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(GpuTelemetry, "_gpu_id", lambda self: "GPU-test")
+    t = GpuTelemetry(torch.device("cuda", 0))
+    with t:
+        deadline = time.monotonic() + 30
+        while len(t.samples) < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    got = t.summary()
+    assert got["gpu_telemetry_samples"] >= 6
+    assert got["gpu_sm_clock_min_mhz"] == 1755 and got["gpu_sm_clock_mhz"] in (1830, 1905, 1980)
+    assert 650.5 <= got["gpu_power_w"] <= 700.0 and got["gpu_temp_max_c"] == 71
+    assert t._proc is not None and t._proc.returncode is not None  # the sampler ended with the block
+
+    row = _run("horizon-ray", 50.0, **got)
+    _summary([row], tmp_path / "RESULTS.md")
+    gpu = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  GPU ")]
+    assert gpu == [f"  GPU SM clock {got['gpu_sm_clock_mhz']:,} MHz (lowest 1,755), {got['gpu_power_w']} W, up to "
+                   f"71 C over the timed steps ({got['gpu_telemetry_samples']} samples)"]
+
+    with GpuTelemetry(torch.device("cpu")) as off_cuda:
+        pass
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with GpuTelemetry(torch.device("cuda", 0)) as no_smi:
+        pass
+    assert off_cuda.summary() == {} and no_smi.summary() == {}
