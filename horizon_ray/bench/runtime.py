@@ -78,7 +78,7 @@ class GpuTelemetry:
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
         # nvidia-smi numbers GPUs its own way (not CUDA_VISIBLE_DEVICES'): the UUID names this one
-        return f"GPU-{uuid}" if uuid is not None else str(index)
+        return "GPU-" + str(uuid).removeprefix("GPU-") if uuid is not None else str(index)
 
     def start(self) -> None:
         smi = shutil.which("nvidia-smi")
@@ -87,7 +87,7 @@ class GpuTelemetry:
         try:
             self._proc = subprocess.Popen(
                 [smi, f"--query-gpu={TELEMETRY_QUERY}", "--format=csv,noheader,nounits", f"--id={self._gpu_id()}",
-                 f"-lms={self.interval_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                 f"--loop-ms={self.interval_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:
             return
         self._reader = threading.Thread(target=self._read, args=(self._proc,), daemon=True)

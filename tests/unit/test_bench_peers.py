@@ -409,7 +409,7 @@ FAKE_SMI = """#!/usr/bin/env python3
 import sys, time
 args = sys.argv[1:]
 assert "--query-gpu=clocks.sm,power.draw,temperature.gpu" in args and "--format=csv,noheader,nounits" in args, args
-assert "--id=GPU-test" in args and "-lms=200" in args, args
+assert "--id=GPU-test" in args and "--loop-ms=200" in args, args
 rows = ["1980, 650.5, 60", "[N/A], [N/A], [N/A]", "1755, 700.0, 71", "1830, 680.0, 65"]
 for i in range(10_000):
     print(rows[i % len(rows)], flush=True)
