@@ -88,7 +88,8 @@ class GpuTelemetry:
             self._proc = subprocess.Popen(
                 [smi, f"--query-gpu={TELEMETRY_QUERY}", "--format=csv,noheader,nounits", f"--id={self._gpu_id()}",
                  f"--loop-ms={self.interval_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        except OSError:
+        except Exception:  # no device properties, no nvidia-smi to start: a row without telemetry, not a failure
+            self._proc = None
             return
         self._reader = threading.Thread(target=self._read, args=(self._proc,), daemon=True)
         self._reader.start()
@@ -120,6 +121,8 @@ class GpuTelemetry:
             self._proc.wait()
         if self._reader is not None:
             self._reader.join(timeout=5)
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
 
     def summary(self) -> dict:
         if not self.samples:

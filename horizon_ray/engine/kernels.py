@@ -200,12 +200,12 @@ class _ExpertLinear(torch.autograd.Function):
             return gx, None, None, None, None
         g_EOI = _expert_wgrad(gy, x, counts, w)
         if g_EOI is not None:
-            if (gw is not None and not need_w and ctx.fused and gw.is_cuda and gw.is_contiguous()
-                    and g_EOI.is_contiguous()):
+            if gw is not None and not need_w and ctx.fused and gw.is_cuda:
                 from horizon_ray.engine import moe_kernels
 
-                moe_kernels.accumulate_expert_grads(gw, g_EOI, counts)
-                return gx, None, None, None, None
+                if moe_kernels.accumulates(gw, g_EOI):
+                    moe_kernels.accumulate_expert_grads(gw, g_EOI, counts)
+                    return gx, None, None, None, None
             g_EOI = _zero_empty(g_EOI, counts)
             if gw is not None:
                 gw.add_(g_EOI)

@@ -142,9 +142,20 @@ def combine(out_MD: torch.Tensor, w_M: torch.Tensor, order_M: torch.Tensor, inv_
     return _Combine.apply(out_MD, w_M, order_M, inv_M, k, round_w)
 
 
+# CUDA's limit on a grid's second dimension: an expert's blocks of _BLOCK_ACC elements
+_MAX_BLOCKS = 65_535
+
+
+def accumulates(acc_EOI: torch.Tensor, g_EOI: torch.Tensor) -> bool:
+    """Whether accumulate_expert_grads serves: both contiguous, an fp32 sink, and an expert's matrix within the
+    grid's reach (268 M elements; Mixtral-8x22B's gate/up stack is 201 M an expert)."""
+    return (acc_EOI.is_contiguous() and g_EOI.is_contiguous() and acc_EOI.dtype == torch.float32
+            and triton.cdiv(acc_EOI[0].numel(), _BLOCK_ACC) <= _MAX_BLOCKS)
+
+
 def accumulate_expert_grads(acc_EOI: torch.Tensor, g_EOI: torch.Tensor, counts_E: torch.Tensor) -> None:
     """acc_EOI (fp32) += g_EOI for every expert with tokens (counts_E[e] > 0), in one pass."""
-    assert acc_EOI.is_contiguous() and g_EOI.is_contiguous() and acc_EOI.dtype == torch.float32
+    assert accumulates(acc_EOI, g_EOI), "contiguous, an fp32 sink, an expert within the grid (moe_kernels.accumulates)"
     E = acc_EOI.shape[0]
     per_expert = acc_EOI[0].numel()
     _accumulate_kernel[(E, triton.cdiv(per_expert, _BLOCK_ACC))](acc_EOI, g_EOI, counts_E, per_expert,

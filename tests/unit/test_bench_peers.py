@@ -456,3 +456,19 @@ def test_gpu_telemetry_samples_the_clock_over_the_timed_steps(tmp_path, monkeypa
     with GpuTelemetry(torch.device("cuda", 0)) as no_smi:
         pass
     assert off_cuda.summary() == {} and no_smi.summary() == {}
+
+
+def test_gpu_telemetry_names_the_gpu_by_its_uuid(monkeypatch):
+    """nvidia-smi's own numbering is not CUDA's (CUDA_VISIBLE_DEVICES renumbers): the UUID torch reports names
+    the run's GPU, with nvidia-smi's "GPU-" prefix once whether torch's string has it or not."""
+    import types
+
+    import torch
+
+    from horizon_ray.bench.runtime import GpuTelemetry
+
+    for uuid in ("58a8f4a5-0d3c-4b1e-9f00-1234567890ab", "GPU-58a8f4a5-0d3c-4b1e-9f00-1234567890ab"):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i, u=uuid: types.SimpleNamespace(uuid=u))
+        assert GpuTelemetry(torch.device("cuda", 1))._gpu_id() == "GPU-58a8f4a5-0d3c-4b1e-9f00-1234567890ab"
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace())
+    assert GpuTelemetry(torch.device("cuda", 1))._gpu_id() == "1"
