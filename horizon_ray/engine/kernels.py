@@ -14,7 +14,8 @@ The families beyond Llama add: RMSNorm scaling by (1 + w) in fp32 (Gemma; Liger'
 attention with soft-capped scores (``softcap_attention``: SDPA cannot cap, so an exact attention over blocks
 of queries that recomputes its probabilities in the backward, memory O(block x keys)), and the experts of a
 mixture-of-experts layer (``expert_linear``: tokens sorted by expert, one GEMM per expert, or on CUDA in bfloat16
-torch's grouped GEMM for all of them, forward, dL/dx and the experts' weight gradients alike).
+torch's grouped GEMM for all of them, forward, dL/dx and the experts' weight gradients alike; with the fused set
+on CUDA, the tokens' dispatch and combine and the weight gradients' accumulation in Triton: ``moe_kernels``).
 
 Weight gradients never exist as tensors of their own: ``linear`` takes the fp32 accumulator of its weight
 (a view of the unit's gradient buffer on the device) and its backward adds ``dy^T x`` into it, on CUDA
