@@ -70,7 +70,8 @@ def _adapts_experts(targets) -> bool:
     return any(t in EXPERT_TARGETS for t in targets)
 
 
-def _prepare_quantized(args, shape, dev: str, dtype: str, quantize: str, extra: dict, adapted_experts: bool):
+def _prepare_quantized(args, shape, dev: str, dtype: str, quantize: str, extra: dict,
+                       adapted_experts: bool = False):
     """hf.prepare_peer for a bitsandbytes-quantized base (see the module's docstring)."""
     from transformers import AutoModelForCausalLM
 
