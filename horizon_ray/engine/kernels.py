@@ -340,6 +340,15 @@ def _rotate_half(x):
 
 
 @dataclass(frozen=True)
+class Routes:
+    """A MoE layer's token copies sorted by expert (Kernels.moe_routes)."""
+
+    order_M: torch.Tensor  # sorted row m holds token copy order[m] (token order[m] // k, its (order[m] % k)-th expert)
+    inv_M: torch.Tensor | None  # its inverse, inv[order[m]] = m: the fused kernels' gathers read it; None elsewhere
+    k: int  # experts a token
+
+
+@dataclass(frozen=True)
 class Kernels:
     """One set of kernels for the layer template; ``name`` is 'torch' or 'liger' (see the module)."""
 
@@ -433,26 +442,34 @@ class Kernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
-    def moe_dispatch(self, x_ND: torch.Tensor, order_M: torch.Tensor, k: int) -> torch.Tensor:
-        """The expert-sorted copies of a MoE layer's tokens: row m is token order[m] // k (order sorts the N x k
-        token copies by expert). The fused backward sums each token's k gradients in one gather (moe_kernels);
-        torch's indexing backward sorts and accumulates."""
-        if self.fused and x_ND.is_cuda:
+    def moe_routes(self, flat_e: torch.Tensor, k: int) -> Routes:
+        """The N x k token copies of a MoE layer (flat_e: each copy's expert, token-major) sorted by expert, in
+        token order within an expert; with the fused set on CUDA also the inverse permutation its kernels read."""
+        order_M = torch.argsort(flat_e, stable=True)
+        inv_M = None
+        if self.fused and flat_e.is_cuda:
+            inv_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(order_M.numel(), device=flat_e.device))
+        return Routes(order_M, inv_M, k)
+
+    def moe_dispatch(self, x_ND: torch.Tensor, routes: Routes) -> torch.Tensor:
+        """The expert-sorted copies of a MoE layer's tokens: row m is token order[m] // k. The fused backward sums
+        each token's k gradients in one gather (moe_kernels); torch's indexing backward sorts and accumulates."""
+        if routes.inv_M is not None:
             from horizon_ray.engine import moe_kernels
 
-            return moe_kernels.dispatch(x_ND, order_M, _inverse(order_M), k)
-        return x_ND[order_M // k]
+            return moe_kernels.dispatch(x_ND, routes.order_M, routes.inv_M, routes.k)
+        return x_ND[routes.order_M // routes.k]
 
-    def moe_combine(self, out_MD: torch.Tensor, w_Nk: torch.Tensor, order_M: torch.Tensor,
+    def moe_combine(self, out_MD: torch.Tensor, w_Nk: torch.Tensor, routes: Routes,
                     fp32_product: bool) -> torch.Tensor:
         """[N, hidden]: each token's k expert outputs (sorted rows of out_MD) times its router weights (w_Nk,
         fp32), summed. The products are rounded to the outputs' dtype, with the weight rounded first, or in fp32
         with ``fp32_product`` (HF's Mixtral); the sum in fp32, rounded once."""
-        N, k = w_Nk.shape
-        if self.fused and out_MD.is_cuda:
+        order_M = routes.order_M
+        if routes.inv_M is not None:
             from horizon_ray.engine import moe_kernels
 
-            return moe_kernels.combine(out_MD, w_Nk.reshape(-1), order_M, _inverse(order_M), k,
+            return moe_kernels.combine(out_MD, w_Nk.reshape(-1), order_M, routes.inv_M, routes.k,
                                        round_w=not fp32_product)
         weights_M = w_Nk.reshape(-1)[order_M]
         if fp32_product:
@@ -461,7 +478,7 @@ class Kernels:
             out_MD = out_MD * weights_M.to(out_MD.dtype)[:, None]
         # back to token order, then each token's k outputs summed
         y = out_MD.new_empty(out_MD.shape).index_copy(0, order_M, out_MD)
-        return y.view(N, k, -1).sum(1)
+        return y.view(-1, routes.k, y.shape[-1]).sum(1)
 
     def cross_entropy_(self, logits_NV: torch.Tensor, targets_N: torch.Tensor, scale: float | torch.Tensor,
                        grad: bool, softcap: float | None = None) -> torch.Tensor:
@@ -496,11 +513,6 @@ class Kernels:
         if self.fused:
             return _liger_cross_entropy_(logits_NV, targets_N, 1.0, False, softcap, per_token=True).neg_()
         return -F.cross_entropy(cap_logits(logits_NV.float(), softcap), targets_N, ignore_index=-100, reduction="none")
-
-
-def _inverse(order_M: torch.Tensor) -> torch.Tensor:
-    """The permutation's inverse: inv[order[m]] = m."""
-    return torch.empty_like(order_M).scatter_(0, order_M, torch.arange(order_M.numel(), device=order_M.device))
 
 
 def cap_logits(z: torch.Tensor, softcap: float | None) -> torch.Tensor:

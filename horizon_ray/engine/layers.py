@@ -466,12 +466,12 @@ class Template:
         if stats is not None:  # idempotent: the recompute of the backward writes the same numbers again
             stats.counts[j] = counts_E.float()
             stats.probs[j] = probs_NE.detach().sum(0)
-        order = torch.argsort(flat_e, stable=True)  # token copies grouped by expert, in token order within
-        x_MD = ops.moe_dispatch(x_ND, order, k)
+        routes = ops.moe_routes(flat_e, k)  # token copies grouped by expert, in token order within
+        x_MD = ops.moe_dispatch(x_ND, routes)
         gate_up = self._expert_proj(x_MD, w, "experts.gate_up", counts_E, lora, sinks)
         out_MD = self._expert_proj(ops.swiglu(gate_up), w, "experts.down", counts_E, lora, sinks)
         # HF keeps Mixtral's routing weights in fp32 for the product
-        y = ops.moe_combine(out_MD, top_w, order, moe.fp32_combine).view(B, T, D)
+        y = ops.moe_combine(out_MD, top_w, routes, moe.fp32_combine).view(B, T, D)
         if moe.shared is None:
             return y
         shared = self._proj(self._mlp(x_ND, w, moe.shared, lora, sinks), w, moe.shared.key + "down", lora, sinks)

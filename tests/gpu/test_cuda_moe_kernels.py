@@ -23,30 +23,35 @@ FUSED, TORCH = Kernels("liger"), Kernels("torch")
 WIDTHS = {"olmoe": (64, 8, 2048, False), "qwen3_moe": (128, 8, 2048, False), "mixtral": (8, 2, 4096, True)}
 
 
-def _routing(N: int, E: int, k: int, g: torch.Generator):
-    """A router's choice for N tokens: k distinct experts each, fp32 weights, the copies sorted by expert."""
+N = 2048  # tokens
+
+
+def _case(family: str, seed: int, rows: tuple[str, str]):
+    """The family's widths, a router's choice for N tokens (k distinct experts each, fp32 weights) and two bf16
+    normal tensors of "tokens" (N) or "copies" (N x k) rows: (k, fp32 product, weights, expert of each copy,
+    tensors)."""
+    E, k, D, fp32_product = WIDTHS[family]
+    g = torch.Generator().manual_seed(seed)
     top_e = torch.rand(N, E, generator=g).topk(k, dim=-1).indices
     top_w = torch.rand(N, k, generator=g).softmax(-1)
-    order = torch.argsort(top_e.reshape(-1), stable=True)
-    return top_e.cuda(), top_w.cuda(), order.cuda()
+    tensors = [torch.randn(N * (k if r == "copies" else 1), D, generator=g).cuda().bfloat16() for r in rows]
+    return k, fp32_product, top_w.cuda(), top_e.reshape(-1).cuda(), tensors
 
 
 @pytest.mark.parametrize("family", list(WIDTHS))
 def test_fused_dispatch_matches_the_gather_and_sums_its_gradient_in_fp32(family):
-    E, k, D, _ = WIDTHS[family]
-    g = torch.Generator().manual_seed(0)
-    N = 2048
-    _, _, order = _routing(N, E, k, g)
-    x = torch.randn(N, D, generator=g).cuda().bfloat16()
-    gy = torch.randn(N * k, D, generator=g).cuda().bfloat16()
+    k, _, _, flat_e, (x, gy) = _case(family, 0, ("tokens", "copies"))
+    fused, plain = FUSED.moe_routes(flat_e, k), TORCH.moe_routes(flat_e, k)
+    assert torch.equal(fused.order_M, plain.order_M) and plain.inv_M is None
+    order = fused.order_M
     got_x, ref_x = x.clone().requires_grad_(), x.clone().requires_grad_()
-    got, ref = FUSED.moe_dispatch(got_x, order, k), TORCH.moe_dispatch(ref_x, order, k)
+    got, ref = FUSED.moe_dispatch(got_x, fused), TORCH.moe_dispatch(ref_x, plain)
     assert torch.equal(got, ref)
     got.backward(gy)
     ref.backward(gy)
     # each token's k copies' gradients summed in fp32 and rounded once: the rounded exact sum, but where the
     # order of the fp32 additions tips a rounding (one bf16 step)
-    exact = torch.zeros(N, D, device="cuda").index_add_(0, order // k, gy.float())
+    exact = torch.zeros(N, x.shape[1], device="cuda").index_add_(0, order // k, gy.float())
     got_g = got_x.grad.float()
     torch.testing.assert_close(got_g, exact, rtol=8e-3, atol=1e-6)
     assert (got_g != exact.bfloat16().float()).float().mean() < 1e-3
@@ -55,16 +60,13 @@ def test_fused_dispatch_matches_the_gather_and_sums_its_gradient_in_fp32(family)
 
 @pytest.mark.parametrize("family", list(WIDTHS))
 def test_fused_combine_matches_the_torch_ops_forward_and_backward(family):
-    E, k, D, fp32_product = WIDTHS[family]
-    g = torch.Generator().manual_seed(1)
-    N = 2048
-    _, top_w, order = _routing(N, E, k, g)
-    out = torch.randn(N * k, D, generator=g).cuda().bfloat16()
-    gy = torch.randn(N, D, generator=g).cuda().bfloat16()
+    k, fp32_product, top_w, flat_e, (out, gy) = _case(family, 1, ("copies", "tokens"))
+    fused, plain = FUSED.moe_routes(flat_e, k), TORCH.moe_routes(flat_e, k)
+    order = fused.order_M
     leaves = {name: (out.clone().requires_grad_(), top_w.clone().requires_grad_()) for name in ("got", "ref")}
-    got = FUSED.moe_combine(*leaves["got"], order, fp32_product)
-    ref = TORCH.moe_combine(*leaves["ref"], order, fp32_product)
-    assert got.shape == (N, D) and got.dtype == torch.bfloat16
+    got = FUSED.moe_combine(*leaves["got"], fused, fp32_product)
+    ref = TORCH.moe_combine(*leaves["ref"], plain, fp32_product)
+    assert got.shape == (N, out.shape[1]) and got.dtype == torch.bfloat16
     # the same rounded products, summed in fp32 in another order: at most one bf16 step apart
     torch.testing.assert_close(got.float(), ref.float(), rtol=8e-3, atol=1e-2)
     assert (got != ref).float().mean() < 0.01
