@@ -65,7 +65,8 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
         lr=1e-5, weight_decay=0.01, max_grad_norm=args.max_grad_norm, checkpoint_every=args.checkpoint_every,
         device=device,
         compute_dtype=dtype, precision="exact" if lora else args.mode, loss_chunk_tokens=args.loss_chunk,
-        layer_chunk_tokens=args.layer_chunk, offload_checkpoints=OFFLOAD[args.offload], lora=lora, update=updates[0]))
+        layer_chunk_tokens=args.layer_chunk, offload_checkpoints=OFFLOAD[args.offload], lora=lora, update=updates[0],
+        fuse_projections=args.projections == "fused"))
     init_s = time.perf_counter() - t0
     cuda = eng.device.type == "cuda"
     budget = int(args.gpu_budget_gib * 2**30) if args.gpu_budget_gib else None
@@ -89,7 +90,8 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
             rec.update(init_s=round(init_s, 1), params=eng.num_params,
                        offload_resolved=eng.offload_checkpoints,  # where checkpoints lived: host or device
                        kernels=eng.template.ops.name,
-                       layer_chunk_tokens=args.layer_chunk)  # the layer template's kernels: torch or liger
+                       layer_chunk_tokens=args.layer_chunk,
+                       projections="split" if lora is not None else args.projections)  # kernels: torch or liger
             if lora is not None:
                 rec.update(lora_r=lora.r, lora_alpha=lora.alpha, lora_targets=list(lora.targets),
                            quantize=lora.quantize)

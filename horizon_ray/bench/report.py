@@ -142,7 +142,11 @@ def _mode_label(r: dict) -> str:
         resolved = r.get("offload_resolved")
         where = {True: "host", False: "GPU", None: "auto"}[resolved] if off == "auto" else \
             {"true": "host", "false": "GPU"}.get(str(off), str(off))
-        return f"{r['mode']}, ckpt {where}" + (" (auto)" if off == "auto" and resolved is not None else "")
+        label = f"{r['mode']}, ckpt {where}" + (" (auto)" if off == "auto" and resolved is not None else "")
+        rows = r.get("layer_chunk_tokens")
+        if rows is not None and rows != 8192:
+            label += f", rows {rows}"
+        return label + (", split GEMMs" if r.get("projections") == "split" else "")
     if r["system"] in IN_GPU:
         return f"{r['mode']}, all on GPU"
     return f"{r['mode']}, host offload"

@@ -192,7 +192,7 @@ def child_argv(system: str, shape: str, args, device: str, dtype: str, mode: str
     if system == "horizon-ray":
         assert mode is not None and offload is not None, "every horizon-ray variant names its mode and offload"
         argv += ["--mode", mode, "--offload", offload, "--update", ",".join(parse_updates(args.update)),
-                 "--layer-chunk", str(args.layer_chunk)]
+                 "--layer-chunk", str(args.layer_chunk), "--projections", args.projections]
         if args.gpu_budget_gib:
             argv += ["--gpu-budget-gib", f"{args.gpu_budget_gib:g}"]
     if mode == "lora" or system in PEFT:  # the same adapters for horizon-ray's LoRA and the PEFT peers

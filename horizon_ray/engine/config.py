@@ -37,6 +37,10 @@ class EngineConfig:
     # Micro-batches are split into row groups of at most this many tokens for the layer template, which
     # bounds the device workspace (MLP intermediates) without changing the step's math.
     layer_chunk_tokens: int = 8192
+    # Full fine-tuning runs q, k, v (and gate, up) as one GEMM over their adjacent rows when True, each
+    # projection as its own GEMM when False (LoRA always does: it adapts them one by one). The same math;
+    # cuBLAS picks its kernels by shape, so the faster choice depends on the widths and the row groups.
+    fuse_projections: bool = True
     # Tokens per chunk of the LM-head + cross-entropy, so full logits [tokens x vocab] never exist.
     loss_chunk_tokens: int = 1024
     # Dtype of the tensors written by save_pretrained and save_merged; None: float32, but the compute dtype for
@@ -88,6 +92,8 @@ class EngineConfig:
             raise BadInput(f"offload_checkpoints must be true, false or 'auto', got {self.offload_checkpoints!r}")
         if self.layer_chunk_tokens < 1:
             raise BadInput(f"layer_chunk_tokens must be >= 1, got {self.layer_chunk_tokens}")
+        if not isinstance(self.fuse_projections, bool):
+            raise BadInput(f"fuse_projections must be true or false, got {self.fuse_projections!r}")
         if self.loss_chunk_tokens < 1:
             raise BadInput(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}")
         if self.max_shard_bytes < 1:

@@ -131,12 +131,13 @@ class Engine:
         self._grad_sink: HostGrads
         if cuda:
             h2d, d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
-            self._weights = DeviceWeights(self.store, self.units, self._updates, lag, self.device, self._buffers, h2d)
+            self._weights = DeviceWeights(self.store, self.units, self._updates, lag, self.device, self._buffers, h2d,
+                                          cfg.fuse_projections)
             self._stash = OffloadStash(self.device, self._buffers, h2d, d2h) if offload else KeptStash()
             self._grad_sink = DeviceGrads(self.store, self.units, self._grads, self.device, self.ranks, self._buffers,
                                           d2h)
         else:
-            self._weights = HostWeights(self.store, self.units, self._updates, lag)
+            self._weights = HostWeights(self.store, self.units, self._updates, lag, cfg.fuse_projections)
             self._stash = KeptStash()
             self._grad_sink = HostGrads(self.store, self.units, self._grads, self.device, self.ranks)
         self.offload_checkpoints = isinstance(self._stash, OffloadStash)
@@ -676,7 +677,7 @@ class Engine:
         G = self._grad_sink
         u = self.units.of_layer(j)
         acc = G.accumulator(u, k)
-        sinks = self.store.units[u].layout.views(acc, fused=True)
+        sinks = self.store.units[u].layout.views(acc, fused=self._weights.fused)  # keyed as the weights are
         leaves = {key: w[key].detach().requires_grad_() for key in self.template.leaf_keys(w)}
         w = {**w, **leaves}
         dxs = []

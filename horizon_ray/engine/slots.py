@@ -28,13 +28,14 @@ from horizon_ray.engine.units import Units
 
 
 class HostWeights:
-    def __init__(self, store: HostStore, units: Units, updates: Fence, lag: int):
+    def __init__(self, store: HostStore, units: Units, updates: Fence, lag: int, fuse: bool = True):
         self.store = store
         self.units = units
         self.updates = updates  # waited on before a trained unit (or adapter) is read
         self.lag = lag  # 1 under the delayed update: step k reads the weights after the update of step k - 2
         self.lora = bool(store.adapters)  # a frozen base without adapters (generation) reads as a plain model
-        self.fused = not self.lora  # LoRA adapts the projections one by one
+        # q, k, v and gate, up each one GEMM (EngineConfig.fuse_projections); LoRA adapts them one by one
+        self.fused = fuse and not self.lora
         heads = [a for a, u in enumerate(store.adapters) if u.layout.name == "lora.head"]
         self.head_adapter: int | None = heads[0] if heads else None
         self.host_embed = False
@@ -90,8 +91,8 @@ class HostWeights:
 
 class DeviceWeights(HostWeights):
     def __init__(self, store: HostStore, units: Units, updates: Fence, lag: int, device: torch.device,
-                 buffers: HostBuffers, h2d: torch.cuda.Stream):
-        super().__init__(store, units, updates, lag)
+                 buffers: HostBuffers, h2d: torch.cuda.Stream, fuse: bool = True):
+        super().__init__(store, units, updates, lag, fuse)
         self.device = device
         self.buffers = buffers
         self.compute = torch.cuda.current_stream(device)

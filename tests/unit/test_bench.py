@@ -15,7 +15,7 @@ import pytest
 from horizon_ray.bench.child import parse_output
 from horizon_ray.bench.cli import add_arguments
 from horizon_ray.bench.metrics import REQUIRED_KEYS, STATUSES, SYSTEMS, base_record, split_from_trace, throughput
-from horizon_ray.bench.report import compute_ratios, load_results, merge_results, render, write_json
+from horizon_ray.bench.report import _mode_label, compute_ratios, load_results, merge_results, render, write_json
 from horizon_ray.bench.shapes import TINY, model_flops_per_token, resolve_shape
 from horizon_ray.bench.suite import HOST_OOM, Child, box_name, child_argv, collect
 
@@ -457,9 +457,13 @@ def test_the_row_group_size_reaches_horizon_ray_and_its_plan():
     workspace grows with it; the peers, which run whole micro-batches, do not get it."""
     from horizon_ray.bench.planning import planned_bytes
 
-    args = _args(shape="phi-3-mini", layer_chunk=16384)
+    args = _args(shape="phi-3-mini", layer_chunk=16384, projections="split")
     hr = child_argv("horizon-ray", "phi-3-mini", args, "cuda", "bfloat16", "exact", "auto")
     assert hr[hr.index("--layer-chunk") + 1] == "16384"
+    assert hr[hr.index("--projections") + 1] == "split"
+    assert _mode_label({"system": "horizon-ray", "mode": "exact", "offload_checkpoints": "auto",
+                        "offload_resolved": True, "layer_chunk_tokens": 16384, "projections": "split"}) == \
+        "exact, ckpt host (auto), rows 16384, split GEMMs"
     assert "--layer-chunk" not in child_argv("in-gpu-liger", "phi-3-mini", args, "cuda", "bfloat16", None, None)
     shape = resolve_shape("phi-3-mini")
     gpu = {chunk: planned_bytes(shape, mode="exact", seq=1024, micro=16, accum=4, checkpoint_every=1,

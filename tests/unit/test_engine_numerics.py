@@ -18,6 +18,7 @@ from transformers import (
 )
 
 from horizon_ray.engine import Engine, EngineConfig
+from horizon_ray.errors import BadInput
 from tests.tiny import (
     V,
     named_tensors,
@@ -25,8 +26,11 @@ from tests.tiny import (
     reference_step,
     resumed_and_uninterrupted,
     save,
+    step_grads,
     tiny_llama,
+    tiny_phi3,
     tiny_qwen2,
+    tiny_qwen3,
 )
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -163,6 +167,34 @@ def test_state_round_trip_continues_exactly(tmp_path):
     a, c = resumed_and_uninterrupted(path, EngineConfig(**HP, device="cpu"), random_batches(4, micro=2))
     for x, y in zip(_engine_tensors(a, "master").values(), _engine_tensors(c, "master").values()):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
+def test_fused_and_split_projections_train_alike(tmp_path, family):
+    """fuse_projections=False runs q, k, v and gate, up as their own GEMMs (and Qwen3's per-head norm on its own
+    q and k): the same step, and every split weight's gradient reaches its accumulator (the backward keys its
+    sinks as the weights it read; a fused sink under split weights would drop the projections' gradients).
+    Phi-3 stores its qkv and gate_up as one tensor each, which stay one GEMM either way."""
+    path, _ = {"llama": tiny_llama, "qwen3": tiny_qwen3, "phi3": tiny_phi3}[family](tmp_path)
+    batches = random_batches(2, micro=2, B=4)
+    results = []
+    for fuse in (True, False):
+        eng = Engine.from_pretrained(path, EngineConfig(**HP, device="cpu", fuse_projections=fuse))
+        loss = eng.train_step(batches[0])
+        grads = step_grads(eng)
+        losses = [loss, eng.train_step(batches[1])]
+        eng.close()
+        results.append((losses, grads))
+    (want_losses, want), (got_losses, got) = results
+    assert got_losses == pytest.approx(want_losses, rel=1e-6)
+    assert want.abs().max() > 0
+    # summation order only; a dropped projection gradient would be a block of zeros
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()))
+
+
+def test_fuse_projections_is_a_bool():
+    with pytest.raises(BadInput, match="fuse_projections must be true or false"):
+        EngineConfig(fuse_projections="yes").validate()
 
 
 def test_row_and_loss_chunks_do_not_change_the_step(tmp_path):
