@@ -18,19 +18,16 @@ against 97.6 ms split vs fused in a slower call (results/2026-12-04-h200-layer-g
 from __future__ import annotations
 
 import argparse
-import math
 from collections import defaultdict
 
 import torch
 
 from horizon_ray.bench.hf import apply_liger, transformers_config
+from horizon_ray.bench.runtime import gemm_shapes
 from horizon_ray.bench.shapes import hf_config, resolve_shape
 from horizon_ray.engine import Engine, EngineConfig
 
 SEQ = 1024
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
-
-
 def timed(fn, reps: int) -> float:
     """Mean seconds of fn() over reps, after two warm-up calls."""
     for _ in range(2):
@@ -53,19 +50,11 @@ def gemm_table(fn, label: str) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         fn()
         torch.cuda.synchronize()
-    rows, total_s, total_f = [], 0.0, 0.0
-    for e in prof.key_averages(group_by_input_shape=True):
-        if e.key not in GEMM_OPS:
-            continue
-        shapes = [s for s in e.input_shapes if s]
-        a, b = (shapes[0], shapes[1]) if e.key == "aten::mm" else (shapes[1], shapes[2])
-        flops = 2 * math.prod(a) * b[-1] * e.count
-        s = e.self_device_time_total / 1e6
-        rows.append((s, e.key, shapes, e.count, flops))
-        total_s, total_f = total_s + s, total_f + flops
-    print(f"{label}: GEMMs {total_s * 1e3:.2f} ms, {total_f / max(total_s, 1e-12) / 1e12:.0f} TFLOP/s", flush=True)
-    for s, key, shapes, count, flops in sorted(rows, reverse=True):
-        rate = flops / max(s, 1e-12) / 1e12
+    rows = gemm_shapes(prof, top=64)
+    total_s = sum(r[3] for r in rows)
+    total_f = sum(r[3] * r[4] for r in rows)
+    print(f"{label}: GEMMs {total_s * 1e3:.2f} ms, {total_f / max(total_s, 1e-12):.0f} TFLOP/s", flush=True)
+    for key, shapes, count, s, rate in rows:
         print(f"  {key:12s} {str(shapes):52s} x{count:<3d} {s * 1e3:8.3f} ms {rate:6.0f} TFLOP/s")
     kernels = defaultdict(float)
     for e in prof.key_averages():

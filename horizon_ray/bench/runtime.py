@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import shutil
 import statistics
@@ -140,9 +141,30 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def profile_step(step: Callable[[], object]) -> dict:
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def gemm_shapes(prof, top: int = 20) -> list[list]:
+    """The GEMM ops of a profile taken with record_shapes, grouped by their input shapes, slowest first:
+    [op, input shapes, calls, device seconds, TFLOP/s]. Two systems that run the same FLOPs at different
+    speeds name the shapes (and so the kernels cuBLAS picked for them) where the time goes."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key not in GEMM_OPS:
+            continue
+        shapes = [list(s) for s in e.input_shapes if s]
+        a, b = (shapes[0], shapes[1]) if e.key in ("aten::mm", "aten::bmm") else (shapes[1], shapes[2])
+        flops = 2 * math.prod(a) * b[-1] * e.count
+        sec = e.self_device_time_total / 1e6
+        rows.append([e.key, shapes, e.count, round(sec, 4), round(flops / max(sec, 1e-12) / 1e12)])
+    rows.sort(key=lambda r: -r[3])
+    return rows[:top]
+
+
+def profile_step(step: Callable[[], object], shapes: bool = True) -> dict:
     """Run one step under torch.profiler (CUDA activity only) and split its wall time into GPU compute,
-    exposed copies and GPU idle (metrics.split_from_trace)."""
+    exposed copies and GPU idle (metrics.split_from_trace). With ``shapes``, one more step under the CPU
+    profiler too (whose launch overhead would blur the split), for its GEMMs by shape (``gemm_shapes``)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -159,4 +181,10 @@ def profile_step(step: Callable[[], object]) -> dict:
             events = json.load(f).get("traceEvents", [])
     finally:
         os.unlink(path)
-    return split_from_trace(events, wall)
+    out = split_from_trace(events, wall)
+    if shapes:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+            step()
+            torch.cuda.synchronize()
+        out["gemm_shapes"] = gemm_shapes(prof)
+    return out

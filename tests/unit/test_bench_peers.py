@@ -472,3 +472,26 @@ def test_gpu_telemetry_names_the_gpu_by_its_uuid(monkeypatch):
         assert GpuTelemetry(torch.device("cuda", 1))._gpu_id() == "GPU-58a8f4a5-0d3c-4b1e-9f00-1234567890ab"
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace())
     assert GpuTelemetry(torch.device("cuda", 1))._gpu_id() == "1"
+
+
+def test_gemm_shapes_rank_a_profiles_gemms_by_shape_with_their_rate():
+    """A profiled step's GEMMs by input shapes: the rate from the shapes' FLOPs (addmm's product is its second
+    and third inputs), slowest first; ops other than GEMMs are left out."""
+    from types import SimpleNamespace
+
+    from horizon_ray.bench.runtime import gemm_shapes
+
+    def ev(key, shapes, count, us):
+        return SimpleNamespace(key=key, input_shapes=shapes, count=count, self_device_time_total=us)
+
+    prof = SimpleNamespace(key_averages=lambda group_by_input_shape: [
+        ev("aten::mm", [[16384, 2560], [2560, 9728]], 20, 20_343.0),
+        ev("aten::addmm", [[9728, 2560], [9728, 16384], [16384, 2560], []], 8, 8_792.0),
+        ev("aten::add_", [[16384, 2560], [16384, 2560]], 99, 50_000.0),
+    ])
+    rows = gemm_shapes(prof)
+    assert [r[0] for r in rows] == ["aten::mm", "aten::addmm"]
+    mm, addmm = rows
+    assert mm[1:4] == [[[16384, 2560], [2560, 9728]], 20, 0.0203]
+    assert mm[4] == round(2 * 16384 * 2560 * 9728 * 20 / 0.020343 / 1e12)  # 802 TFLOP/s
+    assert addmm[4] == round(2 * 9728 * 16384 * 2560 * 8 / 0.008792 / 1e12)
