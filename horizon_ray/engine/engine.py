@@ -38,7 +38,7 @@ from horizon_ray.engine.config import DTYPES, EngineConfig, resolve_device
 from horizon_ray.engine.fence import Fence
 from horizon_ray.engine.grads import DeviceGrads, HostGrads
 from horizon_ray.engine.kernels import Kernels, resolve_kernels
-from horizon_ray.engine.layers import LoraCall, MicroBatch, Template
+from horizon_ray.engine.layers import Deferred, LoraCall, MicroBatch, Template
 from horizon_ray.engine.model import NORM_KEYS, ModelConfig, quantize_for, stored_nested, unit_layouts
 from horizon_ray.engine.objective import DpoConfig, DpoMetrics
 from horizon_ray.engine.optimizer import HostAdamW
@@ -684,8 +684,9 @@ class Engine:
         for x, dy, mb in zip(xs, dys, mbs):
             x = x.detach().requires_grad_()
             with torch.enable_grad():
-                y = self.template.layer(x, w, mb, sinks=sinks, j=j)
-            grads = torch.autograd.grad(y, [x, *leaves.values()], dy)
+                y = self.template.layer_for_backward(x, w, mb, sinks=sinks, j=j)
+            outs, douts = y.grad_pairs(w, sinks, dy) if isinstance(y, Deferred) else ([y], [dy])
+            grads = torch.autograd.grad(outs, [x, *leaves.values()], douts)
             dxs.append(grads[0])
             for key, g in zip(leaves, grads[1:]):
                 sinks[key].add_(g)
@@ -704,8 +705,9 @@ class Engine:
         for i, (x, dy, mb) in enumerate(zip(xs, dys, mbs)):
             x = x.detach().requires_grad_(need_dx)
             with torch.enable_grad():
-                y = self.template.layer(x, w, mb, self._lora_call(j, i, True), j=j)
-            grads = torch.autograd.grad(y, [x, *leaves.values()] if need_dx else list(leaves.values()), dy)
+                y = self.template.layer_for_backward(x, w, mb, self._lora_call(j, i, True), j=j)
+            outs, douts = y.grad_pairs(w, None, dy) if isinstance(y, Deferred) else ([y], [dy])
+            grads = torch.autograd.grad(outs, [x, *leaves.values()] if need_dx else list(leaves.values()), douts)
             if need_dx:
                 dxs.append(grads[0])
                 grads = grads[1:]

@@ -96,12 +96,19 @@ class _SinkLinear(torch.autograd.Function):
     def backward(ctx, gy):
         x, w = ctx.saved_tensors
         gw, gb = ctx.sinks
-        gy_N = gy.reshape(-1, gy.shape[-1])
+        return linear_backward(gy, x, w, gw, gb, ctx.needs_input_grad[0]), None, None, None, None
+
+
+def linear_backward(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gw: torch.Tensor | None,
+                    gb: torch.Tensor | None, need_gx: bool = True) -> torch.Tensor | None:
+    """The backward of y = x W^T (+ b): dL/dW (and dL/db) added into their fp32 sinks, where given (a frozen
+    weight has none); returns dL/dx."""
+    gy_N = gy.reshape(-1, gy.shape[-1])
+    if gw is not None:
         accumulate_mm(gw, gy_N.t(), x.reshape(-1, x.shape[-1]))
-        if gb is not None:
-            gb.add_(gy_N.sum(0, dtype=gb.dtype))
-        gx = gy @ w if ctx.needs_input_grad[0] else None
-        return gx, None, None, None, None
+    if gb is not None:
+        gb.add_(gy_N.sum(0, dtype=gb.dtype))
+    return gy @ w if need_gx else None
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, gw: torch.Tensor | None = None,

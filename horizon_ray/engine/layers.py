@@ -35,7 +35,15 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from horizon_ray.engine.kernels import Kernels, accumulate_mm, cap_logits, expert_linear, linear, softcap_attention
+from horizon_ray.engine.kernels import (
+    Kernels,
+    accumulate_mm,
+    cap_logits,
+    expert_linear,
+    linear,
+    linear_backward,
+    softcap_attention,
+)
 from horizon_ray.engine.lora import mix_seed
 from horizon_ray.engine.model import LEAF_KEYS, ModelConfig
 from horizon_ray.models.blocks import DenseMLP, Layer, MoE
@@ -266,6 +274,31 @@ def expert_counts(flat_e: torch.Tensor, E: int) -> torch.Tensor:
         0, flat_e, torch.ones_like(flat_e, dtype=torch.int64))
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A decoder layer's output ``residual + act W^T (+ b)`` with its last projection not run
+    (``Template.layer_for_backward``). Nothing but that sum reads the projection's product, and the sum's
+    gradient is the incoming one, so the recompute of a checkpointed layer does not need the GEMM: the backward
+    runs only the two GEMMs of its gradients. For the MLP's down projection that is a seventh of a dense layer's
+    forward GEMMs (HF's checkpointing skips it too: its recompute stops at the last tensor the backward saves)."""
+
+    residual: torch.Tensor
+    act: torch.Tensor
+    key: str
+
+    def grad_pairs(self, w: dict, sinks: dict | None, dy: torch.Tensor):
+        """(outputs, their gradients) for torch.autograd.grad, once the projection's own weight gradient (into
+        its sink, where it has one) and dL/d act (where anything below it trains) are done."""
+        sinks = sinks or {}
+        need = self.act.requires_grad
+        d_act = linear_backward(dy, self.act.detach(), w[self.key], sinks.get(self.key), sinks.get(self.key + "_b"),
+                                need_gx=need)
+        pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        pairs += [(self.residual, dy)] if self.residual.requires_grad else []
+        pairs += [(self.act, d_act)] if need else []
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+
 class Template:
     """The decoder layer and the LM head of one model, as pure functions of weight views.
 
@@ -389,6 +422,19 @@ class Template:
         """Decoder layer j, as its blocks describe it (the index matters where layers differ: Gemma's sliding
         and global layers, dense and MoE layers, the embedding's scale at the bottom, a MoE layer's routing
         statistics)."""
+        y = self._forward(x_BTD, w, mb, lora, sinks, j, defer=False)
+        assert isinstance(y, torch.Tensor)
+        return y
+
+    def layer_for_backward(self, x_BTD: torch.Tensor, w: dict, mb: MicroBatch, lora: LoraCall | None = None,
+                           sinks: dict | None = None, j: int | None = None) -> torch.Tensor | Deferred:
+        """``layer`` recomputed for its backward: where the layer ends in a plain projection added to the
+        residual (a dense MLP's down projection, without a norm after it or an adapter on it), that projection
+        is left to the backward (``Deferred``)."""
+        return self._forward(x_BTD, w, mb, lora, sinks, j, defer=True)
+
+    def _forward(self, x_BTD, w, mb: MicroBatch, lora: LoraCall | None, sinks: dict | None, j: int | None,
+                 defer: bool) -> torch.Tensor | Deferred:
         cfg, ops, spec = self.cfg, self.ops, self._layer(j)
         a = spec.attn
         cos, sin, mask = mb.attention_inputs(a.kind)
@@ -429,9 +475,12 @@ class Template:
         if isinstance(spec.mlp, MoE):
             return x_BTD + self._experts(h, w, mb, lora, sinks, j, spec.mlp)
         mlp = self._mlp(h, w, spec.mlp, lora, sinks)
+        down = spec.mlp.key + "down"
         if spec.sandwich_norms:
-            return x_BTD + self._norm(self._proj(mlp, w, spec.mlp.key + "down", lora, sinks), w["ln2_post"])
-        return x_BTD + self._proj(mlp, w, spec.mlp.key + "down", lora, sinks)
+            return x_BTD + self._norm(self._proj(mlp, w, down, lora, sinks), w["ln2_post"])
+        if defer and down + ".lora_A" not in w:
+            return Deferred(x_BTD, mlp, down)
+        return x_BTD + self._proj(mlp, w, down, lora, sinks)
 
     def _mlp(self, h, w, mlp: DenseMLP, lora: LoraCall | None, sinks: dict | None):
         """act(gate(h)) * up(h) of a gated MLP (down is the caller's)."""

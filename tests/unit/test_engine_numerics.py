@@ -12,12 +12,13 @@ mantissa and the errors of 2-4 layers add up).
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     MistralConfig,
     MistralForCausalLM,
 )
 
-from horizon_ray.engine import Engine, EngineConfig
+from horizon_ray.engine import Engine, EngineConfig, LoraConfig
 from horizon_ray.errors import BadInput
 from tests.tiny import (
     V,
@@ -190,6 +191,43 @@ def test_fused_and_split_projections_train_alike(tmp_path, family):
     assert want.abs().max() > 0
     # summation order only; a dropped projection gradient would be a block of zeros
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()))
+
+
+class _GemmLog(TorchDispatchMode):
+    """The input shapes of every aten.mm the step runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default:
+            self.shapes.append(tuple(tuple(a.shape) for a in args))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_the_recompute_leaves_the_down_projection_to_the_backward(tmp_path, method):
+    """The recompute of a checkpointed layer does not run its MLP's down projection: nothing but the residual
+    sum reads its product, so the backward runs only the GEMMs of its gradients (HF's checkpointing skips it too).
+    The down projection's forward GEMM ([tokens, intermediate] x [intermediate, hidden]; full fine-tuning runs
+    gate and up fused, so their input gradients are [tokens, 2 x intermediate] products) runs once a layer and
+    micro-batch, in the step's forward; the step itself matches HF and torch's AdamW (and PEFT) in the other
+    tests."""
+    path, _ = tiny_llama(tmp_path)
+    lora = LoraConfig(r=4, alpha=8, targets=("q_proj", "v_proj")) if method == "lora" else None
+    eng = Engine.from_pretrained(path, EngineConfig(**HP, device="cpu", lora=lora))
+    cfg = eng.model
+    H, inter, L = cfg.hidden_size, cfg.layers[0].mlp.width, cfg.num_layers
+    mbs = random_batches(1, micro=2, B=4)[0]
+    with _GemmLog() as log:
+        eng.train_step(mbs)
+    eng.close()
+    tokens = mbs[0][0].numel()
+    down = ((tokens, inter), (inter, H))
+    # LoRA runs gate and up as their own GEMMs: their input gradients share the shape, two a layer
+    input_grads = 2 * L * len(mbs) if method == "lora" else 0
+    assert log.shapes.count(down) == L * len(mbs) + input_grads  # L x micro-batches more before: the recompute
 
 
 def test_fuse_projections_is_a_bool():
