@@ -152,6 +152,7 @@ class EngineConfig:
             max_grad_norm=t.max_grad_norm, checkpoint_every=e.activation_checkpoint_every, device=r.device,
             compute_dtype=r.compute_dtype, precision=e.precision, offload_checkpoints=r.offload_checkpoints,
             layer_chunk_tokens=e.layer_chunk_tokens, loss_chunk_tokens=e.loss_chunk_tokens, seed=t.seed,
+            fuse_projections=e.fuse_projections,
             kernels=t.kernels, update=t.update,
             lora=None if lora is None else LoraConfig(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
                                                       targets=tuple(lora.targets),

@@ -291,7 +291,8 @@ def test_engine_config_from_spec_takes_every_field():
         "training.lr": 3e-4, "training.betas": [0.8, 0.95], "training.eps": 1e-6, "training.weight_decay": 0.1,
         "training.max_grad_norm": None, "training.seed": 7, "training.update": "exact", "training.kernels": "torch",
         "engine.device": "cpu", "engine.activation_checkpoint_every": 3, "engine.loss_chunk_tokens": 64,
-        "engine.layer_chunk_tokens": 256, "engine.offload_checkpoints": True, "method": "lora", "lora.r": 4,
+        "engine.layer_chunk_tokens": 256, "engine.offload_checkpoints": True, "engine.fuse_projections": False,
+        "method": "lora", "lora.r": 4,
         "lora.alpha": 8, "lora.dropout": 0.1, "lora.targets": ["v_proj", "q_proj"], "lora.modules_to_save": ["norm"]}))
     cfg = EngineConfig.from_spec(spec)
     cfg.validate()
@@ -302,6 +303,7 @@ def test_engine_config_from_spec_takes_every_field():
     # a checkpoint offloaded to the host only from a GPU: on the cpu there is nothing to offload
     assert (cfg.checkpoint_every, cfg.loss_chunk_tokens, cfg.layer_chunk_tokens, cfg.offload_checkpoints) == (
         3, 64, 256, False)
+    assert cfg.fuse_projections is False
     assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets, cfg.lora.modules_to_save) == (
         4, 8.0, 0.1, ("v_proj", "q_proj"), ("norm",))
     assert EngineConfig.from_spec(JobSpec.from_dict(MINIMAL), device="cpu").lora is None
