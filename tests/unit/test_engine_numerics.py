@@ -19,6 +19,7 @@ from transformers import (
 )
 
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig
+from horizon_ray.engine.layers import Template
 from horizon_ray.errors import BadInput
 from tests.tiny import (
     V,
@@ -207,7 +208,7 @@ class _GemmLog(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
-def test_the_recompute_leaves_the_down_projection_to_the_backward(tmp_path, method):
+def test_the_recompute_leaves_the_down_projection_to_the_backward(tmp_path, monkeypatch, method):
     """The recompute of a checkpointed layer does not run its MLP's down projection: nothing but the residual
     sum reads its product, so the backward runs only the GEMMs of its gradients (HF's checkpointing skips it too).
     The down projection's forward GEMM ([tokens, intermediate] x [intermediate, hidden]; full fine-tuning runs
@@ -222,12 +223,19 @@ def test_the_recompute_leaves_the_down_projection_to_the_backward(tmp_path, meth
     mbs = random_batches(1, micro=2, B=4)[0]
     with _GemmLog() as log:
         eng.train_step(mbs)
+    grads = step_grads(eng)
     eng.close()
     tokens = mbs[0][0].numel()
     down = ((tokens, inter), (inter, H))
     # LoRA runs gate and up as their own GEMMs: their input gradients share the shape, two a layer
     input_grads = 2 * L * len(mbs) if method == "lora" else 0
     assert log.shapes.count(down) == L * len(mbs) + input_grads  # L x micro-batches more before: the recompute
+    # the same GEMMs compute the same gradients: bit for bit what the full recompute gives
+    monkeypatch.setattr(Template, "layer_for_backward", Template.layer)
+    eng = Engine.from_pretrained(path, EngineConfig(**HP, device="cpu", lora=lora))
+    eng.train_step(mbs)
+    assert torch.equal(step_grads(eng), grads)
+    eng.close()
 
 
 def test_fuse_projections_is_a_bool():
