@@ -52,10 +52,10 @@ def gemm_table(fn, label: str) -> None:
         torch.cuda.synchronize()
     rows = gemm_shapes(prof, top=64)
     total_s = sum(r[3] for r in rows)
-    total_f = sum(r[3] * r[4] for r in rows)
+    total_f = sum(r[3] * r[4] for r in rows if r[4] is not None)
     print(f"{label}: GEMMs {total_s * 1e3:.2f} ms, {total_f / max(total_s, 1e-12):.0f} TFLOP/s", flush=True)
     for key, shapes, count, s, rate in rows:
-        print(f"  {key:12s} {str(shapes):52s} x{count:<3d} {s * 1e3:8.3f} ms {rate:6.0f} TFLOP/s")
+        print(f"  {key:12s} {str(shapes):52s} x{count:<3d} {s * 1e3:8.3f} ms {rate or 0:6.0f} TFLOP/s")
     kernels = defaultdict(float)
     for e in prof.key_averages():
         if e.device_type.name == "CUDA" and ("nvjet" in e.key or "gemm" in e.key.lower()):

@@ -42,6 +42,7 @@ from horizon_ray.bench.runtime import (
     device_and_dtype,
     device_name,
     free_memory,
+    profile_gemms,
     profile_step,
 )
 from horizon_ray.bench.shapes import hf_config, model_flops_per_token, resolve_shape
@@ -89,9 +90,9 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
             largest = rss_plan(rec, largest)
             rec.update(init_s=round(init_s, 1), params=eng.num_params,
                        offload_resolved=eng.offload_checkpoints,  # where checkpoints lived: host or device
-                       kernels=eng.template.ops.name,
+                       kernels=eng.template.ops.name,  # the layer template's kernels: torch or liger
                        layer_chunk_tokens=args.layer_chunk,
-                       projections="split" if lora is not None else args.projections)  # kernels: torch or liger
+                       projections=None if lora is not None else args.projections)  # LoRA: always split
             if lora is not None:
                 rec.update(lora_r=lora.r, lora_alpha=lora.alpha, lora_targets=list(lora.targets),
                            quantize=lora.quantize)
@@ -212,6 +213,7 @@ def _profiled(eng: Engine, rec: dict, batches) -> dict:
         out["profiled_exposed_optimizer_s"] = round(engine_stats(eng)[0] - waited0, 4)
     except Exception as exc:  # the split is a bonus: a profiler failure must not lose the measured run
         out["split_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    out.update(profile_gemms(lambda: eng.train_step(batches[0])))
     return out
 
 

@@ -23,7 +23,15 @@ from horizon_ray.bench.metrics import (
     is_out_of_memory,
     timed_summary,
 )
-from horizon_ray.bench.runtime import GpuTelemetry, device_name, free_memory, gpu_peaks, profile_step, sync
+from horizon_ray.bench.runtime import (
+    GpuTelemetry,
+    device_name,
+    free_memory,
+    gpu_peaks,
+    profile_gemms,
+    profile_step,
+    sync,
+)
 from horizon_ray.bench.shapes import hf_config, model_flops_per_token
 from horizon_ray.engine.model import EXPERT_TARGETS
 
@@ -280,6 +288,7 @@ def measure(system: str, shape, model, opt, args, emit: Callable[[dict], None], 
                 out.update(profile_step(functools.partial(step, batches[0])))
             except Exception as exc:  # the split is a bonus: a profiler failure must not lose the run
                 out["split_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            out.update(profile_gemms(functools.partial(step, batches[0])))
             emit(out)
     return results
 

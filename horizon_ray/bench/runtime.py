@@ -141,7 +141,8 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+# GEMM ops whose FLOPs follow from their input shapes; addmm and addmm_ (acc += a @ b) multiply their 2nd and 3rd
+GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::addmm_", "aten::baddbmm")
 
 
 def gemm_shapes(prof, top: int = 20) -> list[list]:
@@ -156,15 +157,15 @@ def gemm_shapes(prof, top: int = 20) -> list[list]:
         a, b = (shapes[0], shapes[1]) if e.key in ("aten::mm", "aten::bmm") else (shapes[1], shapes[2])
         flops = 2 * math.prod(a) * b[-1] * e.count
         sec = e.self_device_time_total / 1e6
-        rows.append([e.key, shapes, e.count, round(sec, 4), round(flops / max(sec, 1e-12) / 1e12)])
+        # no device time: calls that launched no kernel (HF's checkpointing stops its recompute inside one)
+        rows.append([e.key, shapes, e.count, round(sec, 4), round(flops / sec / 1e12) if sec > 0 else None])
     rows.sort(key=lambda r: -r[3])
     return rows[:top]
 
 
-def profile_step(step: Callable[[], object], shapes: bool = True) -> dict:
+def profile_step(step: Callable[[], object]) -> dict:
     """Run one step under torch.profiler (CUDA activity only) and split its wall time into GPU compute,
-    exposed copies and GPU idle (metrics.split_from_trace). With ``shapes``, one more step under the CPU
-    profiler too (whose launch overhead would blur the split), for its GEMMs by shape (``gemm_shapes``)."""
+    exposed copies and GPU idle (metrics.split_from_trace)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -181,10 +182,19 @@ def profile_step(step: Callable[[], object], shapes: bool = True) -> dict:
             events = json.load(f).get("traceEvents", [])
     finally:
         os.unlink(path)
-    out = split_from_trace(events, wall)
-    if shapes:
+    return split_from_trace(events, wall)
+
+
+def profile_gemms(step: Callable[[], object]) -> dict:
+    """One more step under the CPU profiler too (whose launch overhead would blur profile_step's split), for
+    its GEMMs by shape: ``gemm_shapes``, or ``gemm_shapes_error`` (a bonus: it never fails the run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             step()
             torch.cuda.synchronize()
-        out["gemm_shapes"] = gemm_shapes(prof)
-    return out
+        return {"gemm_shapes": gemm_shapes(prof)}
+    except Exception as exc:
+        return {"gemm_shapes_error": f"{type(exc).__name__}: {exc}"[:300]}

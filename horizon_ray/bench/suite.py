@@ -385,7 +385,7 @@ def _summary(runs: list[dict], md: Path) -> None:
             print(f"  IDLE {idle_line(r, gaps)}", flush=True)
         for op, shapes, calls, sec, rate in (r.get("gemm_shapes") or [])[:8]:
             print(f"  GEMM {op[6:]:<7} {' x '.join('x'.join(map(str, s)) for s in shapes):<44} {calls:>5} calls "
-                  f"{sec:8.4f} s {rate:5} TFLOP/s", flush=True)
+                  f"{sec:8.4f} s {rate if rate is not None else '-':>5} TFLOP/s", flush=True)
         if r.get("gpu_sm_clock_mhz"):
             print(f"  GPU SM clock {r['gpu_sm_clock_mhz']:,} MHz (lowest {r['gpu_sm_clock_min_mhz']:,}), "
                   f"{r['gpu_power_w']} W, up to {r['gpu_temp_max_c']} C over the timed steps "

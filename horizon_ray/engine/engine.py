@@ -686,7 +686,9 @@ class Engine:
             with torch.enable_grad():
                 y = self.template.layer_for_backward(x, w, mb, sinks=sinks, j=j)
             outs, douts = y.grad_pairs(w, sinks, dy) if isinstance(y, Deferred) else ([y], [dy])
+            del y  # the next row group's recompute must not hold this one's tensors
             grads = torch.autograd.grad(outs, [x, *leaves.values()], douts)
+            del outs, douts
             dxs.append(grads[0])
             for key, g in zip(leaves, grads[1:]):
                 sinks[key].add_(g)
@@ -707,7 +709,9 @@ class Engine:
             with torch.enable_grad():
                 y = self.template.layer_for_backward(x, w, mb, self._lora_call(j, i, True), j=j)
             outs, douts = y.grad_pairs(w, None, dy) if isinstance(y, Deferred) else ([y], [dy])
+            del y  # the next row group's recompute must not hold this one's tensors
             grads = torch.autograd.grad(outs, [x, *leaves.values()] if need_dx else list(leaves.values()), douts)
+            del outs, douts
             if need_dx:
                 dxs.append(grads[0])
                 grads = grads[1:]

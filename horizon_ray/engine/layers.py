@@ -274,28 +274,46 @@ def expert_counts(flat_e: torch.Tensor, E: int) -> torch.Tensor:
         0, flat_e, torch.ones_like(flat_e, dtype=torch.int64))
 
 
+class _Deferred(torch.autograd.Function):
+    """act W^T (+ b) left out of the forward: a zero-size stand-in (an expanded scalar) whose backward runs the
+    product's two gradient GEMMs, as _SinkLinear's would. Its saved act is freed once that backward has run."""
+
+    @staticmethod
+    def forward(ctx, act, w, gw, gb, out_features: int):
+        ctx.save_for_backward(act, w)
+        ctx.sinks = (gw, gb)
+        return act.new_zeros(()).expand(*act.shape[:-1], out_features)
+
+    @staticmethod
+    def backward(ctx, gy):
+        act, w = ctx.saved_tensors
+        gw, gb = ctx.sinks
+        return linear_backward(gy, act, w, gw, gb, ctx.needs_input_grad[0]), None, None, None, None
+
+
 @dataclass(frozen=True)
 class Deferred:
     """A decoder layer's output ``residual + act W^T (+ b)`` with its last projection not run
     (``Template.layer_for_backward``). Nothing but that sum reads the projection's product, and the sum's
     gradient is the incoming one, so the recompute of a checkpointed layer does not need the GEMM: the backward
-    runs only the two GEMMs of its gradients. For the MLP's down projection that is a seventh of a dense layer's
-    forward GEMMs (HF's checkpointing skips it too: its recompute stops at the last tensor the backward saves)."""
+    runs only the two GEMMs of its gradients. For a dense MLP's down projection that is a quarter of the layer's
+    forward GEMM FLOPs (HF's checkpointing skips it too: its recompute stops at the last tensor the backward
+    saves)."""
 
     residual: torch.Tensor
     act: torch.Tensor
     key: str
 
     def grad_pairs(self, w: dict, sinks: dict | None, dy: torch.Tensor):
-        """(outputs, their gradients) for torch.autograd.grad, once the projection's own weight gradient (into
-        its sink, where it has one) and dL/d act (where anything below it trains) are done."""
+        """(outputs, their gradients) for torch.autograd.grad: the residual and a stand-in for the projection,
+        both with the incoming gradient. The projection's weight gradient goes to its sink, where it has one
+        (full fine-tuning), and dL/d act on to what trains below it."""
         sinks = sinks or {}
-        need = self.act.requires_grad
-        d_act = linear_backward(dy, self.act.detach(), w[self.key], sinks.get(self.key), sinks.get(self.key + "_b"),
-                                need_gx=need)
-        pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        pairs += [(self.residual, dy)] if self.residual.requires_grad else []
-        pairs += [(self.act, d_act)] if need else []
+        gw, gb = sinks.get(self.key), sinks.get(self.key + "_b")
+        stand_in = _Deferred.apply(self.act, w[self.key], gw, gb, dy.shape[-1])
+        if not stand_in.requires_grad and gw is not None:  # nothing below trains; the weight itself does
+            linear_backward(dy, self.act, w[self.key], gw, gb, need_gx=False)
+        pairs = [(o, dy) for o in (self.residual, stand_in) if o.requires_grad]
         return [o for o, _ in pairs], [g for _, g in pairs]
 
 

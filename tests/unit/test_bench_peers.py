@@ -476,7 +476,8 @@ def test_gpu_telemetry_names_the_gpu_by_its_uuid(monkeypatch):
 
 def test_gemm_shapes_rank_a_profiles_gemms_by_shape_with_their_rate():
     """A profiled step's GEMMs by input shapes: the rate from the shapes' FLOPs (addmm's product is its second
-    and third inputs), slowest first; ops other than GEMMs are left out."""
+    and third inputs), slowest first, none where the calls launched no kernel; ops other than GEMMs are left
+    out. The names it reads are a real profile's (the second half, on the CPU)."""
     from types import SimpleNamespace
 
     from horizon_ray.bench.runtime import gemm_shapes
@@ -488,10 +489,22 @@ def test_gemm_shapes_rank_a_profiles_gemms_by_shape_with_their_rate():
         ev("aten::mm", [[16384, 2560], [2560, 9728]], 20, 20_343.0),
         ev("aten::addmm", [[9728, 2560], [9728, 16384], [16384, 2560], []], 8, 8_792.0),
         ev("aten::add_", [[16384, 2560], [16384, 2560]], 99, 50_000.0),
+        ev("aten::addmm_", [[64, 32], [64, 16], [16, 32], []], 3, 0.0),  # launched nothing: no rate
     ])
     rows = gemm_shapes(prof)
-    assert [r[0] for r in rows] == ["aten::mm", "aten::addmm"]
-    mm, addmm = rows
+    assert [r[0] for r in rows] == ["aten::mm", "aten::addmm", "aten::addmm_"]
+    assert rows[2][3:] == [0.0, None]
+    mm, addmm = rows[:2]
     assert mm[1:4] == [[[16384, 2560], [2560, 9728]], 20, 0.0203]
     assert mm[4] == round(2 * 16384 * 2560 * 9728 * 20 / 0.020343 / 1e12)  # 802 TFLOP/s
     assert addmm[4] == round(2 * 9728 * 16384 * 2560 * 8 / 0.008792 / 1e12)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    a, b, acc = torch.randn(64, 16), torch.randn(16, 32), torch.zeros(64, 32)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as real:
+        torch.mm(a, b)
+        acc.addmm_(a, b)
+    got = {r[0]: r[1:3] for r in gemm_shapes(real)}
+    assert got == {"aten::mm": [[[64, 16], [16, 32]], 1], "aten::addmm_": [[[64, 32], [64, 16], [16, 32]], 1]}
