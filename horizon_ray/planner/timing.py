@@ -6,7 +6,11 @@ Work of one optimizer step (T tokens, L layers, K checkpoint interval, S sequenc
     layer forward FLOPs per token   f = 2 x (projection weights) + 2 x heads x head_dim x S (causal)
     forward                         L x f                      (no autograd)
     backward                        (L - ceil(L/K)) x f        recompute of each block's other inputs
-                                    + L x f                    each layer's forward again, under autograd
+                                    + L x (f - d)              each layer's forward again, under autograd,
+                                                               but for d = 2 x its last projection's weights
+                                                               where nothing else reads its product (a dense
+                                                               MLP's down projection without a norm after it
+                                                               or an adapter on it: layers.Deferred)
                                     + L x 2f                   its backward (LoRA: dX only for the frozen
                                                                projections, so 1 x their share)
     loss                            6 x V x H per token        LM head forward + backward, fused in chunks
@@ -68,6 +72,7 @@ from typing import Any
 
 from horizon_ray.engine.model import DTYPE_BYTES
 from horizon_ray.errors import BadInput
+from horizon_ray.models.blocks import DenseMLP
 from horizon_ray.planner.memory import unit_wire_bytes
 from horizon_ray.planner.modes import PrecisionMode
 from horizon_ray.planner.node import Ceilings
@@ -107,6 +112,15 @@ def host_share(ceil: Ceilings, concurrent_engines: int = 1) -> dict[str, float]:
             "cpu_flops": ceil.cpu_flops / n}
 
 
+def deferred_params(shape: ModelShape, lora: Adapters | None) -> int:
+    """Weights of the projections the backward's recompute does not run (``layers.Deferred``): each dense layer's
+    down projection, where no norm follows it and no adapter is on it."""
+    if lora is not None and "down_proj" in lora.targets:
+        return 0
+    return sum(layer.mlp.width * shape.hidden_size for layer in shape.layers
+               if isinstance(layer.mlp, DenseMLP) and not layer.sandwich_norms)
+
+
 def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapters | None, ceil: Ceilings,
               concurrent_engines: int = 1, speculated_params: int = 0) -> dict[str, Any]:
     """Seconds of each term and the predicted step of one engine while `concurrent_engines` engines share
@@ -130,9 +144,10 @@ def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapt
     f_attn = 2.0 * shape.q_dim * seq_len
     f_adapter = 0.0 if lora is None else 2.0 * sum(adapter_active_layer_params(lora, shape, i) for i in range(L)) / L
     f = f_mm + f_attn + f_adapter
+    f_deferred = 2.0 * deferred_params(shape, lora) / L
     backward = (2 * f_mm if full else f_mm) + 2 * f_attn + 2 * f_adapter
     fwd_flops = tokens * L * f
-    bwd_flops = tokens * ((L - ceil_div(L, K)) * f + L * f + L * backward + (6 if full else 4) * V * H)
+    bwd_flops = tokens * ((L - ceil_div(L, K)) * f + L * (f - f_deferred) + L * backward + (6 if full else 4) * V * H)
     # token copies the MoE layers route in one pass over the step's tokens (top-k of each MoE layer)
     routed = tokens * sum(layer.moe.top_k for layer in shape.layers if layer.moe is not None)
 

@@ -285,7 +285,7 @@ def test_step_time_roofline():
     for p in (k1, k4):
         assert p.tokens_per_s == pytest.approx(65536 / p.step_time_s)
         assert p.step_time_s >= max(p.timing["compute_s"], p.timing["optimizer_s"])
-        assert 0 < p.mfu < 0.55
+        assert 0 < p.mfu < 0.6  # HF + Liger in-GPU reached 0.57 of the measured rate on qwen3-4b
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------
@@ -472,14 +472,16 @@ def test_two_7b_jobs_side_by_side_on_a_two_gpu_node():
     # The backward's copies (weights in, gradients out) meet the host side's half of 101.7 GB/s: 0.28 -> 0.55 s
     assert a["pcie_backward_s"] == pytest.approx(0.275, abs=0.002)
     assert s["pcie_backward_s"] == pytest.approx(0.548, abs=0.002)
-    # One engine's update (1.73 s) already outlasts its forward (1.53 s at the calibrated efficiency): 8.03 s;
-    # with two, each update takes 3.39 s: 9.82 s per step.
+    # One engine's update (1.73 s) already outlasts its forward (1.53 s at the calibrated efficiency): 7.59 s
+    # (the backward 5.69 s: its recompute leaves each layer's down projection out, 0.44 s of GEMMs);
+    # with two, each update takes 3.39 s: 9.38 s per step.
     assert a["forward_s"] == pytest.approx(1.534, abs=0.005)
-    assert alone.step_time_s == pytest.approx(8.03, abs=0.01) and "cpu optimizer" in alone.bound
-    assert shared.step_time_s == pytest.approx(9.82, abs=0.01) and "cpu optimizer" in shared.bound
-    # Each job runs at 0.82x; the node at 1.63x the tokens/s of one job.
-    assert shared.tokens_per_s / alone.tokens_per_s == pytest.approx(0.817, abs=0.002)
-    assert shared.node_tokens_per_s / alone.tokens_per_s == pytest.approx(1.634, abs=0.004)
+    assert a["backward_s"] == pytest.approx(5.691, abs=0.005)
+    assert alone.step_time_s == pytest.approx(7.59, abs=0.01) and "cpu optimizer" in alone.bound
+    assert shared.step_time_s == pytest.approx(9.38, abs=0.01) and "cpu optimizer" in shared.bound
+    # Each job runs at 0.81x; the node at 1.62x the tokens/s of one job.
+    assert shared.tokens_per_s / alone.tokens_per_s == pytest.approx(0.809, abs=0.002)
+    assert shared.node_tokens_per_s / alone.tokens_per_s == pytest.approx(1.617, abs=0.004)
     assert "with 2 engines sharing the host" in shared.reason
     assert plan_for_spec({"model": {"path": "qwen2.5-7b"}, "training": {"seq_len": 1024, "micro_batch_size": 16,
                                                                          "grad_accum": 4},
@@ -674,7 +676,8 @@ def test_the_h200_7b_steps_are_planned_within_25_percent_of_the_engines(grad_acc
     p = plan("qwen2.5-7b", seq_len=1024, micro_batch_size=16, grad_accum=grad_accum, checkpoint_every=1,
              gpu_budget_bytes=12 * GiB)
     assert p.fits and abs(p.step_time_s / measured_s - 1) < 0.25, p.step_time_s
-    assert abs(p.step_time_s / measured_s - 1) < 0.05  # what the calibration gives today: -0.3 % and +3.6 %
+    # -3.8 % and -3.0 % today: the plan no longer counts the down projection's recompute, which those runs did
+    assert abs(p.step_time_s / measured_s - 1) < 0.05
 
 
 _MOE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj")
@@ -730,3 +733,22 @@ def test_the_plan_names_activation_recomputation_not_a_checkpoint():
 
     text = format_plan(plan(TINY, device="cpu", checkpoint_every=2))
     assert "activation recomputation every 2 layers" in text and "checkpoint every" not in text
+
+
+def test_the_plans_recompute_leaves_out_the_deferred_down_projection(monkeypatch):
+    """The backward's recompute does not run a dense layer's down projection where nothing but the residual
+    reads it (layers.Deferred), so the plan does not count it: qwen3-4b's 36 layers x 2 x 9,728 x 2,560 FLOPs a
+    token. Gemma (a norm follows its down projection), a LoRA adapter on down_proj and MoE layers keep it."""
+    from horizon_ray.planner import timing
+
+    job = dict(seq_len=1024, micro_batch_size=16, grad_accum=4)
+    deferred = plan("qwen3-4b", **job).timing
+    assert timing.deferred_params(PRESETS["qwen3-4b"], None) == 36 * 9728 * 2560
+    assert timing.deferred_params(PRESETS["qwen3-4b"], Adapters(targets=("q_proj", "v_proj"))) == 36 * 9728 * 2560
+    assert timing.deferred_params(PRESETS["qwen3-4b"], Adapters(targets=("down_proj",))) == 0
+    assert timing.deferred_params(PRESETS["gemma-3-4b"], None) == 0
+    assert timing.deferred_params(PRESETS["olmoe-1b-7b"], None) == 0
+    monkeypatch.setattr(timing, "deferred_params", lambda shape, lora: 0)
+    full = plan("qwen3-4b", **job).timing
+    assert full["bwd_flops"] - deferred["bwd_flops"] == 65536 * 36 * 2 * 9728 * 2560
+    assert full["fwd_flops"] == deferred["fwd_flops"] and full["model_flops"] == deferred["model_flops"]
