@@ -183,10 +183,13 @@ void adamw_bf16(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor exp_av
 }
 """
 
-_FUNCTIONS = ["adamw_f32", "adamw_bf16", "adamw_f32_redo"]
+# Tuples, and the builder gets copies: torch's load_inline appends its own libraries to the extra_ldflags list it
+# is given, which changed build_name() in a process that had built the library (its next load looked for
+# another file).
+_FUNCTIONS = ("adamw_f32", "adamw_bf16", "adamw_f32_redo")
 # -fno-math-errno lets the compiler vectorise sqrt
-_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
+_CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()
 _module = None
@@ -227,8 +230,9 @@ def _load_or_build():
     # a directory no other process uses: nobody else's lock file (live or left by a killed build) is in it
     private = tempfile.mkdtemp(prefix=f"{name}.build-", dir=root)
     try:
-        module = load_inline(name=name, cpp_sources=[_SOURCE], functions=_FUNCTIONS, extra_cflags=_CFLAGS,
-                             extra_ldflags=_LDFLAGS, build_directory=private, verbose=False)
+        module = load_inline(name=name, cpp_sources=[_SOURCE], functions=list(_FUNCTIONS),
+                             extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), build_directory=private,
+                             verbose=False)
         # one rename on one filesystem: a reader sees no library or a whole one; racing builders each
         # move an identical build, the last one wins
         os.replace(os.path.join(private, f"{name}.so"), library)

@@ -143,3 +143,29 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
     _load_kernel_in_a_child(tmp_path, timeout_s=400)
     assert (so.stat().st_ino, so.stat().st_mtime_ns) == before
     assert not list(tmp_path.glob("*.build-*"))
+
+
+def test_a_build_leaves_the_library_name_as_it_was(tmp_path, monkeypatch):
+    """torch's load_inline appends its libraries to the extra_ldflags list it is handed. Handed the module's own
+    list, a process that built the library computed another name afterwards: a fresh CI machine's test process
+    (which builds at import, its cache empty) looked for a library under a name the build had not used."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    seen = []
+
+    def load_inline(*, name, functions, extra_cflags, extra_ldflags, build_directory, **_):
+        seen.append(name)
+        extra_ldflags += ["-L/torch/lib", "-lc10", "-ltorch"]  # what torch 2.13's _prepare_ldflags does
+        extra_cflags.append("-DTORCH_EXTENSION_NAME=" + name)
+        functions.append("extra")
+        (tmp_path / "private.so").write_bytes(b"")
+        os.replace(tmp_path / "private.so", os.path.join(build_directory, f"{name}.so"))
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = cpu_adam.build_name()
+    assert cpu_adam._load_or_build() == "module"
+    assert seen == [name]
+    assert cpu_adam.build_name() == name  # the old code: another name once the build had run
+    assert (tmp_path / f"{name}.so").is_file()
