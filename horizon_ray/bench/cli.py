@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from horizon_ray.bench.metrics import SYSTEMS, UPDATE_MODES, parse_updates
+from horizon_ray.bench.metrics import LAYER_CHUNK_TOKENS, SYSTEMS, UPDATE_MODES, parse_updates
 from horizon_ray.bench.shapes import SHAPES
 
 
@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="compute dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
     job.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
     job.add_argument("--loss-chunk", type=int, default=1024, help="horizon-ray's tokens per loss chunk")
-    job.add_argument("--layer-chunk", type=int, default=8192,
+    job.add_argument("--layer-chunk", type=int, default=LAYER_CHUNK_TOKENS,
                      help="horizon-ray's tokens per row group: a micro-batch runs through a layer in row groups of "
                           "at most this many tokens (the job spec's layer_chunk_tokens: larger groups make larger "
                           "GEMMs and take more GPU memory)")

@@ -19,6 +19,9 @@ from horizon_ray.engine.model import UPDATES as UPDATE_MODES  # the engine's tab
 MEASURED_BF16_FLOPS = 786.5e12
 DATASHEET_BF16_FLOPS = 989.5e12
 
+# horizon-ray's tokens per row group unless --layer-chunk says otherwise: EngineConfig.layer_chunk_tokens (a unit
+# test keeps them equal); RESULTS.md names a row's row groups where they differ
+LAYER_CHUNK_TOKENS = 8192
 SYSTEMS = ("horizon-ray", "in-gpu-baseline", "in-gpu-liger", "in-gpu-peft", "in-gpu-peft-liger", "fsdp2-offload")
 BASELINE = "in-gpu-baseline"
 # The in-GPU peers a run is held against, by what it trains: (plain HF, HF with Liger-Kernel). Full

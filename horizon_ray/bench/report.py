@@ -11,6 +11,7 @@ from pathlib import Path
 
 from horizon_ray.bench.metrics import (
     IN_GPU,
+    LAYER_CHUNK_TOKENS,
     PEERS,
     REQUIRED_KEYS,
     SYSTEMS,
@@ -144,7 +145,7 @@ def _mode_label(r: dict) -> str:
             {"true": "host", "false": "GPU"}.get(str(off), str(off))
         label = f"{r['mode']}, ckpt {where}" + (" (auto)" if off == "auto" and resolved is not None else "")
         rows = r.get("layer_chunk_tokens")
-        if rows is not None and rows != 8192:
+        if rows is not None and rows != LAYER_CHUNK_TOKENS:
             label += f", rows {rows}"
         return label + (", split GEMMs" if r.get("projections") == "split" else "")
     if r["system"] in IN_GPU:

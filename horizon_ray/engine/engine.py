@@ -683,12 +683,7 @@ class Engine:
         dxs = []
         for x, dy, mb in zip(xs, dys, mbs):
             x = x.detach().requires_grad_()
-            with torch.enable_grad():
-                y = self.template.layer_for_backward(x, w, mb, sinks=sinks, j=j)
-            outs, douts = y.grad_pairs(w, sinks, dy) if isinstance(y, Deferred) else ([y], [dy])
-            del y  # the next row group's recompute must not hold this one's tensors
-            grads = torch.autograd.grad(outs, [x, *leaves.values()], douts)
-            del outs, douts
+            grads = self._recompute_grads(j, x, w, mb, None, sinks, dy, [x, *leaves.values()])
             dxs.append(grads[0])
             for key, g in zip(leaves, grads[1:]):
                 sinks[key].add_(g)
@@ -706,12 +701,8 @@ class Engine:
         dxs = []
         for i, (x, dy, mb) in enumerate(zip(xs, dys, mbs)):
             x = x.detach().requires_grad_(need_dx)
-            with torch.enable_grad():
-                y = self.template.layer_for_backward(x, w, mb, self._lora_call(j, i, True), j=j)
-            outs, douts = y.grad_pairs(w, None, dy) if isinstance(y, Deferred) else ([y], [dy])
-            del y  # the next row group's recompute must not hold this one's tensors
-            grads = torch.autograd.grad(outs, [x, *leaves.values()] if need_dx else list(leaves.values()), douts)
-            del outs, douts
+            grads = self._recompute_grads(j, x, w, mb, self._lora_call(j, i, True), None, dy,
+                                          [x, *leaves.values()] if need_dx else list(leaves.values()))
             if need_dx:
                 dxs.append(grads[0])
                 grads = grads[1:]
@@ -719,6 +710,16 @@ class Engine:
                 g[key].add_(gk)
         G.flush_adapter(j, k)
         return dxs
+
+    def _recompute_grads(self, j, x, w, mb, lora, sinks, dy, inputs):
+        """Layer j's forward again under autograd (``Template.layer_for_backward``) and the gradients of
+        ``inputs``; a deferred last projection runs only its gradients' GEMMs. Nothing of the recompute outlives
+        the call: the next row group's must not hold this one's tensors."""
+        with torch.enable_grad():
+            y = self.template.layer_for_backward(x, w, mb, lora, sinks=sinks, j=j)
+        outs, douts = y.grad_pairs(w, sinks, dy) if isinstance(y, Deferred) else ([y], [dy])
+        del y  # the stand-in's saved input is freed as its backward runs, not held through the layer's
+        return torch.autograd.grad(outs, inputs, douts)
 
     def _embedding_backward(self, dhs, mbs, tied_acc, k: int):
         G = self._grad_sink

@@ -136,13 +136,14 @@ def test_units_and_store_match_the_engine(config):
 
 
 def test_planner_constants_match_the_engine():
+    from horizon_ray.bench.metrics import LAYER_CHUNK_TOKENS
     from horizon_ray.engine import EngineConfig, optimizer
     from horizon_ray.engine.config import PRECISIONS
     from horizon_ray.jobspec import PRECISIONS as SPEC_PRECISIONS
     from horizon_ray.jobspec import EngineSpec
     from horizon_ray.planner import memory
 
-    assert EngineSpec().layer_chunk_tokens == EngineConfig().layer_chunk_tokens
+    assert EngineSpec().layer_chunk_tokens == EngineConfig().layer_chunk_tokens == LAYER_CHUNK_TOKENS
     assert memory.OPTIMIZER_SCRATCH_ELEMENTS == optimizer._CHUNK
     full = {n for n, m in MODES.items() if m.engine_supported and m.method == "full"}
     assert full == set(PRECISIONS) >= set(SPEC_PRECISIONS)
