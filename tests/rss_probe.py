@@ -7,7 +7,9 @@ this module in a child process instead:
     python -m tests.rss_probe '{"config": {...}, "engine": {...}, "lora": {...} | null,
                                  "seq": 64, "micro": 2, "accum": 2}'
 
-and read one JSON line: RSS growth after the step, its peak, the loss and the engine's host bytes by kind.
+and read one JSON line: RSS growth after the model is built and after the step, its peak, the loss and the
+engine's host bytes by kind. ``init_workers`` sets how many threads draw the random model (the machine's cores
+otherwise): a node with many cores draws on as many threads, each with its own malloc arena.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def measure(config: dict, engine: dict, seq: int, micro: int, accum: int, lora: dict | None = None,
-            steps: int = 1) -> dict:
+            steps: int = 1, init_workers: int | None = None) -> dict:
     """Run the probe in a child process; its JSON result (with `steps` > 1 also the RSS after each step)."""
     arg = json.dumps({"config": config, "engine": engine, "lora": lora, "seq": seq, "micro": micro, "accum": accum,
-                      "steps": steps})
+                      "steps": steps, "init_workers": init_workers})
     proc = subprocess.run([sys.executable, "-m", "tests.rss_probe", arg], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -34,12 +36,17 @@ def measure(config: dict, engine: dict, seq: int, micro: int, accum: int, lora: 
 
 
 def _main(arg: str) -> None:
+    import os
+
     import psutil
     import torch
 
     from horizon_ray.engine import Engine, EngineConfig, LoraConfig
 
     a = json.loads(arg)
+    if a.get("init_workers"):
+        workers = a["init_workers"]
+        os.cpu_count = lambda: workers  # what the engine's random init sizes its thread pool by
     gen = torch.Generator().manual_seed(0)
     vocab = a["config"]["vocab_size"]
     batches = []
@@ -62,6 +69,7 @@ def _main(arg: str) -> None:
     after = []  # RSS after each step (its update finished)
     try:
         eng = Engine.from_config(a["config"], cfg)
+        built = proc.memory_info().rss - rss0
         for _ in range(a.get("steps", 1)):
             loss = eng.train_step(batches)
             eng.synchronize()  # the update runs in the background
@@ -71,7 +79,7 @@ def _main(arg: str) -> None:
     finally:
         stop.set()
         sampler.join()
-    print(json.dumps({"grown": grown, "peak": peak[0] - rss0, "after_each_step": after, "loss": loss,
+    print(json.dumps({"built": built, "grown": grown, "peak": peak[0] - rss0, "after_each_step": after, "loss": loss,
                       "num_params": eng.num_params,
                       "trainable_params": eng.trainable_params, "host": eng.memory_report()["host"],
                       "loss_chunk_tokens": cfg.loss_chunk_tokens}))

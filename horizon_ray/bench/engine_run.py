@@ -46,7 +46,7 @@ from horizon_ray.bench.runtime import (
     profile_step,
 )
 from horizon_ray.bench.shapes import hf_config, model_flops_per_token, resolve_shape
-from horizon_ray.engine import Engine, EngineConfig, LoraConfig
+from horizon_ray.engine import Engine, EngineConfig, LoraConfig, heap
 
 
 def run(args, emit: Callable[[dict], None]) -> list[dict]:
@@ -197,6 +197,7 @@ def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
         peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else 0,
         peak_gpu_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else 0,
         host_rss_bytes=host_rss(), host_rss_growth_bytes=host_rss() - rss0, host_peak_rss_bytes=host_peak_rss(),
+        host_heap_free_bytes=heap.free_bytes(),  # of the RSS above the plan, what malloc holds free (None: not glibc)
         store_bytes=mem["host"], device_bytes=mem["device"],
         host_checkpoint_bytes=eng.stats().host_checkpoint_bytes,
         **telemetry.summary(),

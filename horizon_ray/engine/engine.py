@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import queue
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from horizon_ray.engine import io, preference
+from horizon_ray.engine import heap, io, preference
 from horizon_ray.engine import lora as lora_io
 from horizon_ray.engine.config import DTYPES, EngineConfig, resolve_device
 from horizon_ray.engine.fence import Fence
@@ -763,23 +764,41 @@ def _init_random(store: HostStore, model: ModelConfig, cfg: EngineConfig,
     _draw_all(normal, std)
     for unit in store.units:
         store.refresh_wire(unit)
+    heap.give_back()  # (a quantized base's CPU packing chunks)
 
 
 def _draw_all(normal: list, std: float) -> None:
     """Each chunk drawn in fp32 from its own seed, then rounded into its view's dtype: the random model is
     the same whatever dtype holds it. torch's CPU normal_ draws a bf16 tensor by another algorithm than an fp32
     one (a tail not a multiple of 16 elements on torch 2.13, the whole tensor on others), which made a bf16
-    LoRA base another model than the fp32 one it is compared with."""
+    LoRA base another model than the fp32 one it is compared with.
+
+    The fp32 draws of the other dtypes go through one scratch row a worker, allocated once (one block, which
+    the allocator maps and unmaps whole). A fresh fp32 tensor a chunk, on every core, left hundreds of MiB of
+    freed heap behind in the threads' malloc arenas, resident and never given back: glibc serves chunks of a
+    few MiB from the heap once one of that size was freed (test_random_init_gives_its_scratch_back)."""
+    workers = os.cpu_count() or 1
+    rounded = [item for item in normal if item[0].dtype != torch.float32]
+    width = max((view.numel() for view, _ in rounded), default=0)
+    scratch = torch.empty(min(workers, len(rounded)), width, dtype=torch.float32) if rounded else None
+    rows: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for row in range(len(scratch) if scratch is not None else 0):
+        rows.put(row)
 
     def draw(item):
         view, seed = item
         gen = torch.Generator().manual_seed(seed)
         if view.dtype == torch.float32:
             view.normal_(0.0, std, generator=gen)
-        else:
-            view.copy_(torch.empty(view.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+            return
+        assert scratch is not None
+        row = rows.get()
+        try:
+            view.copy_(scratch[row, :view.numel()].view(view.shape).normal_(0.0, std, generator=gen))
+        finally:
+            rows.put(row)
 
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(draw, normal))
 
 

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from horizon_ray.atomic import atomic_path
+from horizon_ray.engine import heap
 from horizon_ray.engine.model import TensorSlot
 from horizon_ray.engine.quant import StoredTensor, stored_owner
 from horizon_ray.engine.store import HostStore
@@ -90,6 +91,7 @@ def load_into(store: HostStore, model_dir: Path, tied: bool, device: torch.devic
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
+        heap.give_back()  # the tensors read and the quantization's chunks, freed one at a time
 
 
 def save_pretrained(store: HostStore, hf_config: dict, out_dir: Path, dtype: torch.dtype, max_shard_bytes: int,

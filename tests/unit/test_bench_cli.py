@@ -49,6 +49,8 @@ def test_bench_cli_on_the_tiny_shape_on_cpu(tmp_path):
         assert r["ratio_liger_reason"].startswith("in-gpu-liger skipped: Liger-Kernel's kernels are Triton kernels")
     hr = [r for r in runs if r["system"] == "horizon-ray"]
     assert all(r["planned_host_bytes"] > 0 and r["exposed_optimizer_s"] is not None for r in hr)
+    # the RSS the allocator holds free, to tell it from the plan's buffers (glibc's mallinfo2)
+    assert all(0 <= r["host_heap_free_bytes"] < r["host_rss_bytes"] for r in hr)
     assert [r["update"] for r in hr] == ["exact", "exact"] and all(r["rollbacks"] == 0 for r in hr)
     assert all(r["kernels"] == "torch" for r in hr)  # the engine's fused kernels are CUDA-only
     assert all(r["planned_host_bytes"] is None and r["update"] is None for r in runs if r["system"] != "horizon-ray")
