@@ -31,6 +31,7 @@ from horizon_ray.bench.metrics import (
     error_reason,
     host_peak_rss,
     host_rss,
+    host_rss_parts,
     is_out_of_memory,
     parse_updates,
     timed_summary,
@@ -198,6 +199,7 @@ def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
         peak_gpu_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else 0,
         host_rss_bytes=host_rss(), host_rss_growth_bytes=host_rss() - rss0, host_peak_rss_bytes=host_peak_rss(),
         host_heap_free_bytes=heap.free_bytes(),  # of the RSS above the plan, what malloc holds free (None: not glibc)
+        **host_rss_parts(),
         store_bytes=mem["host"], device_bytes=mem["device"],
         host_checkpoint_bytes=eng.stats().host_checkpoint_bytes,
         **telemetry.summary(),

@@ -115,6 +115,20 @@ def host_rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def host_rss_parts() -> dict[str, int]:
+    """This process's RSS by kind (Linux's /proc/self/status), for a row whose RSS is off its plan: anonymous
+    memory (the store, the heap, pinned buffers), file pages mapped in (the CUDA and kernel libraries' code, a
+    checkpoint read through mmap) and shared memory (a multi-rank job's store)."""
+    kinds = {"RssAnon:": "host_rss_anon_bytes", "RssFile:": "host_rss_file_bytes", "RssShmem:": "host_rss_shmem_bytes"}
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, *value = line.split()
+            if name in kinds:
+                out[kinds[name]] = int(value[0]) * 1024  # kB
+    return out
+
+
 def host_peak_rss() -> int:
     """Highest resident set size of this process so far, in bytes (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -245,6 +245,11 @@ def _bound(r: dict, base: dict | None) -> str:
             parts.append(f"host RSS {rss / GiB:.1f} GiB against {against / GiB:.1f} GiB planned for the "
                          f"{tokens:,}-token step that ran before it in the same process "
                          f"({rss / against - 1:+.1%}; this step's own plan: {planned / GiB:.1f} GiB)")
+        if rss > 1.01 * against and r.get("host_rss_file_bytes") is not None:
+            # what the plan's buffers are not: code and files mapped in, and heap malloc holds free
+            free = r.get("host_heap_free_bytes")
+            parts.append(f"of that RSS, {r['host_rss_file_bytes'] / GiB:.2f} GiB were mapped files"
+                         + (f" and malloc held {free / GiB:.2f} GiB free" if free is not None else ""))
     if r.get("planned_gpu_bytes") and r.get("peak_gpu_bytes"):
         parts.append(f"peak GPU {r['peak_gpu_bytes'] / GiB:.1f} GiB allocated against "
                      f"{r['planned_gpu_bytes'] / GiB:.1f} GiB planned")

@@ -444,6 +444,19 @@ def test_host_rss_is_compared_with_the_largest_plan_the_process_ran():
             "process (-0.2%; this step's own plan: 104.0 GiB)") in _bound(small, None)
 
 
+def test_a_row_above_its_rss_plan_says_what_the_excess_is_made_of():
+    """The qwen3-30b-a3b nf4 rows of 2026-12-04 ran 2.0 GB above their plan, with nothing recorded to tell mapped
+    code from freed heap; a row now records both, and its line says them where RSS is more than 1 % above."""
+    from horizon_ray.bench.report import _bound
+
+    row = _run("horizon-ray", 10132.0, planned_host_bytes=31872670720, host_rss_bytes=33914773504,
+               host_rss_file_bytes=int(0.75 * 2**30), host_heap_free_bytes=int(1.25 * 2**30))
+    assert ("host RSS 31.6 GiB against 29.7 GiB planned (+6.4%); of that RSS, 0.75 GiB were mapped files and "
+            "malloc held 1.25 GiB free") in _bound(row, None)
+    within = dict(row, host_rss_bytes=31872670720)
+    assert "mapped files" not in _bound(within, None)
+
+
 def test_run9_reuses_run8s_baseline_and_says_so():
     runs = json.loads((RESULTS / "2026-11-29-h200-qwen2.5-7b-run9.json").read_text())
     base = [r for r in runs if r["system"] == "in-gpu-baseline"]

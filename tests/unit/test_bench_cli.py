@@ -51,6 +51,10 @@ def test_bench_cli_on_the_tiny_shape_on_cpu(tmp_path):
     assert all(r["planned_host_bytes"] > 0 and r["exposed_optimizer_s"] is not None for r in hr)
     # the RSS the allocator holds free, to tell it from the plan's buffers (glibc's mallinfo2)
     assert all(0 <= r["host_heap_free_bytes"] < r["host_rss_bytes"] for r in hr)
+    for r in hr:  # and the RSS by kind, read at the same moment (a few pages apart)
+        parts = r["host_rss_anon_bytes"] + r["host_rss_file_bytes"] + r["host_rss_shmem_bytes"]
+        assert r["host_rss_anon_bytes"] > r["store_bytes"]["master"] > 0
+        assert abs(parts - r["host_rss_bytes"]) < 16 * 2**20, (parts, r["host_rss_bytes"])
     assert [r["update"] for r in hr] == ["exact", "exact"] and all(r["rollbacks"] == 0 for r in hr)
     assert all(r["kernels"] == "torch" for r in hr)  # the engine's fused kernels are CUDA-only
     assert all(r["planned_host_bytes"] is None and r["update"] is None for r in runs if r["system"] != "horizon-ray")
