@@ -198,7 +198,7 @@ def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
         peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else 0,
         peak_gpu_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else 0,
         host_rss_bytes=host_rss(), host_rss_growth_bytes=host_rss() - rss0, host_peak_rss_bytes=host_peak_rss(),
-        host_heap_free_bytes=heap.free_bytes(),  # of the RSS above the plan, what malloc holds free (None: not glibc)
+        host_heap_free_bytes=heap.free_bytes(),  # malloc's free lists, resident or not (None: not glibc)
         **host_rss_parts(),
         store_bytes=mem["host"], device_bytes=mem["device"],
         host_checkpoint_bytes=eng.stats().host_checkpoint_bytes,

@@ -249,7 +249,8 @@ def _bound(r: dict, base: dict | None) -> str:
             # what the plan's buffers are not: code and files mapped in, and heap malloc holds free
             free = r.get("host_heap_free_bytes")
             parts.append(f"of that RSS, {r['host_rss_file_bytes'] / GiB:.2f} GiB were mapped files"
-                         + (f" and malloc held {free / GiB:.2f} GiB free" if free is not None else ""))
+                         + (f", and malloc's free lists held {free / GiB:.2f} GiB (resident or not)"
+                            if free is not None else ""))
     if r.get("planned_gpu_bytes") and r.get("peak_gpu_bytes"):
         parts.append(f"peak GPU {r['peak_gpu_bytes'] / GiB:.1f} GiB allocated against "
                      f"{r['planned_gpu_bytes'] / GiB:.1f} GiB planned")

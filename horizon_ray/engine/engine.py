@@ -767,17 +767,22 @@ def _init_random(store: HostStore, model: ModelConfig, cfg: EngineConfig,
     heap.give_back()  # (a quantized base's CPU packing chunks)
 
 
+def init_workers() -> int:
+    """Threads the random initialisation draws on: every core."""
+    return os.cpu_count() or 1
+
+
 def _draw_all(normal: list, std: float) -> None:
     """Each chunk drawn in fp32 from its own seed, then rounded into its view's dtype: the random model is
     the same whatever dtype holds it. torch's CPU normal_ draws a bf16 tensor by another algorithm than an fp32
     one (a tail not a multiple of 16 elements on torch 2.13, the whole tensor on others), which made a bf16
     LoRA base another model than the fp32 one it is compared with.
 
-    The fp32 draws of the other dtypes go through one scratch row a worker, allocated once (one block, which
-    the allocator maps and unmaps whole). A fresh fp32 tensor a chunk, on every core, left hundreds of MiB of
-    freed heap behind in the threads' malloc arenas, resident and never given back: glibc serves chunks of a
-    few MiB from the heap once one of that size was freed (test_random_init_gives_its_scratch_back)."""
-    workers = os.cpu_count() or 1
+    The fp32 draws of the other dtypes go through one scratch row a worker, allocated at once: a block that
+    large is mapped and unmapped whole. A fresh fp32 temporary a chunk would come from each thread's malloc
+    arena once glibc's mmap threshold has risen past a chunk (heap.py), and its freed fragments would stay
+    resident, more than malloc_trim gives back (test_random_init_gives_its_scratch_back)."""
+    workers = init_workers()
     rounded = [item for item in normal if item[0].dtype != torch.float32]
     width = max((view.numel() for view, _ in rounded), default=0)
     scratch = torch.empty(min(workers, len(rounded)), width, dtype=torch.float32) if rounded else None

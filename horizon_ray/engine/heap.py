@@ -1,18 +1,18 @@
 """The C heap's free memory: given back to the OS after a load, and counted for the bench.
 
 Host RAM is what bounds a job, so memory a load freed must leave the process, not stay resident in malloc's
-free lists. glibc keeps freed chunks below its mmap threshold (which rises to the size of the largest block
-freed, up to 32 MiB) in the arena that served them, one arena per thread that allocated. A load's temporaries
-of a few MiB each (bitsandbytes' CPU quantization chunks, a checkpoint's per-expert tensors) then stay resident
-after the load. ``give_back`` asks glibc to return every free page (``malloc_trim(0)``); ``free_bytes`` says
-how many bytes its arenas hold free (``mallinfo2``). Both do nothing, and say None, where the C library is not
-glibc.
+free lists. glibc serves a block from the heap unless it is above its mmap threshold, which rises to the size
+of the largest mmapped block freed so far (up to 32 MiB), and keeps freed heap blocks in the arena that served
+them (an arena per thread, up to 8 a core, then shared). A load's temporaries of a few MiB each
+(bitsandbytes' CPU quantization chunks, a checkpoint's per-expert tensors) would then stay resident after the
+load. ``give_back`` asks glibc to return every whole free page (``malloc_trim(0)``); ``free_bytes`` says how
+many bytes its free lists hold (``mallinfo2``; resident or not: a page given back stays on the list). Each
+does nothing and says None where the C library lacks its function (not glibc; mallinfo2 since glibc 2.33).
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 
 
@@ -23,28 +23,27 @@ class _MallInfo2(ctypes.Structure):
 
 
 @functools.cache
-def _libc():
-    """glibc with malloc_trim and mallinfo2 (2.33 and later), or None."""
-    name = ctypes.util.find_library("c")
+def _libc(function: str):
+    """``function`` of the C library this process runs on, or None where it has none."""
     try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is None or not hasattr(libc, "malloc_trim") or not hasattr(libc, "mallinfo2"):
-            return None
-    except OSError:
+        f = getattr(ctypes.CDLL(None), function)
+    except (OSError, AttributeError):
         return None
-    libc.mallinfo2.restype = _MallInfo2
-    libc.malloc_trim.argtypes = [ctypes.c_size_t]
-    return libc
+    if function == "mallinfo2":
+        f.restype = _MallInfo2
+    else:
+        f.argtypes = [ctypes.c_size_t]
+    return f
 
 
 def give_back() -> None:
     """Return the free pages of every malloc arena to the OS."""
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
+    trim = _libc("malloc_trim")
+    if trim is not None:
+        trim(0)
 
 
 def free_bytes() -> int | None:
-    """Bytes free inside malloc's arenas (resident or not), or None where that cannot be read."""
-    libc = _libc()
-    return None if libc is None else int(libc.mallinfo2().fordblks)
+    """Bytes on malloc's free lists (resident or not), or None where that cannot be read."""
+    info = _libc("mallinfo2")
+    return None if info is None else int(info().fordblks)

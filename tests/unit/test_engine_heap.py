@@ -9,9 +9,8 @@ import pytest
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig, heap
 from tests.tiny import llama_checkpoint, llama_config
 
-pytestmark = pytest.mark.skipif(heap.free_bytes() is None, reason="needs glibc's malloc_trim and mallinfo2")
 
-
+@pytest.mark.skipif(heap.free_bytes() is None, reason="needs glibc's malloc_trim and mallinfo2")
 def test_give_back_returns_freed_heap_to_the_os():
     """What a load relies on: blocks of a few MiB freed from a thread's arena stay resident until give_back.
     In a fresh interpreter, so that no other test's heap is counted."""
