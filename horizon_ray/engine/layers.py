@@ -193,34 +193,40 @@ def attention_mask(position_ids_BT: torch.Tensor | None, T: int, sliding_window:
 _PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")
 
 
+def _keep_mask(shape, dtype: torch.dtype, device, dropout: float, seed: int) -> torch.Tensor:
+    """Dropout's scaled mask (keep / (1 - p)), a function of the seed alone."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1.0 - dropout, generator=gen).div_(1.0 - dropout)
+
+
 def _adapter_input(x: torch.Tensor, dtype: torch.dtype, dropout: float, seed: int) -> torch.Tensor:
-    """dropout(x) in the adapters' dtype; the mask is a function of the seed alone."""
+    """dropout(x) in the adapters' dtype."""
     x = x.to(dtype)
     if dropout == 0:
         return x
-    gen = torch.Generator(device=x.device)
-    gen.manual_seed(seed)
-    keep = torch.empty(x.shape, dtype=dtype, device=x.device).bernoulli_(1.0 - dropout, generator=gen)
-    return x * keep.div_(1.0 - dropout)
+    return x * _keep_mask(x.shape, dtype, x.device, dropout, seed)
 
 
 class _LoraLinear(torch.autograd.Function):
     """PEFT's adapted projection on a frozen weight, F.linear(x, w, bias) + (dropout(x) A^T) B^T * scaling, in the
     compute dtype: the fp32 adapters are cast to it for the matmuls, as PEFT's adapters are under autocast, and
-    their gradients come back in fp32. The adapter's products are added inside GEMMs (``addmm_``): its output into
-    the base's output in the forward, its input gradient into the base's input gradient in the backward. Each
-    adapter then moves 5 x in + 6 x out activation elements a token over a step (forward, recompute, backward)
-    where a product added afterwards moved 7 x in + 10 x out: the adapters' traffic, not their FLOPs, is what a
-    LoRA layer spends beyond its frozen GEMMs. No activation is widened: the backward scales the [tokens, r]
-    products, not the incoming gradient."""
+    their gradients come back in fp32. The adapter's products are added inside GEMMs (``addmm_``, the sum rounded
+    once): its output into the frozen projection's output in the forward, its input gradient into the frozen
+    projection's in the backward. Without dropout, with a checkpoint every layer, an adapter then writes or reads
+    5 x in + 6 x out activation elements a token over a step (forward, recompute, backward) beyond the frozen
+    projection's, where adding its products afterwards took 7 x in + 10 x out. No activation is widened: the
+    backward scales the [tokens, r] products, not the incoming gradient. It keeps x, the [tokens, r] product and,
+    where x needs a gradient, w."""
 
     @staticmethod
     def forward(ctx, x, w, bias, a, b, scaling: float, dropout: float, seed: int):
+        assert not (w.requires_grad or (bias is not None and bias.requires_grad)), "the adapted weight is frozen"
         y = F.linear(x, w, bias)
         dt, r = y.dtype, a.shape[0]
         u = F.linear(_adapter_input(x, dt, dropout, seed), a.to(dt))  # [..., r]
         y.view(-1, y.shape[-1]).addmm_(u.view(-1, r), b.to(dt).t(), alpha=scaling)
-        ctx.save_for_backward(x, w if x.requires_grad else None, a, b, u)  # (w: for dL/dx alone)
+        ctx.save_for_backward(x, w if ctx.needs_input_grad[0] else None, a, b, u)
         ctx.lora = (scaling, dropout, seed)
         return y
 
@@ -228,8 +234,7 @@ class _LoraLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, w, a, b, u = ctx.saved_tensors
         scaling, dropout, seed = ctx.lora
-        need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
-        assert not (need_w or need_bias), "an adapted projection's own weight and bias are frozen"
+        need_x, _, _, need_a, need_b = ctx.needs_input_grad[:5]
         dt, r = grad.dtype, a.shape[0]
         g = grad.reshape(-1, grad.shape[-1])
         grad_b = (g.T @ u.reshape(-1, r)).float().mul_(scaling) if need_b else None
@@ -241,9 +246,9 @@ class _LoraLinear(torch.autograd.Function):
             del x_d
         if need_x:
             grad_x = g @ w  # the frozen projection's input gradient
-            if dropout > 0:  # through the same mask: dropout of a tensor of ones is keep / (1 - p)
-                mask = _adapter_input(torch.ones(x.shape, dtype=dt, device=x.device), dt, dropout, seed)
-                grad_x.add_((gu @ a.to(dt)).mul_(mask.view(-1, x.shape[-1])))
+            if dropout > 0:  # through the forward's mask
+                mask = _keep_mask((g.shape[0], x.shape[-1]), dt, x.device, dropout, seed)
+                grad_x.add_(mask.mul_(gu @ a.to(dt)))
             else:
                 grad_x.addmm_(gu, a.to(dt))
             grad_x = grad_x.view(x.shape)
@@ -251,14 +256,12 @@ class _LoraLinear(torch.autograd.Function):
 
 
 def _lora_linear(x: torch.Tensor, w: dict, key: str, lora: LoraCall | None) -> torch.Tensor:
-    """Projection ``key`` of x, with its adapter where the layer has one."""
-    a = w.get(key + ".lora_A")
-    if a is None:
-        return F.linear(x, w[key], w.get(key + "_b"))
+    """Projection ``key`` of x with its adapter."""
     assert lora is not None, "weights with adapters come with their LoraCall"
     # each projection draws its own dropout mask (as PEFT's per-module dropout does)
     seed = mix_seed(lora.seed, _PROJECTIONS.index(key)) if lora.dropout > 0 else 0
-    return _LoraLinear.apply(x, w[key], w.get(key + "_b"), a, w[key + ".lora_B"], lora.scaling, lora.dropout, seed)
+    return _LoraLinear.apply(x, w[key], w.get(key + "_b"), w[key + ".lora_A"], w[key + ".lora_B"], lora.scaling,
+                             lora.dropout, seed)
 
 
 class _RouterAuxGrad(torch.autograd.Function):
@@ -436,9 +439,10 @@ class Template:
         return self.ops.rms_norm(x, weight, self.cfg.rms_norm_eps)
 
     def _proj(self, x, w, key, lora, sinks):
-        if key + ".lora_A" in w:  # a frozen projection with its adapter
-            return _lora_linear(x, w, key, lora)
         sink = sinks or {}
+        if key + ".lora_A" in w:  # a frozen projection with its adapter
+            assert key not in sink, f"{key} has an adapter and a weight gradient: an adapted weight is frozen"
+            return _lora_linear(x, w, key, lora)
         return linear(x, w[key], w.get(key + "_b"), sink.get(key), sink.get(key + "_b"))
 
     def _layer(self, j: int | None) -> Layer:

@@ -10,7 +10,7 @@ on the host with torch.optim.AdamW's semantics, global-norm clipping over the ad
 
 The math is PEFT's, fused into the layer template (``layers.Template.layer``), no module objects:
 
-    y = x W^T (+ b) + (dropout(x) A^T) B^T * alpha / r       computed in fp32, added, cast to y's dtype
+    y = x W^T (+ b) + (dropout(x) A^T) B^T * alpha / r       in the compute dtype, the sum rounded once
 
 Norms can train beside the adapters, as PEFT's ``modules_to_save`` does (``LoraConfig.modules_to_save``,
 PEFT's matching rule: "norm" selects every norm, "input_layernorm" each layer's first). A selected norm is

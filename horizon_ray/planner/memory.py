@@ -93,7 +93,7 @@ LAYER_SAVED_H, LAYER_SAVED_Q, LAYER_SAVED_KV, LAYER_SAVED_I = 6, 6, 3, 4
 # fp32 bytes per token per hidden unit: the two RMSNorms' float32 copies of their input.
 LAYER_SAVED_FP32_H = 2
 # With LoRA the frozen projections keep no input for a weight gradient, and each adapter keeps its input
-# instead (the same tensor, compute dtype) plus a [tokens, r] fp32 intermediate (layers._LoraLinear): these
+# instead (the same tensor, compute dtype) plus a [tokens, r] intermediate (layers._LoraLinear): these
 # coefficients bound it.
 # Gradients alive at the peak of the layer's backward, elements per token: MLP and attention.
 LAYER_BACKWARD_I, LAYER_BACKWARD_Q = 3, 3

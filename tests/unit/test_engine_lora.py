@@ -418,7 +418,8 @@ class _ActivationWrites(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in self.GEMMS or func.is_view:  # a view writes nothing
+        # a view writes nothing (nor does the reshape of a GEMM's product back to three dimensions)
+        if func.overloadpacket in self.GEMMS or func.is_view or func.overloadpacket is torch.ops.aten._unsafe_view:
             return out
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.numel() >= self.least:  # (flat: a unit's buffer)
@@ -429,7 +430,7 @@ class _ActivationWrites(TorchDispatchMode):
 def test_adapters_add_no_pass_over_activations(tmp_path):
     """An adapted projection adds its adapter's products inside GEMMs (layers._LoraLinear): a step with adapters on
     all seven projections writes no more activation-sized tensors outside its GEMMs than a step with one adapter.
-    Adding each product afterwards wrote 22 % more at this shape: the [tokens, out] product and the sum in the
+    Adding each product afterwards wrote 12 % more at this shape: the [tokens, out] product and the sum in the
     forward and the recompute, the [tokens, in] input gradient and its sum with the frozen projection's in the
     backward."""
     path, _ = tiny_llama(tmp_path)
