@@ -214,6 +214,31 @@ def random_batches(steps, micro, B=2, T=12, seed=1, prompt=3, vocab=V):
     return out
 
 
+def preference_batches(steps: int, micro: int, pairs: int, seed: int = 3, T: int = 14):
+    """`steps` lists of `micro` micro-batches of `pairs` pairs each: (ids, labels, completion mask), rows 2i
+    chosen and 2i+1 rejected, one prompt per pair, completions of different lengths, right-padded with 0.
+    Kept here, not beside the TRL reference, so that the GPU tests need no TRL."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        mbs = []
+        for _ in range(micro):
+            ids = torch.zeros(2 * pairs, T, dtype=torch.long)
+            mask = torch.zeros(2 * pairs, T, dtype=torch.long)
+            for p in range(pairs):
+                n_prompt = int(torch.randint(2, 5, (1,), generator=g))
+                prompt = torch.randint(1, V, (n_prompt,), generator=g)
+                for r in (2 * p, 2 * p + 1):
+                    n = int(torch.randint(3, T - n_prompt + 1, (1,), generator=g))
+                    ids[r, :n_prompt] = prompt
+                    ids[r, n_prompt:n_prompt + n] = torch.randint(1, V, (n,), generator=g)
+                    mask[r, n_prompt:n_prompt + n] = 1
+            labels = ids.masked_fill(mask == 0, -100)
+            mbs.append((ids, labels, mask))
+        out.append(mbs)
+    return out
+
+
 def reference_step(model, params: dict, opt, mbs, max_norm, aux_coef: float = 0.0):
     """One step of the HF reference: summed token CE / the step's target count, backward per micro-batch,
     clip_grad_norm_ over ``params`` (name -> parameter), opt.step(). Returns (loss, norm, clipped grads).

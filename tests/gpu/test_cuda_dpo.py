@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from horizon_ray.engine import DpoConfig, Engine, EngineConfig, LoraConfig
-from tests.tiny import llama_config
-from tests.unit.test_engine_dpo import preference_batches
+from tests.tiny import llama_config, preference_batches
 
 pytestmark = pytest.mark.gpu
 

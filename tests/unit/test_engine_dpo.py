@@ -27,34 +27,10 @@ from trl.trainer.utils import add_fused_lm_head
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig
 from horizon_ray.engine.objective import DpoConfig
 from horizon_ray.errors import BadInput
-from tests.tiny import V, named_tensors, peft_reference, peft_trainable, tiny_llama, tiny_qwen2
+from tests.tiny import named_tensors, peft_reference, peft_trainable, preference_batches, tiny_llama, tiny_qwen2
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 T = 14
-
-
-def preference_batches(steps: int, micro: int, pairs: int, seed: int = 3):
-    """`steps` lists of `micro` micro-batches of `pairs` pairs each: (ids, labels, completion mask), rows 2i
-    chosen and 2i+1 rejected, one prompt per pair, completions of different lengths, right-padded with 0."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        mbs = []
-        for _ in range(micro):
-            ids = torch.zeros(2 * pairs, T, dtype=torch.long)
-            mask = torch.zeros(2 * pairs, T, dtype=torch.long)
-            for p in range(pairs):
-                n_prompt = int(torch.randint(2, 5, (1,), generator=g))
-                prompt = torch.randint(1, V, (n_prompt,), generator=g)
-                for r in (2 * p, 2 * p + 1):
-                    n = int(torch.randint(3, T - n_prompt + 1, (1,), generator=g))
-                    ids[r, :n_prompt] = prompt
-                    ids[r, n_prompt:n_prompt + n] = torch.randint(1, V, (n,), generator=g)
-                    mask[r, n_prompt:n_prompt + n] = 1
-            labels = ids.masked_fill(mask == 0, -100)
-            mbs.append((ids, labels, mask))
-        out.append(mbs)
-    return out
 
 
 def _engine_batches(mbs):
