@@ -326,9 +326,10 @@ def base_record(system: str, shape, *, mode: str, dtype: str, device: str, devic
 
 def bound_line(b: dict) -> str:
     """The bound's arithmetic in one line (printed beside each benchmark row)."""
+    adapters = f" + adapters' passes {b['adapter_bytes'] / 1e12:.2f} TB" if b.get("adapter_bytes") else ""
     return (f"PCIe {b['h2d_bytes'] / 1e9:.1f} GB in + {b['d2h_bytes'] / 1e9:.1f} GB out = {b.get('pcie_s', 0):.2f} s; "
             f"host update {b['host_update_bytes'] / 1e9:.1f} GB = {b.get('optimizer_s', 0):.2f} s; "
-            f"GPU {b['gpu_flops'] / 1e12:.0f} TFLOP = {b.get('compute_s', 0):.2f} s; bound: {b['bound']}")
+            f"GPU {b['gpu_flops'] / 1e12:.0f} TFLOP{adapters} = {b.get('compute_s', 0):.2f} s; bound: {b['bound']}")
 
 
 def outside_plan(r: dict) -> str | None:

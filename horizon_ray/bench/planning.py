@@ -50,11 +50,11 @@ def planned_bytes(shape, *, mode: str, seq: int, micro: int, accum: int, checkpo
 
 def bound_arithmetic(t: dict) -> dict:
     """What bounds the step, from the planner's roofline (planner.timing.step_time): the bytes each way over
-    PCIe, the bytes the host update moves, the GPU's FLOPs, the seconds each takes at the node's ceilings,
-    and which of them bounds the step."""
+    PCIe, the bytes the host update moves, the GPU's FLOPs and the LoRA adapters' passes over activations, the
+    seconds each takes at the node's ceilings, and which of them bounds the step."""
     out = {"h2d_bytes": int(t["h2d_bytes"]), "d2h_bytes": int(t["d2h_bytes"]),
            "host_update_bytes": int(t["optimizer_bytes"]), "gpu_flops": float(t["fwd_flops"] + t["bwd_flops"]),
-           "bound": t.get("bound")}
+           "adapter_bytes": int(t.get("adapter_bytes", 0)), "bound": t.get("bound")}
     for key in ("pcie_s", "optimizer_s", "compute_s", "exposed_s", "step_s"):
         if t.get(key) is not None:
             out[key] = round(float(t[key]), 3)

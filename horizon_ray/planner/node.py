@@ -75,6 +75,14 @@ class Ceilings:
     # 8.4 M routed copies: 123 / 104 ns); with it qwen3-30b-a3b LoRA at 65,536 plans 5.2 s against 6.11 s
     # measured (without it 2.7 s). Never measured by the probe, so always an assumption.
     moe_copy_s: float = 1.15e-7
+    # Bytes a second the LoRA adapters' passes over activations run at beyond their frozen projections (the
+    # [tokens, r] GEMMs that read a projection's input or its output gradient, and the adds into its output and
+    # input gradient: timing.adapter_passes), which FLOPs do not count. Fitted on the H200 box (2026-12-05, commit
+    # 01f6968): qwen3-4b LoRA r16 on all seven projections at 65,536 tokens took 3.59 s a step against 2.89 s
+    # planned without this term, 0.70 s for the 1.50 TB those passes move: 2.1 TB/s. One adapted projection alone
+    # at qwen3-4b's widths ran them at 2.0-2.6 TB/s (q, o, gate, up, down; k and v, 1,024 wide, at 0.5-0.9:
+    # benchmarks/probes/lora_addmm.py). Never measured by the probe, so always an assumption.
+    adapter_bytes_per_s: float = 2.1e12
     h2d_bytes_per_s: float = 55.4e9  # pinned host -> device
     d2h_bytes_per_s: float = 55.3e9  # pinned device -> host
     duplex_bytes_per_s: float = 101.7e9  # both directions at once, in total
@@ -107,17 +115,18 @@ class Ceilings:
         return cls(**kept, measured=tuple(k for k in cls.MEASURABLE if k in kept), source=source)
 
     @staticmethod
-    def used(device: str, moe: bool = False) -> tuple[str, ...]:
-        """The fields a step time on `device` depends on (``moe``: of a model with mixture-of-experts layers)."""
+    def used(device: str, moe: bool = False, adapters: bool = False) -> tuple[str, ...]:
+        """The fields a step time on `device` depends on (``moe``: of a model with mixture-of-experts layers;
+        ``adapters``: with LoRA adapters on dense projections)."""
         if device == "cpu":
             return ("cpu_flops", "adam_params_per_s")
-        return ("matmul_flops", "compute_efficiency", *(("moe_copy_s",) if moe else ()), "h2d_bytes_per_s",
-                "d2h_bytes_per_s", "duplex_bytes_per_s", "adam_params_per_s", "adam_params_per_s_with_copies",
-                "host_copy_bytes_per_s")
+        return ("matmul_flops", "compute_efficiency", *(("moe_copy_s",) if moe else ()),
+                *(("adapter_bytes_per_s",) if adapters else ()), "h2d_bytes_per_s", "d2h_bytes_per_s",
+                "duplex_bytes_per_s", "adam_params_per_s", "adam_params_per_s_with_copies", "host_copy_bytes_per_s")
 
-    def assumed(self, device: str, moe: bool = False) -> list[str]:
+    def assumed(self, device: str, moe: bool = False, adapters: bool = False) -> list[str]:
         """The fields a plan on `device` uses that were not measured on the node."""
-        return [k for k in self.used(device, moe) if k not in self.measured]
+        return [k for k in self.used(device, moe, adapters) if k not in self.measured]
 
 
 # The box the defaults describe: these were measured on it (the rest are calibrated or taken as described).

@@ -53,7 +53,16 @@ expert, grouped GEMMs of a few hundred rows an expert, the routing weights, the 
 k. That is ``Ceilings.moe_copy_s`` seconds per routed token copy (at hidden 2048, scaled by the hidden size)
 over the whole step at K = 1, a quarter of it in the forward and the rest in the backward's passes.
 
-Calibration. ``Ceilings.compute_efficiency`` and ``Ceilings.moe_copy_s`` are the numbers fitted to the engine
+A LoRA adapter on a dense projection also passes over activations its FLOPs do not show
+(``layers._LoraLinear``): each forward pass reads the projection's input for the [tokens, r] product and adds
+the adapter's output into the projection's (in + 2 out elements a token); the backward reads the output gradient
+twice and the input once for the adapter's gradients and adds its input gradient into the projection's (3 in
++ 2 out). Those bytes, pass by pass as the FLOPs count them, run at ``Ceilings.adapter_bytes_per_s``. The
+experts' adapters are not counted here: their passes are in the routing's ``moe_copy_s``, fitted on LoRA steps.
+Dropout adds passes this does not count.
+
+Calibration. ``Ceilings.compute_efficiency``, ``Ceilings.moe_copy_s`` and ``Ceilings.adapter_bytes_per_s`` are
+the numbers fitted to the engine
 rather than measured (the second on profiled MoE steps: see its field). For the first: on
 the H200 box (commit cea6a8e, Qwen2.5-7B, seq 1024, bf16, 12 GiB GPU budget, K=1, Liger kernels) exact
 AdamW measured 3.15 s a step at 16,384 tokens and 6.64 s at 65,536 (host update of 7.6 G parameters 1.8-2.0
@@ -70,9 +79,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from horizon_ray.engine.model import DTYPE_BYTES
+from horizon_ray.engine.model import DTYPE_BYTES, layer_targets
 from horizon_ray.errors import BadInput
-from horizon_ray.models.blocks import DenseMLP
+from horizon_ray.models.blocks import EXPERT_TARGETS, DenseMLP
 from horizon_ray.planner.memory import unit_wire_bytes
 from horizon_ray.planner.modes import PrecisionMode
 from horizon_ray.planner.node import Ceilings
@@ -121,6 +130,23 @@ def deferred_params(shape: ModelShape, lora: Adapters | None) -> int:
                if isinstance(layer.mlp, DenseMLP) and not layer.sandwich_norms)
 
 
+def adapter_passes(shape: ModelShape, lora: Adapters | None) -> tuple[int, int]:
+    """Activation elements a token's dense-projection adapters read or write beyond their frozen projections,
+    summed over the layers: (in one forward pass of every layer, in the backward's own passes)."""
+    forward = backward = 0
+    if lora is None:
+        return 0, 0
+    for i in range(shape.num_layers):
+        targets = layer_targets(shape, i)
+        for name in lora.targets:
+            if name in EXPERT_TARGETS or name not in targets:
+                continue
+            n_in, n_out = targets[name][2]
+            forward += n_in + 2 * n_out
+            backward += 3 * n_in + 2 * n_out
+    return forward, backward
+
+
 def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapters | None, ceil: Ceilings,
               concurrent_engines: int = 1, speculated_params: int = 0) -> dict[str, Any]:
     """Seconds of each term and the predicted step of one engine while `concurrent_engines` engines share
@@ -148,6 +174,11 @@ def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapt
     backward = (2 * f_mm if full else f_mm) + 2 * f_attn + 2 * f_adapter
     fwd_flops = tokens * L * f
     bwd_flops = tokens * ((L - ceil_div(L, K)) * f + L * (f - f_deferred) + L * backward + (6 if full else 4) * V * H)
+    # the adapters' passes over activations: every forward pass of a layer (the forward, the recompute of the
+    # blocks' other layers, each layer again under autograd) and the backward's own
+    a_fwd, a_bwd = adapter_passes(shape, lora)
+    adapter_fwd_bytes = tokens * a_fwd * c
+    adapter_bwd_bytes = tokens * (a_fwd * (2 * L - ceil_div(L, K)) // max(L, 1) + a_bwd) * c
     # token copies the MoE layers route in one pass over the step's tokens (top-k of each MoE layer)
     routed = tokens * sum(layer.moe.top_k for layer in shape.layers if layer.moe is not None)
 
@@ -177,7 +208,7 @@ def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapt
         "fwd_flops": fwd_flops, "bwd_flops": bwd_flops, "model_flops": model_flops(shape, seq_len, tokens),
         "h2d_bytes": h2d_fwd + wire["embed"] + h2d_bwd, "d2h_bytes": grads_down + checkpoints,
         "optimizer_bytes": opt_work, "concurrent_engines": concurrent_engines, "host_share": share,
-        "routed_copies": routed}
+        "routed_copies": routed, "adapter_bytes": adapter_fwd_bytes + adapter_bwd_bytes}
     if job.device == "cpu":
         cpu_flops = share["cpu_flops"]
         compute = (fwd_flops + bwd_flops) / cpu_flops
@@ -193,7 +224,9 @@ def step_time(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Adapt
     copy_s = ceil.moe_copy_s * H / 2048
     route_fwd_s = routed * copy_s / 4
     route_bwd_s = routed * copy_s / 4 * ((L - ceil_div(L, K)) / max(L, 1) + 1 + 2)
-    fwd_s, bwd_s = fwd_flops / rate + route_fwd_s, bwd_flops / rate + route_bwd_s
+    adapter_bw = ceil.adapter_bytes_per_s
+    fwd_s = fwd_flops / rate + route_fwd_s + adapter_fwd_bytes / adapter_bw
+    bwd_s = bwd_flops / rate + route_bwd_s + adapter_bwd_bytes / adapter_bw
     # phase A: weights in, checkpoints out; phase B: the rest of the weights and checkpoints in, gradients out
     copies_fwd_s = max(h2d_fwd / h2d_bw, checkpoints / d2h_bw, (h2d_fwd + checkpoints) / duplex_bw)
     copies_bwd_s = max(h2d_bwd / h2d_bw, grads_down / d2h_bw, (h2d_bwd + grads_down) / duplex_bw)
