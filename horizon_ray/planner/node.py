@@ -80,7 +80,7 @@ class Ceilings:
     # input gradient: timing.adapter_passes), which FLOPs do not count. Fitted on the H200 box (2026-12-05, commit
     # 01f6968): qwen3-4b LoRA r16 on all seven projections at 65,536 tokens took 3.59 s a step against 2.89 s
     # planned without this term, 0.70 s for the 1.50 TB those passes move: 2.1 TB/s. One adapted projection alone
-    # at qwen3-4b's widths ran them at 2.0-2.6 TB/s (q, o, gate, up, down; k and v, 1,024 wide, at 0.5-0.9:
+    # at qwen3-4b's widths ran them at 1.9-2.6 TB/s (q, o, gate, up, down; k and v, 1,024 wide, at 0.5-0.9:
     # benchmarks/probes/lora_addmm.py). Never measured by the probe, so always an assumption.
     adapter_bytes_per_s: float = 2.1e12
     h2d_bytes_per_s: float = 55.4e9  # pinned host -> device
