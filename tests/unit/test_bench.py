@@ -193,6 +193,34 @@ def test_results_md_is_regenerated_deterministically(tmp_path):
     assert "`python -m horizon_ray.bench --shape tiny`" in text
 
 
+def test_the_matrix_holds_each_settings_newest_gpu_row_with_its_own_peers_and_plan(tmp_path):
+    """One line per setting (shape, mode and its settings, update, base, tokens per step): the newest invocation's
+    horizon-ray row, its ratio to the peer of that invocation, its step and RSS beside the plan's, and the row of
+    the table below; CPU rows and peers' rows are not in it."""
+    write_json(tmp_path / "2026-11-29-h200-tiny.json", [
+        _run("horizon-ray", 50.0, run_id="2026-11-29-h200-090000-1", planned_step_s=0.3),
+        _run("in-gpu-baseline", 100.0, run_id="2026-11-29-h200-090000-1"),
+        _run("horizon-ray", 80.0, run_id="2026-11-29-h200-120000-2", planned_step_s=0.2,
+             host_rss_bytes=3 * 2**30, rss_plan_host_bytes=2 * 2**30),
+        _run("in-gpu-baseline", 160.0, run_id="2026-11-29-h200-120000-2"),
+        _run("horizon-ray", 40.0, run_id="2026-11-29-h200-100000-3", update="delayed"),
+        _run("horizon-ray", 9.0, run_id="2026-11-29-h200-130000-4", device="cpu"),
+    ])
+    text = render(tmp_path)
+    head, table = text.split("## The matrix", 1)[1].split("\n| # |", 1)
+    lines = [ln for ln in head.splitlines() if ln.startswith("| h200 |")]
+    assert len(lines) == 2, lines
+    exact = next(ln for ln in lines if "| exact | none |" in ln)
+    cells = [c.strip() for c in exact.strip("|").split("|")]
+    # the 12:00 invocation, not the 09:00 one: 80 tok/s, 0.5x its own peer (160), not 0.8x the older peer
+    assert cells[6:11] == ["80", "0.500", "—", "204.800 (0.200)", "3.0 (2.0)"], cells
+    row = int(cells[11].lstrip("#"))
+    table_rows = [ln for ln in ("| # |" + table).splitlines() if re.match(r"\| \d+ \| ", ln)]
+    assert table_rows[row - 1].split("|")[5].strip() == "horizon-ray" and "| 80 |" in table_rows[row - 1]
+    assert any("| delayed | none |" in ln and "| 40 |" in ln for ln in lines)
+    assert text.index("## The matrix") < text.index("| # | date |")
+
+
 def test_merge_keeps_local_runs_and_adds_new_ones_once(tmp_path):
     local, box = tmp_path / "local", tmp_path / "box"
     _write_results(local)
