@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from horizon_ray.bench.metrics import (
@@ -332,44 +333,55 @@ def render(results_dir: str | Path) -> str:
                      f"{r['tokens_per_step']:,} tokens/step. {_bound(r, base)}{missing}")
     lines += _not_measured(items) + _largest(items) + _commands(items)
     # the matrix goes before the table of every row, whose numbers it cites
-    lines[body_at - 3:body_at - 3] = _matrix(ok)
+    lines[body_at - 2:body_at - 2] = _matrix(ok)
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _started(r: dict) -> tuple[str, str]:
+    """When the row's invocation started, as far as its record says: its date, and the time of day its run_id
+    carries (``<date>-<box>-HHMMSS-<pid>``; "" for ids without one, which rank below the same date's timed ids)."""
+    m = re.fullmatch(r"\d{4}-\d\d-\d\d-.+-(\d{6})-\d+", r.get("run_id") or "")
+    return r.get("date") or "", m.group(1) if m else ""
+
+
 def _matrix(ok: list[tuple[str, dict]]) -> list[str]:
-    """Per box, shape, method, settings, update and tokens per step: horizon-ray's newest measured row on a GPU,
-    with its ratios to the peers of its own invocation and what its plan said of its step and host RSS."""
+    """Per box, shape, method and its settings, update, base, sequence, GPU budget and tokens per step: horizon-ray's
+    newest measured row on a GPU, with its ratios to the peers of its own invocation and what its plan said of
+    its step and host RSS. Two rows of one invocation and setting: the first in the table's order."""
     newest: dict[tuple, tuple[int, dict]] = {}
     for i, (_, r) in enumerate(ok, 1):
         if r["system"] != "horizon-ray" or r.get("device") == "cpu":
             continue
-        key = (r.get("box") or "", r["shape"], _mode_label(r), _update_label(r), r.get("quantize") or "none",
-               r["tokens_per_step"])
-        when = (r.get("date") or "", r.get("run_id") or "")
+        mode = _mode_label(r) + (f", r{r['lora_r']}" if r.get("mode") == "lora" and r.get("lora_r") else "")
+        key = (r.get("box") or "", r["shape"], mode, _update_label(r), r.get("quantize") or "none",
+               r["seq_len"], _gib(r.get("gpu_budget_bytes")), r["tokens_per_step"])
         held = newest.get(key)
-        if held is None or when > (held[1].get("date") or "", held[1].get("run_id") or ""):
+        if held is None or _started(r) > _started(held[1]):
             newest[key] = (i, r)
     if not newest:
         return []
     out = ["## The matrix: each setting's newest row on a GPU", "",
-           "horizon-ray's newest measured row for each box, shape, mode, update, base and tokens per step; its "
+           "horizon-ray's newest measured row for each box, shape, mode (with its settings and LoRA rank), update, "
+           "base, sequence, GPU budget and tokens per step; its "
            "ratios are against the peers of the same invocation (full fine-tuning: HF in-GPU plain and with "
            "Liger-Kernel; LoRA: PEFT plain and with Liger-Kernel), its plan is the planner's at the row's commit. "
-           "**row**: the row of the table below, whose paragraph in \"What bounds each row\" says what bounds it.",
+           "**row**: the row of the table below, whose paragraph in \"What bounds each row\" says what bounds it. "
+           "budget: the GPU memory the run was held to (— = the whole GPU).",
            "",
-           "| box | shape | mode | update | base | tokens/step | tokens/s | vs plain peer | vs Liger peer "
-           "| step s (planned) | host RSS GiB (planned) | row | commit |",
-           "|" + "---|" * 13]
+           "| box | shape | mode | update | base | seq | budget GiB | tokens/step | tokens/s | vs plain peer "
+           "| vs Liger peer | step s (planned) | host RSS GiB (planned) | row | commit |",
+           "|" + "---|" * 15]
     ordered = sorted(newest.items(), key=lambda kv: (kv[0][0], kv[1][1].get("params") or 0, kv[0][1:]))
-    for (box, shape, mode, update, base, tokens), (i, r) in ordered:
+    for (box, shape, mode, update, base, seq, budget, tokens), (i, r) in ordered:
         planned_rss = r.get("rss_plan_host_bytes") or r.get("planned_host_bytes")
         out.append("| " + " | ".join([
-            box or "—", shape, mode, update, base, f"{tokens:,}", _num(r.get("tokens_per_s"), ",.0f"),
+            box or "—", shape, mode, update, base, str(seq), budget, f"{tokens:,}",
+            _num(r.get("tokens_per_s"), ",.0f"),
             _num(r.get("ratio"), ".3f"), _num(r.get("ratio_liger"), ".3f"),
             f"{_num(r.get('step_s'), '.3f')} ({_num(r.get('planned_step_s'), '.3f')})",
             f"{_gib(r.get('host_rss_bytes'))} ({_gib(planned_rss)})", f"#{i}", f"`{r.get('commit') or '—'}`",
         ]) + " |")
-    return out + [""]
+    return out + ["", "## Every row", ""]
 
 
 def _not_measured(items) -> list[str]:

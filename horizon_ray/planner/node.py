@@ -73,7 +73,8 @@ class Ceilings:
     # sum over k, each pass of the step. Fitted to profiled steps on the H200 box (commit df74309 and 1a3d920,
     # olmoe-1b-7b at 65,536 tokens: GPU compute 1.87 s LoRA / 1.97 s full against 0.84 / 1.10 s of FLOPs, over
     # 8.4 M routed copies: 123 / 104 ns); with it qwen3-30b-a3b LoRA at 65,536 plans 5.2 s against 6.11 s
-    # measured (without it 2.7 s). Never measured by the probe, so always an assumption.
+    # measured (without it 2.7 s; 5.46 s since adapter_bytes_per_s counts the attention adapters' passes, which
+    # this fit already held). Never measured by the probe, so always an assumption.
     moe_copy_s: float = 1.15e-7
     # Bytes a second the LoRA adapters' passes over activations run at beyond their frozen projections (the
     # [tokens, r] GEMMs that read a projection's input or its output gradient, and the adds into its output and

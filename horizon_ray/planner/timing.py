@@ -59,7 +59,9 @@ the adapter's output into the projection's (in + 2 out elements a token); the ba
 twice and the input once for the adapter's gradients and adds its input gradient into the projection's (3 in
 + 2 out). Those bytes, pass by pass as the FLOPs count them, run at ``Ceilings.adapter_bytes_per_s``. The
 experts' adapters are not counted here: their passes are in the routing's ``moe_copy_s``, fitted on LoRA steps.
-Dropout adds passes this does not count.
+Those steps' attention adapters are in that fit too, so a MoE LoRA plan counts their passes twice (0.09 s of
+olmoe-1b-7b's 65,536-token step, 0.28 s of qwen3-30b-a3b's), until a profiled step separates them. Dropout adds
+passes this does not count.
 
 Calibration. ``Ceilings.compute_efficiency``, ``Ceilings.moe_copy_s`` and ``Ceilings.adapter_bytes_per_s`` are
 the numbers fitted to the engine

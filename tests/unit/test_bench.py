@@ -205,6 +205,7 @@ def test_the_matrix_holds_each_settings_newest_gpu_row_with_its_own_peers_and_pl
         _run("in-gpu-baseline", 160.0, run_id="2026-11-29-h200-120000-2"),
         _run("horizon-ray", 40.0, run_id="2026-11-29-h200-100000-3", update="delayed"),
         _run("horizon-ray", 9.0, run_id="2026-11-29-h200-130000-4", device="cpu"),
+        _run("horizon-ray", 7.0, run_id="2026-11-29-h200-run9"),  # an id without its time: older than timed ones
     ])
     text = render(tmp_path)
     head, table = text.split("## The matrix", 1)[1].split("\n| # |", 1)
@@ -213,12 +214,13 @@ def test_the_matrix_holds_each_settings_newest_gpu_row_with_its_own_peers_and_pl
     exact = next(ln for ln in lines if "| exact | none |" in ln)
     cells = [c.strip() for c in exact.strip("|").split("|")]
     # the 12:00 invocation, not the 09:00 one: 80 tok/s, 0.5x its own peer (160), not 0.8x the older peer
-    assert cells[6:11] == ["80", "0.500", "—", "204.800 (0.200)", "3.0 (2.0)"], cells
-    row = int(cells[11].lstrip("#"))
+    assert cells[5:13] == ["1024", "—", "16,384", "80", "0.500", "—", "204.800 (0.200)", "3.0 (2.0)"], cells
+    row = int(cells[13].lstrip("#"))
     table_rows = [ln for ln in ("| # |" + table).splitlines() if re.match(r"\| \d+ \| ", ln)]
     assert table_rows[row - 1].split("|")[5].strip() == "horizon-ray" and "| 80 |" in table_rows[row - 1]
     assert any("| delayed | none |" in ln and "| 40 |" in ln for ln in lines)
-    assert text.index("## The matrix") < text.index("| # | date |")
+    assert text.index("## The matrix") < text.index("## Every row") < text.index("| # | date |")
+    assert "\n\n## The matrix" in text and "\n\n## Every row\n\n| # | date |" in text
 
 
 def test_merge_keeps_local_runs_and_adds_new_ones_once(tmp_path):

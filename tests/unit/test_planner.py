@@ -705,16 +705,18 @@ def test_the_h200_moe_steps_are_planned_within_20_percent_of_the_engines(shape, 
     assert "moe_copy_s" not in plan("qwen2.5-7b", gpu_budget_bytes=12 * GiB).assumed_ceilings  # dense: unused
 
 
-@pytest.mark.parametrize("shape, grad_accum, measured_s", [
-    ("qwen3-4b", 4, 3.592),  # 01f6968: the calibration's row
-    ("qwen3-4b", 1, 0.914),  # 01f6968
-    ("phi-3-mini", 4, 3.249),  # 0ca154f (its fused qkv and gate_up: four adapters a layer)
-    ("gemma-3-4b", 4, 3.462),  # 0d219b5
-    ("qwen2.5-7b", 4, 5.565),  # 585f056
+@pytest.mark.parametrize("shape, grad_accum, measured_s, within", [
+    ("qwen3-4b", 4, 3.592, 0.05),  # 01f6968: the calibration's row
+    ("qwen3-4b", 1, 0.914, 0.05),  # 01f6968
+    # runs from before the adapters' adds moved inside the GEMMs (d26656a), with more passes than counted here
+    ("phi-3-mini", 4, 3.249, 0.12),  # 0ca154f (its fused qkv and gate_up: four adapters a layer)
+    ("gemma-3-4b", 4, 3.462, 0.12),  # 0d219b5
+    ("qwen2.5-7b", 4, 5.565, 0.12),  # 585f056
 ])
-def test_the_h200_dense_lora_steps_are_planned_within_12_percent_of_the_engines(shape, grad_accum, measured_s):
+def test_the_h200_dense_lora_steps_are_planned_within_12_percent_of_the_engines(shape, grad_accum, measured_s,
+                                                                                 within):
     """The calibration of Ceilings.adapter_bytes_per_s: LoRA r16 on every projection of the family at seq 1024,
-    12 GiB GPU budget. Counting FLOPs alone, the 3-4B steps planned 19-25 % short (qwen3-4b 2.89 s against
+    12 GiB GPU budget. Counting FLOPs alone, the 3-4B steps planned 17-23 % short (qwen3-4b 2.89 s against
     3.59 s): their adapters' passes over activations, which do not shrink with the width as the FLOPs do."""
     from horizon_ray.engine.model import family_projections
 
@@ -722,7 +724,7 @@ def test_the_h200_dense_lora_steps_are_planned_within_12_percent_of_the_engines(
     job = dict(method="lora", seq_len=1024, micro_batch_size=16, grad_accum=grad_accum, checkpoint_every=1,
                gpu_budget_bytes=12 * GiB, loss_chunk_tokens=2048, lora=lora)
     p = plan(shape, **job)
-    assert abs(p.step_time_s / measured_s - 1) < 0.12, p.step_time_s
+    assert abs(p.step_time_s / measured_s - 1) < within, p.step_time_s
     assert "adapter_bytes_per_s" in p.assumed_ceilings
     # the bytes: 5 x in + 6 x out elements a token, layer and adapter at a checkpoint every layer, in bf16
     if shape == "qwen3-4b":
@@ -732,9 +734,27 @@ def test_the_h200_dense_lora_steps_are_planned_within_12_percent_of_the_engines(
         flops_only = plan(shape, node=NodeSpec(ceilings=dataclasses.replace(
             H200_CEILINGS, adapter_bytes_per_s=float("inf"))), **job)
         assert flops_only.step_time_s < 0.82 * measured_s
+        # a checkpoint every 2 layers: half the layers' forward passes run once more in the backward's recompute
+        k2 = plan(shape, **(job | {"checkpoint_every": 2}))
+        fwd = sum(i + 2 * o for i, o in [(2560, 4096), (2560, 1024), (2560, 1024), (4096, 2560), (2560, 9728),
+                                         (2560, 9728), (9728, 2560)])
+        assert k2.timing["adapter_bytes"] - p.timing["adapter_bytes"] == grad_accum * 16384 * 18 * fwd * 2
     # no adapter, no term: a full fine-tuning plan neither counts nor assumes it
     full = plan(shape, seq_len=1024, micro_batch_size=16, grad_accum=grad_accum, gpu_budget_bytes=12 * GiB)
     assert full.timing["adapter_bytes"] == 0 and "adapter_bytes_per_s" not in full.assumed_ceilings
+
+
+def test_a_moe_lora_plan_counts_the_attention_adapters_passes_and_not_the_experts():
+    """The experts' adapters' passes are in moe_copy_s (fitted on LoRA steps); adapter_bytes_per_s counts the
+    dense projections' adapters alone: qwen3-30b-a3b's q, k, v and o (hidden 2048, 32 heads of 128, 4 KV heads)."""
+    job = dict(method="lora", seq_len=1024, micro_batch_size=16, grad_accum=1, gpu_budget_bytes=24 * GiB)
+    attn = plan("qwen3-30b-a3b", lora=Adapters(r=16, targets=("q_proj", "k_proj", "v_proj", "o_proj")), **job)
+    both = plan("qwen3-30b-a3b", lora=Adapters(r=16, targets=_MOE_LORA_TARGETS), **job)
+    per_layer = sum(5 * i + 6 * o for i, o in [(2048, 4096), (2048, 512), (2048, 512), (4096, 2048)])
+    assert attn.timing["adapter_bytes"] == both.timing["adapter_bytes"] == 16384 * 48 * per_layer * 2
+    experts = plan("qwen3-30b-a3b", lora=Adapters(r=16, targets=("experts.gate_up_proj", "experts.down_proj")),
+                   **job)
+    assert experts.timing["adapter_bytes"] == 0 and "adapter_bytes_per_s" not in experts.assumed_ceilings
 
 
 def test_a_probed_node_is_planned_with_its_ceilings_and_the_rest_is_labelled_assumed():
