@@ -171,6 +171,9 @@ LORA_TARGETS = {
     "experts.gate_up_proj": ("experts.gate_up", "mlp.experts"),
     "experts.down_proj": ("experts.down", "mlp.experts"),
 }
+# Targets whose projections read one input: their adapters run together without dropout (layers._LoraLinears),
+# reading that input once a pass.
+LORA_SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # The norms of a Llama-style decoder layer (HF module name -> key in a layer unit). With the final norm (HF
 # module "model.norm"), the norms LoRA may train beside its adapters (PEFT's modules_to_save); each family's
 # own table: layer_norms.

@@ -73,16 +73,18 @@ class Ceilings:
     # sum over k, each pass of the step. Fitted to profiled steps on the H200 box (commit df74309 and 1a3d920,
     # olmoe-1b-7b at 65,536 tokens: GPU compute 1.87 s LoRA / 1.97 s full against 0.84 / 1.10 s of FLOPs, over
     # 8.4 M routed copies: 123 / 104 ns); with it qwen3-30b-a3b LoRA at 65,536 plans 5.2 s against 6.11 s
-    # measured (without it 2.7 s; 5.46 s since adapter_bytes_per_s counts the attention adapters' passes, which
+    # measured (without it 2.7 s; 5.40 s since adapter_bytes_per_s counts the attention adapters' passes, which
     # this fit already held). Never measured by the probe, so always an assumption.
     moe_copy_s: float = 1.15e-7
     # Bytes a second the LoRA adapters' passes over activations run at beyond their frozen projections (the
     # [tokens, r] GEMMs that read a projection's input or its output gradient, and the adds into its output and
     # input gradient: timing.adapter_passes), which FLOPs do not count. Fitted on the H200 box (2026-12-05, commit
     # 01f6968): qwen3-4b LoRA r16 on all seven projections at 65,536 tokens took 3.59 s a step against 2.89 s
-    # planned without this term, 0.70 s for the 1.50 TB those passes move: 2.1 TB/s. One adapted projection alone
-    # at qwen3-4b's widths ran them at 1.9-2.6 TB/s (q, o, gate, up, down; k and v, 1,024 wide, at 0.5-0.9:
-    # benchmarks/probes/lora_addmm.py). Never measured by the probe, so always an assumption.
+    # planned without this term, 0.70 s for the 1.50 TB those passes moved then: 2.1 TB/s. One adapted projection
+    # alone at qwen3-4b's widths ran them at 1.9-2.6 TB/s (q, o, gate, up, down; k and v, 1,024 wide, at 0.5-0.9:
+    # benchmarks/probes/lora_addmm.py). Since the adapters of one input read it once (layers._LoraLinears) that
+    # step moves 1.32 TB, which the plan counts at the same rate. Never measured by the probe, so always an
+    # assumption.
     adapter_bytes_per_s: float = 2.1e12
     h2d_bytes_per_s: float = 55.4e9  # pinned host -> device
     d2h_bytes_per_s: float = 55.3e9  # pinned device -> host

@@ -53,35 +53,34 @@ expert, grouped GEMMs of a few hundred rows an expert, the routing weights, the 
 k. That is ``Ceilings.moe_copy_s`` seconds per routed token copy (at hidden 2048, scaled by the hidden size)
 over the whole step at K = 1, a quarter of it in the forward and the rest in the backward's passes.
 
-A LoRA adapter on a dense projection also passes over activations its FLOPs do not show
-(``layers._LoraLinear``): each forward pass reads the projection's input for the [tokens, r] product and adds
-the adapter's output into the projection's (in + 2 out elements a token); the backward reads the output gradient
-twice and the input once for the adapter's gradients and adds its input gradient into the projection's (3 in
-+ 2 out). Those bytes, pass by pass as the FLOPs count them, run at ``Ceilings.adapter_bytes_per_s``. The
-experts' adapters are not counted here: their passes are in the routing's ``moe_copy_s``, fitted on LoRA steps.
-Those steps' attention adapters are in that fit too, so a MoE LoRA plan counts their passes twice (0.09 s of
-olmoe-1b-7b's 65,536-token step, 0.28 s of qwen3-30b-a3b's), until a profiled step separates them. Dropout adds
-passes this does not count.
+A LoRA adapter on a dense projection also passes over activations its FLOPs do not show (``layers._LoraLinear``):
+each forward pass reads the projection's input for the [tokens, r] product and adds the adapter's output into the
+projection's (in + 2 out elements a token); the backward reads the output gradient twice and the input once for
+the adapter's gradients and adds its input gradient into the projection's (3 in + 2 out). Adapters of projections
+that share their input (q, k, v; gate, up) make the in passes once for all (``layers._LoraLinears``). Those
+bytes, pass by pass as the FLOPs count them, run at ``Ceilings.adapter_bytes_per_s``. The experts' adapters are
+not counted here: their passes are in the routing's ``moe_copy_s``, fitted on LoRA steps. Those steps' attention
+adapters are in that fit too, so a MoE LoRA plan counts their passes twice (0.07 s of olmoe-1b-7b's 65,536-token
+step, 0.22 s of qwen3-30b-a3b's), until a profiled step separates them. Dropout adds passes this does not count.
 
 Calibration. ``Ceilings.compute_efficiency``, ``Ceilings.moe_copy_s`` and ``Ceilings.adapter_bytes_per_s`` are
-the numbers fitted to the engine
-rather than measured (the second on profiled MoE steps: see its field). For the first: on
-the H200 box (commit cea6a8e, Qwen2.5-7B, seq 1024, bf16, 12 GiB GPU budget, K=1, Liger kernels) exact
-AdamW measured 3.15 s a step at 16,384 tokens and 6.64 s at 65,536 (host update of 7.6 G parameters 1.8-2.0
-s); with 0.72 the plan says 3.14 s (-0.3 %) and 6.88 s (+3.6 %). With the earlier 0.55 it said 3.52 s and
-8.69 s (+12 % and +31 %). On device "cpu" the rate is the node's own: ``horizon-ray probe`` times the engine
-on a small reference model and divides this module's FLOP count by the seconds (``horizon_ray.probe``);
-the demo's predicted and measured steps agree within 25 % (benchmarks/plan_vs_run.py). Whatever a
-plan takes from the defaults rather than from its node's probe is listed as assumed
-(``Ceilings.assumed``). The plan is what the ceilings allow; a slower engine shows as the measured step
-exceeding it.
+the numbers fitted to the engine rather than measured (the second on profiled MoE steps, the third on a LoRA
+step: see their fields). For the first: on the H200 box (commit cea6a8e, Qwen2.5-7B, seq 1024, bf16, 12 GiB GPU
+budget, K=1, Liger kernels) exact AdamW measured 3.15 s a step at 16,384 tokens and 6.64 s at 65,536 (host update
+of 7.6 G parameters 1.8-2.0 s); with 0.72 the plan says 3.14 s (-0.3 %) and 6.88 s (+3.6 %). With the earlier
+0.55 it said 3.52 s and 8.69 s (+12 % and +31 %). On device "cpu" the rate is the node's own: ``horizon-ray
+probe`` times the engine on a small reference model and divides this module's FLOP count by the seconds
+(``horizon_ray.probe``); the demo's predicted and measured steps agree within 25 % (benchmarks/plan_vs_run.py).
+Whatever a plan takes from the defaults rather than from its node's probe is listed as assumed
+(``Ceilings.assumed``). The plan is what the ceilings allow; a slower engine shows as the measured step exceeding
+it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from horizon_ray.engine.model import DTYPE_BYTES, layer_targets
+from horizon_ray.engine.model import DTYPE_BYTES, LORA_SHARED_INPUTS, layer_targets
 from horizon_ray.errors import BadInput
 from horizon_ray.models.blocks import EXPERT_TARGETS, DenseMLP
 from horizon_ray.planner.memory import unit_wire_bytes
@@ -134,18 +133,23 @@ def deferred_params(shape: ModelShape, lora: Adapters | None) -> int:
 
 def adapter_passes(shape: ModelShape, lora: Adapters | None) -> tuple[int, int]:
     """Activation elements a token's dense-projection adapters read or write beyond their frozen projections,
-    summed over the layers: (in one forward pass of every layer, in the backward's own passes)."""
+    summed over the layers: (in one forward pass of every layer, in the backward's own passes). Each adapter
+    reads its output gradient twice and adds into its output; adapters of one input (model.LORA_SHARED_INPUTS)
+    read it once a forward pass, and once for their A gradients and once to add their input gradient in the
+    backward."""
     forward = backward = 0
     if lora is None:
         return 0, 0
+    group = {name: names for names in LORA_SHARED_INPUTS for name in names}
     for i in range(shape.num_layers):
         targets = layer_targets(shape, i)
-        for name in lora.targets:
-            if name in EXPERT_TARGETS or name not in targets:
-                continue
-            n_in, n_out = targets[name][2]
-            forward += n_in + 2 * n_out
-            backward += 3 * n_in + 2 * n_out
+        adapted = [name for name in lora.targets if name not in EXPERT_TARGETS and name in targets]
+        for name in adapted:
+            forward += 2 * targets[name][2][1]
+            backward += 2 * targets[name][2][1]
+        inputs = {group.get(name, (name,)): targets[name][2][0] for name in adapted}
+        forward += sum(inputs.values())
+        backward += 3 * sum(inputs.values())
     return forward, backward
 
 
