@@ -262,7 +262,7 @@ class _LoraLinears(torch.autograd.Function):
     computes for each, with the passes over the shared input made once. The adapters' A's are stacked, so one
     GEMM reads x for all their [tokens, r] products in the forward, one reads it for all their A gradients in the
     backward, and one adds all their input gradients; the frozen projections' input gradients are summed inside
-    their GEMMs (``addmm_``) rather than by autograd. Per extra projection of the group that is 2 x in elements a
+    their GEMMs (``addmm_``) rather than by autograd. Per extra projection of the group that is 1 x in elements a
     token fewer in each forward pass and 5 x in fewer in the backward. The inputs after x and the scaling are
     (w, bias, A, B) of each projection in turn; it returns their outputs in that order."""
 

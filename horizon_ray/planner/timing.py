@@ -61,7 +61,8 @@ that share their input (q, k, v; gate, up) make the in passes once for all (``la
 bytes, pass by pass as the FLOPs count them, run at ``Ceilings.adapter_bytes_per_s``. The experts' adapters are
 not counted here: their passes are in the routing's ``moe_copy_s``, fitted on LoRA steps. Those steps' attention
 adapters are in that fit too, so a MoE LoRA plan counts their passes twice (0.07 s of olmoe-1b-7b's 65,536-token
-step, 0.22 s of qwen3-30b-a3b's), until a profiled step separates them. Dropout adds passes this does not count.
+step, 0.22 s of qwen3-30b-a3b's), until a profiled step separates them. It assumes no dropout: with dropout each
+adapter reads its input apart (the masks differ by projection), and the masks add passes of their own.
 
 Calibration. ``Ceilings.compute_efficiency``, ``Ceilings.moe_copy_s`` and ``Ceilings.adapter_bytes_per_s`` are
 the numbers fitted to the engine rather than measured (the second on profiled MoE steps, the third on a LoRA

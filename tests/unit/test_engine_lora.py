@@ -451,21 +451,25 @@ def test_adapters_add_no_pass_over_activations(tmp_path):
         eng.close()
         written[targets] = log.bytes
     assert written[("down_proj",)] > 0
-    tokens, layers, hidden = batch[0][0].numel(), 4, 64
+    tokens, layers, hidden = batch[0][0].numel(), len(eng.model.layers), eng.model.hidden_size
     assert written[ALL] == written[("down_proj",)] - layers * 3 * tokens * hidden * 2, written
 
 
 class _AdapterInputReads(TorchDispatchMode):
-    """GEMMs that read a [tokens, in] activation against at most ``narrow`` columns: an adapter's A product."""
+    """GEMMs that read a [tokens, in] activation against at most ``narrow`` rows or columns: an adapter's A product
+    (``reads``, x [tokens, in] @ A^T [in, <= narrow]) and its A gradient (``grad_reads``, dL/du^T [<= narrow, tokens]
+    @ x [tokens, in])."""
 
     def __init__(self, tokens: int, narrow: int):
         super().__init__()
-        self.tokens, self.narrow, self.reads = tokens, narrow, 0
+        self.tokens, self.narrow, self.reads, self.grad_reads = tokens, narrow, 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
             m1, m2 = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 2][-2:]
             self.reads += m1.shape[0] == self.tokens and m2.shape[1] <= self.narrow < m1.shape[1]
+            self.grad_reads += (m1.shape == (m1.shape[0], self.tokens) and m1.shape[0] <= self.narrow
+                                and m2.shape[0] == self.tokens and m2.shape[1] > self.narrow)
         return func(*args, **(kwargs or {}))
 
 
@@ -477,13 +481,18 @@ class _AdapterInputReads(TorchDispatchMode):
 def test_adapters_on_one_input_read_it_once(tmp_path, targets, reads_per_layer):
     """The adapters of projections that share their input (q, k, v; gate, up) form their [tokens, r] products in
     one GEMM over the stacked A's (layers._LoraLinears), so a forward pass reads each distinct input once for
-    them, where each adapter read it on its own before (7 reads a layer with every projection adapted); the
-    loss is PEFT's either way (the numerics tests above)."""
+    them, and the backward once for their A gradients, where each adapter read it on its own before (7 reads a
+    layer with every projection adapted); the loss is PEFT's either way (the numerics tests above)."""
     path, _ = tiny_llama(tmp_path)
     batch = random_batches(1, micro=1, B=4)[0]
     lora = LoraConfig(r=4, alpha=8, targets=targets)
     eng = Engine.from_pretrained(path, EngineConfig(**HP, device="cpu", lora=lora))
+    layers = len(eng.model.layers)
     with _AdapterInputReads(tokens=batch[0][0].numel(), narrow=3 * 4) as log:
         eng.eval_loss(batch)
+    assert log.reads == layers * reads_per_layer and log.grad_reads == 0
+    with _AdapterInputReads(tokens=batch[0][0].numel(), narrow=3 * 4) as log:
+        eng.train_step(batch)
+        eng.synchronize()
     eng.close()
-    assert log.reads == 4 * reads_per_layer
+    assert log.grad_reads == layers * reads_per_layer
