@@ -300,12 +300,12 @@ def render(results_dir: str | Path) -> str:
         "after the timed steps; planned host: horizon_ray.planner.plan of the same settings; exposed opt: "
         "seconds a step waits for the optimizer.",
         "",
+        *_matrix(ok),  # each setting's newest row, citing the rows of the table below
         "| # | date | box | commit | system | shape | mode | update | seq | tokens/step | tokens/s | ratio "
         "| ratio_liger | vs | model TFLOP/s | MFU (786.5) | MFU (989.5) | peak GPU GiB | budget GiB "
         "| host RSS GiB | planned host GiB | exposed opt s |",
         "|" + "---|" * 22,
     ]
-    body_at = len(lines)
     for i, (_, r) in enumerate(ok, 1):
         gpu = r.get("device") != "cpu"
         lines.append("| " + " | ".join([
@@ -332,8 +332,6 @@ def render(results_dir: str | Path) -> str:
         lines.append(f"- **#{i}** {_system_label(r)}, {r['shape']}, {_mode_label(r)}{update}, "
                      f"{r['tokens_per_step']:,} tokens/step. {_bound(r, base)}{missing}")
     lines += _not_measured(items) + _largest(items) + _commands(items)
-    # the matrix goes before the table of every row, whose numbers it cites
-    lines[body_at - 2:body_at - 2] = _matrix(ok)
     return "\n".join(lines).rstrip() + "\n"
 
 

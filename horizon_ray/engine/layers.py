@@ -297,7 +297,7 @@ class _LoraLinears(torch.autograd.Function):
             x2 = x.reshape(-1, x.shape[-1])
             grad_a = [ga if need[4 + 4 * i] else None for i, ga in enumerate((gu.T @ x2.to(dt)).float().split(r))]
         grad_x = None
-        if ctx.needs_input_grad[0]:
+        if need[0]:
             grad_x = gs[0] @ ws[0]  # the frozen projections' input gradients, summed inside their GEMMs
             for g, w in zip(gs[1:], ws[1:]):
                 grad_x.addmm_(g, w)
@@ -491,21 +491,26 @@ class Template:
             return self.ops.rms_norm(x, weight, self.cfg.rms_norm_eps, self.cfg.norm_offset)
         return self.ops.rms_norm(x, weight, self.cfg.rms_norm_eps)
 
+    @staticmethod
+    def _adapted(w, key, sinks) -> bool:
+        """Whether projection ``key`` has an adapter (its weight then frozen: no gradient sink on it)."""
+        if key + ".lora_A" not in w:
+            return False
+        assert key not in (sinks or {}), f"{key} has an adapter and a weight gradient: an adapted weight is frozen"
+        return True
+
     def _proj(self, x, w, key, lora, sinks):
-        sink = sinks or {}
-        if key + ".lora_A" in w:  # a frozen projection with its adapter
-            assert key not in sink, f"{key} has an adapter and a weight gradient: an adapted weight is frozen"
+        if self._adapted(w, key, sinks):
             return _lora_linear(x, w, key, lora)
+        sink = sinks or {}
         return linear(x, w[key], w.get(key + "_b"), sink.get(key), sink.get(key + "_b"))
 
     def _projs(self, x, w, keys: tuple[str, ...], lora, sinks) -> tuple[torch.Tensor, ...]:
         """Projections ``keys`` of the same x; the adapted ones together (``_LoraLinears``) where there are two
         or more and no dropout (each adapter draws its own mask, so their inputs differ)."""
-        grouped = [key for key in keys if key + ".lora_A" in w]
+        grouped = [key for key in keys if self._adapted(w, key, sinks)]
         if len(grouped) < 2 or lora is None or lora.dropout > 0:
             return tuple(self._proj(x, w, key, lora, sinks) for key in keys)
-        for key in grouped:
-            assert key not in (sinks or {}), f"{key} has an adapter and a weight gradient: an adapted weight is frozen"
         weights = [t for key in grouped for t in (w[key], w.get(key + "_b"), w[key + ".lora_A"], w[key + ".lora_B"])]
         out = dict(zip(grouped, _LoraLinears.apply(x, lora.scaling, *weights)))
         return tuple(out[key] if key in out else self._proj(x, w, key, lora, sinks) for key in keys)
