@@ -47,7 +47,7 @@ from horizon_ray.engine.kernels import (
     softcap_attention,
 )
 from horizon_ray.engine.lora import mix_seed
-from horizon_ray.engine.model import LEAF_KEYS, ModelConfig
+from horizon_ray.engine.model import FUSED, LEAF_KEYS, ModelConfig
 from horizon_ray.models.blocks import DenseMLP, Layer, MoE
 
 
@@ -553,7 +553,7 @@ class Template:
         if "qkv" in w:
             q, k, v = self._proj(h, w, "qkv", lora, sinks).split([a.q_dim, a.kv_dim, a.kv_dim], dim=-1)
         else:
-            q, k, v = self._projs(h, w, ("q", "k", "v"), lora, sinks)
+            q, k, v = self._projs(h, w, FUSED["qkv"], lora, sinks)
         if a.qk_norm == "proj":  # OLMoE: over the whole projection
             q, k = self._norm(q, w["q_norm"]), self._norm(k, w["k_norm"])
         q = q.view(B, T, a.num_heads, hd)
@@ -593,7 +593,7 @@ class Template:
         if key + "gate_up" in w:
             gate_up = self._proj(h, w, key + "gate_up", lora, sinks)
             return ops.swiglu(gate_up) if mlp.act == "silu" else ops.geglu(gate_up)
-        gate, up = self._projs(h, w, (key + "gate", key + "up"), lora, sinks)
+        gate, up = self._projs(h, w, tuple(key + member for member in FUSED["gate_up"]), lora, sinks)
         if mlp.act == "silu":
             return ops.silu_mul(gate, up)
         return F.gelu(gate, approximate="tanh") * up

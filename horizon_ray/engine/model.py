@@ -171,9 +171,11 @@ LORA_TARGETS = {
     "experts.gate_up_proj": ("experts.gate_up", "mlp.experts"),
     "experts.down_proj": ("experts.down", "mlp.experts"),
 }
-# Targets whose projections read one input: their adapters run together without dropout (layers._LoraLinears),
-# reading that input once a pass.
-LORA_SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# Targets whose projections read one input, the members of a fused GEMM (FUSED's "qkv" and "gate_up", the keys
+# the layer template groups): their adapters run together without dropout (layers._LoraLinears), reading that
+# input once a pass.
+LORA_SHARED_INPUTS = tuple(tuple(name for key in FUSED[fused] for name, (k, _) in PROJECTIONS.items() if k == key)
+                           for fused in ("qkv", "gate_up"))
 # The norms of a Llama-style decoder layer (HF module name -> key in a layer unit). With the final norm (HF
 # module "model.norm"), the norms LoRA may train beside its adapters (PEFT's modules_to_save); each family's
 # own table: layer_norms.
