@@ -163,19 +163,29 @@ def _batches(vocab: int, micro: int, seq: int, accum: int) -> list[list[tuple[to
             for _ in range(2)]
 
 
+def warmup_steps(warmup: int, update_lag: int) -> int:
+    """Untimed steps before the timed ones: ``--warmup``, and at least 1 + the update's lag. The first step
+    after a drained pipeline (a new engine, set_update) waits for no update; under the delayed update (lag 1)
+    the next one waits only for the tail of an update that ran beside its predecessor. From the third step on,
+    each waits for what every later step waits for, so a host update slower than the GPU's step shows in the
+    timed steps instead of being left outside them."""
+    return max(warmup, 1 + update_lag)
+
+
 def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
     cuda = eng.device.type == "cuda"
     times, waits, updates = [], [], []
+    w = warmup_steps(args.warmup, eng.update_lag)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     rollbacks0 = 0
     telemetry = GpuTelemetry(eng.device)
     try:
-        for step in range(args.warmup + args.steps):
+        for step in range(w + args.steps):
             if cuda:
                 torch.cuda.synchronize()
             waited0, _, rollbacks = engine_stats(eng)
-            if step == args.warmup:
+            if step == w:
                 rollbacks0 = rollbacks
                 telemetry.start()  # the timed steps' clock, power and temperature
             s = time.perf_counter()
@@ -187,7 +197,6 @@ def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
     finally:
         telemetry.stop()
     # no wait for the last update here: a profiled step that follows must find it running, as any step does
-    w = args.warmup
     mem = eng.memory_report()
     rec.update(timed_summary(times, w, rec["tokens_per_step"], rec["model_flops_per_token"]))
     rec.update(
@@ -195,6 +204,7 @@ def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
         # the last full update when the step ended; the step after the last timed one is still its own
         optimizer_update_s=round(statistics.median(updates[w:] or updates), 4),
         rollbacks=rollbacks - rollbacks0,
+        warmup_steps=w,  # untimed steps run (warmup_steps: at least 1 + the update's lag)
         peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else 0,
         peak_gpu_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else 0,
         host_rss_bytes=host_rss(), host_rss_growth_bytes=host_rss() - rss0, host_peak_rss_bytes=host_peak_rss(),

@@ -332,6 +332,17 @@ def bound_line(b: dict) -> str:
             f"GPU {b['gpu_flops'] / 1e12:.0f} TFLOP{adapters} = {b.get('compute_s', 0):.2f} s; bound: {b['bound']}")
 
 
+def steady_bound(r: dict) -> float | None:
+    """The most tokens/s a delayed-update row can sustain when its timed steps ran shorter than its host update,
+    or None. Updates run one after another, one a step, and a step waits for the update of the step two before
+    it, so in the long run no step is shorter than the update; timed steps that were shorter ran before the
+    pipeline was steady (the bench warmed up one step under every update mode before 2026-12-05)."""
+    update, step = r.get("optimizer_update_s"), r.get("step_s")
+    if r.get("status") != "ok" or r.get("update") != "delayed" or not update or not step or step >= 0.95 * update:
+        return None
+    return r["tokens_per_step"] / update
+
+
 def outside_plan(r: dict) -> str | None:
     """Why a run that finished ran outside its own plan, or None. The GPU side of a plan is conservative and
     the budget is enforced by the allocator, so the bench runs a step whose plan asks for more GPU memory than

@@ -20,6 +20,7 @@ from horizon_ray.bench.metrics import (
     bound_line,
     kind,
     outside_plan,
+    steady_bound,
 )
 
 GiB = 2**30
@@ -266,6 +267,11 @@ def _bound(r: dict, base: dict | None) -> str:
             bound = f"{recorded['bound']}, by the plan's roofline (no profiled step)"  # measured nothing better
     elif recorded:  # a diagnosis the fields cannot show (e.g. found after the run), recorded with the run itself
         bound = recorded
+    if steady := steady_bound(r):
+        parts.append(f"its timed steps ({', '.join(f'{t:.2f}' for t in r.get('step_times') or [])} s) were "
+                     f"shorter than its host update ({r['optimizer_update_s']:.2f} s), which every later step "
+                     f"waits for: timed before the pipeline was steady, its tokens/s overstates the run; steady, "
+                     f"it runs at most {steady:,.0f} tok/s")
     if r.get("note"):
         parts.append(r["note"])
     return f"Bound by {bound}: " + "; ".join(parts) + "."
@@ -364,7 +370,9 @@ def _matrix(ok: list[tuple[str, dict]]) -> list[str]:
            "ratios are against the peers of the same invocation (full fine-tuning: HF in-GPU plain and with "
            "Liger-Kernel; LoRA: PEFT plain and with Liger-Kernel), its plan is the planner's at the row's commit. "
            "**row**: the row of the table below, whose paragraph in \"What bounds each row\" says what bounds it. "
-           "budget: the GPU memory the run was held to (— = the whole GPU).",
+           "budget: the GPU memory the run was held to (— = the whole GPU). **steady <=**: a delayed-update row "
+           "whose timed steps ran shorter than its host update, which every later step waits for; the most it "
+           "sustains is its tokens per step over that update.",
            "",
            "| box | shape | mode | update | base | seq | budget GiB | tokens/step | tokens/s | vs plain peer "
            "| vs Liger peer | step s (planned) | host RSS GiB (planned) | row | commit |",
@@ -372,10 +380,15 @@ def _matrix(ok: list[tuple[str, dict]]) -> list[str]:
     ordered = sorted(newest.items(), key=lambda kv: (kv[0][0], kv[1][1].get("params") or 0, kv[0][1:]))
     for (box, shape, mode, update, base, seq, budget, tokens), (i, r) in ordered:
         planned_rss = r.get("rss_plan_host_bytes") or r.get("planned_host_bytes")
+        steady = steady_bound(r)
+        scale = steady / r["tokens_per_s"] if steady else None
+
+        def capped(x, fmt):  # an unsteady row: what it measured, and the most it sustains
+            return _num(x, fmt) + (f" (steady <= {x * scale:{fmt}})" if scale and x is not None else "")
         out.append("| " + " | ".join([
             box or "—", shape, mode, update, base, str(seq), budget, f"{tokens:,}",
-            _num(r.get("tokens_per_s"), ",.0f"),
-            _num(r.get("ratio"), ".3f"), _num(r.get("ratio_liger"), ".3f"),
+            capped(r.get("tokens_per_s"), ",.0f"),
+            capped(r.get("ratio"), ".3f"), capped(r.get("ratio_liger"), ".3f"),
             f"{_num(r.get('step_s'), '.3f')} ({_num(r.get('planned_step_s'), '.3f')})",
             f"{_gib(r.get('host_rss_bytes'))} ({_gib(planned_rss)})", f"#{i}", f"`{r.get('commit') or '—'}`",
         ]) + " |")

@@ -247,6 +247,12 @@ class Engine:
         """Optimizer steps done (launched: the update of the last one may still run in the background)."""
         return self._steps
 
+    @property
+    def update_lag(self) -> int:
+        """Steps by which a step's reads trail the updates: 1 under the delayed update (step k reads the weights
+        after the update of step k - 2, which runs beside step k - 1), 0 otherwise (step k reads step k - 1's)."""
+        return _LAG[self.update_mode]
+
     def set_lr(self, lr: float) -> None:
         if not lr >= 0:
             raise BadInput(f"learning rate must be >= 0, got {lr}")

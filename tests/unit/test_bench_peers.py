@@ -218,6 +218,35 @@ def test_child_argv_gives_the_update_modes_to_horizon_ray_and_the_adapters_to_pe
     assert "--lora-r" not in liger and "--update" not in liger
 
 
+def test_a_host_update_slower_than_the_step_shows_in_every_timed_step(monkeypatch):
+    """Under the delayed update a step waits for the update of the step two before it, so after a drained
+    pipeline the first step waits for none and the second only for the tail of an update that ran beside the
+    first. With --warmup 1 both timed steps used to be those: a host update longer than the GPU's step was left
+    mostly outside the timed steps (olmoe-1b-7b at 16,384 tokens: 0.79 and 1.44 s against a 1.9 s update; here
+    0.21 and 0.51 s against 0.64 s). The bench now warms up 1 + the update's lag steps, so each timed step takes
+    at least about the update."""
+    import time as _time
+
+    from horizon_ray.bench import engine_run
+    from horizon_ray.engine.optimizer import HostAdamW
+
+    update = HostAdamW.update
+
+    def slow(self, unit, *a, **kw):  # a host update far longer than the tiny model's step
+        _time.sleep(0.15)
+        return update(self, unit, *a, **kw)
+
+    monkeypatch.setattr(HostAdamW, "update", slow)
+    args = _child_args("horizon-ray", "--update", "exact,delayed")
+    args.warmup, args.steps = 1, 2
+    recs = {r["update"]: r for r in engine_run.run(args, lambda rec: None)}
+    assert recs["exact"]["warmup_steps"] == 1 and recs["delayed"]["warmup_steps"] == 2
+    delayed = recs["delayed"]
+    assert delayed["status"] == "ok" and delayed["optimizer_update_s"] > 0.4  # 0.15 s for each of >= 3 units
+    assert min(delayed["step_times"]) > 0.8 * delayed["optimizer_update_s"], delayed["step_times"]
+    assert engine_run.warmup_steps(0, 0) == 1 and engine_run.warmup_steps(3, 1) == 3
+
+
 def test_a_child_that_died_after_one_update_mode_records_the_others_with_why():
     args = _args("--shape", "tiny", "--accum", "1,2", "--device", "cpu", "--update", "exact,delayed")
     done = _run("horizon-ray", 10.0)
