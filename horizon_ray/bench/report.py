@@ -382,17 +382,20 @@ def _matrix(ok: list[tuple[str, dict]]) -> list[str]:
         planned_rss = r.get("rss_plan_host_bytes") or r.get("planned_host_bytes")
         steady = steady_bound(r)
         scale = steady / r["tokens_per_s"] if steady else None
-
-        def capped(x, fmt):  # an unsteady row: what it measured, and the most it sustains
-            return _num(x, fmt) + (f" (steady <= {x * scale:{fmt}})" if scale and x is not None else "")
         out.append("| " + " | ".join([
             box or "—", shape, mode, update, base, str(seq), budget, f"{tokens:,}",
-            capped(r.get("tokens_per_s"), ",.0f"),
-            capped(r.get("ratio"), ".3f"), capped(r.get("ratio_liger"), ".3f"),
+            _capped(r.get("tokens_per_s"), ",.0f", scale),
+            _capped(r.get("ratio"), ".3f", scale), _capped(r.get("ratio_liger"), ".3f", scale),
             f"{_num(r.get('step_s'), '.3f')} ({_num(r.get('planned_step_s'), '.3f')})",
             f"{_gib(r.get('host_rss_bytes'))} ({_gib(planned_rss)})", f"#{i}", f"`{r.get('commit') or '—'}`",
         ]) + " |")
     return out + ["", "## Every row", ""]
+
+
+def _capped(x, fmt: str, scale: float | None) -> str:
+    """A number of the matrix; for a row timed before it was steady (scale: the most it sustains over what it
+    measured), that most beside it."""
+    return _num(x, fmt) + (f" (steady <= {x * scale:{fmt}})" if scale and x is not None else "")
 
 
 def _not_measured(items) -> list[str]:
