@@ -387,6 +387,10 @@ class _UpdateEngine:
         self.log.append(("set_update", mode))
         self.update = mode
 
+    @property
+    def update_lag(self):
+        return 1 if self.update == "delayed" else 0
+
     def train_step(self, batches):
         self.log.append(("step", self.update, len(batches)))
         self._stats.waited_s += 0.25
@@ -415,13 +419,13 @@ def test_one_engine_runs_every_update_mode_inside_each_accumulation(monkeypatch)
     _UpdateEngine.log = []
     out = []
     engine_run.run(_engine_args("delayed,speculative,exact"), out.append)
-    # built once in the first mode; accumulations smallest first, every mode at each (three steps: one
-    # warm-up, two timed; no profiled step on the CPU)
+    # built once in the first mode; accumulations smallest first, every mode at each (one warm-up, two under
+    # the delayed update, whose lag is one step; two timed; no profiled step on the CPU)
     modes = ("delayed", "speculative", "exact")
     expected = [("built", "delayed")]
     for accum in (1, 2):
         for mode in modes:
-            expected += [("set_update", mode)] + [("step", mode, accum)] * 3
+            expected += [("set_update", mode)] + [("step", mode, accum)] * (4 if mode == "delayed" else 3)
     assert _UpdateEngine.log == expected + [("closed",)]
     assert [(r["accum"], r["update"]) for r in out] == [(a, u) for a in (1, 2) for u in modes]
     for r in out:
