@@ -223,8 +223,8 @@ def test_a_host_update_slower_than_the_step_shows_in_every_timed_step(monkeypatc
     pipeline the first step waits for none and the second only for the tail of an update that ran beside the
     first. With --warmup 1 both timed steps used to be those: a host update longer than the GPU's step was left
     mostly outside the timed steps (olmoe-1b-7b at 16,384 tokens: 0.79 and 1.44 s against a 1.9 s update; here
-    0.21 and 0.51 s against 0.64 s). The bench now warms up 1 + the update's lag steps, so each timed step takes
-    at least about the update."""
+    0.21 and 0.51 s against 0.64 s). The bench now warms up 1 + 2 x the update's lag steps (the third step trails
+    an update begun a whole step before it), so each timed step takes at least about the update."""
     import time as _time
 
     from horizon_ray.bench import engine_run
@@ -240,11 +240,11 @@ def test_a_host_update_slower_than_the_step_shows_in_every_timed_step(monkeypatc
     args = _child_args("horizon-ray", "--update", "exact,delayed")
     args.warmup, args.steps = 1, 2
     recs = {r["update"]: r for r in engine_run.run(args, lambda rec: None)}
-    assert recs["exact"]["warmup_steps"] == 1 and recs["delayed"]["warmup_steps"] == 2
+    assert recs["exact"]["warmup_steps"] == 1 and recs["delayed"]["warmup_steps"] == 3
     delayed = recs["delayed"]
     assert delayed["status"] == "ok" and delayed["optimizer_update_s"] > 0.4  # 0.15 s for each of >= 3 units
     assert min(delayed["step_times"]) > 0.8 * delayed["optimizer_update_s"], delayed["step_times"]
-    assert engine_run.warmup_steps(0, 0) == 1 and engine_run.warmup_steps(3, 1) == 3
+    assert engine_run.warmup_steps(0, 0) == 1 and engine_run.warmup_steps(4, 1) == 4
 
 
 def test_a_child_that_died_after_one_update_mode_records_the_others_with_why():
@@ -419,13 +419,13 @@ def test_one_engine_runs_every_update_mode_inside_each_accumulation(monkeypatch)
     _UpdateEngine.log = []
     out = []
     engine_run.run(_engine_args("delayed,speculative,exact"), out.append)
-    # built once in the first mode; accumulations smallest first, every mode at each (one warm-up, two under
+    # built once in the first mode; accumulations smallest first, every mode at each (one warm-up, three under
     # the delayed update, whose lag is one step; two timed; no profiled step on the CPU)
     modes = ("delayed", "speculative", "exact")
     expected = [("built", "delayed")]
     for accum in (1, 2):
         for mode in modes:
-            expected += [("set_update", mode)] + [("step", mode, accum)] * (4 if mode == "delayed" else 3)
+            expected += [("set_update", mode)] + [("step", mode, accum)] * (5 if mode == "delayed" else 3)
     assert _UpdateEngine.log == expected + [("closed",)]
     assert [(r["accum"], r["update"]) for r in out] == [(a, u) for a in (1, 2) for u in modes]
     for r in out:
