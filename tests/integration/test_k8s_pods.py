@@ -32,6 +32,7 @@ import contextlib
 import copy
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -387,8 +388,22 @@ def run_rayjob(d: Deployment, job: dict[str, Any], submission_id: str, address_s
     pod = d.sim.add_pod(f"{submission_id}-submitter", podsim.kuberay_submitter_pod(job, cluster, submission_id),
                         address_suffix)
     d.sim.start(pod.name)
-    pod.wait_done(JOB_S)
+    wait_done_while_it_trains(pod, JOB_S)
     return pod
+
+
+def wait_done_while_it_trains(pod: podsim.Pod, stall_s: float) -> str:
+    """A submitter pod's phase once it has exited. It may take as long as its job keeps training: the wait gives
+    up only after ``stall_s`` without a new "step N/M" line in the pod's log. A fixed deadline failed CI on a
+    loaded machine, where the dev spec's 200 steps took over 7 minutes (about 4 unloaded); the test's own
+    timeout still bounds the whole."""
+    seen, deadline = "", time.monotonic() + stall_s
+    while pod.phase in ("Pending", "Running") and time.monotonic() < deadline:
+        steps = re.findall(r"\bstep (\d+/\d+)", pod.containers[0].tail(4000))
+        if steps and steps[-1] != seen:
+            seen, deadline = steps[-1], time.monotonic() + stall_s
+        time.sleep(0.5)
+    return pod.phase
 
 
 def check_memory_within_limits(d: Deployment) -> dict[str, int]:
