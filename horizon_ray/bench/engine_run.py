@@ -163,33 +163,48 @@ def _batches(vocab: int, micro: int, seq: int, accum: int) -> list[list[tuple[to
             for _ in range(2)]
 
 
+# Untimed steps at most while a lagging update's pipeline settles (``settling``).
+MAX_WARMUP = 8
+
+
 def warmup_steps(warmup: int, update_lag: int) -> int:
-    """Untimed steps before the timed ones: ``--warmup``, and at least 1 + 2 x the update's lag. The first step
-    after a drained pipeline (a new engine, set_update) waits for no update. Under the delayed update (lag 1)
-    a step waits for the update of the step two before it, unit by unit, its forward trailing that update: the
-    second step waits for none, the third for an update that began a whole step before it (so it is shorter by
-    its forward), and from the fourth on each starts a backward's length after its update began, as every later
-    step does. A host update slower than the GPU's step then shows in the timed steps in full (olmoe-1b-7b at
-    16,384 tokens on the H200: 0.77 and 1.47 s timed after one warm-up, 1.45 and 1.51 after two, against a 1.6 s
-    update)."""
-    return max(warmup, 1 + 2 * update_lag)
+    """Untimed steps before the timed ones: ``--warmup``, at least 1, and at least lag + 2 under a lagging update.
+    The first step after a drained pipeline (a new engine, set_update) waits for no update. Under the delayed
+    update (lag 1) a step waits for the update of the step two before it, unit by unit, its forward trailing that
+    update: the second step waits for none, the third for an update that began a whole step before it (so it is
+    shorter by its forward), and from the fourth on each starts a backward's length after its update began, as
+    every later step does, when the update is longer than the step by a forward or more (``settling`` covers the
+    rest). olmoe-1b-7b at 16,384 tokens on the H200: 0.77 and 1.47 s timed after one warm-up against a 1.9 s
+    update; 1.45 and 1.51 s after two, against 1.6 s."""
+    return max(warmup, 1 if not update_lag else update_lag + 2)
+
+
+def settling(times: list[float], updates: list[float], update_lag: int) -> bool:
+    """Whether a lagging update's pipeline is still settling after the warm-up's steps: its last step shorter
+    than the last whole host update. Where the update is longer than the GPU's step by less than a forward, each
+    step waits a little longer than the one before (the backlog grows by their difference) until steps are as
+    long as the update; until then a step is not what every later step takes. Never past MAX_WARMUP steps."""
+    return bool(update_lag) and 0 < len(times) < MAX_WARMUP and times[-1] < 0.95 * updates[-1]
 
 
 def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
     cuda = eng.device.type == "cuda"
-    times, waits, updates = [], [], []
-    w = warmup_steps(args.warmup, eng.update_lag)
+    times: list[float] = []
+    waits: list[float] = []
+    updates: list[float] = []
+    lag, w = eng.update_lag, None  # w: the first timed step, once the warm-up is over
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     rollbacks0 = 0
     telemetry = GpuTelemetry(eng.device)
     try:
-        for step in range(w + args.steps):
+        step = 0
+        while w is None or step < w + args.steps:
             if cuda:
                 torch.cuda.synchronize()
             waited0, _, rollbacks = engine_stats(eng)
-            if step == w:
-                rollbacks0 = rollbacks
+            if w is None and step >= warmup_steps(args.warmup, lag) and not settling(times, updates, lag):
+                w, rollbacks0 = step, rollbacks
                 telemetry.start()  # the timed steps' clock, power and temperature
             s = time.perf_counter()
             eng.train_step(batches[step % 2])
@@ -197,6 +212,7 @@ def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
             waited, last_update, rollbacks = engine_stats(eng)
             waits.append(waited - waited0)
             updates.append(last_update)
+            step += 1
     finally:
         telemetry.stop()
     # no wait for the last update here: a profiled step that follows must find it running, as any step does
@@ -207,7 +223,7 @@ def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
         # the last full update when the step ended; the step after the last timed one is still its own
         optimizer_update_s=round(statistics.median(updates[w:] or updates), 4),
         rollbacks=rollbacks - rollbacks0,
-        warmup_steps=w,  # untimed steps run (warmup_steps: at least 1 + 2 x the update's lag)
+        warmup_steps=w,  # untimed steps run (engine_run.warmup_steps, and more while settling)
         peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else 0,
         peak_gpu_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else 0,
         host_rss_bytes=host_rss(), host_rss_growth_bytes=host_rss() - rss0, host_peak_rss_bytes=host_peak_rss(),

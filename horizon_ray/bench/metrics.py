@@ -333,14 +333,18 @@ def bound_line(b: dict) -> str:
 
 
 def steady_bound(r: dict) -> float | None:
-    """The most tokens/s a delayed-update row can sustain when its timed steps ran shorter than its host update,
-    or None. Updates run one after another, one a step, and a step waits for the update of the step two before
-    it, so in the long run no step is shorter than the update; timed steps that were shorter ran before the
-    pipeline was steady (the bench warmed up one step under every update mode before 2026-12-05)."""
-    update, step = r.get("optimizer_update_s"), r.get("step_s")
-    if r.get("status") != "ok" or r.get("update") != "delayed" or not update or not step or step >= 0.95 * update:
+    """The most tokens/s a delayed-update row can sustain when it was timed before its pipeline was steady, or
+    None. A delayed step waits for the update of the step two before it, so the first steps after a drained
+    pipeline wait for less than later ones (bench/engine_run.warmup_steps; before 2026-12-05 the bench warmed up
+    as many steps as --warmup said, often one). Such a row's timed steps are shorter than its host update and
+    waited on it (more than 0.05 s a step: a row whose steps barely waited ran its update within the step,
+    whatever update time it recorded, which could then be an earlier mode's). Steps lengthen towards the steady
+    one, so the longest timed step bounds it from below."""
+    update, step, times = r.get("optimizer_update_s"), r.get("step_s"), r.get("step_times")
+    if (r.get("status") != "ok" or r.get("update") != "delayed" or not update or not step or not times
+            or step >= 0.95 * update or (r.get("exposed_optimizer_s") or 0) <= 0.05):
         return None
-    return r["tokens_per_step"] / update
+    return r["tokens_per_step"] / max(times)
 
 
 def outside_plan(r: dict) -> str | None:

@@ -269,9 +269,9 @@ def _bound(r: dict, base: dict | None) -> str:
         bound = recorded
     if steady := steady_bound(r):
         parts.append(f"its timed steps ({', '.join(f'{t:.2f}' for t in r.get('step_times') or [])} s) were "
-                     f"shorter than its host update ({r['optimizer_update_s']:.2f} s), which every later step "
-                     f"waits for: timed before the pipeline was steady, its tokens/s overstates the run; steady, "
-                     f"it runs at most {steady:,.0f} tok/s")
+                     f"shorter than its host update ({r['optimizer_update_s']:.2f} s) and waited for it: timed "
+                     f"before the pipeline was steady, its tokens/s overstates the run; steps lengthen towards the "
+                     f"steady one, so it sustains at most {steady:,.0f} tok/s (its longest timed step)")
     if r.get("note"):
         parts.append(r["note"])
     return f"Bound by {bound}: " + "; ".join(parts) + "."
@@ -371,8 +371,8 @@ def _matrix(ok: list[tuple[str, dict]]) -> list[str]:
            "Liger-Kernel; LoRA: PEFT plain and with Liger-Kernel), its plan is the planner's at the row's commit. "
            "**row**: the row of the table below, whose paragraph in \"What bounds each row\" says what bounds it. "
            "budget: the GPU memory the run was held to (— = the whole GPU). **steady <=**: a delayed-update row "
-           "whose timed steps ran shorter than its host update, which every later step waits for; the most it "
-           "sustains is its tokens per step over that update.",
+           "timed before its pipeline was steady (its steps shorter than its host update, and waiting for it); the "
+           "most it sustains is its tokens per step over its longest timed step.",
            "",
            "| box | shape | mode | update | base | seq | budget GiB | tokens/step | tokens/s | vs plain peer "
            "| vs Liger peer | step s (planned) | host RSS GiB (planned) | row | commit |",

@@ -59,6 +59,7 @@ GiB = 1 << 30
 # What the API answers at once, and what a job may take: bounded waits, each with the reason in its message.
 READY_S = 300  # the pods start, Ray comes up on a loaded 2-core machine, the coordinator loads
 JOB_S = 300
+TRAINING_S = 900  # a RayJob that keeps training (wait_done_while_it_trains)
 
 # The public shape of Qwen2.5-7B-Instruct (its config.json, no weights): what the coordinator plans from.
 QWEN_7B_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
@@ -388,17 +389,19 @@ def run_rayjob(d: Deployment, job: dict[str, Any], submission_id: str, address_s
     pod = d.sim.add_pod(f"{submission_id}-submitter", podsim.kuberay_submitter_pod(job, cluster, submission_id),
                         address_suffix)
     d.sim.start(pod.name)
-    wait_done_while_it_trains(pod, JOB_S)
+    wait_done_while_it_trains(pod, JOB_S, TRAINING_S)
     return pod
 
 
-def wait_done_while_it_trains(pod: podsim.Pod, stall_s: float) -> str:
-    """A submitter pod's phase once it has exited. It may take as long as its job keeps training: the wait gives
-    up only after ``stall_s`` without a new "step N/M" line in the pod's log. A fixed deadline failed CI on a
-    loaded machine, where the dev spec's 200 steps took over 7 minutes (about 4 unloaded); the test's own
-    timeout still bounds the whole."""
+def wait_done_while_it_trains(pod: podsim.Pod, stall_s: float, total_s: float) -> str:
+    """A submitter pod's phase once it has exited. It may take as long as its job keeps training, up to
+    ``total_s``: the wait gives up after ``stall_s`` without a new "step N/M" line in the pod's log. A fixed
+    deadline failed CI on a loaded machine, where the dev spec's 200 steps took over 7 minutes (about 4
+    unloaded). The tests that wait so carry a pytest timeout above their waits' sum (pytest-timeout's thread
+    method ends the whole run)."""
     seen, deadline = "", time.monotonic() + stall_s
-    while pod.phase in ("Pending", "Running") and time.monotonic() < deadline:
+    end = time.monotonic() + total_s
+    while pod.phase in ("Pending", "Running") and time.monotonic() < min(deadline, end):
         steps = re.findall(r"\bstep (\d+/\d+)", pod.containers[0].tail(4000))
         if steps and steps[-1] != seen:
             seen, deadline = steps[-1], time.monotonic() + stall_s
@@ -421,6 +424,7 @@ def check_memory_within_limits(d: Deployment) -> dict[str, int]:
 # ---- the tests -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(READY_S + 2 * JOB_S + 2 * TRAINING_S)
 def test_dev_overlay_end_to_end(pods_allowed):
     t0 = time.monotonic()
     with deployment("overlays/dev-cpu") as d:

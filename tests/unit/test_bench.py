@@ -224,23 +224,28 @@ def test_the_matrix_holds_each_settings_newest_gpu_row_with_its_own_peers_and_pl
 
 
 def test_a_delayed_row_timed_shorter_than_its_update_is_marked_with_what_it_sustains(tmp_path):
-    """A delayed-update row whose timed steps were shorter than its host update was timed before its pipeline
-    was steady (every later step waits for that update): the matrix shows the most it sustains beside what it
-    measured, its own and its ratio, and its paragraph says why; a row whose step covers its update is left
-    alone."""
-    short = _run("horizon-ray", 16384 / 1.12, run_id="2026-12-01-h200-090000-1", update="delayed",
-                 optimizer_update_s=1.9, step_times=[0.79, 1.44])
-    steady = _run("horizon-ray", 65536 / 2.2, tokens=65536, run_id="2026-12-01-h200-090000-1", update="delayed",
-                  optimizer_update_s=1.9, step_times=[2.2, 2.2])
+    """A delayed-update row whose timed steps were shorter than its host update, and waited for it, was timed
+    before its pipeline was steady: the matrix shows the most it sustains (over its longest timed step) beside
+    what it measured, its own and its ratio, and its paragraph says why; a row whose step covers its update, or
+    whose steps did not wait for the update it recorded, is left alone."""
+    run = "2026-12-01-h200-090000-1"
+    short = _run("horizon-ray", 16384 / 1.12, run_id=run, update="delayed", optimizer_update_s=1.9,
+                 exposed_optimizer_s=0.42, step_times=[0.79, 1.44])
+    steady = _run("horizon-ray", 65536 / 2.2, tokens=65536, run_id=run, update="delayed", optimizer_update_s=1.9,
+                  exposed_optimizer_s=0.0, step_times=[2.2, 2.2])
+    # shorter than the update it recorded, but its steps did not wait: that update ran within them
+    unwaited = _run("horizon-ray", 16384 / 1.6, run_id="2026-12-01-h200-100000-2", update="delayed", seq_len=512,
+                    optimizer_update_s=4.5, exposed_optimizer_s=0.013, step_times=[1.6, 1.6])
     write_json(tmp_path / "2026-12-01-h200-tiny.json", [
-        short, steady, _run("in-gpu-baseline", 22000.0, run_id="2026-12-01-h200-090000-1")])
+        short, steady, unwaited, _run("in-gpu-baseline", 22000.0, run_id=run)])
     text = render(tmp_path)
     head = text.split("## The matrix", 1)[1].split("## Every row", 1)[0]
-    line = next(ln for ln in head.splitlines() if "| 16,384 |" in ln)
-    assert "| 14,629 (steady <= 8,623) | 0.665 (steady <= 0.392) |" in line, line
+    line = next(ln for ln in head.splitlines() if "| 16,384 |" in ln and "| 1024 |" in ln)
+    assert "| 14,629 (steady <= 11,378) | 0.665 (steady <= 0.517) |" in line, line
     assert "steady <=" not in next(ln for ln in head.splitlines() if "| 65,536 |" in ln)
-    assert "its timed steps (0.79, 1.44 s) were shorter than its host update (1.90 s)" in text
-    assert "steady, it runs at most 8,623 tok/s" in text and text.count("at most") == 1
+    assert "steady <=" not in next(ln for ln in head.splitlines() if "| 512 |" in ln)
+    assert "its timed steps (0.79, 1.44 s) were shorter than its host update (1.90 s) and waited for it" in text
+    assert "it sustains at most 11,378 tok/s (its longest timed step)" in text and text.count("sustains at most") == 1
 
 
 def test_merge_keeps_local_runs_and_adds_new_ones_once(tmp_path):

@@ -245,6 +245,12 @@ def test_a_host_update_slower_than_the_step_shows_in_every_timed_step(monkeypatc
     assert delayed["status"] == "ok" and delayed["optimizer_update_s"] > 0.4  # 0.15 s for each of >= 3 units
     assert min(delayed["step_times"]) > 0.8 * delayed["optimizer_update_s"], delayed["step_times"]
     assert engine_run.warmup_steps(0, 0) == 1 and engine_run.warmup_steps(4, 1) == 4
+    # the tiny model's forward is negligible, so its third step is already as long as the update: the counts
+    # above pin the rule; settling keeps warming up while a step is shorter than the update, to a cap
+    assert engine_run.settling([1.0, 1.0, 1.0], [1.1, 1.1, 1.1], 1)
+    assert not engine_run.settling([1.0, 1.0, 1.05], [1.1, 1.1, 1.1], 1)
+    assert not engine_run.settling([1.0, 1.0, 1.0], [1.1, 1.1, 1.1], 0)
+    assert not engine_run.settling([0.1] * engine_run.MAX_WARMUP, [1.0] * engine_run.MAX_WARMUP, 1)
 
 
 def test_a_child_that_died_after_one_update_mode_records_the_others_with_why():
@@ -419,13 +425,15 @@ def test_one_engine_runs_every_update_mode_inside_each_accumulation(monkeypatch)
     _UpdateEngine.log = []
     out = []
     engine_run.run(_engine_args("delayed,speculative,exact"), out.append)
-    # built once in the first mode; accumulations smallest first, every mode at each (one warm-up, three under
-    # the delayed update, whose lag is one step; two timed; no profiled step on the CPU)
+    # built once in the first mode; accumulations smallest first, every mode at each (one warm-up; under the
+    # delayed update, whose lag is one step, as many as settle it: this engine's instant steps never reach its
+    # 1.5 s update, so MAX_WARMUP; two timed; no profiled step on the CPU)
     modes = ("delayed", "speculative", "exact")
     expected = [("built", "delayed")]
     for accum in (1, 2):
         for mode in modes:
-            expected += [("set_update", mode)] + [("step", mode, accum)] * (5 if mode == "delayed" else 3)
+            warm = engine_run.MAX_WARMUP if mode == "delayed" else 1
+            expected += [("set_update", mode)] + [("step", mode, accum)] * (warm + 2)
     assert _UpdateEngine.log == expected + [("closed",)]
     assert [(r["accum"], r["update"]) for r in out] == [(a, u) for a in (1, 2) for u in modes]
     for r in out:
