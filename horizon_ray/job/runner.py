@@ -370,9 +370,12 @@ class _Job:
                            rewards=format_rewards(eng.last_dpo.mean()) if self.preference else None)
 
                 checkpointed = _due(spec.checkpoint.every_steps, done, total)
+                evaluating = self.evals and _due(spec.eval.every_steps, done, total)
+                if checkpointed or evaluating:
+                    _drain(eng, window)
                 if checkpointed:
                     self._checkpoint(eng, done)
-                if self.evals and _due(spec.eval.every_steps, done, total):
+                if evaluating:
                     loss = self._evaluate(eng)
                     first_eval = loss if first_eval is None else first_eval
                     bar.note(f"step {done}: eval loss {loss:.4f}{self._eval_rewards()}")
@@ -461,6 +464,17 @@ class _Job:
                     if src.is_file() and not (d / name).exists():
                         shutil.copy2(src, d / name)
         return final
+
+
+def _drain(eng: Any, window: deque[tuple[float, int]]) -> None:
+    """Wait for the host update still running before a checkpoint or an eval pauses the step loop, and count the
+    wait to the latest step's time: the next step would have waited for that update. Left out, it made the steps
+    after every checkpoint and eval look faster than the run (their tokens/s and the ETA), most where the host
+    update is long against the GPU's step."""
+    t0 = time.monotonic()
+    eng.synchronize()
+    secs, tokens = window[-1]
+    window[-1] = (secs + time.monotonic() - t0, tokens)
 
 
 def _due(every: int, done: int, total: int) -> bool:

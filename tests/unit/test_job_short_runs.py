@@ -75,3 +75,31 @@ def test_a_resume_by_hand_leaves_each_step_once_in_metrics_jsonl(assets, tmp_pat
     tokens = [e.tokens_seen for e in events if isinstance(e, Metrics)]
     assert tokens[2] > tokens[1] > tokens[0] > 0  # the resumed run counts the steps before it too
     assert all(line.endswith("}") for line in (out / "metrics.jsonl").read_text().splitlines())
+
+
+def test_tokens_per_s_counts_the_host_update_a_checkpoint_waits_for(assets, tmp_path, monkeypatch):
+    """A checkpoint waits for the step's host update before it saves; the next step then waits for none. With
+    that wait outside the step timer, a run whose host update is long against its step reported the rate of its
+    steps alone (here 1,281 tok/s, with 7.5 s of waiting left out of 4 steps). The wait counts to the step before
+    it now, so tokens/s is at most the tokens over the updates the window waited for."""
+    import time
+
+    from horizon_ray.engine.optimizer import HostAdamW
+
+    update, calls = HostAdamW.update, []
+
+    def slow(self, unit, *a, **kw):  # a host update far longer than the demo model's step
+        calls.append(unit)
+        time.sleep(0.5)
+        return update(self, unit, *a, **kw)
+
+    monkeypatch.setattr(HostAdamW, "update", slow)
+    spec = demo_spec(assets, tmp_path / "out", ["training.max_steps=4", "eval.every_steps=0", "engine.device=cpu",
+                                                "checkpoint.every_steps=1", "checkpoint.keep=1"])
+    run_job(spec, progress=False)
+    last = [e for e in read_events(tmp_path / "out" / "metrics.jsonl") if isinstance(e, Metrics)][-1]
+    units = len(calls) // 4  # each step updates every unit once
+    drained = 3 * units * 0.5  # the updates of steps 1-3, each waited for by the checkpoint after its step
+    assert last.step == 4 and units >= 2
+    # (a little of each update runs before its checkpoint starts waiting: 0.8 of it at least is waited for)
+    assert last.tokens_per_s <= last.tokens_seen / (0.8 * drained), (last.tokens_per_s, last.tokens_seen, drained)
