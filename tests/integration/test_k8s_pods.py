@@ -120,18 +120,26 @@ class Deployment:
     def wait(self, what: str, predicate, timeout_s: float, interval_s: float = 1.0, job_id: str | None = None) -> Any:
         """`predicate()` once it is true; on a timeout, an AssertionError with every container's log and, for
         `job_id`, the job's story (`story`). A wait on a job gives up at once when the job has ended and the
-        predicate still is not true: nothing it waits for can come any more."""
+        predicate still is not true: nothing it waits for can come any more. "Still": the predicate is asked once
+        more after the job is seen ended, since the job may end between the two reads (a wait for the job's end
+        failed so in CI, the predicate having read it running and the check then read it succeeded)."""
+        def ask() -> Any:
+            try:
+                return predicate()
+            except Exception as exc:  # noqa: BLE001 - keep waiting; the last error goes in the message
+                return exc
+
         deadline = time.monotonic() + timeout_s
         last: Any = None
         while time.monotonic() < deadline:
-            try:
-                last = predicate()
-            except Exception as exc:  # noqa: BLE001 - keep waiting; the last error goes in the message
-                last = exc
+            last = ask()
             if last and not isinstance(last, Exception):
                 return last
             ended = self._ended(job_id)
             if ended is not None:
+                last = ask()
+                if last and not isinstance(last, Exception):
+                    return last
                 raise AssertionError(f"job {job_id} ended {ended} while waiting for {what} (last: {last!r})\n"
                                      + self.story(job_id) + self.sim.dump())
             time.sleep(interval_s)
@@ -520,3 +528,12 @@ def test_gpu_overlays_serve_and_train_on_their_worker(pods_allowed, variant):
                          if json.loads(x)["type"] == "start")
             assert start["gpus"] == 2 and start["device"] == "cpu", start  # two ranks ran it
             assert (out / "final" / "config.json").is_file(), f"no final model on the shared volume at {out}"
+
+
+def test_a_wait_on_a_job_that_ends_between_its_two_reads_returns_what_it_waited_for():
+    """The predicate reads the job running, then the job ends before the wait checks whether it has: the wait
+    asks once more rather than failing with "ended succeeded while waiting for it to end" (two CI failures)."""
+    d = object.__new__(Deployment)
+    reads = iter([None, {"status": "succeeded"}])
+    d._ended = lambda job_id: "succeeded"  # type: ignore[method-assign]
+    assert d.wait("the job to end", lambda: next(reads), 5, interval_s=0, job_id="job-1") == {"status": "succeeded"}
