@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from horizon_ray.bench.metrics import (
+    STEADY_SHARE,
     base_record,
     error_reason,
     host_peak_rss,
@@ -184,7 +185,7 @@ def settling(times: list[float], updates: list[float], update_lag: int) -> bool:
     than the last whole host update. Where the update is longer than the GPU's step by less than a forward, each
     step waits a little longer than the one before (the backlog grows by their difference) until steps are as
     long as the update; until then a step is not what every later step takes. Never past MAX_WARMUP steps."""
-    return bool(update_lag) and 0 < len(times) < MAX_WARMUP and times[-1] < 0.95 * updates[-1]
+    return bool(update_lag) and 0 < len(times) < MAX_WARMUP and times[-1] < STEADY_SHARE * updates[-1]
 
 
 def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
@@ -193,6 +194,7 @@ def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
     waits: list[float] = []
     updates: list[float] = []
     lag, w = eng.update_lag, None  # w: the first timed step, once the warm-up is over
+    least = warmup_steps(args.warmup, lag)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     rollbacks0 = 0
@@ -203,7 +205,7 @@ def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
             if cuda:
                 torch.cuda.synchronize()
             waited0, _, rollbacks = engine_stats(eng)
-            if w is None and step >= warmup_steps(args.warmup, lag) and not settling(times, updates, lag):
+            if w is None and step >= least and not settling(times, updates, lag):
                 w, rollbacks0 = step, rollbacks
                 telemetry.start()  # the timed steps' clock, power and temperature
             s = time.perf_counter()

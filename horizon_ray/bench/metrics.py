@@ -332,6 +332,10 @@ def bound_line(b: dict) -> str:
             f"GPU {b['gpu_flops'] / 1e12:.0f} TFLOP{adapters} = {b.get('compute_s', 0):.2f} s; bound: {b['bound']}")
 
 
+# A step at least this share of its host update counts as waiting for all of it (steady_bound, engine_run.settling).
+STEADY_SHARE = 0.95
+
+
 def steady_bound(r: dict) -> float | None:
     """The most tokens/s a delayed-update row can sustain when it was timed before its pipeline was steady, or
     None. A delayed step waits for the update of the step two before it, so the first steps after a drained
@@ -342,7 +346,7 @@ def steady_bound(r: dict) -> float | None:
     one, so the longest timed step bounds it from below."""
     update, step, times = r.get("optimizer_update_s"), r.get("step_s"), r.get("step_times")
     if (r.get("status") != "ok" or r.get("update") != "delayed" or not update or not step or not times
-            or step >= 0.95 * update or (r.get("exposed_optimizer_s") or 0) <= 0.05):
+            or step >= STEADY_SHARE * update or (r.get("exposed_optimizer_s") or 0) <= 0.05):
         return None
     return r["tokens_per_step"] / max(times)
 
