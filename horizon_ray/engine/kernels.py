@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from horizon_ray.engine.model import KERNELS
+from horizon_ray.engine.model import KERNELS, torch_ce_rows
 from horizon_ray.errors import BadInput
 
 log = logging.getLogger(__name__)
@@ -502,16 +502,21 @@ class Kernels:
             return (nll_N * scale).sum()
         if self.fused:
             return _liger_cross_entropy_(logits_NV, targets_N, scale, grad, softcap)
-        if not grad:
-            return F.cross_entropy(cap_logits(logits_NV.float(), softcap), targets_N, ignore_index=-100,
-                                   reduction="sum") * scale
-        with torch.enable_grad():
-            leaf = logits_NV.detach().requires_grad_()
-            loss = F.cross_entropy(cap_logits(leaf.float(), softcap), targets_N, ignore_index=-100,
-                                   reduction="sum") * scale
-            (g,) = torch.autograd.grad(loss, [leaf])
-        logits_NV.copy_(g)
-        return loss.detach()
+        # torch's: in slices of rows whose float32 temporaries fit within the logits' own bytes (torch_ce_rows)
+        total = torch.zeros((), dtype=torch.float32, device=logits_NV.device)
+        for lo, hi in _ce_slices(logits_NV):
+            z, t = logits_NV[lo:hi], targets_N[lo:hi]
+            if not grad:
+                total += F.cross_entropy(cap_logits(z.float(), softcap), t, ignore_index=-100, reduction="sum")
+                continue
+            with torch.enable_grad():
+                leaf = z.detach().requires_grad_()
+                loss = F.cross_entropy(cap_logits(leaf.float(), softcap), t, ignore_index=-100,
+                                       reduction="sum") * scale
+                (g,) = torch.autograd.grad(loss, [leaf])
+            z.copy_(g)
+            total += loss.detach()
+        return total if grad else total * scale
 
 
     def token_logps(self, logits_NV: torch.Tensor, targets_N: torch.Tensor,
@@ -519,7 +524,15 @@ class Kernels:
         """log p(target) of each token ([N] float32; 0 where the target is -100), on float32 logits as HF does."""
         if self.fused:
             return _liger_cross_entropy_(logits_NV, targets_N, 1.0, False, softcap, per_token=True).neg_()
-        return -F.cross_entropy(cap_logits(logits_NV.float(), softcap), targets_N, ignore_index=-100, reduction="none")
+        return -torch.cat([F.cross_entropy(cap_logits(logits_NV[lo:hi].float(), softcap), targets_N[lo:hi],
+                                           ignore_index=-100, reduction="none") for lo, hi in _ce_slices(logits_NV)])
+
+
+def _ce_slices(logits_NV: torch.Tensor) -> list[tuple[int, int]]:
+    """Row ranges of the logits that torch's cross-entropy takes at once (model.torch_ce_rows)."""
+    n = logits_NV.shape[0]
+    step = torch_ce_rows(n, logits_NV.element_size())
+    return [(lo, min(lo + step, n)) for lo in range(0, n, step)] or [(0, 0)]
 
 
 def cap_logits(z: torch.Tensor, softcap: float | None) -> torch.Tensor:

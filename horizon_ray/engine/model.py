@@ -182,6 +182,17 @@ LORA_SHARED_INPUTS = tuple(tuple(name for key in FUSED[fused] for name, (k, _) i
 LAYER_NORMS = {"input_layernorm": "ln1", "post_attention_layernorm": "ln2"}
 # Compute dtypes of the layer template and the weights streamed to the device, with their bytes.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+# Bytes a logit's torch cross-entropy (the kernel set without Liger's) keeps beside the logits while it runs: the
+# float32 copy, its log-softmax and its gradient (4 each) and the gradient in the compute dtype.
+TORCH_CE_BYTES_PER_LOGIT = 12
+
+
+def torch_ce_rows(rows: int, compute_bytes: int) -> int:
+    """Rows of a loss chunk the torch cross-entropy takes at once (kernels.Kernels.cross_entropy_): as many as keep
+    its temporaries within the chunk's own logits (rows x vocab x the compute dtype's bytes), so a loss chunk takes
+    at most twice its logits whichever kernels run (Liger's works in place on the logits)."""
+    return max(1, rows * compute_bytes // (TORCH_CE_BYTES_PER_LOGIT + 2 * compute_bytes))
 # Precision modes of full fine-tuning: "exact" (fp32 master, fp32 AdamW moments: torch.optim.AdamW
 # semantics); "bf16-state" (bf16 master and moments, half the host RAM, updates below bf16 resolution lost).
 PRECISIONS = ("exact", "bf16-state")

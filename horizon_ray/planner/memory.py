@@ -28,13 +28,16 @@ K = checkpoint interval, L = layers:
     recompute_inputs   (min(K, L) - 1) x T x H x c   the block's other inputs, recomputed in backward
     hidden_states      2 x T x H x c                 a layer's input and output lists (dL/dy and dL/dx)
     layer_workspace    one row group through one layer under autograd (LAYER_* coefficients below)
-                       + the layer's weight gradients, returned at once by torch.autograd.grad; with LoRA
+                       (+ on the CPU the layer's weight gradients, each through a product tensor; on CUDA
+                       they accumulate inside the GEMMs); with LoRA
                        + an adapter backward's [tokens, in + out] of the widest target; with a quantized
                        base + the layer dequantized (layer x c) while it is read
     (quantized base: weight_slots hold the largest packed layer, model.packed_layer_bytes, not layer x c)
-    loss_workspace     chunk x V x (12 + 2c) + V x H x c   logits (c, fp32), log-softmax, their grads;
-                       dL/dW of the LM head as autograd returns it; counted beyond layer_workspace only, as
-                       the two are never live together
+    loss_workspace     chunk x V x c + r x V x (12 + 2c)   a loss chunk's logits (their gradient overwrites
+                       them) and torch's cross-entropy temporaries (fp32 copy, log-softmax, gradients) of the
+                       r = model.torch_ce_rows rows it takes at once, at most the logits' bytes (Liger's
+                       kernel has none); on the CPU + V x H x c, the LM head's dL/dW product; counted beyond
+                       layer_workspace only, as the two are never live together
     rope_and_masks     cos/sin tables 2 x T x head_dim x c, ids/targets 16 x T, packing masks T x seq
     allocator_slack    ALLOCATOR_SLACK x the items above: caching-allocator rounding and fragmentation
     cuda_context       CUDA_CONTEXT_BYTES: context, cuBLAS and SDPA workspaces (outside torch's allocator)
@@ -43,6 +46,15 @@ The activation coefficients are a model of what ``layers.Template.layer`` keeps 
 H200 box (2026-11-29, seq 1024, micro-batch 16, bf16) torch's peak reserved memory was 95 % (Qwen2.5-1.5B,
 32k tokens, K=1), 93 % (same, K=4) and 85 % (Qwen2.5-7B, 64k tokens, K=4) of the plan without the CUDA
 context; the host's pinned bytes (torch.cuda.host_memory_stats) equalled the plan's pinned bytes exactly.
+Checked again on 2026-12-05 against the 58 newest H200 rows of benchmarks/results (Liger kernels, 12-24 GiB
+budgets): the engine's own device buffers (``device_bytes`` in each row: slots, accumulators, staging) equal
+the plan's items to the byte; the rest of the peak (max_memory_allocated) was 0.59-0.96x of what the plan then
+counted beside them. Two items were a model of code that had changed: the loss chunk's 16 bytes a logit (the
+torch cross-entropy over the whole chunk at once) and a layer-sized weight gradient that CUDA accumulates inside
+the GEMM; without them the plan is 1.12-1.69x the peak allocated, never below it, and no longer refuses
+qwen2.5-7b or gemma-3-4b at 12 GiB (which peaked at 8.1-9.7 and 8.0 GiB). What remains above the peak is
+the saved activations' coefficients (LAYER_*, unchanged: a model of the torch ops, which keep more than Liger's)
+and of the mixture-of-experts' routed copies (1.2-1.5x on olmoe-1b-7b and qwen3-30b-a3b).
 """
 
 from __future__ import annotations
@@ -52,10 +64,12 @@ import math
 from horizon_ray.engine.model import (
     DTYPE_BYTES,
     EXPERT_TARGETS,
+    TORCH_CE_BYTES_PER_LOGIT,
     layer_entries,
     packed_layer_bytes,
     projection_shapes,
     stored_nested,
+    torch_ce_rows,
 )
 from horizon_ray.models.blocks import MoE
 from horizon_ray.planner.modes import ParamBytes, PrecisionMode
@@ -281,7 +295,10 @@ def device_items(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Ad
     if shape.attn_softcap:
         # the soft-capped attention's blocks of fp32 scores: scores, tanh, probabilities and two gradients
         transient += 5 * 4 * SOFTCAP_BLOCK_ELEMENTS
-    out["layer_workspace"] = saved + transient + trained_layer * (c if full else 4) + (layer * c if packed else 0)
+    # the weight gradients go into their fp32 accumulators inside the GEMMs on CUDA (kernels.accumulate_mm); on the
+    # CPU each passes through a product tensor, counted as the whole trained layer's
+    weight_grads = 0 if cuda else trained_layer * (c if full else 4)
+    out["layer_workspace"] = saved + transient + weight_grads + (layer * c if packed else 0)
     if lora is not None:
         # an adapter's backward (layers._LoraLinear) rebuilds its dropped-out input and returns dL/dx, each
         # [tokens, in] in the compute dtype, beside the incoming [tokens, out]: the widest target, transient (an
@@ -289,8 +306,12 @@ def device_items(shape: ModelShape, mode: PrecisionMode, job: Workload, lora: Ad
         dims = projection_shapes(shape)
         out["layer_workspace"] += m * c * max(sum(dims[t]) * (shape.experts_per_token if t in EXPERT_TARGETS else 1)
                                               for t in lora.targets)
+    # a loss chunk's logits, whose gradient overwrites them, and the torch cross-entropy's float32 temporaries of
+    # the rows it takes at once (none with Liger's kernel, which works in place); the LM head's weight gradient
+    # passes through a [V, H] product on the CPU only (accumulate_mm)
     chunk = min(job.loss_chunk_tokens, m)
-    loss = chunk * V * (12 + 2 * c) + (shape.embed_params * c if full else 0)
+    loss = chunk * V * c + torch_ce_rows(chunk, c) * V * (TORCH_CE_BYTES_PER_LOGIT + 2 * c)
+    loss += shape.embed_params * c if full and not cuda else 0
     # the loss runs after the last layer's forward and before the first layer's backward: its workspace and
     # a layer's are never live together, so only what the loss needs beyond a layer's counts
     out["loss_workspace"] = max(0, loss - out["layer_workspace"])

@@ -266,15 +266,17 @@ def test_a_gpu_shortfall_first_names_smaller_row_groups_and_loss_chunks_which_ke
     assert q.fits and q.tokens_per_step == p.tokens_per_step
     assert q.breakdown["gpu"]["layer_workspace"] * 2 == pytest.approx(p.breakdown["gpu"]["layer_workspace"], rel=0.01)
     assert q.host_bytes == p.host_bytes
-    # gemma-3-27b's 262,144-word vocabulary: its loss chunk's logits outgrow a layer's workspace, so the fix
-    # halves both (loss chunks no smaller than 1,024 tokens: the LM head's GEMM stays large)
-    g = plan("gemma-3-27b", **job)
-    assert not g.fits and ("It fits with engine.layer_chunk_tokens=4096 and engine.loss_chunk_tokens=1024 (the "
+    # gemma-3-27b's 262,144-word vocabulary with 4,096-token loss chunks on a 10 GiB budget: their logits outgrow
+    # a layer's workspace, so the fix halves both (loss chunks no smaller than 1,024 tokens: the LM head's GEMM
+    # stays large)
+    big = {**job, "loss_chunk_tokens": 4096, "gpu_budget_bytes": 10 * GiB}
+    g = plan("gemma-3-27b", **big)
+    assert not g.fits and ("It fits with engine.layer_chunk_tokens=4096 and engine.loss_chunk_tokens=2048 (the "
                            "same batches and step, 4 rows at a time through each layer instead of 8; logits of "
-                           "1024 tokens at a time instead of 2048).") in g.reason
-    assert plan("gemma-3-27b", **{**job, "loss_chunk_tokens": 1024}, layer_chunk_tokens=4096).fits
-    assert not plan("gemma-3-27b", **{**job, "loss_chunk_tokens": 1024}).fits
-    assert not plan("gemma-3-27b", **job, layer_chunk_tokens=4096).fits
+                           "2048 tokens at a time instead of 4096).") in g.reason
+    assert plan("gemma-3-27b", **{**big, "loss_chunk_tokens": 2048}, layer_chunk_tokens=4096).fits
+    assert not plan("gemma-3-27b", **{**big, "loss_chunk_tokens": 2048}).fits
+    assert not plan("gemma-3-27b", **big, layer_chunk_tokens=4096).fits
 
 
 def test_step_time_roofline():
@@ -531,11 +533,11 @@ def test_a_gpu_budget_cannot_exceed_the_gpu():
 
 
 def test_gpu_fix_keeps_the_tokens_per_step():
-    # 3 sequences of 4096 a step in row groups of 2 need 10.48 GiB of GPU; one row at a time, 10.29 (as much as
-    # micro-batches of 1 at accumulation 3); a fix that halved the micro-batch (2 x 2: 10.40 GiB) would propose
-    # 4 sequences a step
+    # 3 sequences of 4096 a step in row groups of 2 need 10.02 GiB of GPU; one row at a time, 8.40 (as much as
+    # micro-batches of 1 at accumulation 3); the fix keeps the 3 sequences a step (a micro-batch of 2 at
+    # accumulation 2 would take 4)
     job = dict(mode="bf16-state", seq_len=4096, micro_batch_size=3, grad_accum=1, checkpoint_every=1,
-               gpu_budget_bytes=int(10.45 * GiB), node=NODE_512G)
+               gpu_budget_bytes=int(10.0 * GiB), node=NODE_512G)
     p = plan("qwen2.5-7b", **job)
     assert not p.fits
     assert "It fits with engine.layer_chunk_tokens=4096 (the same batches and step, 1 row at a time" in p.reason
