@@ -48,6 +48,35 @@ def planned_bytes(shape, *, mode: str, seq: int, micro: int, accum: int, checkpo
             "plan_reason": p.reason}
 
 
+def replan(record: dict) -> dict | None:
+    """What this commit's planner says of a measured horizon-ray run (``planned_bytes`` of its settings: its
+    record's fields, and the flags of its command for what the record does not keep), or None for a record
+    without the settings to plan it (older records, CPU runs)."""
+    import argparse
+    import shlex
+
+    from horizon_ray.bench.cli import add_arguments
+    from horizon_ray.bench.shapes import resolve_shape
+
+    argv = shlex.split(record.get("command") or "")
+    if record.get("system") != "horizon-ray" or record.get("device") != "cuda" or "horizon_ray.bench" not in argv:
+        return None
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    args, _ = parser.parse_known_args(argv[argv.index("horizon_ray.bench") + 1:])
+    shape = resolve_shape(record["shape"])
+    lora = None
+    if record.get("mode") == "lora":  # the targets it ran with: the bench's defaults have changed since some runs
+        lora = Adapters(r=record.get("lora_r") or args.lora_r, quantize=record.get("quantize") or "none",
+                        targets=tuple(record.get("lora_targets") or family_projections(shape)))
+    return planned_bytes(shape, mode=record["mode"], seq=record["seq_len"], micro=record["micro"],
+                         accum=record["accum"], checkpoint_every=record["checkpoint_every"], dtype=record["dtype"],
+                         device="cuda", gpu_budget_bytes=record.get("gpu_budget_bytes"), loss_chunk=args.loss_chunk,
+                         offload=record.get("offload_checkpoints") or "auto", lora=lora,
+                         update=record.get("update") or "exact",
+                         layer_chunk=record.get("layer_chunk_tokens") or args.layer_chunk)
+
+
 def bound_arithmetic(t: dict) -> dict:
     """What bounds the step, from the planner's roofline (planner.timing.step_time): the bytes each way over
     PCIe, the bytes the host update moves, the GPU's FLOPs and the LoRA adapters' passes over activations, the

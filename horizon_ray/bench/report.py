@@ -348,10 +348,10 @@ def _started(r: dict) -> tuple[str, str]:
     return r.get("date") or "", m.group(1) if m else ""
 
 
-def _matrix(ok: list[tuple[str, dict]]) -> list[str]:
+def _newest(ok: list[tuple[str, dict]]) -> list[tuple[tuple, tuple[int, dict]]]:
     """Per box, shape, method and its settings, update, base, sequence, GPU budget and tokens per step: horizon-ray's
-    newest measured row on a GPU, with its ratios to the peers of its own invocation and what its plan said of
-    its step and host RSS. Two rows of one invocation and setting: the first in the table's order."""
+    newest measured row on a GPU and its number in the table of every row, in the matrix's order (box, then the
+    shape's parameters). Two rows of one invocation and setting: the first in the table's order."""
     newest: dict[tuple, tuple[int, dict]] = {}
     for i, (_, r) in enumerate(ok, 1):
         if r["system"] != "horizon-ray" or r.get("device") == "cpu":
@@ -362,7 +362,14 @@ def _matrix(ok: list[tuple[str, dict]]) -> list[str]:
         held = newest.get(key)
         if held is None or _started(r) > _started(held[1]):
             newest[key] = (i, r)
-    if not newest:
+    return sorted(newest.items(), key=lambda kv: (kv[0][0], kv[1][1].get("params") or 0, kv[0][1:]))
+
+
+def _matrix(ok: list[tuple[str, dict]]) -> list[str]:
+    """The newest rows (``_newest``) with their ratios to the peers of their own invocation and what their plan
+    said of their step and host RSS."""
+    ordered = _newest(ok)
+    if not ordered:
         return []
     out = ["## The matrix: each setting's newest row on a GPU", "",
            "horizon-ray's newest measured row for each box, shape, mode (with its settings and LoRA rank), update, "
@@ -377,7 +384,6 @@ def _matrix(ok: list[tuple[str, dict]]) -> list[str]:
            "| box | shape | mode | update | base | seq | budget GiB | tokens/step | tokens/s | vs plain peer "
            "| vs Liger peer | step s (planned) | host RSS GiB (planned) | row | commit |",
            "|" + "---|" * 15]
-    ordered = sorted(newest.items(), key=lambda kv: (kv[0][0], kv[1][1].get("params") or 0, kv[0][1:]))
     for (box, shape, mode, update, base, seq, budget, tokens), (i, r) in ordered:
         planned_rss = r.get("rss_plan_host_bytes") or r.get("planned_host_bytes")
         steady = steady_bound(r)
@@ -389,7 +395,43 @@ def _matrix(ok: list[tuple[str, dict]]) -> list[str]:
             f"{_num(r.get('step_s'), '.3f')} ({_num(r.get('planned_step_s'), '.3f')})",
             f"{_gib(r.get('host_rss_bytes'))} ({_gib(planned_rss)})", f"#{i}", f"`{r.get('commit') or '—'}`",
         ]) + " |")
-    return out + ["", "## Every row", ""]
+    return out + [""] + _planner_check(ordered) + ["## Every row", ""]
+
+
+def _planner_check(ordered: list[tuple[tuple, tuple[int, dict]]]) -> list[str]:
+    """The matrix's rows planned again by this commit's planner (planning.replan): its step time against the
+    measured one and the plan's of the row's own commit, and its GPU bytes against the peak the row allocated."""
+    from horizon_ray.bench.planning import replan
+
+    out = ["## The planner of this commit against the matrix", "",
+           "Each row of the matrix planned again with the planner of the commit that generated this file "
+           "(`horizon_ray.bench.planning.replan`: the row's settings), beside what the row measured and what the "
+           "plan of its own commit said. **step now / measured**: above 1 the plan is slower than the engine ran, "
+           "below 1 the engine ran slower than the plan allows. **GPU**: the plan's GPU bytes (CUDA context and "
+           "allocator slack included) against torch's max_memory_allocated of the row; **fits**: whether the plan "
+           "takes the row's GPU budget and host.", "",
+           "| row | shape | mode | update | tokens/step | step s | planned then | planned now | now / measured "
+           "| bound now | peak GPU GiB | planned GPU GiB | planned / peak | fits |",
+           "|" + "---|" * 14]
+    for (_, shape, mode, update, _, _, _, tokens), (i, r) in ordered:
+        try:
+            now = replan(r)
+        except Exception:  # a record whose settings this commit no longer plans: say so, keep the table
+            now = None
+        if not now or now.get("planned_step_s") is None:
+            out.append(f"| #{i} | {shape} | {mode} | {update} | {tokens:,} | {_num(r.get('step_s'), '.3f')} "
+                       f"| {_num(r.get('planned_step_s'), '.3f')} | — | — | — | — | — | — | — |")
+            continue
+        peak, gpu = r.get("peak_gpu_bytes"), now["planned_gpu_bytes"]
+        fits = now.get("plan_fits")
+        out.append("| " + " | ".join([
+            f"#{i}", shape, mode, update, f"{tokens:,}", _num(r.get("step_s"), ".3f"),
+            _num(r.get("planned_step_s"), ".3f"), f"{now['planned_step_s']:.3f}",
+            _num(now["planned_step_s"] / r["step_s"] if r.get("step_s") else None, ".2f"),
+            (now.get("bound") or {}).get("bound") or "—", _gib(peak), _gib(gpu),
+            _num(gpu / peak if peak else None, ".2f"), "yes" if fits else "no" if fits is False else "—",
+        ]) + " |")
+    return out + [""]
 
 
 def _capped(x, fmt: str, scale: float | None) -> str:

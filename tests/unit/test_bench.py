@@ -281,6 +281,28 @@ def test_committed_results_follow_the_schema_and_results_md_is_current():
         "RESULTS.md is stale: run `python -m horizon_ray.bench --report`"
 
 
+def test_a_measured_row_is_planned_again_by_this_commits_planner_from_its_own_settings():
+    """RESULTS.md's planner check: olmoe-1b-7b full, delayed update, 16,384 tokens a step (56c111e, 2,048-token loss
+    chunks from its command, 12 GiB budget) replanned from its record is the plan of those settings; a peer's
+    row or a CPU row is not planned."""
+    from horizon_ray.bench.planning import replan
+    from horizon_ray.planner import plan
+
+    runs = json.loads((RESULTS / "2026-12-05-h200-olmoe-1b-7b.json").read_text())
+    row = next(r for r in runs if r["update"] == "delayed" and r["tokens_per_step"] == 16384)
+    assert "--loss-chunk 2048" in row["command"] and row["planned_step_s"] == 2.57  # the planner of its commit
+    want = plan("olmoe-1b-7b", seq_len=1024, micro_batch_size=16, grad_accum=1, checkpoint_every=1,
+                loss_chunk_tokens=2048, gpu_budget_bytes=12 * 2**30, update="delayed", suggest=False)
+    got = replan(row)
+    assert got["planned_step_s"] == round(want.step_time_s, 3) < 2.0 and got["planned_gpu_bytes"] == want.gpu_bytes
+    assert replan({**row, "system": "in-gpu-baseline"}) is None and replan({**row, "device": "cpu"}) is None
+    assert replan({k: v for k, v in row.items() if k != "command"}) is None
+    text = render(RESULTS)
+    section = text[text.index("## The planner of this commit against the matrix"):text.index("## Every row")]
+    assert re.search(r"\| olmoe-1b-7b \| exact, ckpt host \(auto\) \| delayed \| 16,384 \| 1\.482 \| 2\.570 \| "
+                     rf"{got['planned_step_s']:.3f} \|", section)
+
+
 def test_the_h200_7b_record():
     runs = json.loads((RESULTS / "2026-11-29-h200-qwen2.5-7b-run8.json").read_text())
     hr = {r["accum"]: r for r in runs if r["system"] == "horizon-ray"}
