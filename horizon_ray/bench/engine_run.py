@@ -225,6 +225,9 @@ def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
         # the last full update when the step ended; the step after the last timed one is still its own
         optimizer_update_s=round(statistics.median(updates[w:] or updates), 4),
         rollbacks=rollbacks - rollbacks0,
+        # speculative: units the last timed step updated during its backward (0: it ran as exact, e.g. after a
+        # step that clipped)
+        speculated_units=eng.stats().speculated_units if rec["update"] == "speculative" else None,
         warmup_steps=w,  # untimed steps run (engine_run.warmup_steps, and more while settling)
         peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else 0,
         peak_gpu_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else 0,

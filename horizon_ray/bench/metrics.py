@@ -320,6 +320,7 @@ def base_record(system: str, shape, *, mode: str, dtype: str, device: str, devic
         peak_gpu_reserved_bytes=None, host_peak_rss_bytes=None,
         init_s=None,  # seconds to build the model (random init, pinning, sharding)
         rollbacks=None,  # horizon-ray, speculative update: rollbacks during the timed steps
+        speculated_units=None,  # horizon-ray, speculative update: units its last timed step updated in the backward
     )
     return rec
 

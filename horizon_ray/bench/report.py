@@ -155,11 +155,23 @@ def _mode_label(r: dict) -> str:
     return f"{r['mode']}, host offload"
 
 
+# --max-grad-norm at or above which the bench's speculative rows count as run without clipping (they pass 1e9)
+SPECULATION_NORM = 1e6
+
+
 def _update_label(r: dict) -> str:
     """horizon-ray's update mode; rows from before the flag ran the only one the engine had, exact."""
     if r["system"] != "horizon-ray":
         return "—"
-    return r.get("update") or "exact"
+    update = r.get("update") or "exact"
+    norm = r.get("max_grad_norm")
+    if update != "speculative":
+        return update
+    if norm is None:  # rows from before the record kept the norm: they clipped at 1 where they rolled back
+        return f"{update}, rolled back" if r.get("rollbacks") else update
+    # the speculative update is exact AdamW's only while clipping stays inactive: a step that clips is rolled back,
+    # and the step after one that clipped does not speculate (it runs as exact)
+    return f"{update}, clip at {norm:g}" if norm < SPECULATION_NORM else f"{update}, clipping off"
 
 
 def _peers_label(r: dict) -> str:
@@ -220,6 +232,8 @@ def _bound(r: dict, base: dict | None) -> str:
                 parts.append(f"the layer template ran {r['kernels']} kernels")
             if r.get("rollbacks"):
                 parts.append(f"{r['rollbacks']} speculative updates were rolled back in the timed steps")
+            if r.get("speculated_units") is not None:
+                parts.append(f"its last timed step updated {r['speculated_units']} units during its backward")
             if base and base.get("step_s"):
                 rest = step - exp
                 whose = "the in-GPU baseline's" if base["system"] == PEERS["full"][0] else f"{base['system']}'s"
@@ -301,7 +315,8 @@ def render(results_dir: str | Path) -> str:
         "bf16 base with fp32 PEFT adapters, in-gpu-peft-liger that with Liger-Kernel; horizon-ray and FSDP2 keep "
         "an fp32 master and fp32 AdamW state on the host (exact). **update**: horizon-ray's host update (exact; "
         "delayed: step n+1 runs on the weights after step n-1; speculative: units updated before the global "
-        "norm is known, rolled back when clipping acts); rows from before the choice existed are exact. peak "
+        "norm is known, rolled back when clipping acts; the label says the clipping its run had, and a step "
+        "after one that clipped runs as exact); rows from before the choice existed are exact. peak "
         "GPU: torch's max_memory_allocated; budget: the cap the run was held to (— = the whole GPU); host RSS "
         "after the timed steps; planned host: horizon_ray.planner.plan of the same settings; exposed opt: "
         "seconds a step waits for the optimizer.",

@@ -15,7 +15,7 @@ import pytest
 from horizon_ray.bench.child import run_child
 from horizon_ray.bench.cli import add_arguments, main
 from horizon_ray.bench.metrics import IN_GPU, PEERS, SYSTEMS, Unavailable, base_record, parse_updates, unavailable
-from horizon_ray.bench.report import compute_ratios, render, write_json
+from horizon_ray.bench.report import _update_label, compute_ratios, render, write_json
 from horizon_ray.bench.shapes import TINY, model_flops_per_token, resolve_shape
 from horizon_ray.bench.suite import Child, child_argv, collect, default_systems, spawn
 
@@ -123,7 +123,7 @@ def test_results_md_shows_every_system_side_by_side_with_update_and_peers(tmp_pa
     assert got == [
         ("horizon-ray", "exact", "exact", "0.500", "—", "in-gpu-baseline / in-gpu-liger"),
         ("horizon-ray", "exact", "delayed", "0.900", "—", "in-gpu-baseline / in-gpu-liger"),
-        ("horizon-ray", "exact", "speculative", "0.950", "—", "in-gpu-baseline / in-gpu-liger"),
+        ("horizon-ray", "exact", "speculative, rolled back", "0.950", "—", "in-gpu-baseline / in-gpu-liger"),
         ("horizon-ray", "lora", "exact", "0.750", "0.500", "in-gpu-peft / in-gpu-peft-liger"),
         ("in-gpu-baseline", "exact", "—", "1.000", "—", "in-gpu-baseline / in-gpu-liger"),
         ("in-gpu-peft", "lora", "—", "1.000", "0.667", "in-gpu-peft / in-gpu-peft-liger"),
@@ -132,6 +132,13 @@ def test_results_md_shows_every_system_side_by_side_with_update_and_peers(tmp_pa
     assert "No ratio_liger: in-gpu-liger skipped: liger_kernel is not importable (x)." in text
     assert "No ratio_liger" not in next(ln for ln in text.splitlines() if ln.startswith("- **#4**"))  # LoRA row
     assert "2 speculative updates were rolled back in the timed steps" in text
+    # the clipping a speculative run had is in its label (a step after one that clipped runs as exact)
+    labels = {norm: _update_label({"system": "horizon-ray", "update": "speculative", "max_grad_norm": norm,
+                                   "rollbacks": 0}) for norm in (1.0, 1e9, None)}
+    assert labels == {1.0: "speculative, clip at 1", 1e9: "speculative, clipping off", None: "speculative"}
+    assert _update_label({"system": "horizon-ray", "update": "speculative", "rollbacks": 2}) == \
+        "speculative, rolled back"
+    assert _update_label({"system": "horizon-ray", "update": "delayed", "max_grad_norm": 1.0}) == "delayed"
     assert "Liger-Kernel 0.8.5's RoPE, RMSNorm, SwiGLU and fused linear cross-entropy" in text
     assert "in-gpu-peft's whole step" in text  # the LoRA row's time split is held against PEFT's step
     assert "**skipped**: liger_kernel is not importable (x)" in text
@@ -365,6 +372,7 @@ def test_peft_peer_trains_fp32_adapters_on_a_frozen_base(dtype):
 class _Stats:
     def __init__(self):
         self.waited_s, self.last_update_s, self.rollbacks, self.host_checkpoint_bytes = 0.0, 0.0, 0, 0
+        self.speculated_units = 0
 
 
 class _UpdateEngine:
@@ -402,6 +410,7 @@ class _UpdateEngine:
         self._stats.waited_s += 0.25
         self._stats.last_update_s = 1.5
         self._stats.rollbacks += self.update == "speculative"
+        self._stats.speculated_units = 3 if self.update == "speculative" else 0
 
     def stats(self):
         return self._stats
@@ -439,6 +448,7 @@ def test_one_engine_runs_every_update_mode_inside_each_accumulation(monkeypatch)
     for r in out:
         assert r["status"] == "ok" and r["exposed_optimizer_s"] == 0.25 and r["optimizer_update_s"] == 1.5
         assert r["rollbacks"] == (2 if r["update"] == "speculative" else 0)  # the timed steps only
+        assert r["speculated_units"] == (3 if r["update"] == "speculative" else None)
         # every mode of an accumulation is compared with that accumulation's own plan
         assert (r["rss_plan_host_bytes"], r["rss_plan_tokens_per_step"]) == (r["planned_host_bytes"],
                                                                              r["tokens_per_step"])
