@@ -38,7 +38,7 @@ from horizon_ray.engine import lora as lora_io
 from horizon_ray.engine.config import DTYPES, EngineConfig, resolve_device
 from horizon_ray.engine.fence import Fence
 from horizon_ray.engine.grads import DeviceGrads, HostGrads
-from horizon_ray.engine.kernels import Kernels, resolve_kernels
+from horizon_ray.engine.kernels import Kernels, gemms_in_mode, resolve_kernels
 from horizon_ray.engine.layers import Deferred, LoraCall, MicroBatch, Template
 from horizon_ray.engine.model import NORM_KEYS, ModelConfig, quantize_for, stored_nested, unit_layouts
 from horizon_ray.engine.objective import DpoConfig, DpoMetrics
@@ -71,6 +71,7 @@ class EngineStats:
     host_checkpoint_bytes: int  # pinned host buffers of offloaded checkpoints and gathered embedding rows
     host_bytes: dict  # the store's bytes by kind
     device_bytes: dict  # the device buffers the engine holds, by kind
+
 
 
 class Engine:
@@ -258,6 +259,7 @@ class Engine:
             raise BadInput(f"learning rate must be >= 0, got {lr}")
         self.lr = float(lr)
 
+    @gemms_in_mode
     def train_step(self, micro_batches, dpo: DpoConfig | None = None, ref_logps: torch.Tensor | None = None) -> float:
         """One optimizer step over the micro-batches; the mean loss over their non-ignored tokens. With ``dpo``, a
         preference step (preference.py): rows 2i and 2i+1 of the step are a pair's chosen and rejected, labelled
@@ -304,6 +306,7 @@ class Engine:
         self._steps += 1
         return loss
 
+    @gemms_in_mode
     @torch.no_grad()
     def eval_loss(self, micro_batches) -> tuple[float, int]:
         """Summed CE over the non-ignored tokens of the micro-batches, and their count, on the newest weights."""
@@ -313,6 +316,7 @@ class Engine:
         loss_sum, _, _ = self._loss(hs, mbs, max(n_targets, 1), k, backward=False)
         return float(loss_sum), n_targets
 
+    @gemms_in_mode
     @torch.no_grad()
     def sequence_logps(self, micro_batches) -> torch.Tensor:
         """Each row's log-probability summed over its non-ignored labels (float32, on the host, rows in the order
@@ -339,6 +343,7 @@ class Engine:
         sums[0] = float(loss) * n_pairs
         return DpoMetrics(n_pairs, tuple(sums))
 
+    @gemms_in_mode
     @torch.no_grad()
     def forward_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         batch: tuple[torch.Tensor, ...] = (input_ids, torch.full_like(input_ids, -100))

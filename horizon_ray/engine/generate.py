@@ -37,7 +37,7 @@ from horizon_ray.engine import decode_graphs, io
 from horizon_ray.engine import lora as lora_io
 from horizon_ray.engine.config import resolve_device
 from horizon_ray.engine.fence import Fence
-from horizon_ray.engine.kernels import Kernels, resolve_kernels
+from horizon_ray.engine.kernels import Kernels, gemms_in_mode, resolve_kernels
 from horizon_ray.engine.layers import LoraCall, MicroBatch, Template
 from horizon_ray.engine.model import ModelConfig, stored_nested, unit_layouts
 from horizon_ray.engine.pinned import HostBuffers
@@ -396,6 +396,7 @@ class Generator:
         return decode_graphs.step_microbatch(cfg, self.template.inv_freq_on(dev), q_pos_BT, pos_dev, valid_dev, self_TS,
                                              dt, ids_BT, ids_BT.to(dev, non_blocking=True), cache)
 
+    @gemms_in_mode
     def _forward(self, ids_BT, pos_BS, valid_BS, cache: KVCache | _JoiningRows) -> torch.Tensor:
         """One pass of T tokens per row through every layer; the float32 logits of each row's last token [B, V]
         (on the device)."""
