@@ -46,12 +46,12 @@ The activation coefficients are a model of what ``layers.Template.layer`` keeps 
 H200 box (2026-11-29, seq 1024, micro-batch 16, bf16) torch's peak reserved memory was 95 % (Qwen2.5-1.5B,
 32k tokens, K=1), 93 % (same, K=4) and 85 % (Qwen2.5-7B, 64k tokens, K=4) of the plan without the CUDA
 context; the host's pinned bytes (torch.cuda.host_memory_stats) equalled the plan's pinned bytes exactly.
-Checked again on 2026-12-05 against the 58 newest H200 rows of benchmarks/results (Liger kernels, 12-24 GiB
+Checked again on 2026-12-05 against the 63 newest H200 rows of benchmarks/results (Liger kernels, 12-24 GiB
 budgets): the engine's own device buffers (``device_bytes`` in each row: slots, accumulators, staging) equal
-the plan's items to the byte; the rest of the peak (max_memory_allocated) was 0.59-0.96x of what the plan then
+the plan's items to the byte; the rest of the peak (max_memory_allocated) was 0.26-0.92x of what the plan then
 counted beside them. Two items were a model of code that had changed: the loss chunk's 16 bytes a logit (the
 torch cross-entropy over the whole chunk at once) and a layer-sized weight gradient that CUDA accumulates inside
-the GEMM; without them the plan is 1.12-1.69x the peak allocated, never below it, and no longer refuses
+the GEMM; without them the plan is 1.13-1.66x the peak allocated (was 1.15-2.62x), never below it, and no longer refuses
 qwen2.5-7b or gemma-3-4b at 12 GiB (which peaked at 8.1-9.7 and 8.0 GiB). What remains above the peak is
 the saved activations' coefficients (LAYER_*, unchanged: a model of the torch ops, which keep more than Liger's)
 and of the mixture-of-experts' routed copies (1.2-1.5x on olmoe-1b-7b and qwen3-30b-a3b).
