@@ -3,6 +3,9 @@ holds. Pure Python: the parent process uses it without importing torch."""
 
 from __future__ import annotations
 
+import argparse
+import shlex
+
 from horizon_ray.engine.model import family_projections
 from horizon_ray.planner import Adapters, NodeSpec, max_model, plan
 
@@ -52,9 +55,6 @@ def replan(record: dict) -> dict | None:
     """What this commit's planner says of a measured horizon-ray run (``planned_bytes`` of its settings: its
     record's fields, and the flags of its command for what the record does not keep), or None for a record
     without the settings to plan it (older records, CPU runs)."""
-    import argparse
-    import shlex
-
     from horizon_ray.bench.cli import add_arguments
     from horizon_ray.bench.shapes import resolve_shape
 

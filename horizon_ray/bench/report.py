@@ -164,9 +164,9 @@ def _update_label(r: dict) -> str:
     if r["system"] != "horizon-ray":
         return "—"
     update = r.get("update") or "exact"
-    norm = r.get("max_grad_norm")
     if update != "speculative":
         return update
+    norm = r.get("max_grad_norm")
     if norm is None:  # rows from before the record kept the norm: they clipped at 1 where they rolled back
         return f"{update}, rolled back" if r.get("rollbacks") else update
     # the speculative update is exact AdamW's only while clipping stays inactive: a step that clips is rolled back,

@@ -73,7 +73,6 @@ class EngineStats:
     device_bytes: dict  # the device buffers the engine holds, by kind
 
 
-
 class Engine:
     def __init__(self, model: ModelConfig, cfg: EngineConfig, store: HostStore | None = None,
                  ranks: Ranks | None = None):

@@ -73,9 +73,6 @@ def resolve_kernels(name: str, device: torch.device) -> str:
     return "torch"
 
 
-# ---- linear layers with gradient sinks ---------------------------------------------------------------------
-
-
 # ---- bfloat16 GEMMs on a CPU without native ones ------------------------------------------------------------
 
 _aten = torch.ops.aten
@@ -108,8 +105,9 @@ def _bf16_cpu(args) -> bool:
     return bool(tensors) and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
 
 
+@functools.cache
 def native_bf16_gemms() -> bool:
-    """Whether this CPU runs bfloat16 GEMMs natively (oneDNN's check: AVX-512 BW/VL/DQ or AMX)."""
+    """Whether this CPU runs bfloat16 GEMMs natively (oneDNN's check: AVX-512 BW/VL/DQ or AMX); asked once."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
@@ -132,6 +130,9 @@ def gemms_in_mode(fn):
         with matmul_mode(self.device, self.dtype):
             return fn(self, *args, **kwargs)
     return run
+
+
+# ---- linear layers with gradient sinks ---------------------------------------------------------------------
 
 
 def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

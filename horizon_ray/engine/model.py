@@ -193,6 +193,8 @@ def torch_ce_rows(rows: int, compute_bytes: int) -> int:
     its temporaries within the chunk's own logits (rows x vocab x the compute dtype's bytes), so a loss chunk takes
     at most twice its logits whichever kernels run (Liger's works in place on the logits)."""
     return max(1, rows * compute_bytes // (TORCH_CE_BYTES_PER_LOGIT + 2 * compute_bytes))
+
+
 # Precision modes of full fine-tuning: "exact" (fp32 master, fp32 AdamW moments: torch.optim.AdamW
 # semantics); "bf16-state" (bf16 master and moments, half the host RAM, updates below bf16 resolution lost).
 PRECISIONS = ("exact", "bf16-state")
