@@ -44,6 +44,7 @@ from horizon_ray.bench.runtime import (
     device_and_dtype,
     device_name,
     free_memory,
+    memory_at_peak,
     profile_gemms,
     profile_step,
 )
@@ -241,7 +242,8 @@ def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
 
 
 def _profiled(eng: Engine, rec: dict, batches) -> dict:
-    """The record again, with the time split of one more step run under the profiler. It follows the timed
+    """The record again, with the time split of one more step run under the profiler (then its GEMMs by
+    shape, and what held the GPU memory at a step's peak, each from one more step). It follows the timed
     steps at once, so it waits for the previous update as they did (counted in gpu_idle_s)."""
     out = dict(rec)
     try:
@@ -251,6 +253,7 @@ def _profiled(eng: Engine, rec: dict, batches) -> dict:
     except Exception as exc:  # the split is a bonus: a profiler failure must not lose the measured run
         out["split_error"] = f"{type(exc).__name__}: {exc}"[:300]
     out.update(profile_gemms(lambda: eng.train_step(batches[0])))
+    out.update(memory_at_peak(lambda: eng.train_step(batches[0]), eng.device))
     return out
 
 

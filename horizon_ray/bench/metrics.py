@@ -273,6 +273,56 @@ def kernel_tables(events: list[dict], top: int = 12) -> dict:
             "top_kernels": [[name[:120], round(secs, 4), n] for name, (secs, n) in ranked]}
 
 
+def peak_holders(trace: list[dict], before: int, top: int = 14) -> dict:
+    """What held the GPU memory at a step's peak, from the caching allocator's history of the step (the
+    ``device_traces`` of ``torch.cuda.memory._snapshot()``, recorded with Python stacks): the blocks live when
+    the bytes allocated peaked, summed by the code that allocated them (``peak_site``), largest first, as
+    [site, bytes, blocks]. ``before``: the bytes allocated when the recording began (the engine's own buffers),
+    one holder, less what the step freed of it. The rest beyond ``top`` holders is summed as "other"."""
+    now, peak, at = before, before, -1
+    for i, e in enumerate(trace):
+        if e.get("action") == "alloc":
+            now += e["size"]
+            if now > peak:
+                peak, at = now, i
+        elif e.get("action") == "free_completed":
+            now -= e["size"]
+    live: dict[int, tuple[int, str]] = {}
+    kept = before  # of the blocks allocated before the recording, those not freed by the peak
+    for e in trace[:at + 1]:
+        if e.get("action") == "alloc":
+            live[e["addr"]] = (e["size"], peak_site(e.get("frames") or []))
+        elif e.get("action") == "free_completed" and live.pop(e["addr"], None) is None:
+            kept -= e["size"]
+    sites: dict[str, list[int]] = {}
+    for size, site in live.values():
+        entry = sites.setdefault(site, [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])
+    holders = [["before the step (engine buffers)", kept, 0], *([s, b, n] for s, (b, n) in ranked[:top])]
+    rest = ranked[top:]
+    if rest:
+        holders.append(["other", sum(b for _, (b, _) in rest), sum(n for _, (_, n) in rest)])
+    return {"gpu_peak_traced_bytes": peak, "gpu_peak_holders": holders}
+
+
+def peak_site(frames: list[dict]) -> str:
+    """Where a block was allocated, for ``peak_holders``: the innermost two frames of horizon-ray's engine
+    (the innermost with its line), else the innermost Python frame; frames come innermost first. An allocation
+    with no Python frame (autograd's backward thread outside Python functions) is "backward (no Python frame)"."""
+    ours = [f for f in frames if "horizon_ray" in f.get("filename", "") and "/bench/" not in f["filename"]]
+    if ours:
+        head = f"{os.path.basename(ours[0]['filename'])}:{ours[0]['name']}:{ours[0].get('line', '?')}"
+        if len(ours) > 1:
+            head += f" < {os.path.basename(ours[1]['filename'])}:{ours[1]['name']}"
+        return head
+    py = [f for f in frames if f.get("filename", "").endswith(".py")]
+    if py:
+        return f"{os.path.basename(py[0]['filename'])}:{py[0]['name']}"
+    return "backward (no Python frame)"
+
+
 def error_reason(exc: BaseException) -> str:
     """Type and first line of an error, for the reason of a record that was not measured."""
     return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"

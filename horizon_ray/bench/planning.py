@@ -47,6 +47,7 @@ def planned_bytes(shape, *, mode: str, seq: int, micro: int, accum: int, checkpo
             "planned_step_s": round(p.step_time_s, 3), "planned_speculate_units": p.speculate_units,
             "bound": bound_arithmetic(p.timing),
             "planned_update_buffers_bytes": p.breakdown["host"].get("update_buffers", 0),
+            "planned_gpu_items": dict(p.breakdown["gpu"]),  # the plan's GPU bytes item by item (planner.memory)
             "plan_host_fits": p.host_bytes <= p.host_limit_bytes,
             "plan_reason": p.reason}
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from horizon_ray.bench.metrics import split_from_trace
+from horizon_ray.bench.metrics import peak_holders, split_from_trace
 
 
 def device_and_dtype(args) -> tuple[str, str]:
@@ -183,6 +183,29 @@ def profile_step(step: Callable[[], object]) -> dict:
     finally:
         os.unlink(path)
     return split_from_trace(events, wall)
+
+
+def memory_at_peak(step: Callable[[], object], device: torch.device) -> dict:
+    """One more step with the caching allocator's history recorded (Python stacks): what held the GPU memory
+    at the step's peak, by the code that allocated it (``metrics.peak_holders``), beside the step's
+    ``max_memory_allocated``; or ``gpu_peak_holders_error`` (a bonus: it never fails the run)."""
+    try:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python", device=device)
+        try:
+            step()
+            torch.cuda.synchronize(device)
+            snap = torch.cuda.memory._snapshot(device)
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None, device=device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        out = peak_holders(snap["device_traces"][index], before)
+        out["gpu_peak_step_bytes"] = torch.cuda.max_memory_allocated(device)
+        return out
+    except Exception as exc:
+        return {"gpu_peak_holders_error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 def profile_gemms(step: Callable[[], object]) -> dict:

@@ -386,10 +386,26 @@ def _summary(runs: list[dict], md: Path) -> None:
         for op, shapes, calls, sec, rate in (r.get("gemm_shapes") or [])[:8]:
             print(f"  GEMM {op[6:]:<7} {' x '.join('x'.join(map(str, s)) for s in shapes):<44} {calls:>5} calls "
                   f"{sec:8.4f} s {rate if rate is not None else '-':>5} TFLOP/s", flush=True)
+        for line in peak_lines(r):
+            print(f"  PEAK {line}", flush=True)
         if r.get("gpu_sm_clock_mhz"):
             print(f"  GPU SM clock {r['gpu_sm_clock_mhz']:,} MHz (lowest {r['gpu_sm_clock_min_mhz']:,}), "
                   f"{r['gpu_power_w']} W, up to {r['gpu_temp_max_c']} C over the timed steps "
                   f"({r['gpu_telemetry_samples']} samples)", flush=True)
+
+
+def peak_lines(r: dict) -> list[str]:
+    """A profiled row's GPU peak by holder (metrics.peak_holders), against the plan's GPU items: one line
+    each, in MiB."""
+    if not r.get("gpu_peak_holders"):
+        return []
+    mib = 2**20
+    items = r.get("planned_gpu_items") or {}
+    plan = ", ".join(f"{k} {v / mib:,.0f}" for k, v in sorted(items.items(), key=lambda kv: -kv[1]) if v)
+    lines = [f"{r['gpu_peak_traced_bytes'] / mib:,.0f} MiB allocated at the step's peak, planned "
+             f"{(r.get('planned_gpu_bytes') or 0) / mib:,.0f} MiB" + (f" ({plan})" if plan else "")]
+    lines += [f"{b / mib:9,.1f} MiB {n:>5} blocks  {site}" for site, b, n in r["gpu_peak_holders"]]
+    return lines
 
 
 def idle_line(r: dict, gaps: dict) -> str:

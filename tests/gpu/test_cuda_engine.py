@@ -126,3 +126,24 @@ def test_peak_gpu_memory_flat_when_layers_double():
     # checkpoints are offloaded to the host; weights slots, accumulators and workspace do not depend on L
     print("peak GPU bytes at 8 and 16 layers:", peaks)
     assert peaks[1] <= peaks[0] * 1.05, peaks
+
+
+def test_a_steps_peak_is_named_by_the_code_that_holds_it():
+    """The bench's memory_at_peak on a CUDA step: the allocator's history replayed to the peak accounts for
+    every byte of the step's max_memory_allocated, the engine's buffers as one holder and the rest by the engine
+    code that allocated it (a layer's saved activations among them)."""
+    from horizon_ray.bench.runtime import memory_at_peak
+
+    cfg = llama_config(4, hidden=1024, inter=2816, vocab=8192, heads=16, kv=4)
+    eng = Engine.from_config(cfg, EngineConfig(device="cuda", compute_dtype="bfloat16", kernels="torch"))
+    batches = random_batches(2, 2, T=512, prompt=4, vocab=cfg["vocab_size"])
+    eng.train_step(batches[0])
+    out = memory_at_peak(lambda: eng.train_step(batches[1]), eng.device)
+    engine_buffers = sum(eng.memory_report()["device"].values())
+    eng.close()
+    assert "gpu_peak_holders_error" not in out, out
+    holders = dict((site, b) for site, b, _ in out["gpu_peak_holders"])
+    assert out["gpu_peak_traced_bytes"] == out["gpu_peak_step_bytes"]
+    assert sum(holders.values()) == out["gpu_peak_traced_bytes"]
+    assert holders["before the step (engine buffers)"] >= engine_buffers
+    assert any("layers.py" in site for site in holders), holders

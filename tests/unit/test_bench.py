@@ -14,7 +14,16 @@ import pytest
 
 from horizon_ray.bench.child import parse_output
 from horizon_ray.bench.cli import add_arguments
-from horizon_ray.bench.metrics import REQUIRED_KEYS, STATUSES, SYSTEMS, base_record, split_from_trace, throughput
+from horizon_ray.bench.metrics import (
+    REQUIRED_KEYS,
+    STATUSES,
+    SYSTEMS,
+    base_record,
+    peak_holders,
+    peak_site,
+    split_from_trace,
+    throughput,
+)
 from horizon_ray.bench.report import _mode_label, compute_ratios, load_results, merge_results, render, write_json
 from horizon_ray.bench.shapes import TINY, model_flops_per_token, resolve_shape
 from horizon_ray.bench.suite import HOST_OOM, Child, box_name, child_argv, collect
@@ -131,6 +140,44 @@ def test_a_profiled_step_tables_its_kernels_by_class_and_name():
                                       "RoPE": 0.05, "elementwise and other": 0.04, "cross-entropy": 0.03}
     assert s["top_kernels"][0] == ["sm90_xmma_gemm_bf16bf16_bf16f32", 0.75, 2]
     assert [t[0] for t in s["top_kernels"][1:3]] == ["flash_fwd_kernel", "_rms_norm_forward_kernel"]
+
+
+def test_a_steps_peak_is_named_by_the_code_that_holds_it():
+    """The allocator's history of a step replayed to its peak: the blocks live then, summed by the engine code
+    that allocated them; what the step freed of the buffers allocated before it comes off their holder, and a
+    block freed before the peak holds nothing."""
+    def frame(file, name, line):
+        return {"filename": f"/repo/horizon_ray/engine/{file}", "name": name, "line": line}
+
+    torch_frame = {"filename": "/site/torch/nn/functional.py", "name": "silu", "line": 1}
+    act = [torch_frame, frame("layers.py", "_mlp", 40), frame("layers.py", "layer", 90),
+           {"filename": "/repo/horizon_ray/bench/engine_run.py", "name": "_measure", "line": 5}]
+    loss = [frame("objective.py", "chunk_loss", 12), frame("engine.py", "train_step", 300)]
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": act},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": act},
+        {"action": "alloc", "addr": 3, "size": 400, "frames": loss},
+        {"action": "free_requested", "addr": 3, "size": 400},
+        {"action": "free_completed", "addr": 3, "size": 400},  # the loss chunk is gone before the peak
+        {"action": "free_completed", "addr": 99, "size": 30},  # of the buffers from before the step
+        {"action": "alloc", "addr": 4, "size": 500, "frames": []},  # autograd's thread: no Python frame
+        {"action": "alloc", "addr": 5, "size": 20, "frames": [torch_frame]},
+        {"action": "free_completed", "addr": 4, "size": 500},
+        {"action": "alloc", "addr": 6, "size": 10, "frames": act},
+    ]
+    out = peak_holders(trace, before=1000, top=2)
+    assert out["gpu_peak_traced_bytes"] == 1000 + 150 + 400 - 400 - 30 + 500 + 20  # 1640, before addr 4's free
+    assert out["gpu_peak_holders"] == [["before the step (engine buffers)", 970, 0],
+                                       ["backward (no Python frame)", 500, 1],
+                                       ["layers.py:_mlp:40 < layers.py:layer", 150, 2],
+                                       ["other", 20, 1]]
+    assert sum(h[1] for h in out["gpu_peak_holders"]) == out["gpu_peak_traced_bytes"]
+    assert peak_site([torch_frame]) == "functional.py:silu"
+    from horizon_ray.bench.suite import peak_lines
+
+    lines = peak_lines({**out, "planned_gpu_bytes": 3 * 2**20, "planned_gpu_items": {"loss_workspace": 2**20}})
+    assert lines[0] == "0 MiB allocated at the step's peak, planned 3 MiB (loss_workspace 1)"
+    assert lines[2].split() == ["0.0", "MiB", "1", "blocks", "backward", "(no", "Python", "frame)"]
 
 
 # ---- records, ratios, files ----------------------------------------------------------------------------------
