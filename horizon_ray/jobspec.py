@@ -319,10 +319,10 @@ class EngineSpec(_Section):
     offload_checkpoints: Literal["auto"] | StrictBool = Field(_W.offload_checkpoints, description=(
         "keep activation checkpoints in pinned host memory instead of GPU memory; auto: on cuda (on the cpu there "
         "is nothing to offload)"))
-    fuse_projections: StrictBool = Field(True, description=(
+    fuse_projections: Literal["auto"] | StrictBool = Field("auto", description=(
         "full fine-tuning runs q, k, v and gate, up as one GEMM each (true) or every projection as its own "
-        "(false): the same math, other GEMM shapes; on the H200 dense 3-4B models ran fastest with false and "
-        "16,384-token row groups (docs/engine.md)"))
+        "(false): the same math, other GEMM shapes; auto: false on cuda where a row group holds 16,384 tokens or "
+        "more (there split GEMMs ran faster on the H200), true elsewhere (docs/engine.md)"))
 
 
 class ResourcesSpec(_Section):

@@ -68,9 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="horizon-ray's tokens per row group: a micro-batch runs through a layer in row groups of "
                           "at most this many tokens (the job spec's layer_chunk_tokens: larger groups make larger "
                           "GEMMs and take more GPU memory)")
-    job.add_argument("--projections", default="fused", choices=("fused", "split"),
+    job.add_argument("--projections", default="auto", choices=("auto", "fused", "split"),
                      help="horizon-ray's full fine-tuning: q, k, v and gate, up each one GEMM (fused) or every "
-                          "projection its own GEMM (split), the engine's fuse_projections")
+                          "projection its own GEMM (split), the job spec's engine.fuse_projections; auto: split on "
+                          "a GPU where a row group holds 16,384 tokens or more, fused elsewhere")
     job.add_argument("--max-grad-norm", type=float, default=1.0,
                      help="global-norm clipping of every system (the speculative update's benchmarks set it high "
                           "enough that clipping stays inactive)")

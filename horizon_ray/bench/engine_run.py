@@ -50,6 +50,7 @@ from horizon_ray.bench.runtime import (
 )
 from horizon_ray.bench.shapes import hf_config, model_flops_per_token, resolve_shape
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig, heap
+from horizon_ray.workload import fuse_projections_for
 
 
 def run(args, emit: Callable[[dict], None]) -> list[dict]:
@@ -65,12 +66,13 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
     if planned_lora is not None:  # the base is frozen; only the adapters (exact fp32 AdamW) train
         lora = LoraConfig(r=planned_lora.r, alpha=lora_alpha(planned_lora.r), targets=planned_lora.targets,
                           quantize=planned_lora.quantize)
+    projections = resolved_projections(args, device)
     eng = Engine.from_config(hf_config(shape), EngineConfig(
         lr=1e-5, weight_decay=0.01, max_grad_norm=args.max_grad_norm, checkpoint_every=args.checkpoint_every,
         device=device,
         compute_dtype=dtype, precision="exact" if lora else args.mode, loss_chunk_tokens=args.loss_chunk,
         layer_chunk_tokens=args.layer_chunk, offload_checkpoints=OFFLOAD[args.offload], lora=lora, update=updates[0],
-        fuse_projections=args.projections == "fused"))
+        fuse_projections=projections == "fused"))
     init_s = time.perf_counter() - t0
     cuda = eng.device.type == "cuda"
     budget = int(args.gpu_budget_gib * 2**30) if args.gpu_budget_gib else None
@@ -95,7 +97,7 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
                        offload_resolved=eng.offload_checkpoints,  # where checkpoints lived: host or device
                        kernels=eng.template.ops.name,  # the layer template's kernels: torch or liger
                        layer_chunk_tokens=args.layer_chunk,
-                       projections=None if lora is not None else args.projections)  # LoRA: always split
+                       projections=None if lora is not None else projections)  # LoRA: always split
             if lora is not None:
                 rec.update(lora_r=lora.r, lora_alpha=lora.alpha, lora_targets=list(lora.targets),
                            quantize=lora.quantize)
@@ -129,6 +131,16 @@ def _switch_and_measure(eng: Engine, rec: dict, batches, args, rss0: int) -> Non
         rec.update(status="did-not-fit", reason=error_reason(exc), host_peak_rss_bytes=host_peak_rss())
     if rec["status"] != "ok":  # outside the except: its traceback no longer pins the step's tensors
         free_memory()
+
+
+def resolved_projections(args, device: str) -> str:
+    """--projections decided as the job spec's engine.fuse_projections is (workload.fuse_projections_for):
+    "fused" or "split"."""
+    if args.projections != "auto":
+        return args.projections
+    group = min(args.micro, max(1, args.layer_chunk // args.seq)) * args.seq
+    fused = fuse_projections_for("auto", cuda=device.startswith("cuda"), group_tokens=group)
+    return "fused" if fused else "split"
 
 
 def engine_stats(eng) -> tuple[float, float, int]:

@@ -10,6 +10,7 @@ from horizon_ray.engine.hyper import ADAMW
 from horizon_ray.engine.lora import LoraConfig
 from horizon_ray.engine.model import DTYPE_BYTES, KERNELS, PRECISIONS, UPDATES
 from horizon_ray.errors import BadInput
+from horizon_ray.workload import fuse_projections_for
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}
 
@@ -152,7 +153,8 @@ class EngineConfig:
             max_grad_norm=t.max_grad_norm, checkpoint_every=e.activation_checkpoint_every, device=r.device,
             compute_dtype=r.compute_dtype, precision=e.precision, offload_checkpoints=r.offload_checkpoints,
             layer_chunk_tokens=e.layer_chunk_tokens, loss_chunk_tokens=e.loss_chunk_tokens, seed=t.seed,
-            fuse_projections=e.fuse_projections,
+            fuse_projections=fuse_projections_for(e.fuse_projections, cuda=r.cuda,
+                                                  group_tokens=spec.workload().group_tokens),
             kernels=t.kernels, update=t.update,
             lora=None if lora is None else LoraConfig(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
                                                       targets=tuple(lora.targets),

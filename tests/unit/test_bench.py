@@ -553,6 +553,23 @@ def test_a_rows_planned_bound_is_written_as_its_arithmetic():
     assert _bound(rec, None).startswith("Bound by the optimizer kernel holding the GIL: ")
 
 
+def test_the_bench_decides_projections_auto_as_the_job_spec_does():
+    from horizon_ray.bench.engine_run import resolved_projections
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--micro", "16", "--seq", "1024"])
+    assert args.projections == "auto"
+    assert resolved_projections(args, "cuda:0") == "fused"  # 8,192-token row groups
+    args.layer_chunk = 16384
+    assert resolved_projections(args, "cuda:0") == "split"
+    assert resolved_projections(args, "cpu") == "fused"
+    args.micro = 4  # a micro-batch of 4,096 tokens: its row group is no larger
+    assert resolved_projections(args, "cuda:0") == "fused"
+    args.projections = "split"
+    assert resolved_projections(args, "cpu") == "split"
+
+
 def test_host_rss_is_compared_with_the_largest_plan_the_process_ran():
     from horizon_ray.bench.engine_run import accumulations, rss_plan
     from horizon_ray.bench.report import _bound

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from horizon_ray.errors import BadInput
 from horizon_ray.jobspec import JobSpec, apply_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -283,6 +284,30 @@ def test_a_bf16_state_spec_on_a_cpu_node_is_planned_as_the_runner_runs_it():
     assert plan_for_spec(auto, NodeSpec(gpus=0, gpu_mem_bytes=0)).compute_dtype == "bfloat16"
 
 
+def test_fuse_projections_auto_splits_only_row_groups_of_16384_tokens_on_a_gpu():
+    """engine.fuse_projections: auto (the default) splits q, k, v and gate, up into their own GEMMs where a CUDA
+    row group holds 16,384 tokens or more, where the H200 ran them faster, and fuses them elsewhere; true and
+    false stay what they say."""
+    from horizon_ray.workload import SPLIT_PROJECTIONS_FROM_TOKENS, fuse_projections_for
+
+    assert JobSpec.from_dict(MINIMAL).engine.fuse_projections == "auto"
+    assert SPLIT_PROJECTIONS_FROM_TOKENS == 16_384
+    assert fuse_projections_for("auto", cuda=True, group_tokens=16_384) is False
+    assert fuse_projections_for("auto", cuda=True, group_tokens=32_768) is False
+    assert fuse_projections_for("auto", cuda=True, group_tokens=8_192) is True
+    assert fuse_projections_for("auto", cuda=False, group_tokens=16_384) is True
+    assert fuse_projections_for(True, cuda=True, group_tokens=16_384) is True
+    assert fuse_projections_for(False, cuda=False, group_tokens=1) is False
+    with pytest.raises(BadInput, match="engine.fuse_projections is 'yes'; use auto, true or false"):
+        fuse_projections_for("yes", cuda=True, group_tokens=1)
+    # the spec's group: a micro-batch's rows cut at layer_chunk_tokens
+    spec = JobSpec.from_dict(_with(**{"training.seq_len": 1024, "training.micro_batch_size": 16,
+                                      "engine.layer_chunk_tokens": 16384}))
+    assert spec.workload().group_tokens == 16_384
+    with pytest.raises(BadInput, match="engine.fuse_projections is .yes.; use one of auto, true, false"):
+        JobSpec.from_dict(_with(**{"engine.fuse_projections": "yes"}))
+
+
 def test_engine_config_from_spec_takes_every_field():
     pytest.importorskip("torch")
     from horizon_ray.engine import EngineConfig
@@ -307,6 +332,9 @@ def test_engine_config_from_spec_takes_every_field():
     assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets, cfg.lora.modules_to_save) == (
         4, 8.0, 0.1, ("v_proj", "q_proj"), ("norm",))
     assert EngineConfig.from_spec(JobSpec.from_dict(MINIMAL), device="cpu").lora is None
+    # auto on the CPU: fused, whatever the row group
+    big = _with(**{"training.seq_len": 1024, "training.micro_batch_size": 16, "engine.layer_chunk_tokens": 16384})
+    assert EngineConfig.from_spec(JobSpec.from_dict(big), device="cpu").fuse_projections is True
     for update in ("delayed", "speculative"):
         assert EngineConfig.from_spec(JobSpec.from_dict(_with(**{"training.update": update})), device="cpu").update \
             == update
@@ -342,7 +370,6 @@ def test_an_http_spec_keeps_its_tilde_and_a_file_spec_expands_it(monkeypatch):
 
 
 def test_errors_carry_the_field():
-    from horizon_ray.errors import BadInput
 
     for changes, field in (({"training.lr": "fast"}, "training.lr"), ({"training.sed": 1}, "training.sed"),
                            ({"training.betas": [0.9, "x"]}, "training.betas[1]"), ({"training.lr": -1}, "training.lr")):
