@@ -313,9 +313,10 @@ class EngineSpec(_Section):
         "keep one layer input every K layers (recomputed in backward)"))
     loss_chunk_tokens: Int = Field(_W.loss_chunk_tokens, ge=1, description=(
         "tokens per chunk of the LM head + cross-entropy"))
-    layer_chunk_tokens: Int = Field(_W.layer_chunk_tokens, ge=1, description=(
+    layer_chunk_tokens: Literal["auto"] | Annotated[Int, Field(ge=1)] = Field(_W.layer_chunk_tokens, description=(
         "micro-batches run through a layer in row groups of at most this many tokens (bounds the GPU workspace, "
-        "not the math)"))
+        "not the math); auto: on cuda the largest of 16,384, 8,192, 4,096, 2,048 and 1,024 that the plan fits in "
+        "the GPU's memory (larger groups make larger GEMMs), 8,192 on the cpu"))
     offload_checkpoints: Literal["auto"] | StrictBool = Field(_W.offload_checkpoints, description=(
         "keep activation checkpoints in pinned host memory instead of GPU memory; auto: on cuda (on the cpu there "
         "is nothing to offload)"))
@@ -755,8 +756,26 @@ _KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
 
 
 def _other_kinds(tp: Any) -> list[str]:
-    """What a union of a Literal with plain types (``float | Literal["auto"]``) takes besides the Literal's values."""
-    return [_KIND_NAMES[arg] for arg in typing.get_args(tp) if arg in _KIND_NAMES]
+    """What a union of a Literal with plain types (``float | Literal["auto"]``, ``Annotated[int, Field(ge=1)]``)
+    takes besides the Literal's values, with the plain type's lower bound."""
+    kinds = []
+    for arg in typing.get_args(tp):
+        meta: tuple = ()
+        if typing.get_origin(arg) is Annotated:
+            arg, *rest = typing.get_args(arg)
+            meta = tuple(rest)
+        if arg in _KIND_NAMES:
+            low = next((m.ge for m in _constraints(meta) if getattr(m, "ge", None) is not None), None)
+            kinds.append(_KIND_NAMES[arg] + (f" of {low} or more" if low is not None else ""))
+    return kinds
+
+
+def _constraints(meta: tuple) -> list:
+    """The constraint objects of an Annotated type's metadata, those inside a Field(...) included."""
+    out: list = []
+    for m in meta:
+        out.extend(getattr(m, "metadata", None) or [m])
+    return out
 
 
 def _literal_values(tp: Any) -> tuple:

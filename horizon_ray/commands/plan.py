@@ -44,9 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--grad-accum", type=int)
     job.add_argument("--checkpoint-every", type=int, metavar="K", help="keep one layer input every K layers")
     job.add_argument("--loss-chunk-tokens", type=int)
-    job.add_argument("--layer-chunk-tokens", type=int,
+    job.add_argument("--layer-chunk-tokens", type=_layer_chunk,
                      help="the job spec's engine.layer_chunk_tokens: a micro-batch runs through each layer in row "
-                          "groups of at most this many tokens (default 8192)")
+                          "groups of at most this many tokens; auto (the default): on cuda the largest of 16384, "
+                          "8192, 4096, 2048 and 1024 that fits the GPU, 8192 on the cpu")
     job.add_argument("--packed", action="store_true", help="packed rows (an attention mask per micro-batch)")
     job.add_argument("--compute-dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     job.add_argument("--device", default="auto", help="auto (cuda when the node has a GPU), cuda, cpu")
@@ -131,6 +132,19 @@ def _this_machine():
     probe = cached_probe(log=lambda msg: print(f"probing this machine: {msg} ...", file=sys.stderr, flush=True))
     return NodeSpec(ram_bytes=node_ram_bytes(dict(os.environ)), gpus=len(gpus), gpu_mem_bytes=gpu_mem,
                     ceilings=probe.ceilings(), name="this machine")
+
+
+def _layer_chunk(text: str) -> int | str:
+    """--layer-chunk-tokens: auto or a whole number of tokens, 1 or more."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither auto nor a whole number of tokens of 1 or more")
+    return value
 
 
 def _flag_bytes(flag: str, text: str) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -10,7 +10,7 @@ from horizon_ray.engine.hyper import ADAMW
 from horizon_ray.engine.lora import LoraConfig
 from horizon_ray.engine.model import DTYPE_BYTES, KERNELS, PRECISIONS, UPDATES
 from horizon_ray.errors import BadInput
-from horizon_ray.workload import fuse_projections_for
+from horizon_ray.workload import DEFAULT_LAYER_CHUNK_TOKENS, fuse_projections_for
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}
 
@@ -133,11 +133,16 @@ class EngineConfig:
         return self.max_grad_norm is not None and self.max_grad_norm > 0
 
     @classmethod
-    def from_spec(cls, spec, *, device: str | None = None) -> EngineConfig:
+    def from_spec(cls, spec, *, device: str | None = None, layer_chunk_tokens: int | None = None) -> EngineConfig:
         """The engine a job spec (``horizon_ray.jobspec.JobSpec``) asks for on this machine: every "auto"
         decided by ``JobSpec.resolve`` (the rule the planner plans with), `device` (default: the spec's
-        engine.device) included. The learning rate is the spec's peak; a schedule sets it before each step."""
+        engine.device) included. engine.layer_chunk_tokens auto is `layer_chunk_tokens`, the plan's choice for
+        this node's GPU (job.runner asks the planner), else DEFAULT_LAYER_CHUNK_TOKENS. The learning rate is the
+        spec's peak; a schedule sets it before each step."""
         t, e = spec.training, spec.engine
+        chunk = e.layer_chunk_tokens if e.layer_chunk_tokens != "auto" else (
+            layer_chunk_tokens or DEFAULT_LAYER_CHUNK_TOKENS)
+        workload = replace(spec.workload(), layer_chunk_tokens=chunk)
         r = spec.resolve(gpu=torch.cuda.is_available(), device=device)
         if r.cuda and not torch.cuda.is_available():
             # before any rank starts: torch without CUDA fails deep inside (torch._C has no _cuda_setDevice)
@@ -152,9 +157,8 @@ class EngineConfig:
             lr=t.lr, betas=(t.betas[0], t.betas[1]), eps=t.eps, weight_decay=t.weight_decay,
             max_grad_norm=t.max_grad_norm, checkpoint_every=e.activation_checkpoint_every, device=r.device,
             compute_dtype=r.compute_dtype, precision=e.precision, offload_checkpoints=r.offload_checkpoints,
-            layer_chunk_tokens=e.layer_chunk_tokens, loss_chunk_tokens=e.loss_chunk_tokens, seed=t.seed,
-            fuse_projections=fuse_projections_for(e.fuse_projections, cuda=r.cuda,
-                                                  group_tokens=spec.workload().group_tokens),
+            layer_chunk_tokens=chunk, loss_chunk_tokens=e.loss_chunk_tokens, seed=t.seed,
+            fuse_projections=fuse_projections_for(e.fuse_projections, cuda=r.cuda, group_tokens=workload.group_tokens),
             kernels=t.kernels, update=t.update,
             lora=None if lora is None else LoraConfig(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
                                                       targets=tuple(lora.targets),

@@ -78,25 +78,30 @@ def engine_config(spec: JobSpec) -> Any:
     from horizon_ray.engine import EngineConfig
 
     cfg = EngineConfig.from_spec(spec)
+    planned = None
+    if cfg.device.startswith("cuda") and spec.engine.layer_chunk_tokens == "auto":
+        planned = local_plan(spec, cuda=True)
+        cfg = EngineConfig.from_spec(spec, layer_chunk_tokens=planned.layer_chunk_tokens)
     # the node agent's share of the cores when several engines run on one node (0: the engine's default)
     cfg.optimizer_threads = int(os.environ.get("HORIZON_RAY_OPTIMIZER_THREADS") or 0)
     if cfg.update == "speculative" and cfg.lora is None:
-        cfg.speculate_units = speculate_units(spec, cfg)
+        # how many units it may update during the backward: the planner's choice for this machine's RAM (each
+        # such unit keeps its gradient apart from its wire)
+        cfg.speculate_units = (planned or local_plan(spec, cuda=cfg.device.startswith("cuda"))).speculate_units
     return cfg
 
 
-def speculate_units(spec: JobSpec, cfg: Any) -> int | None:
-    """How many units the speculative update may update during the backward on this machine: the planner's
-    choice for its RAM (each such unit keeps its gradient apart from its wire)."""
+def local_plan(spec: JobSpec, *, cuda: bool) -> Any:
+    """The planner's plan of the spec on this machine: its RAM, and its GPUs when the job runs on CUDA (the
+    row groups of engine.layer_chunk_tokens auto are the largest it fits in the GPU's memory)."""
     import psutil
     import torch
 
     from horizon_ray.planner import NodeSpec, plan_for_spec
 
-    cuda = cfg.device.startswith("cuda")
     node = NodeSpec(ram_bytes=psutil.virtual_memory().total, gpus=torch.cuda.device_count() if cuda else 0,
                     gpu_mem_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else 0, name="this node")
-    return plan_for_spec(spec, node, suggest=False).speculate_units
+    return plan_for_spec(spec, node, suggest=False)
 
 
 

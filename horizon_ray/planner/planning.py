@@ -82,6 +82,8 @@ class Plan:
     # objective dpo: seconds the reference pass spends on one step's rows (a streamed forward with the starting
     # weights, once per job: the whole pass is this x the steps of one epoch), not in step_time_s
     reference_step_s: float | None = None
+    # tokens a row group may hold (engine.layer_chunk_tokens; auto decided for this node: workload.LAYER_CHUNK_CHOICES)
+    layer_chunk_tokens: int = 0
 
     @property
     def node_tokens_per_s(self) -> float:
@@ -97,7 +99,7 @@ def plan(model, *, method: str | None = None, mode: str | None = None, seq_len: 
          compute_dtype: str = "auto", device: str = "cuda", node: NodeSpec | None = None,
          gpu_budget_bytes: int | None = None, lora: Adapters | dict | None = None,
          loss_chunk_tokens: int | None = None, packed: bool = False, suggest: bool = True,
-         pinned_pow2: bool = PINNED_POW2_ROUNDING, layer_chunk_tokens: int | None = None,
+         pinned_pow2: bool = PINNED_POW2_ROUNDING, layer_chunk_tokens: int | str | None = None,
          offload_checkpoints: bool | str | None = None, concurrent_engines: int = 1, update: str | None = None,
          gpus: int | None = None) -> Plan:
     """Plan one job on one node.
@@ -195,6 +197,8 @@ def _plan_job(shape: ModelShape, method: str, mode: str | None, job: Workload, l
         lora = lora.for_shape(shape)  # a pre-quantized checkpoint's quantize among the rest
         lora.check()
         adapter_unit_params(lora, shape)  # refuses modules_to_save entries that select no norm
+    if job.layer_chunk_tokens == "auto":
+        job = _auto_row_groups(shape, pm, job, node, gpu_budget_bytes, lora, pinned_pow2, concurrent_engines)
     p = _plan(shape, pm, job, node, gpu_budget_bytes, lora, suggest, pinned_pow2, concurrent_engines)
     if job.update != "exact":
         p.update = job.update
@@ -238,6 +242,20 @@ def _update_buffers(shape: ModelShape, pm: PrecisionMode, job: Workload, host: d
     return (None if taken == len(units) else taken), params
 
 
+def _auto_row_groups(shape: ModelShape, pm: PrecisionMode, job: Workload, node: NodeSpec,
+                     gpu_budget_bytes: int | None, lora: Adapters | None, pinned_pow2: bool,
+                     concurrent_engines: int) -> Workload:
+    """engine.layer_chunk_tokens auto on CUDA: the job at the largest row group of LAYER_CHUNK_CHOICES whose
+    plan fits the GPU's memory (or budget); at the smallest when none does (the plan then says what else to
+    change)."""
+    choices = job.layer_chunk_choices()
+    for j in choices:
+        q = _plan(shape, pm, j, node, gpu_budget_bytes, lora, False, pinned_pow2, concurrent_engines)
+        if q.gpu_bytes <= q.gpu_limit_bytes:
+            return j
+    return choices[-1]
+
+
 def _concurrent(n: int, device: str, node: NodeSpec) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise BadInput(f"concurrent_engines must be an integer >= 1, got {n!r}")
@@ -263,11 +281,14 @@ def _plan(shape: ModelShape, pm: PrecisionMode, job: Workload, node: NodeSpec, g
     gpu_limit = node.gpu_mem_bytes if gpu_budget_bytes is None else min(gpu_budget_bytes, node.gpu_mem_bytes)
     host_ok = host_bytes <= node.usable_ram_bytes
     gpu_ok = not cuda or (node.gpus >= job.gpus and gpu_bytes <= gpu_limit)
+    chunk = job.layer_chunk_tokens
+    assert isinstance(chunk, int), "auto is decided before a plan (Workload.resolved, _auto_row_groups)"
     p = Plan(
         model=shape.name, params=shape.num_params, trainable_params=trainable, method=pm.method, mode=pm.name,
         compute_dtype=job.compute_dtype, device=job.device, seq_len=job.seq_len,
         micro_batch_size=job.micro_batch_size, grad_accum=job.grad_accum, checkpoint_every=job.checkpoint_every,
-        tokens_per_step=job.step_tokens, host_bytes=host_bytes, gpu_bytes=gpu_bytes, pinned_bytes=pinned,
+        tokens_per_step=job.step_tokens, layer_chunk_tokens=chunk, host_bytes=host_bytes,
+        gpu_bytes=gpu_bytes, pinned_bytes=pinned,
         host_limit_bytes=node.usable_ram_bytes, gpu_limit_bytes=gpu_limit if cuda else 0,
         fits=host_ok and gpu_ok, short_of=_short_of(cuda, node, job.gpus, host_ok, gpu_ok), reason="",
         breakdown={"host": host, "gpu": gpu},
@@ -534,7 +555,7 @@ def format_plan(p: Plan) -> str:
             + (f", base {p.lora['quantize']}" if p.lora and p.lora.get("quantize", "none") != "none" else "")
             + f", {p.compute_dtype} on {p.device}; seq {p.seq_len} x micro "
             f"{p.micro_batch_size} x accum {p.grad_accum} = {p.tokens_per_step} tokens/step; "
-            f"{recomputation(p.checkpoint_every)}",
+            f"{recomputation(p.checkpoint_every)}; row groups of at most {p.layer_chunk_tokens:,} tokens",
             f"node         {format_bytes(p.node.get('ram_bytes', 0))} RAM, "
             f"{p.node.get('gpus', 0)} GPU x {format_bytes(p.node.get('gpu_mem_bytes', 0))}", ""]
     for side, total, limit in (("host", p.host_bytes, p.host_limit_bytes), ("gpu", p.gpu_bytes, p.gpu_limit_bytes)):

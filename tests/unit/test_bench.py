@@ -339,7 +339,8 @@ def test_a_measured_row_is_planned_again_by_this_commits_planner_from_its_own_se
     row = next(r for r in runs if r["update"] == "delayed" and r["tokens_per_step"] == 16384)
     assert "--loss-chunk 2048" in row["command"] and row["planned_step_s"] == 2.57  # the planner of its commit
     want = plan("olmoe-1b-7b", seq_len=1024, micro_batch_size=16, grad_accum=1, checkpoint_every=1,
-                loss_chunk_tokens=2048, gpu_budget_bytes=12 * 2**30, update="delayed", suggest=False)
+                loss_chunk_tokens=2048, gpu_budget_bytes=12 * 2**30, update="delayed", suggest=False,
+                layer_chunk_tokens=8192)  # the bench's row groups then and now (the job spec's default: auto)
     got = replan(row)
     assert got["planned_step_s"] == round(want.step_time_s, 3) < 2.0 and got["planned_gpu_bytes"] == want.gpu_bytes
     assert replan({**row, "system": "in-gpu-baseline"}) is None and replan({**row, "device": "cpu"}) is None

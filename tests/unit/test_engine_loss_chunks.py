@@ -54,7 +54,7 @@ def test_a_loss_chunk_takes_at_most_twice_its_logits_whichever_kernels_run():
     allocated on the H200 (c62a50a and f56272a, exact, 65,536 tokens). Now: the logits (2 bytes), and the torch
     slices' temporaries within as many more."""
     job = dict(seq_len=1024, micro_batch_size=16, grad_accum=4, checkpoint_every=1, loss_chunk_tokens=2048,
-               gpu_budget_bytes=12 * GiB)
+               gpu_budget_bytes=12 * GiB, layer_chunk_tokens=8192)  # the row groups it ran with
     p = plan("gemma-3-4b", **job)
     gpu = p.breakdown["gpu"]
     V = load_model_shape("gemma-3-4b").vocab_size
@@ -77,5 +77,5 @@ def test_the_full_steps_gpu_plan_bounds_the_h200s_peak_within_30_percent(shape, 
     a GPU holds), and within 30 % above it with the CUDA context and the allocator's slack (the weight gradients
     accumulate inside the GEMMs on CUDA: no layer-sized gradient beside them)."""
     p = plan(shape, seq_len=1024, micro_batch_size=16, grad_accum=grad_accum, checkpoint_every=1,
-             loss_chunk_tokens=2048, gpu_budget_bytes=12 * GiB)
+             loss_chunk_tokens=2048, gpu_budget_bytes=12 * GiB, layer_chunk_tokens=8192)
     assert p.fits and allocated_gib * GiB < p.gpu_bytes < 1.3 * allocated_gib * GiB, p.gpu_bytes / GiB

@@ -335,6 +335,12 @@ def test_engine_config_from_spec_takes_every_field():
     # auto on the CPU: fused, whatever the row group
     big = _with(**{"training.seq_len": 1024, "training.micro_batch_size": 16, "engine.layer_chunk_tokens": 16384})
     assert EngineConfig.from_spec(JobSpec.from_dict(big), device="cpu").fuse_projections is True
+    # layer_chunk_tokens auto: the plan's choice where the runner has one (CUDA), else 8,192; a set value stays
+    auto = JobSpec.from_dict(_with(**{"training.seq_len": 1024, "training.micro_batch_size": 16}))
+    assert EngineConfig.from_spec(auto, device="cpu").layer_chunk_tokens == 8192
+    assert EngineConfig.from_spec(auto, device="cpu", layer_chunk_tokens=16384).layer_chunk_tokens == 16384
+    assert EngineConfig.from_spec(JobSpec.from_dict(big), device="cpu", layer_chunk_tokens=4096).layer_chunk_tokens \
+        == 16384
     for update in ("delayed", "speculative"):
         assert EngineConfig.from_spec(JobSpec.from_dict(_with(**{"training.update": update})), device="cpu").update \
             == update
@@ -348,7 +354,7 @@ def test_engine_config_from_spec_takes_every_field():
     ({"training.update": "lazy"}, "training.update is 'lazy'; use one of exact, delayed, speculative"),
     ({"training.kernels": "triton"}, "training.kernels is 'triton'; use one of auto, torch, liger"),
     ({"engine.offload_checkpoints": "yes"}, "engine.offload_checkpoints is 'yes'; use one of auto, true, false"),
-    ({"engine.layer_chunk_tokens": 0}, "engine.layer_chunk_tokens is 0; set it to 1 or more"),
+    ({"engine.layer_chunk_tokens": 0}, "engine.layer_chunk_tokens is 0; give an integer of 1 or more, or auto"),
 ])
 def test_the_new_settings_load_strictly(changes, must_name):
     with pytest.raises(ValueError) as err:

@@ -143,8 +143,10 @@ def test_planner_constants_match_the_engine():
     from horizon_ray.jobspec import PRECISIONS as SPEC_PRECISIONS
     from horizon_ray.jobspec import EngineSpec
     from horizon_ray.planner import memory
+    from horizon_ray.workload import DEFAULT_LAYER_CHUNK_TOKENS
 
-    assert EngineSpec().layer_chunk_tokens == EngineConfig().layer_chunk_tokens == LAYER_CHUNK_TOKENS
+    assert EngineSpec().layer_chunk_tokens == "auto"  # decided for the node: the planner on CUDA
+    assert EngineConfig().layer_chunk_tokens == LAYER_CHUNK_TOKENS == DEFAULT_LAYER_CHUNK_TOKENS
     assert memory.OPTIMIZER_SCRATCH_ELEMENTS == optimizer._CHUNK
     full = {n for n, m in MODES.items() if m.engine_supported and m.method == "full"}
     assert full == set(PRECISIONS) >= set(SPEC_PRECISIONS)
@@ -258,25 +260,53 @@ def test_a_gpu_shortfall_first_names_smaller_row_groups_and_loss_chunks_which_ke
     13.4 GiB): half the rows of each row group through a layer fit, with the same micro-batches and step."""
     job = dict(method="lora", mode="lora", seq_len=1024, micro_batch_size=16, grad_accum=4, checkpoint_every=1,
                loss_chunk_tokens=2048, gpu_budget_bytes=12 * GiB)
-    p = plan("mixtral-8x7b", **job)
+    p = plan("mixtral-8x7b", **job, layer_chunk_tokens=8192)
     assert not p.fits and p.host_bytes < H200_NODE.ram_bytes
     assert ("It fits with engine.layer_chunk_tokens=4096 (the same batches and step, 4 rows at a time through "
             "each layer instead of 8).") in p.reason
     q = plan("mixtral-8x7b", layer_chunk_tokens=4096, **job)
     assert q.fits and q.tokens_per_step == p.tokens_per_step
+    # engine.layer_chunk_tokens auto (the default) takes that row group itself
+    auto = plan("mixtral-8x7b", **job)
+    assert auto.fits and auto.layer_chunk_tokens == 4096 and auto.gpu_bytes == q.gpu_bytes
     assert q.breakdown["gpu"]["layer_workspace"] * 2 == pytest.approx(p.breakdown["gpu"]["layer_workspace"], rel=0.01)
     assert q.host_bytes == p.host_bytes
     # gemma-3-27b's 262,144-word vocabulary with 4,096-token loss chunks on a 10 GiB budget: their logits outgrow
     # a layer's workspace, so the fix halves both (loss chunks no smaller than 1,024 tokens: the LM head's GEMM
     # stays large)
-    big = {**job, "loss_chunk_tokens": 4096, "gpu_budget_bytes": 10 * GiB}
+    big = {**job, "loss_chunk_tokens": 4096, "gpu_budget_bytes": 10 * GiB, "layer_chunk_tokens": 8192}
     g = plan("gemma-3-27b", **big)
     assert not g.fits and ("It fits with engine.layer_chunk_tokens=4096 and engine.loss_chunk_tokens=2048 (the "
                            "same batches and step, 4 rows at a time through each layer instead of 8; logits of "
                            "2048 tokens at a time instead of 4096).") in g.reason
-    assert plan("gemma-3-27b", **{**big, "loss_chunk_tokens": 2048}, layer_chunk_tokens=4096).fits
+    assert plan("gemma-3-27b", **{**big, "loss_chunk_tokens": 2048, "layer_chunk_tokens": 4096}).fits
     assert not plan("gemma-3-27b", **{**big, "loss_chunk_tokens": 2048}).fits
-    assert not plan("gemma-3-27b", **big, layer_chunk_tokens=4096).fits
+    assert not plan("gemma-3-27b", **{**big, "layer_chunk_tokens": 4096}).fits
+    # auto decides the row groups, not the loss chunks the job set: 2,048-token groups beside 4,096-token chunks
+    assert plan("gemma-3-27b", **{**big, "layer_chunk_tokens": "auto"}).layer_chunk_tokens == 2048
+
+
+def test_layer_chunk_auto_takes_the_largest_row_group_the_gpu_holds():
+    """engine.layer_chunk_tokens auto (the default): on CUDA the largest of 16,384 ... 1,024 tokens whose plan fits
+    the GPU's memory or budget, 8,192 on the CPU; the plan says which. A micro-batch smaller than a choice is one
+    row group, so the choices a job has are its distinct row groups."""
+    from horizon_ray.workload import Workload
+
+    job = dict(seq_len=1024, micro_batch_size=16, grad_accum=4, checkpoint_every=1, loss_chunk_tokens=2048)
+    assert plan("qwen3-4b", **job).layer_chunk_tokens == 16384  # the H200's 141 GiB
+    assert plan("qwen3-4b", **job, device="cpu").layer_chunk_tokens == 8192
+    sizes = {c: plan("qwen2.5-7b", **job, layer_chunk_tokens=c).gpu_bytes for c in (16384, 8192, 4096)}
+    assert sizes[16384] > sizes[8192] > sizes[4096]
+    for budget, chosen in ((sizes[16384], 16384), (sizes[16384] - 1, 8192), (sizes[8192] - 1, 4096)):
+        p = plan("qwen2.5-7b", **job, gpu_budget_bytes=budget)
+        assert p.fits and p.layer_chunk_tokens == chosen and p.gpu_bytes == sizes[chosen]
+    # nothing fits: the smallest row group, and the plan names what else to change
+    tight = plan("qwen2.5-7b", **job, gpu_budget_bytes=2 * GiB)
+    assert not tight.fits and tight.layer_chunk_tokens == 1024 and "GPU memory needs" in tight.reason
+    assert "engine.layer_chunk_tokens=" not in tight.reason  # no row group left to try
+    small = Workload(seq_len=512, micro_batch_size=4)  # 2,048 tokens a micro-batch
+    assert [w.group_tokens for w in small.layer_chunk_choices()] == [2048, 1024]
+    assert "row groups of at most 16,384 tokens" in format_plan(plan("qwen3-4b", **job))
 
 
 def test_step_time_roofline():
@@ -372,12 +402,15 @@ def test_cli_plans_the_row_group_it_is_given(capsys):
 
     argv = ["plan", "--model", "mixtral-8x7b", "--method", "lora", "--micro-batch-size", "16", "--grad-accum", "4",
             "--loss-chunk-tokens", "2048", "--gpu-budget", "12GiB", "--json"]
-    assert main(argv) == 1
+    assert main([*argv, "--layer-chunk-tokens", "8192"]) == 1
     refused = json.loads(capsys.readouterr().out)
     assert "It fits with engine.layer_chunk_tokens=4096" in refused["reason"]
     assert main([*argv, "--layer-chunk-tokens", "4096"]) == 0
     fits = json.loads(capsys.readouterr().out)
     assert fits["fits"] and fits["gpu_bytes"] < refused["gpu_bytes"] <= fits["gpu_bytes"] + 2.5 * GiB
+    assert main(argv) == 0  # auto, the default: the largest row group that fits
+    auto = json.loads(capsys.readouterr().out)
+    assert auto["layer_chunk_tokens"] == 4096 and auto["gpu_bytes"] == fits["gpu_bytes"]
 
 
 def test_cli_table_and_exit_codes(capsys):
@@ -537,11 +570,11 @@ def test_gpu_fix_keeps_the_tokens_per_step():
     # micro-batches of 1 at accumulation 3); the fix keeps the 3 sequences a step (a micro-batch of 2 at
     # accumulation 2 would take 4)
     job = dict(mode="bf16-state", seq_len=4096, micro_batch_size=3, grad_accum=1, checkpoint_every=1,
-               gpu_budget_bytes=int(10.0 * GiB), node=NODE_512G)
+               gpu_budget_bytes=int(10.0 * GiB), node=NODE_512G, layer_chunk_tokens=8192)
     p = plan("qwen2.5-7b", **job)
     assert not p.fits
     assert "It fits with engine.layer_chunk_tokens=4096 (the same batches and step, 1 row at a time" in p.reason
-    q = plan("qwen2.5-7b", layer_chunk_tokens=4096, **job)
+    q = plan("qwen2.5-7b", **{**job, "layer_chunk_tokens": 4096})
     assert q.fits and q.tokens_per_step == p.tokens_per_step == 3 * 4096
 
 
