@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from horizon_ray.bench.metrics import LAYER_CHUNK_TOKENS, SYSTEMS, UPDATE_MODES, parse_updates
+from horizon_ray.bench.metrics import SYSTEMS, UPDATE_MODES, parse_updates
 from horizon_ray.bench.shapes import SHAPES
 
 
@@ -64,10 +64,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="compute dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
     job.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
     job.add_argument("--loss-chunk", type=int, default=1024, help="horizon-ray's tokens per loss chunk")
-    job.add_argument("--layer-chunk", type=int, default=LAYER_CHUNK_TOKENS,
+    job.add_argument("--layer-chunk", type=_layer_chunk, default="auto",
                      help="horizon-ray's tokens per row group: a micro-batch runs through a layer in row groups of "
                           "at most this many tokens (the job spec's layer_chunk_tokens: larger groups make larger "
-                          "GEMMs and take more GPU memory)")
+                          "GEMMs and take more GPU memory); auto, as a job: on a GPU the largest of 16384 ... 1024 "
+                          "whose plan fits --gpu-budget-gib at the largest --accum, 8192 on the CPU")
     job.add_argument("--projections", default="auto", choices=("auto", "fused", "split"),
                      help="horizon-ray's full fine-tuning: q, k, v and gate, up each one GEMM (fused) or every "
                           "projection its own GEMM (split), the job spec's engine.fuse_projections; auto: split on "
@@ -115,11 +116,16 @@ def canonical_argv(args) -> list[str]:
     return out
 
 
+
+def _layer_chunk(text: str) -> int | str:
+    """--layer-chunk: auto or a number of tokens."""
+    return text if text == "auto" else int(text)
+
 def run(args) -> int:
     # set before anything initialises CUDA in this process (the --system path runs torch here)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     for name in ("seq", "micro", "warmup", "steps", "checkpoint_every", "loss_chunk", "layer_chunk"):
-        if getattr(args, name) < (0 if name == "warmup" else 1):
+        if getattr(args, name) != "auto" and getattr(args, name) < (0 if name == "warmup" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}")
     parse_updates(args.update)
     if args.report or args.merge:

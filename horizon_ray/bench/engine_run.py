@@ -50,7 +50,7 @@ from horizon_ray.bench.runtime import (
 )
 from horizon_ray.bench.shapes import hf_config, model_flops_per_token, resolve_shape
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig, heap
-from horizon_ray.workload import fuse_projections_for
+from horizon_ray.workload import DEFAULT_LAYER_CHUNK_TOKENS, fuse_projections_for
 
 
 def run(args, emit: Callable[[dict], None]) -> list[dict]:
@@ -66,12 +66,13 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
     if planned_lora is not None:  # the base is frozen; only the adapters (exact fp32 AdamW) train
         lora = LoraConfig(r=planned_lora.r, alpha=lora_alpha(planned_lora.r), targets=planned_lora.targets,
                           quantize=planned_lora.quantize)
-    projections = resolved_projections(args, device)
+    layer_chunk = resolved_layer_chunk(args, shape, device, dtype, planned_lora, updates)
+    projections = resolved_projections(args, device, layer_chunk)
     eng = Engine.from_config(hf_config(shape), EngineConfig(
         lr=1e-5, weight_decay=0.01, max_grad_norm=args.max_grad_norm, checkpoint_every=args.checkpoint_every,
         device=device,
         compute_dtype=dtype, precision="exact" if lora else args.mode, loss_chunk_tokens=args.loss_chunk,
-        layer_chunk_tokens=args.layer_chunk, offload_checkpoints=OFFLOAD[args.offload], lora=lora, update=updates[0],
+        layer_chunk_tokens=layer_chunk, offload_checkpoints=OFFLOAD[args.offload], lora=lora, update=updates[0],
         fuse_projections=projections == "fused"))
     init_s = time.perf_counter() - t0
     cuda = eng.device.type == "cuda"
@@ -91,12 +92,12 @@ def run(args, emit: Callable[[dict], None]) -> list[dict]:
             rec.update(planned_bytes(shape, mode=args.mode, seq=args.seq, micro=args.micro, accum=accum,
                                      checkpoint_every=args.checkpoint_every, dtype=dtype, device=eng.device.type,
                                      gpu_budget_bytes=budget, loss_chunk=args.loss_chunk, offload=args.offload,
-                                     lora=planned_lora, update=update, layer_chunk=args.layer_chunk))
+                                     lora=planned_lora, update=update, layer_chunk=layer_chunk))
             largest = rss_plan(rec, largest)
             rec.update(init_s=round(init_s, 1), params=eng.num_params,
                        offload_resolved=eng.offload_checkpoints,  # where checkpoints lived: host or device
                        kernels=eng.template.ops.name,  # the layer template's kernels: torch or liger
-                       layer_chunk_tokens=args.layer_chunk,
+                       layer_chunk_tokens=layer_chunk,
                        projections=None if lora is not None else projections)  # LoRA: always split
             if lora is not None:
                 rec.update(lora_r=lora.r, lora_alpha=lora.alpha, lora_targets=list(lora.targets),
@@ -133,12 +134,28 @@ def _switch_and_measure(eng: Engine, rec: dict, batches, args, rss0: int) -> Non
         free_memory()
 
 
-def resolved_projections(args, device: str) -> str:
+def resolved_layer_chunk(args, shape, device: str, dtype: str, lora, updates: list[str]) -> int:
+    """--layer-chunk decided as the job spec's engine.layer_chunk_tokens is: a number stays; auto is the
+    planner's choice (on a GPU the largest row group whose plan fits the budget) for the largest accumulation the
+    run measures, which the one engine of every accumulation must hold."""
+    if args.layer_chunk != "auto":
+        return int(args.layer_chunk)
+    if not device.startswith("cuda"):
+        return DEFAULT_LAYER_CHUNK_TOKENS
+    budget = int(args.gpu_budget_gib * 2**30) if args.gpu_budget_gib else None
+    planned = planned_bytes(shape, mode=args.mode, seq=args.seq, micro=args.micro, accum=max(accumulations(args.accum)),
+                            checkpoint_every=args.checkpoint_every, dtype=dtype, device=device,
+                            gpu_budget_bytes=budget, loss_chunk=args.loss_chunk, offload=args.offload, lora=lora,
+                            update=updates[-1], layer_chunk="auto")
+    return planned.get("planned_layer_chunk_tokens") or DEFAULT_LAYER_CHUNK_TOKENS
+
+
+def resolved_projections(args, device: str, layer_chunk: int) -> str:
     """--projections decided as the job spec's engine.fuse_projections is (workload.fuse_projections_for):
     "fused" or "split"."""
     if args.projections != "auto":
         return args.projections
-    group = min(args.micro, max(1, args.layer_chunk // args.seq)) * args.seq
+    group = min(args.micro, max(1, layer_chunk // args.seq)) * args.seq
     fused = fuse_projections_for("auto", cuda=device.startswith("cuda"), group_tokens=group)
     return "fused" if fused else "split"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
+from horizon_ray.bench.metrics import LAYER_CHUNK_TOKENS
 from horizon_ray.engine.model import family_projections
 from horizon_ray.planner import Adapters, NodeSpec, max_model, plan
 
@@ -32,7 +33,7 @@ def lora_alpha(rank: int) -> float:
 
 def planned_bytes(shape, *, mode: str, seq: int, micro: int, accum: int, checkpoint_every: int, dtype: str,
                   device: str, gpu_budget_bytes: int | None, loss_chunk: int, offload: str,
-                  lora: Adapters | None = None, update: str = "exact", layer_chunk: int | None = None) -> dict:
+                  lora: Adapters | None = None, update: str = "exact", layer_chunk: int | str | None = None) -> dict:
     """``planned_host_bytes``, ``planned_gpu_bytes`` and the planner's verdict for these engine settings
     (``lora``: the adapters of a mode-lora run; absent, the planner's defaults). The plan reads the job spec's
     defaults (PyYAML); without it, or when the planner refuses the settings, the run still counts, unplanned,
@@ -48,6 +49,7 @@ def planned_bytes(shape, *, mode: str, seq: int, micro: int, accum: int, checkpo
             "bound": bound_arithmetic(p.timing),
             "planned_update_buffers_bytes": p.breakdown["host"].get("update_buffers", 0),
             "planned_gpu_items": dict(p.breakdown["gpu"]),  # the plan's GPU bytes item by item (planner.memory)
+            "planned_layer_chunk_tokens": p.layer_chunk_tokens,  # the row groups planned (auto decided)
             "plan_host_fits": p.host_bytes <= p.host_limit_bytes,
             "plan_reason": p.reason}
 
@@ -75,7 +77,9 @@ def replan(record: dict) -> dict | None:
                          device="cuda", gpu_budget_bytes=record.get("gpu_budget_bytes"), loss_chunk=args.loss_chunk,
                          offload=record.get("offload_checkpoints") or "auto", lora=lora,
                          update=record.get("update") or "exact",
-                         layer_chunk=record.get("layer_chunk_tokens") or args.layer_chunk)
+                         # rows before --layer-chunk auto ran the bench's 8,192 unless their command set it
+                         layer_chunk=record.get("layer_chunk_tokens") or (
+                             LAYER_CHUNK_TOKENS if args.layer_chunk == "auto" else args.layer_chunk))
 
 
 def bound_arithmetic(t: dict) -> dict:

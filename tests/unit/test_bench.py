@@ -554,21 +554,38 @@ def test_a_rows_planned_bound_is_written_as_its_arithmetic():
     assert _bound(rec, None).startswith("Bound by the optimizer kernel holding the GIL: ")
 
 
-def test_the_bench_decides_projections_auto_as_the_job_spec_does():
-    from horizon_ray.bench.engine_run import resolved_projections
+def test_the_bench_decides_projections_and_row_groups_auto_as_a_job_does():
+    """--projections auto and --layer-chunk auto (the defaults) decide as the job spec's engine.fuse_projections
+    and engine.layer_chunk_tokens do: the row groups the planner fits in --gpu-budget-gib at the largest --accum
+    (the run's one engine serves them all), 8,192 on the CPU; split GEMMs from 16,384-token row groups on a GPU."""
+    from horizon_ray.bench.engine_run import resolved_layer_chunk, resolved_projections
+    from horizon_ray.bench.planning import lora_settings, planned_bytes
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--micro", "16", "--seq", "1024"])
-    assert args.projections == "auto"
-    assert resolved_projections(args, "cuda:0") == "fused"  # 8,192-token row groups
-    args.layer_chunk = 16384
-    assert resolved_projections(args, "cuda:0") == "split"
-    assert resolved_projections(args, "cpu") == "fused"
+    args = parser.parse_args(["--micro", "16", "--seq", "1024", "--loss-chunk", "2048", "--accum", "1,4"])
+    assert (args.projections, args.layer_chunk) == ("auto", "auto")
+    assert resolved_projections(args, "cuda:0", 8192) == "fused"
+    assert resolved_projections(args, "cuda:0", 16384) == "split"
+    assert resolved_projections(args, "cpu", 16384) == "fused"
     args.micro = 4  # a micro-batch of 4,096 tokens: its row group is no larger
-    assert resolved_projections(args, "cuda:0") == "fused"
+    assert resolved_projections(args, "cuda:0", 16384) == "fused"
+    args.micro = 16
+    shape = resolve_shape("qwen2.5-7b")
+
+    def chunk(budget_gib, device="cuda:0"):
+        args.gpu_budget_gib = budget_gib
+        return resolved_layer_chunk(args, shape, device, "bfloat16", lora_settings(args, "exact", shape), ["exact"])
+
+    need = {c: planned_bytes(shape, mode="exact", seq=1024, micro=16, accum=4, checkpoint_every=1, dtype="bfloat16",
+                             device="cuda", gpu_budget_bytes=None, loss_chunk=2048, offload="auto",
+                             layer_chunk=c)["planned_gpu_bytes"] / 2**30 for c in (16384, 8192)}
+    assert (chunk(need[16384] + 0.01), chunk(need[16384] - 0.01), chunk(need[8192] - 0.01)) == (16384, 8192, 4096)
+    assert chunk(need[16384] + 0.01, device="cpu") == 8192
+    args.layer_chunk = 16384
+    assert chunk(1) == 16384  # a number stays
     args.projections = "split"
-    assert resolved_projections(args, "cpu") == "split"
+    assert resolved_projections(args, "cpu", 8192) == "split"
 
 
 def test_host_rss_is_compared_with_the_largest_plan_the_process_ran():
