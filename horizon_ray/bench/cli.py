@@ -8,6 +8,7 @@ import sys
 
 from horizon_ray.bench.metrics import SYSTEMS, UPDATE_MODES, parse_updates
 from horizon_ray.bench.shapes import SHAPES
+from horizon_ray.commands.plan import layer_chunk_arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="compute dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
     job.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
     job.add_argument("--loss-chunk", type=int, default=1024, help="horizon-ray's tokens per loss chunk")
-    job.add_argument("--layer-chunk", type=_layer_chunk, default="auto",
+    job.add_argument("--layer-chunk", type=layer_chunk_arg, default="auto",
                      help="horizon-ray's tokens per row group: a micro-batch runs through a layer in row groups of "
                           "at most this many tokens (the job spec's layer_chunk_tokens: larger groups make larger "
                           "GEMMs and take more GPU memory); auto, as a job: on a GPU the largest of 16384 ... 1024 "
@@ -115,11 +116,6 @@ def canonical_argv(args) -> list[str]:
             out += [flag, format(value, "g") if isinstance(value, float) else str(value)]
     return out
 
-
-
-def _layer_chunk(text: str) -> int | str:
-    """--layer-chunk: auto or a number of tokens."""
-    return text if text == "auto" else int(text)
 
 def run(args) -> int:
     # set before anything initialises CUDA in this process (the --system path runs torch here)

@@ -50,7 +50,7 @@ from horizon_ray.bench.runtime import (
 )
 from horizon_ray.bench.shapes import hf_config, model_flops_per_token, resolve_shape
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig, heap
-from horizon_ray.workload import DEFAULT_LAYER_CHUNK_TOKENS, fuse_projections_for
+from horizon_ray.workload import DEFAULT_LAYER_CHUNK_TOKENS, Workload, fuse_projections_for
 
 
 def run(args, emit: Callable[[dict], None]) -> list[dict]:
@@ -155,7 +155,7 @@ def resolved_projections(args, device: str, layer_chunk: int) -> str:
     "fused" or "split"."""
     if args.projections != "auto":
         return args.projections
-    group = min(args.micro, max(1, layer_chunk // args.seq)) * args.seq
+    group = Workload(seq_len=args.seq, micro_batch_size=args.micro, layer_chunk_tokens=layer_chunk).group_tokens
     fused = fuse_projections_for("auto", cuda=device.startswith("cuda"), group_tokens=group)
     return "fused" if fused else "split"
 

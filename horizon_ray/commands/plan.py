@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--grad-accum", type=int)
     job.add_argument("--checkpoint-every", type=int, metavar="K", help="keep one layer input every K layers")
     job.add_argument("--loss-chunk-tokens", type=int)
-    job.add_argument("--layer-chunk-tokens", type=_layer_chunk,
+    job.add_argument("--layer-chunk-tokens", type=layer_chunk_arg,
                      help="the job spec's engine.layer_chunk_tokens: a micro-batch runs through each layer in row "
                           "groups of at most this many tokens; auto (the default): on cuda the largest of 16384, "
                           "8192, 4096, 2048 and 1024 that fits the GPU, 8192 on the cpu")
@@ -134,8 +134,9 @@ def _this_machine():
                     ceilings=probe.ceilings(), name="this machine")
 
 
-def _layer_chunk(text: str) -> int | str:
-    """--layer-chunk-tokens: auto or a whole number of tokens, 1 or more."""
+def layer_chunk_arg(text: str) -> int | str:
+    """A row-group flag (this command's --layer-chunk-tokens, the bench's --layer-chunk): auto or a whole number
+    of tokens, 1 or more."""
     if text == "auto":
         return text
     try:
