@@ -187,12 +187,17 @@ def profile_step(step: Callable[[], object]) -> dict:
 
 def memory_at_peak(step: Callable[[], object], device: torch.device) -> dict:
     """One more step with the caching allocator's history recorded (Python stacks): what held the GPU memory
-    at the step's peak, by the code that allocated it (``metrics.peak_holders``), beside the step's
-    ``max_memory_allocated``; or ``gpu_peak_holders_error`` (a bonus: it never fails the run)."""
+    at the step's peak, by the code that allocated it (``metrics.peak_holders``); or ``gpu_peak_holders_error``
+    (a bonus: it never fails the run).
+
+    The history records each block at the size asked for, while ``max_memory_allocated`` counts the blocks the
+    allocator handed out (rounded to 512 bytes, and a large block's unsplit tail of up to 1 MiB), so the replay
+    starts from, and is checked against, the allocator's requested bytes (``gpu_peak_requested_bytes``, its
+    peak); ``gpu_peak_step_bytes`` is the step's ``max_memory_allocated`` beside it."""
     try:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
+        before = torch.cuda.memory_stats(device)["requested_bytes.all.current"]
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python", device=device)
         try:
             step()
@@ -202,6 +207,7 @@ def memory_at_peak(step: Callable[[], object], device: torch.device) -> dict:
             torch.cuda.memory._record_memory_history(enabled=None, device=device)
         index = device.index if device.index is not None else torch.cuda.current_device()
         out = peak_holders(snap["device_traces"][index], before)
+        out["gpu_peak_requested_bytes"] = torch.cuda.memory_stats(device)["requested_bytes.all.peak"]
         out["gpu_peak_step_bytes"] = torch.cuda.max_memory_allocated(device)
         return out
     except Exception as exc:

@@ -130,8 +130,9 @@ def test_peak_gpu_memory_flat_when_layers_double():
 
 def test_a_steps_peak_is_named_by_the_code_that_holds_it():
     """The bench's memory_at_peak on a CUDA step: the allocator's history replayed to the peak accounts for
-    every byte of the step's max_memory_allocated, the engine's buffers as one holder and the rest by the engine
-    code that allocated it (a layer's saved activations among them)."""
+    every byte the step asked for at its peak (the allocator's requested bytes, which the history records;
+    max_memory_allocated adds the blocks' rounding), the engine's buffers as one holder and the rest by the
+    engine code that allocated it (a layer's saved activations among them)."""
     from horizon_ray.bench.runtime import memory_at_peak
 
     cfg = llama_config(4, hidden=1024, inter=2816, vocab=8192, heads=16, kv=4)
@@ -143,7 +144,8 @@ def test_a_steps_peak_is_named_by_the_code_that_holds_it():
     eng.close()
     assert "gpu_peak_holders_error" not in out, out
     holders = dict((site, b) for site, b, _ in out["gpu_peak_holders"])
-    assert out["gpu_peak_traced_bytes"] == out["gpu_peak_step_bytes"]
+    assert out["gpu_peak_traced_bytes"] == out["gpu_peak_requested_bytes"]
+    assert 0 <= out["gpu_peak_step_bytes"] - out["gpu_peak_requested_bytes"] < 0.02 * out["gpu_peak_step_bytes"]
     assert sum(holders.values()) == out["gpu_peak_traced_bytes"]
     assert holders["before the step (engine buffers)"] >= engine_buffers
     assert any("layers.py" in site for site in holders), holders
