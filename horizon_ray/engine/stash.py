@@ -37,14 +37,14 @@ class OffloadStash(KeptStash):
         self.compute = torch.cuda.current_stream(device)
         self.h2d, self.d2h = h2d, d2h
         self._returning: dict = {}  # checkpoint key -> (device tensors, event: their H2D copy landed)
-        self._in_flight: list = []  # events: a checkpoint's copy to the host finished, oldest first
+        # checkpoints on their way to the host, oldest first: (event: the copy finished, the device tensors it reads)
+        self._in_flight: list = []
         self._sent: dict = {}  # checkpoint key -> event: its copy to the host finished (read by its return)
 
     def stash(self, key, tensors: list[torch.Tensor]) -> None:
         if len(self._in_flight) >= 2:
-            # at most two checkpoints in flight to the host: the activations they hold are freed only once
-            # their copy has read them, so an unbounded lead would grow device memory with L
-            self.compute.wait_event(self._in_flight.pop(0))
+            # at most two checkpoints in flight to the host, so device memory does not grow with L
+            self._free_oldest()
         ready = torch.cuda.Event()
         ready.record(self.compute)
         host = []
@@ -54,26 +54,41 @@ class OffloadStash(KeptStash):
             for i, t in enumerate(tensors):
                 buf = self.buffers.get((key, i), t.shape, t.dtype)
                 buf.copy_(t, non_blocking=True)
-                # the allocator must not hand t's memory to new work before this copy has read it
-                t.record_stream(self.d2h)
                 host.append(buf)
             sent = torch.cuda.Event()
             sent.record(self.d2h)
-        self._in_flight.append(sent)
+        # the stash holds the tensors until compute has waited for their copy (_free_oldest), rather than marking
+        # them used by the copy stream (record_stream): a block so marked returns to the allocator only once the
+        # GPU has passed the host's free of it, and the host runs up to a launch queue ahead of the GPU, so every
+        # layer of that lead would hold its activations (3.5 GiB at qwen3-4b's 16,384-token row groups on the H200)
+        self._in_flight.append((sent, list(tensors)))
         self._sent[key] = sent
         self._kept[key] = host
+
+    def _free_oldest(self) -> None:
+        """The oldest checkpoint in flight: compute waits for its copy to the host, after which the allocator
+        may hand its device memory to any compute work queued later (stream order keeps it safe)."""
+        sent, tensors = self._in_flight.pop(0)
+        self.compute.wait_event(sent)
+        del tensors  # freed after the wait is queued
 
     def prefetch(self, key) -> None:
         """Start bringing an offloaded checkpoint back to the device."""
         if key in self._returning:
             return
         host = self._kept[key]
+        # allocated on the compute stream, which frees them in its own order once done with them (allocated on the
+        # copy stream they would need record_stream, and so wait for the GPU to pass the host's free, see stash);
+        # the copy starts once compute has reached this point of its queue, where the memory is no longer read
+        with torch.cuda.stream(self.compute):
+            dev = [torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in host]
+            free = torch.cuda.Event()
+            free.record(self.compute)
         with torch.cuda.stream(self.h2d):
             # read-after-write across the copy streams: the pinned buffers hold this checkpoint only once its
             # copy to the host has finished (the top blocks' come back while theirs may be queued)
             self.h2d.wait_event(self._sent.pop(key))
-            # allocated on the copy stream, released to the allocator only after compute has used it
-            dev = [torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in host]
+            self.h2d.wait_event(free)
             for d, h in zip(dev, host):
                 d.copy_(h, non_blocking=True)
             ev = torch.cuda.Event()
@@ -86,12 +101,15 @@ class OffloadStash(KeptStash):
         del self._kept[key]
         # read-after-write: the checkpoint must have landed before the recompute reads it
         self.compute.wait_event(ev)
-        for d in dev:
-            d.record_stream(self.compute)
+        # the backward's first return comes after every copy to the host (the copy stream runs in order), so
+        # the forward's last checkpoints in flight are freed at no wait
+        while self._in_flight:
+            self._free_oldest()
         return dev
 
     def reset(self) -> None:
         super().reset()
         self._returning.clear()
-        self._in_flight.clear()
+        while self._in_flight:
+            self._free_oldest()
         self._sent.clear()
