@@ -44,6 +44,7 @@ from horizon_ray.bench.runtime import (
     device_and_dtype,
     device_name,
     free_memory,
+    gpu_peaks,
     memory_at_peak,
     profile_gemms,
     profile_step,
@@ -259,8 +260,7 @@ def _measure(eng: Engine, rec: dict, batches, args, rss0: int) -> None:
         # step that clipped)
         speculated_units=eng.stats().speculated_units if rec["update"] == "speculative" else None,
         warmup_steps=w,  # untimed steps run (engine_run.warmup_steps, and more while settling)
-        peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else 0,
-        peak_gpu_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else 0,
+        **gpu_peaks(eng.device),
         host_rss_bytes=host_rss(), host_rss_growth_bytes=host_rss() - rss0, host_peak_rss_bytes=host_peak_rss(),
         host_heap_free_bytes=heap.free_bytes(),  # malloc's free lists, resident or not (None: not glibc)
         **host_rss_parts(),

@@ -367,7 +367,7 @@ def base_record(system: str, shape, *, mode: str, dtype: str, device: str, devic
         exposed_optimizer_s=None,  # seconds a step blocks on the optimizer (median of the timed steps)
         optimizer_update_s=None,  # seconds of the optimizer's own work per step, overlapped or not
         gpu_compute_s=None, exposed_copy_s=None, gpu_idle_s=None, profiled_step_s=None,  # split_from_trace
-        peak_gpu_reserved_bytes=None, host_peak_rss_bytes=None,
+        peak_gpu_active_bytes=None, peak_gpu_reserved_bytes=None, host_peak_rss_bytes=None,
         init_s=None,  # seconds to build the model (random init, pinning, sharding)
         rollbacks=None,  # horizon-ray, speculative update: rollbacks during the timed steps
         speculated_units=None,  # horizon-ray, speculative update: units its last timed step updated in the backward

@@ -52,9 +52,13 @@ def sync(device: torch.device) -> None:
 
 
 def gpu_peaks(device: torch.device) -> dict:
+    """The run's peak GPU memory: allocated (``max_memory_allocated``, which stops counting a block when its
+    tensor is freed), active (which counts it until the allocator may hand it out again: a block used by another
+    stream, record_stream, waits for the GPU to pass the free) and reserved."""
     if device.type != "cuda":
-        return {"peak_gpu_bytes": 0, "peak_gpu_reserved_bytes": 0}
+        return {"peak_gpu_bytes": 0, "peak_gpu_active_bytes": 0, "peak_gpu_reserved_bytes": 0}
     return {"peak_gpu_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_gpu_active_bytes": torch.cuda.memory_stats(device)["active_bytes.all.peak"],
             "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved(device)}
 
 
@@ -190,12 +194,15 @@ def memory_at_peak(step: Callable[[], object], device: torch.device) -> dict:
     at the step's peak, by the code that allocated it (``metrics.peak_holders``); or ``gpu_peak_holders_error``
     (a bonus: it never fails the run).
 
-    The history records each block at the size asked for, while ``max_memory_allocated`` counts the blocks the
-    allocator handed out (rounded to 512 bytes, and a large block's unsplit tail of up to 1 MiB), so the replay
-    starts from, and is checked against, the allocator's requested bytes (``gpu_peak_requested_bytes``, its
-    peak); ``gpu_peak_step_bytes`` is the step's ``max_memory_allocated`` beside it."""
+    The history records each block at the size asked for, and its free when the allocator may reuse the block
+    (for a block another stream used, once the GPU has passed the free), as the allocator's requested bytes
+    count it; ``max_memory_allocated`` counts the blocks handed out (rounded to 512 bytes, and a large block's
+    unsplit tail of up to 1 MiB) until their tensors are freed. So the replay starts from, and is checked
+    against, the requested bytes (``gpu_peak_requested_bytes``, their peak); ``gpu_peak_step_bytes`` is the
+    step's ``max_memory_allocated`` beside it, and can be below them."""
     try:
         torch.cuda.synchronize(device)
+        torch.empty(1, device=device)  # an allocation settles the frees the GPU has passed
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_stats(device)["requested_bytes.all.current"]
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python", device=device)
@@ -207,7 +214,9 @@ def memory_at_peak(step: Callable[[], object], device: torch.device) -> dict:
             torch.cuda.memory._record_memory_history(enabled=None, device=device)
         index = device.index if device.index is not None else torch.cuda.current_device()
         out = peak_holders(snap["device_traces"][index], before)
-        out["gpu_peak_requested_bytes"] = torch.cuda.memory_stats(device)["requested_bytes.all.peak"]
+        stats = torch.cuda.memory_stats(device)
+        out["gpu_peak_requested_bytes"] = stats["requested_bytes.all.peak"]
+        out["gpu_peak_active_bytes"] = stats["active_bytes.all.peak"]
         out["gpu_peak_step_bytes"] = torch.cuda.max_memory_allocated(device)
         return out
     except Exception as exc:
