@@ -578,6 +578,7 @@ class Kernels:
                 (g,) = torch.autograd.grad(loss, [leaf])
             z.copy_(g)
             total += loss.detach()
+            del g, loss, leaf  # freed before the next slice's temporaries are made
         return total if grad else total * scale
 
 

@@ -703,6 +703,7 @@ class Template:
             torch.mm(logits, lm_w, out=d_hn[lo:hi])
             if "lm_head" in sinks:
                 accumulate_mm(sinks["lm_head"], logits.t(), hn_d[lo:hi])
+            del logits  # else a chunk's logits live on while the next chunk's are made: two chunks at the peak
         wanted = [t for t in (h_leaf, norm_leaf) if t.requires_grad]
         grads = dict(zip([id(t) for t in wanted], torch.autograd.grad(hn, wanted, d_hn)))
         if norm_leaf.requires_grad:
