@@ -423,7 +423,9 @@ def _planner_check(ordered: list[tuple[tuple, tuple[int, dict]]]) -> list[str]:
            "(`horizon_ray.bench.planning.replan`: the row's settings), beside what the row measured and what the "
            "plan of its own commit said. **step now / measured**: above 1 the plan is slower than the engine ran, "
            "below 1 the engine ran slower than the plan allows. **GPU**: the plan's GPU bytes (CUDA context and "
-           "allocator slack included) against torch's max_memory_allocated of the row; **fits**: whether the plan "
+           "allocator slack included) against the row's peak GPU memory held (`gpu_held`: torch's "
+           "max_memory_allocated, or its active bytes where the row recorded them, which count a freed block "
+           "until the allocator may reuse it); **fits**: whether the plan "
            "takes the row's GPU budget and host.", "",
            "| row | shape | mode | update | tokens/step | step s | planned then | planned now | now / measured "
            "| bound now | peak GPU GiB | planned GPU GiB | planned / peak | fits |",
@@ -437,7 +439,7 @@ def _planner_check(ordered: list[tuple[tuple, tuple[int, dict]]]) -> list[str]:
             out.append(f"| #{i} | {shape} | {mode} | {update} | {tokens:,} | {_num(r.get('step_s'), '.3f')} "
                        f"| {_num(r.get('planned_step_s'), '.3f')} | — | — | — | — | — | — | — |")
             continue
-        peak, gpu = r.get("peak_gpu_bytes"), now["planned_gpu_bytes"]
+        peak, gpu = gpu_held(r), now["planned_gpu_bytes"]
         fits = now.get("plan_fits")
         out.append("| " + " | ".join([
             f"#{i}", shape, mode, update, f"{tokens:,}", _num(r.get("step_s"), ".3f"),
@@ -508,6 +510,13 @@ def _commands(items) -> list[str]:
         for commit, command in sorted(per_file[name]):
             out.append(f"- `results/{name}` (commit `{commit}`): `{command}`")
     return out
+
+
+def gpu_held(r: dict) -> int | None:
+    """The GPU memory a row held at its peak: the allocator's active bytes where the row recorded them (a block
+    another stream used stays held after its tensor's free until the GPU has passed it), else
+    ``max_memory_allocated``, which rows from before 2026-12-05 recorded alone."""
+    return max(r.get("peak_gpu_bytes") or 0, r.get("peak_gpu_active_bytes") or 0) or None
 
 
 def write_report(results_dir: str | Path, md_path: str | Path) -> Path:

@@ -351,6 +351,17 @@ def test_a_measured_row_is_planned_again_by_this_commits_planner_from_its_own_se
                      rf"{got['planned_step_s']:.3f} \|", section)
 
 
+def test_the_planner_check_holds_a_plan_against_the_memory_a_row_held():
+    """A row's peak GPU memory, for the planner check, counts what the allocator held as active (a block freed
+    while another stream's use of it was pending), where the row recorded it: max_memory_allocated alone
+    understated the profiled qwen3-4b step by 447 MiB."""
+    from horizon_ray.bench.report import gpu_held
+
+    assert gpu_held({"peak_gpu_bytes": 6938, "peak_gpu_active_bytes": 7385}) == 7385
+    assert gpu_held({"peak_gpu_bytes": 6938}) == 6938  # rows from before the active bytes were recorded
+    assert gpu_held({"peak_gpu_bytes": 0, "peak_gpu_active_bytes": 0}) is None  # a CPU row
+
+
 def test_the_h200_7b_record():
     runs = json.loads((RESULTS / "2026-11-29-h200-qwen2.5-7b-run8.json").read_text())
     hr = {r["accum"]: r for r in runs if r["system"] == "horizon-ray"}
