@@ -55,6 +55,11 @@ the GEMM; without them the plan is 1.13-1.66x the peak allocated (was 1.15-2.62x
 qwen2.5-7b or gemma-3-4b at 12 GiB (which peaked at 8.1-9.7 and 8.0 GiB). What remains above the peak is
 the saved activations' coefficients (LAYER_*, unchanged: a model of the torch ops, which keep more than Liger's)
 and of the mixture-of-experts' routed copies (1.2-1.5x on olmoe-1b-7b and qwen3-30b-a3b).
+Profiled on 2026-12-05 (the allocator's history replayed to the step's peak, benchmarks/README.md): the peaks of
+qwen3-4b and qwen2.5-7b held 3.5 GiB of layer outputs that the engine had freed while the GPU lagged the host
+(their blocks marked used by the copy stream) and two loss chunks' logits where one was needed; both are fixed
+in the engine, so those peaks fall further below the plan (1.33x and 1.20x of the replay before the fixes, 1.57x
+on qwen3-30b-a3b's nf4 LoRA). The coefficients stay until a profile after the fixes gives the step's true peak.
 """
 
 from __future__ import annotations
