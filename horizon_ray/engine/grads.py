@@ -97,6 +97,9 @@ class DeviceGrads(HostGrads):
         super().__init__(store, units, grads, device, ranks)
         self.compute = torch.cuda.current_stream(device)
         self.d2h = d2h
+        # several ranks: the reduce-scattered shard a D2H copy reads, by the buffer it came from, held until
+        # compute has waited for that copy (freed at once, compute could reuse its memory before the copy read it)
+        self._shards: dict = {}
         self._acc: dict = {}
         self._stage = None
         # the partial norm after each trained unit, copied to the host behind its gradient
@@ -140,6 +143,7 @@ class DeviceGrads(HostGrads):
         if free is not None:
             # the buffer's previous gradient must have left for the host before it is overwritten
             self.compute.wait_event(free)
+            self._shards.pop(id(buf), None)
         return buf[:self.ranks.padded(self.store.units[u].layout.numel)].zero_()
 
     def flush(self, u: int, acc: torch.Tensor, k: int) -> None:
@@ -152,7 +156,10 @@ class DeviceGrads(HostGrads):
             acc = acc[:unit.layout.numel]
         self.norm_sq += torch.linalg.vector_norm(acc).square()
         if self._stage is None:
-            self._acc_free[id(self._acc[self._acc_key(u)])] = self._d2h(host, acc)
+            buf = self._acc[self._acc_key(u)]
+            self._acc_free[id(buf)] = self._d2h(host, acc)
+            if self.ranks.many:
+                self._shards[id(buf)] = acc
         else:
             # narrowed piece by piece through the two layer-sized staging buffers, so that the vocab-sized
             # units need no cast buffer of their own; the casts run on the compute stream, so the
@@ -176,6 +183,7 @@ class DeviceGrads(HostGrads):
         if self._adapter_free[i] is not None:
             # the pool buffer's previous gradient must have left for the host before it is overwritten
             self.compute.wait_event(self._adapter_free[i])
+            self._shards.pop(("adapter", i), None)
         self._adapter_held[a] = i
         adapter = self.store.adapters[a]
         return adapter.layout.views(self._adapter_pool[i][:self.ranks.padded(adapter.layout.numel)].zero_())
@@ -192,6 +200,8 @@ class DeviceGrads(HostGrads):
             grad = grad[:n]
         self.norm_sq += torch.linalg.vector_norm(grad).square()
         self._adapter_free[i] = self._d2h(host, grad)
+        if self.ranks.many:
+            self._shards[("adapter", i)] = grad
         self._mark(a)
 
     def _mark(self, t: int) -> None:
@@ -213,11 +223,13 @@ class DeviceGrads(HostGrads):
     def finish(self) -> float:
         norm = float(self.ranks.all_reduce(self.norm_sq).sqrt())
         self.d2h.synchronize()
+        self._shards.clear()
         self.norm_sq.zero_()
         return norm
 
     def reset(self) -> None:
         torch.cuda.synchronize(self.norm_sq.device)
+        self._shards.clear()
         self.norm_sq.zero_()
 
     def device_bytes(self) -> dict[str, int]:

@@ -76,6 +76,11 @@ class OffloadStash(KeptStash):
         """Start bringing an offloaded checkpoint back to the device."""
         if key in self._returning:
             return
+        # the first return comes right after the forward: all but the newest checkpoint in flight go now (the wait
+        # the next stash would have queued, long passed), so the loss holds two checkpoints, as planned, not three,
+        # and the returning one may take the freed memory
+        while len(self._in_flight) > 1:
+            self._free_oldest()
         host = self._kept[key]
         # allocated on the compute stream, which frees them in its own order once done with them (allocated on the
         # copy stream they would need record_stream, and so wait for the GPU to pass the host's free, see stash);
@@ -109,6 +114,10 @@ class OffloadStash(KeptStash):
 
     def reset(self) -> None:
         super().reset()
+        # no returning block goes back to the allocator while its copy may still write it (the engine synchronizes
+        # before it resets; this does not rely on that)
+        for _, ev in self._returning.values():
+            self.compute.wait_event(ev)
         self._returning.clear()
         while self._in_flight:
             self._free_oldest()
