@@ -426,3 +426,22 @@ def peft_trainable(model) -> dict:
     wrapper, dropped)."""
     return {n.replace(".modules_to_save.default", "").replace(".default", ""): p
             for n, p in model.named_parameters() if p.requires_grad}
+
+
+def run_ranks(target, world: int, *args) -> list:
+    """Run ``target(rank, rendezvous, *args, results)`` in ``world`` spawned processes (a file rendezvous: no port
+    to find free and release, which another process may take in between) and return what each put on
+    ``results``, sorted; every process must exit cleanly."""
+    import tempfile
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+        procs = [ctx.Process(target=target, args=(r, f"{tmp}/rendezvous", *args, results)) for r in range(world)]
+        for p in procs:
+            p.start()
+        out = sorted(results.get(timeout=300) for _ in procs)
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+    return out

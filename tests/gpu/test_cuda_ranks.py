@@ -2,15 +2,13 @@
 their micro-batches: the CPU's gloo test (tests/unit/test_engine_ranks.py) on the path it cannot take, where each
 rank reduce-scatters a unit's gradient on its GPU and a copy stream sends the shard to the host. Needs two GPUs."""
 
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig, ModelConfig
 from horizon_ray.engine.ranks import Ranks
-from tests.tiny import llama_config, random_batches
+from tests.tiny import llama_config, random_batches, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -61,18 +59,7 @@ def test_two_gpu_ranks_match_one_process_with_all_their_micro_batches(kw):
     want = [(ref.train_step(mbs), ref.last_grad_norm) for mbs in batches]
     ref.synchronize()
     _, store = Engine.shared_store(config, cfg, world=WORLD)
-    ctx = torch.multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, f"{tmp}/rendezvous", config, cfg, store, batches, results))
-                 for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        got = sorted(results.get(timeout=300) for _ in procs)
-        for p in procs:
-            p.join(60)
-            assert p.exitcode == 0
-    for rank, out in got:
+    for rank, out in run_ranks(_rank, WORLD, config, cfg, store, batches):
         for (lg, ng), (lw, nw) in zip(out, want):
             assert lg == pytest.approx(lw, rel=1e-4) and ng == pytest.approx(nw, rel=1e-4), rank
     # the shared store holds one copy of the trained weights, every shard updated by its rank

@@ -1,7 +1,6 @@
 """Several ranks of one job over one host store (engine/ranks.py): gloo ranks on the CPU against one process
 with all their micro-batches."""
 
-import tempfile
 
 import pytest
 import torch
@@ -9,13 +8,12 @@ import torch.distributed as dist
 
 from horizon_ray.engine import Engine, EngineConfig, LoraConfig, ModelConfig
 from horizon_ray.engine.ranks import Ranks
-from tests.tiny import llama_config, random_batches
+from tests.tiny import llama_config, random_batches, run_ranks
 
 WORLD, MICRO = 2, 2  # two ranks, each with two micro-batches a step: one process with four
 
 
 def _rank(rank, rendezvous, config, cfg, store, batches, results):
-    # a file rendezvous: no port to find free and release, which another process may take in between
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
     try:
         eng = Engine(ModelConfig.load(config), cfg, store=store, ranks=Ranks(rank, WORLD))
@@ -33,19 +31,7 @@ def _rank(rank, rendezvous, config, cfg, store, batches, results):
 
 def _run_ranks(config, cfg, batches):
     model, store = Engine.shared_store(config, cfg, world=WORLD)
-    ctx = torch.multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
-        rendezvous = f"{tmp}/rendezvous"
-        procs = [ctx.Process(target=_rank, args=(r, rendezvous, config, cfg, store, batches, results))
-                 for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        out = sorted(results.get(timeout=300) for _ in procs)
-        for p in procs:
-            p.join(60)
-            assert p.exitcode == 0
-    return out, store
+    return run_ranks(_rank, WORLD, config, cfg, store, batches), store
 
 
 @pytest.mark.parametrize("kw", [{}, {"compute_dtype": "bfloat16"},
