@@ -217,7 +217,7 @@ def memory_at_peak(step: Callable[[], object], device: torch.device) -> dict:
         stats = torch.cuda.memory_stats(device)
         out["gpu_peak_requested_bytes"] = stats["requested_bytes.all.peak"]
         out["gpu_peak_active_bytes"] = stats["active_bytes.all.peak"]
-        out["gpu_peak_step_bytes"] = torch.cuda.max_memory_allocated(device)
+        out["gpu_peak_step_bytes"] = stats["allocated_bytes.all.peak"]  # max_memory_allocated
         return out
     except Exception as exc:
         return {"gpu_peak_holders_error": f"{type(exc).__name__}: {exc}"[:300]}

@@ -42,9 +42,7 @@ class OffloadStash(KeptStash):
         self._sent: dict = {}  # checkpoint key -> event: its copy to the host finished (read by its return)
 
     def stash(self, key, tensors: list[torch.Tensor]) -> None:
-        if len(self._in_flight) >= 2:
-            # at most two checkpoints in flight to the host, so device memory does not grow with L
-            self._free_oldest()
+        self._free_in_flight(keep=1)  # at most two checkpoints in flight to the host: memory does not grow with L
         ready = torch.cuda.Event()
         ready.record(self.compute)
         host = []
@@ -57,7 +55,7 @@ class OffloadStash(KeptStash):
                 host.append(buf)
             sent = torch.cuda.Event()
             sent.record(self.d2h)
-        # the stash holds the tensors until compute has waited for their copy (_free_oldest), rather than marking
+        # the stash holds the tensors until compute has waited for their copy (_free_in_flight), rather than marking
         # them used by the copy stream (record_stream): a block so marked returns to the allocator only once the
         # GPU has passed the host's free of it, and the host runs up to a launch queue ahead of the GPU, so every
         # layer of that lead would hold its activations (3.5 GiB at qwen3-4b's 16,384-token row groups on the H200)
@@ -65,12 +63,14 @@ class OffloadStash(KeptStash):
         self._sent[key] = sent
         self._kept[key] = host
 
-    def _free_oldest(self) -> None:
-        """The oldest checkpoint in flight: compute waits for its copy to the host, after which the allocator
-        may hand its device memory to any compute work queued later (stream order keeps it safe)."""
-        sent, tensors = self._in_flight.pop(0)
-        self.compute.wait_event(sent)
-        del tensors  # freed after the wait is queued
+    def _free_in_flight(self, keep: int) -> None:
+        """The checkpoints in flight but the newest ``keep``, oldest first: compute waits for each one's copy to the
+        host, after which the allocator may hand its device memory to any compute work queued later (stream
+        order keeps it safe)."""
+        while len(self._in_flight) > keep:
+            sent, tensors = self._in_flight.pop(0)
+            self.compute.wait_event(sent)
+            del tensors  # freed after the wait is queued
 
     def prefetch(self, key) -> None:
         """Start bringing an offloaded checkpoint back to the device."""
@@ -79,8 +79,7 @@ class OffloadStash(KeptStash):
         # the first return comes right after the forward: all but the newest checkpoint in flight go now (the wait
         # the next stash would have queued, long passed), so the loss holds two checkpoints, as planned, not three,
         # and the returning one may take the freed memory
-        while len(self._in_flight) > 1:
-            self._free_oldest()
+        self._free_in_flight(keep=1)
         host = self._kept[key]
         # allocated on the compute stream, which frees them in its own order once done with them (allocated on the
         # copy stream they would need record_stream, and so wait for the GPU to pass the host's free, see stash);
@@ -108,8 +107,7 @@ class OffloadStash(KeptStash):
         self.compute.wait_event(ev)
         # the backward's first return comes after every copy to the host (the copy stream runs in order), so
         # the forward's last checkpoints in flight are freed at no wait
-        while self._in_flight:
-            self._free_oldest()
+        self._free_in_flight(keep=0)
         return dev
 
     def reset(self) -> None:
@@ -119,6 +117,5 @@ class OffloadStash(KeptStash):
         for _, ev in self._returning.values():
             self.compute.wait_event(ev)
         self._returning.clear()
-        while self._in_flight:
-            self._free_oldest()
+        self._free_in_flight(keep=0)
         self._sent.clear()

@@ -1,7 +1,6 @@
 """Several ranks of one job over one host store (engine/ranks.py): gloo ranks on the CPU against one process
 with all their micro-batches."""
 
-
 import pytest
 import torch
 import torch.distributed as dist
