@@ -149,7 +149,10 @@ def _mode_label(r: dict) -> str:
         rows = r.get("layer_chunk_tokens")
         if rows is not None and rows != LAYER_CHUNK_TOKENS:
             label += f", rows {rows}"
-        return label + (", split GEMMs" if r.get("projections") == "split" else "")
+        label += ", split GEMMs" if r.get("projections") == "split" else ""
+        # a CUDA run without Liger-Kernel installed falls back to unfused torch ops: a row of its own, not the
+        # newest of the fused ones
+        return label + (", torch kernels" if r.get("kernels") == "torch" else "")
     if r["system"] in IN_GPU:
         return f"{r['mode']}, all on GPU"
     return f"{r['mode']}, host offload"

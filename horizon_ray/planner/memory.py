@@ -58,8 +58,15 @@ and of the mixture-of-experts' routed copies (1.2-1.5x on olmoe-1b-7b and qwen3-
 Profiled on 2026-12-05 (the allocator's history replayed to the step's peak, benchmarks/README.md): the peaks of
 qwen3-4b and qwen2.5-7b held 3.5 GiB of layer outputs that the engine had freed while the GPU lagged the host
 (their blocks marked used by the copy stream) and two loss chunks' logits where one was needed; both are fixed
-in the engine, so those peaks fall further below the plan (1.33x and 1.20x of the replay before the fixes, 1.57x
-on qwen3-30b-a3b's nf4 LoRA). The coefficients stay until a profile after the fixes gives the step's true peak.
+in the engine. Profiled again after the fixes (c6536ed, H100, 16,384-token row groups, Liger kernels): the peak
+moved into the backward and torch's reserved memory fell from 11.4 to 7.2 GiB (qwen3-4b) and from 11.8 to 7.0 GiB
+(llama-3.2-3b), while the allocated peak stayed (6.8 and 6.7 GiB). The plan is now 1.25x, 1.26x and 1.24x
+(qwen2.5-7b, exact) of reserved memory plus the CUDA context; before the fixes it was below them on the first two.
+The whole excess is in the activations (checkpoints, hidden_states, layer_workspace: 1.53-1.58x of what the
+step held beyond the engine's buffers). The coefficients stay: they model the torch ops that a job without
+Liger-Kernel runs, and there (same call, Liger's wheel left out) the activations' items were 1.11x (qwen3-4b) and
+1.06x (qwen2.5-7b, 8,192-token row groups) of what the step held, the whole plan 1.05x and 1.002x of reserved
+memory plus the context.
 """
 
 from __future__ import annotations

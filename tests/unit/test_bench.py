@@ -654,3 +654,16 @@ def test_the_row_group_size_reaches_horizon_ray_and_its_plan():
                                 dtype="bfloat16", device="cuda", gpu_budget_bytes=None, loss_chunk=2048,
                                 offload="auto", layer_chunk=chunk)["planned_gpu_bytes"] for chunk in (8192, 16384)}
     assert gpu[16384] > gpu[8192] + 2**30  # twice the tokens in a layer's workspace (~2 GiB more at this width)
+
+
+def test_a_gpu_row_on_torch_kernels_is_not_taken_for_the_fused_one():
+    """A CUDA run whose box lacked Liger-Kernel ran unfused torch ops (0.66x on qwen3-4b): the tables keep it
+    apart from the fused rows of the same settings, which it would otherwise replace as the newest."""
+    fused = {"system": "horizon-ray", "mode": "exact", "offload_checkpoints": "auto", "offload_resolved": True,
+             "layer_chunk_tokens": 16384, "projections": "split", "kernels": "liger"}
+    assert _mode_label(fused) == "exact, ckpt host (auto), rows 16384, split GEMMs"
+    assert _mode_label(dict(fused, kernels="torch")) == \
+        "exact, ckpt host (auto), rows 16384, split GEMMs, torch kernels"
+    text = (RESULTS.parent / "RESULTS.md").read_text()
+    assert ("| h100 | qwen3-4b | exact, ckpt host (auto), rows 16384, split GEMMs | delayed | none | 1024 | 12.0 "
+            "| 65,536 | 17,240 |") in text
