@@ -8,10 +8,12 @@ import contextlib
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -82,6 +84,14 @@ def serving(argv: list[str], env: dict[str, str], log: Path, *, cwd: Path = ROOT
     it names takes connections; SIGINT (Ctrl-C) to its process group on the way out, then SIGKILL of what
     lingers. Give serve `--port 0`: it binds a port the OS picks and prints it, which is read back here (a port
     picked free beforehand may be taken by another process before serve binds it)."""
+    # Ray's temp dir, of this cluster alone: a command given no address (`ray job submit`, as the README writes
+    # it) finds the cluster named in <RAY_TMPDIR>/ray/ray_current_cluster, which is the newest cluster of the dir.
+    # Set in `env` itself, so that the commands the test runs with it beside serve reach this one (short: Ray's
+    # socket paths must fit 107 bytes)
+    own_tmp = None
+    if "RAY_TMPDIR" not in env:
+        own_tmp = tempfile.mkdtemp(prefix="hr-serve-", dir="/tmp")
+        env["RAY_TMPDIR"] = own_tmp
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -103,6 +113,9 @@ def serving(argv: list[str], env: dict[str, str], log: Path, *, cwd: Path = ROOT
         yield Served(proc=proc, url=f"http://{api['host']}:{api['port']}" if api else None, log=log)
     finally:
         stop_group(proc)
+        if own_tmp is not None:
+            env.pop("RAY_TMPDIR", None)
+            shutil.rmtree(own_tmp, ignore_errors=True)
 
 
 API_LINE = re.compile(r"API on http://(?P<host>[^:/\s]+):(?P<port>\d+)")  # serve's line naming its bound port

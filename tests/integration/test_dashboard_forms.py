@@ -69,6 +69,11 @@ def test_upload_plan_submit_and_download_from_the_dashboard(browser, served, tmp
     page.click("#form-plan")
     expect(page.locator("#plan-verdict")).to_contain_text("runs now on node")
     assert page.locator("#plan-view").bounding_box()["height"] < 200  # a verdict, not a JSON dump
+    # the job trains only once its files are written: the page lists a job's outputs again when its status or
+    # step moves, so a job that had finished before they were written would never show them
+    agents = bed.client.coordinator.fake_agents.values()
+    for agent in agents:
+        agent.auto = False
     page.click("#form-submit")
     expect(page.locator("#form-result")).to_contain_text("submitted job-")
     job_id = page.text_content("#form-result").split()[1]
@@ -81,6 +86,8 @@ def test_upload_plan_submit_and_download_from_the_dashboard(browser, served, tmp
     (out / "final" / "config.json").write_text('{"model_type": "llama"}')
     (out / "metrics.jsonl").write_text('{"type": "metrics", "step": 1, "loss": 1.0}\n')
     (out / ".lock").write_text("")
+    for agent in agents:
+        agent.auto = True
     page.wait_for_selector(f"#jobs tbody tr[data-job-id='{job_id}'][data-status='succeeded']", timeout=60_000)
     page.wait_for_selector("#outputs tbody tr[data-path='metrics.jsonl']", timeout=30_000)
     assert sorted(page.locator("#outputs tbody td.id").all_text_contents()) == ["final/config.json", "metrics.jsonl"]

@@ -67,7 +67,9 @@ def test_the_readme_points_only_at_files_of_the_repository():
 
 
 def _free(port: int) -> bool:
+    """Whether serve could bind the port: as uvicorn and Ray do, past sockets of an earlier run in TIME_WAIT."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

@@ -25,6 +25,14 @@ def environ_of(proc: psutil.Process) -> bytes:
     return Path(f"/proc/{proc.pid}/environ").read_bytes()
 
 
+def _cmdline(proc: psutil.Process) -> str:
+    """Its command line, or "" for one that exited meanwhile (Ray starts and ends idle workers all the time)."""
+    try:
+        return " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, ProcessLookupError):
+        return ""
+
+
 def test_engines_and_ray_workers_get_no_api_secret(tmp_path):
     from horizon_ray.job.demo import prepare_demo_assets
 
@@ -73,7 +81,7 @@ def test_engines_and_ray_workers_get_no_api_secret(tmp_path):
         token = (tmp_path / "service" / "ray_token").read_bytes()
         # serve itself (re-executed without them: /proc shows the environment at exec), everything it started
         everything = [psutil.Process(serve.pid), eng, *psutil.Process(serve.pid).children(recursive=True)]
-        assert any("NodeAgent" in " ".join(p.cmdline()) for p in everything if p.is_running())
+        assert any("NodeAgent" in _cmdline(p) for p in everything)
         for p in everything:
             try:
                 environ = environ_of(p)

@@ -247,10 +247,13 @@ def test_a_host_update_slower_than_the_step_shows_in_every_timed_step(monkeypatc
     args = _child_args("horizon-ray", "--update", "exact,delayed")
     args.warmup, args.steps = 1, 2
     recs = {r["update"]: r for r in engine_run.run(args, lambda rec: None)}
-    assert recs["exact"]["warmup_steps"] == 1 and recs["delayed"]["warmup_steps"] == 3
+    # at least the rule's 3; more where a stall of the test's thread left the third step short of the update
+    # (settling keeps warming up then: the third step is 4-8 % above its threshold here)
+    assert recs["exact"]["warmup_steps"] == 1 and 3 <= recs["delayed"]["warmup_steps"] <= engine_run.MAX_WARMUP
     delayed = recs["delayed"]
     assert delayed["status"] == "ok" and delayed["optimizer_update_s"] > 0.4  # 0.15 s for each of >= 3 units
-    assert min(delayed["step_times"]) > 0.8 * delayed["optimizer_update_s"], delayed["step_times"]
+    # before the rule the first timed step took a third of the update (0.21 against 0.64 s); steady, about all of it
+    assert min(delayed["step_times"]) > 0.6 * delayed["optimizer_update_s"], delayed["step_times"]
     assert engine_run.warmup_steps(0, 0) == 1 and engine_run.warmup_steps(4, 1) == 4
     # the tiny model's forward is negligible, so its third step is already as long as the update: the counts
     # above pin the rule; settling keeps warming up while a step is shorter than the update, to a cap

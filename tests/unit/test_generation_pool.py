@@ -258,6 +258,25 @@ def test_continuous_batching_on_the_engine_gives_each_request_its_own_tokens(tmp
     path, cls = tiny_llama(tmp_path)
     gen = Generator.from_pretrained(path, device="cpu", tokenizer=None)
     gen.eos_ids = frozenset()
+    # the worker steps whether anyone reads or not: its third step waits until the short request is in, so the
+    # long one cannot finish first however slowly this thread runs
+    opened, steps = threading.Event(), [0]
+    session = gen.session
+
+    def held_session():
+        s = session()
+        step = s.step
+
+        def held_step():
+            steps[0] += 1
+            if steps[0] == 3:
+                assert opened.wait(60)
+            return step()
+
+        s.step = held_step
+        return s
+
+    gen.session = held_session
     pool = ModelPool(load=lambda d: gen)
     long_prompt, short_prompt = (5, 17, 33, 8, 91, 40, 12), (60, 61, 62)
 
@@ -269,7 +288,9 @@ def test_continuous_batching_on_the_engine_gives_each_request_its_own_tokens(tmp
     tokens = {"long": [], "short": []}
     while len(tokens["long"]) < 3:
         tokens["long"] += [d.token_id for d in next(long).deltas]
-    for ev in submit(short_prompt, 5):
+    short_handle = submit(short_prompt, 5)
+    opened.set()
+    for ev in short_handle:
         tokens["short"] += [d.token_id for d in ev.deltas]
     # the short request ended while the long one was still generating: it did not wait behind it
     assert not any(ev.done for ev in list(long_handle.events.queue))
