@@ -312,7 +312,7 @@ def test_an_agent_the_coordinator_stopped_calling_stops_its_engines(tmp_path):
             last_call = time.monotonic()  # taken before the call: the agent hears it at this time or later
             agent.poll({})
             time.sleep(0.1)
-        assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs.values())
+        assert all(_alive(p) for p in procs.values())
         deadline = time.monotonic() + 20
         while any(job.exit is None for job in agent._jobs.values()):  # no call any more: both are stopped
             assert time.monotonic() < deadline, "the engines outlived the agent's lease"
